@@ -1,0 +1,117 @@
+"""Pure bucket planning from tensor metadata.
+
+A bucket is one flat byte buffer (SGLang's ``FlattenedTensorBucket`` layout:
+one uint8 tensor plus, per tensor, name, shape, dtype, start and end offsets
+and numel). Planning needs no tensors, so replay, tuning and the engine's
+preflight can run it offline and agree with the sender byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from colo.interfaces import TensorSpec
+
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}
+#: Offsets are rounded up to this many bytes: enough for every dtype above
+#: and for 16-byte vector loads when a bucket is sliced back into tensors.
+ALIGN = 16
+
+
+def itemsize(dtype: str) -> int:
+    name = dtype.removeprefix("torch.")
+    try:
+        return ITEMSIZE[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(ITEMSIZE)}") from None
+
+
+def numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def spec(name: str, shape: Sequence[int], dtype: str) -> TensorSpec:
+    dtype = dtype.removeprefix("torch.")
+    return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype,
+                      nbytes=numel(shape) * itemsize(dtype))
+
+
+@dataclass(frozen=True)
+class Entry:
+    spec: TensorSpec
+    start: int  # byte offset in the bucket
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return numel(self.spec.shape)
+
+    def meta(self) -> dict:
+        """The per-tensor metadata that travels with a bucket (safe to encode as JSON)."""
+        s = self.spec
+        return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype,
+                "start_idx": self.start, "end_idx": self.end, "numel": self.numel}
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    entries: tuple[Entry, ...]
+    nbytes: int  # the flat buffer's size, padding included
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.spec.nbytes for e in self.entries)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def plan_buckets(specs: Sequence[TensorSpec], budget_bytes: int, *, align: int = ALIGN) -> list[Bucket]:
+    """Greedy, order-preserving packing under ``budget_bytes``.
+
+    Every tensor lands in exactly one bucket, in the given order. A bucket
+    exceeds the budget only when it holds a single tensor larger than it.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise ValueError(f"bucket budget must be a positive number of bytes, got {budget_bytes!r}")
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a power of two, got {align}")
+    seen: set[str] = set()
+    for s in specs:
+        if s.name in seen:
+            raise ValueError(f"tensor {s.name!r} appears twice; every tensor must be sent once")
+        seen.add(s.name)
+        if s.nbytes != numel(s.shape) * itemsize(s.dtype):
+            raise ValueError(f"tensor {s.name!r}: nbytes {s.nbytes} does not match shape {s.shape} "
+                             f"and dtype {s.dtype}")
+    buckets: list[Bucket] = []
+    current: list[Entry] = []
+    offset = 0
+
+    def close() -> None:
+        nonlocal current, offset
+        if current:
+            buckets.append(Bucket(len(buckets), tuple(current), current[-1].end))
+        current, offset = [], 0
+
+    for s in specs:
+        start = _round_up(offset, align)
+        if current and start + s.nbytes > budget_bytes:
+            close()
+            start = 0
+        current.append(Entry(s, start, start + s.nbytes))
+        offset = start + s.nbytes
+        if offset >= budget_bytes:
+            close()
+    close()
+    return buckets

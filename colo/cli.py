@@ -1,0 +1,121 @@
+"""The ``colo`` command line.
+
+Exit codes everywhere: 0 success, 1 a failed check or run, 2 bad input or usage.
+Each subcommand lives in its own module and is imported only when used, so
+``colo replay`` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+PLANS = ("offload-first", "sync-first", "single-stage")
+TRANSPORTS = ("packed", "ipc", "broadcast", "disk")
+
+
+class UsageError(ValueError):
+    """Bad input: reported on one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too; keep its message, drop the noise
+        self.print_usage(sys.stderr)
+        print(f"colo: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
+    return value
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="colo", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="run a real colocated RL loop on a built-in small model")
+    d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    d.add_argument("--steps", type=_positive(int), default=8)
+    d.add_argument("--plan", choices=PLANS, default="offload-first")
+    d.add_argument("--transport", choices=TRANSPORTS, default="packed")
+    d.add_argument("--bucket-mib", type=_positive(float), default=4.0)
+    d.add_argument("--mem-fraction-static", type=_fraction, default=0.8)
+    d.add_argument("--device-mem-gib", type=_positive(float), default=None,
+                   help="simulated device size on the CPU (default: sized for the demo model)")
+    d.add_argument("--trace", default=None, help="trace path (default: traces/demo-<plan>.jsonl)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--fault", default=None, metavar="KIND@PHASE")
+    d.add_argument("--quiet", action="store_true", help="no progress bar")
+    d.set_defaults(module="colo.demo", func="run_demo")
+
+    r = sub.add_parser("replay", help="check traces against the phase table and invariants")
+    r.add_argument("traces", nargs="+")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(module="colo.replay", func="run_replay")
+
+    e = sub.add_parser("export", help="Chrome trace JSON that Perfetto opens")
+    e.add_argument("trace")
+    e.add_argument("-o", "--output", required=True)
+    e.set_defaults(module="colo.export", func="run_export")
+
+    t = sub.add_parser("tune", help="recommend mem_fraction_static and a bucket size")
+    t.add_argument("traces", nargs="*")
+    t.add_argument("--margin-gib", type=float, default=None)
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--gpu-gib", type=_positive(float), default=None)
+    t.add_argument("--model-gib", type=_positive(float), default=None)
+    t.add_argument("--bucket-mib", type=_positive(float), default=None)
+    t.add_argument("--plan", choices=PLANS, default=None)
+    t.set_defaults(module="colo.tune", func="run_tune")
+
+    b = sub.add_parser("bench", help="sync throughput and peak memory, transport against transport")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    b.add_argument("--model", default="demo")
+    b.add_argument("--transports", nargs="+", default=None)
+    b.add_argument("--out", default=None)
+    b.set_defaults(module="colo.bench", func="run_bench")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        module = importlib.import_module(args.module)
+    except ModuleNotFoundError as e:
+        if e.name == args.module:
+            print(f"colo {args.command}: not available in this build", file=sys.stderr)
+            return EXIT_FAILED
+        raise
+    try:
+        return int(getattr(module, args.func)(args) or 0)
+    except UsageError as e:
+        print(f"colo {args.command}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Validated, frozen configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from colo.phases import PLANS, Phase, parse_phase
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    plan: str = "offload-first"
+    bucket_bytes: int = 64 * MiB
+    #: seconds a phase may take before it fails with a deadline error
+    phase_deadline_s: float = 600.0
+    #: per-phase overrides of ``phase_deadline_s``, by phase name
+    deadlines: Mapping[str, float] = field(default_factory=dict)
+    #: how long shielded cleanup may take after a failure or cancellation
+    cleanup_deadline_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
+        if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
+        for name, value in (("phase_deadline_s", self.phase_deadline_s),
+                            ("cleanup_deadline_s", self.cleanup_deadline_s)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        clean = {}
+        for name, value in dict(self.deadlines).items():
+            phase = parse_phase(name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"deadline for {name} must be > 0 seconds, got {value!r}")
+            clean[phase.value] = float(value)
+        object.__setattr__(self, "deadlines", MappingProxyType(clean))
+
+    def deadline(self, phase: Phase) -> float:
+        return self.deadlines.get(phase.value, self.phase_deadline_s)
+
+    def as_dict(self) -> dict:
+        return {"plan": self.plan, "bucket_bytes": self.bucket_bytes,
+                "phase_deadline_s": self.phase_deadline_s, "deadlines": dict(self.deadlines),
+                "cleanup_deadline_s": self.cleanup_deadline_s}

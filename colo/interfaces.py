@@ -1,0 +1,108 @@
+"""The small interfaces the scheduler reaches side effects through.
+
+They follow the seed's split: the trainer side owns extraction (``WeightExtractor``)
+and the sending half of a transfer strategy; the engine side owns receiving and
+loading; a ``Transport`` (the strategy's trainer-side half) moves one sync.
+Tests swap in fakes; ``colo.demo`` and the transports provide the real ones.
+Nothing here imports torch: metadata is plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a bucket planner needs to know of one tensor: no data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the prefix, e.g. "bfloat16"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    reward: float
+    tokens: int
+    data: Any = None  # what the trainer needs for its step (sequences, log-probs)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    bytes: int
+    buckets: int
+    tensors: int
+
+
+class StageRecorder(Protocol):
+    def __call__(self, bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None: ...
+
+
+class StagingPool(Protocol):
+    """Staging memory for sync buffers, counted against the device budget."""
+
+    def alloc(self, nbytes: int) -> int: ...
+    def free(self, sid: int) -> None: ...
+
+
+@dataclass
+class SyncContext:
+    step: int
+    weight_version: int
+    bucket_bytes: int
+    #: "device" when the trainer's weights are resident (sync-first), "host"
+    #: when the pinned host copy is the source (offload-first, single-stage).
+    source: str
+    staging: StagingPool
+    record: StageRecorder
+
+
+@runtime_checkable
+class TrainerSide(Protocol):
+    def tag_bytes(self) -> Mapping[str, int]:
+        """Bytes of each trainer tag (``weights``, ``optimizer``) when resident."""
+        ...
+
+    def param_specs(self) -> Sequence[TensorSpec]:
+        """Every parameter as the engine will receive it (name, shape, engine dtype)."""
+        ...
+
+    async def onload(self, tags: Sequence[str]) -> None: ...
+    async def offload(self, tags: Sequence[str]) -> None: ...
+    async def train_step(self, rollout: RolloutResult) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
+class EngineSide(Protocol):
+    def tag_bytes(self) -> Mapping[str, int]:
+        """Bytes of each engine tag (``weights``, ``kv_cache``, ``cuda_graph``) when resident."""
+        ...
+
+    async def release(self, tags: Sequence[str]) -> None: ...
+    async def resume(self, tags: Sequence[str]) -> None: ...
+    async def flush_cache(self) -> None: ...
+    async def generate(self, step: int) -> RolloutResult: ...
+    async def digest(self) -> str: ...
+    async def set_weight_version(self, version: int | None) -> None:
+        """The engine's own record of what it holds; ``None`` marks it stale."""
+        ...
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """The trainer-side half of a transfer strategy: moves one sync."""
+
+    name: str
+
+    async def sync(self, trainer: TrainerSide, engine: EngineSide, ctx: SyncContext) -> SyncResult: ...
+
+    async def abort(self) -> None:
+        """Drop in-flight buffers after a failure or cancellation (called shielded)."""
+        ...
+
+
+Clock = Callable[[], float]

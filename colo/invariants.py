@@ -1,0 +1,277 @@
+"""Invariants 1-6 as one pure checker over the ``colo.trace/1`` event stream.
+
+The scheduler feeds it every event it writes and asks it, before each phase
+change, whether the change would break an invariant (and refuses it if so);
+``colo replay`` feeds it recorded traces. Same code, same messages.
+
+``check(event)`` looks without changing anything; ``apply(event)`` updates the
+state; ``feed`` does both. The state is per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from colo.phases import Phase, is_legal, parse_phase
+from colo.schema import BUCKET_STAGES
+
+_STAGE_INDEX = {s: i for i, s in enumerate(BUCKET_STAGES)}
+
+
+@dataclass(frozen=True)
+class Violation:
+    message: str
+    invariant: int | None = None  # 1-6, or None for a structural error (order, table)
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line}: " if self.line is not None else ""
+        tag = f"invariant {self.invariant}: " if self.invariant else ""
+        return f"{where}{tag}{self.message}"
+
+
+class InvariantViolation(RuntimeError):
+    """A step the scheduler refused because it would break an invariant."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = violations
+        super().__init__("; ".join(str(v) for v in violations))
+
+
+@dataclass
+class _Sync:
+    buckets: dict[int, int] = field(default_factory=dict)  # bucket -> index of last stage seen
+    loaded: dict[int, int] = field(default_factory=dict)  # bucket -> tensors loaded
+
+
+@dataclass
+class RankState:
+    phase: Phase | None = None  # the current phase (the last one entered)
+    open: bool = False  # entered and not yet finished/failed
+    ts: float = 0.0
+    resident: dict[str, bool] = field(default_factory=dict)
+    host_copy: dict[str, bool] = field(default_factory=dict)
+    trainer_version: int = 0
+    engine_version: int | None = None  # None: stale, a sync is owed
+    flushed: bool = True
+    sync: _Sync | None = None
+    total: int | None = None
+
+
+def _mem_violation(ev: dict) -> Violation | None:
+    mem = ev.get("mem")
+    if isinstance(mem, dict) and isinstance(mem.get("used"), int) and isinstance(mem.get("total"), int):
+        if mem["used"] > mem["total"]:
+            return Violation(
+                f"device memory in use {mem['used']} B exceeds the budget {mem['total']} B "
+                f"at {ev.get('event')}", 5)
+    return None
+
+
+class InvariantChecker:
+    def __init__(self) -> None:
+        self.ranks: dict[int, RankState] = {}
+
+    def state(self, rank: int = 0) -> RankState:
+        return self.ranks.setdefault(rank, RankState())
+
+    # -- public ----------------------------------------------------------------
+    def feed(self, ev: dict, line: int | None = None) -> list[Violation]:
+        found = [Violation(v.message, v.invariant, line) for v in self.check(ev)]
+        self.apply(ev)
+        return found
+
+    def check(self, ev: dict) -> list[Violation]:
+        st = self.ranks.get(ev.get("rank", 0)) or RankState()
+        name = ev.get("event")
+        out: list[Violation] = []
+        ts = ev.get("ts")
+        if isinstance(ts, (int, float)) and ts < st.ts:
+            out.append(Violation(f"ts {ts} goes back in time (previous {st.ts})"))
+        if (v := _mem_violation(ev)) is not None:
+            out.append(v)
+        handler = getattr(self, "_check_" + str(name).replace(".", "_"), None)
+        if handler is not None:
+            out.extend(handler(st, ev))
+        return out
+
+    def apply(self, ev: dict) -> None:
+        st = self.state(ev.get("rank", 0))
+        if isinstance(ev.get("ts"), (int, float)):
+            st.ts = max(st.ts, ev["ts"])
+        handler = getattr(self, "_apply_" + str(ev.get("event")).replace(".", "_"), None)
+        if handler is not None:
+            handler(st, ev)
+
+    # -- trace.started ---------------------------------------------------------
+    def _apply_trace_started(self, st: RankState, ev: dict) -> None:
+        dev = ev.get("device") or {}
+        st.total = dev.get("total_bytes")
+        for key, info in (ev.get("tags") or {}).items():
+            st.resident[key] = bool(info.get("resident"))
+            st.host_copy[key] = bool(info.get("host_copy"))
+        if ev.get("engine_weight_version") is not None:
+            st.engine_version = int(ev["engine_weight_version"])
+        st.trainer_version = int(ev.get("trainer_weight_version", 0))
+
+    # -- phases ----------------------------------------------------------------
+    def _check_phase_entered(self, st: RankState, ev: dict) -> list[Violation]:
+        out = []
+        try:
+            src = None if ev.get("from_phase") is None else parse_phase(ev["from_phase"])
+            dst = parse_phase(ev.get("to_phase"))
+        except ValueError as e:
+            return [Violation(str(e))]
+        if st.open:
+            out.append(Violation(f"entered {dst} while phase {st.phase} is still open "
+                                 f"(expected phase.finished or phase.failed for {st.phase} first)"))
+        if src != st.phase:
+            out.append(Violation(f"from_phase is {src or 'start'} but the current phase is {st.phase or 'start'}"))
+        if not is_legal(st.phase, dst):
+            out.append(Violation(f"transition {st.phase or 'start'} -> {dst} is not in the phase table"))
+        out.extend(self.preconditions(st, dst))
+        return out
+
+    def preconditions(self, st: RankState, dst: Phase) -> list[Violation]:
+        """Invariants 1-3: what must hold to enter ``dst``."""
+        out = []
+        res = st.resident
+        if dst is Phase.ROLLOUT:
+            if st.engine_version is None:
+                out.append(Violation("rollout refused: the engine's weights are stale "
+                                     "(expected a complete sync since the last failure)", 1))
+            elif st.engine_version != st.trainer_version:
+                out.append(Violation(f"rollout refused: engine weight version {st.engine_version} "
+                                     f"!= trainer version {st.trainer_version} (expected a complete "
+                                     "sync since the last train)", 1))
+            if not res.get("engine.kv_cache"):
+                out.append(Violation("rollout refused: engine.kv_cache is not resident", 1))
+            if not st.flushed:
+                out.append(Violation("rollout refused: the prefix cache was not flushed after "
+                                     "the last weight change", 1))
+        elif dst is Phase.TRAIN:
+            for key in ("trainer.weights", "trainer.optimizer"):
+                if not res.get(key):
+                    out.append(Violation(f"train refused: {key} is not resident", 2))
+        elif dst is Phase.SYNC:
+            if not res.get("engine.weights"):
+                out.append(Violation("sync refused: engine.weights is not resident", 3))
+            if not (res.get("trainer.weights") or st.host_copy.get("trainer.weights")):
+                out.append(Violation("sync refused: no trainer source (trainer.weights is neither "
+                                     "resident nor kept on the host)", 3))
+        return out
+
+    def _apply_phase_entered(self, st: RankState, ev: dict) -> None:
+        try:
+            st.phase = parse_phase(ev.get("to_phase"))
+        except ValueError:
+            return
+        st.open = True
+        if st.phase is Phase.SYNC:
+            st.sync = _Sync()
+
+    def _check_phase_end(self, st: RankState, ev: dict) -> list[Violation]:
+        name = ev.get("phase")
+        if not st.open or st.phase is None or name != st.phase.value:
+            cur = f"open phase is {st.phase}" if st.open else "no phase is open"
+            return [Violation(f"{ev.get('event')} for {name} but {cur}")]
+        return []
+
+    _check_phase_finished = _check_phase_end
+    _check_phase_failed = _check_phase_end
+
+    def _apply_phase_finished(self, st: RankState, ev: dict) -> None:
+        st.open = False
+        if st.phase is Phase.TRAIN:
+            st.trainer_version += 1
+        if st.phase is Phase.SYNC and st.sync is not None:
+            # A sync phase that ends without sync.finished changed nothing trusted.
+            st.sync = None
+
+    def _apply_phase_failed(self, st: RankState, ev: dict) -> None:
+        st.open = False
+        st.sync = None
+        # Whatever failed, the engine is no longer trusted until a complete sync.
+        st.engine_version = None
+
+    # -- memory ----------------------------------------------------------------
+    @staticmethod
+    def _key(ev: dict) -> str:
+        return f"{ev.get('owner')}.{ev.get('tag')}"
+
+    def _check_memory_paused(self, st: RankState, ev: dict) -> list[Violation]:
+        key = self._key(ev)
+        if st.resident.get(key) is False:
+            return [Violation(f"{key} paused twice (it is already paused)", 4)]
+        return []
+
+    def _check_memory_resumed(self, st: RankState, ev: dict) -> list[Violation]:
+        key = self._key(ev)
+        if st.resident.get(key) is True:
+            return [Violation(f"{key} resumed twice (it is already resident)", 4)]
+        return []
+
+    def _apply_memory_paused(self, st: RankState, ev: dict) -> None:
+        key = self._key(ev)
+        st.resident[key] = False
+        st.host_copy[key] = bool(ev.get("host_copy"))
+
+    def _apply_memory_resumed(self, st: RankState, ev: dict) -> None:
+        st.resident[self._key(ev)] = True
+
+    # -- sync ------------------------------------------------------------------
+    def _check_bucket_finished(self, st: RankState, ev: dict) -> list[Violation]:
+        if st.phase is not Phase.SYNC or not st.open or st.sync is None:
+            return [Violation(f"bucket.finished outside a sync phase (current phase {st.phase})", 6)]
+        stage, bucket = ev.get("stage"), ev.get("bucket")
+        if stage not in _STAGE_INDEX:
+            return [Violation(f"unknown bucket stage {stage!r}; expected one of {', '.join(BUCKET_STAGES)}", 6)]
+        last = st.sync.buckets.get(bucket, -1)
+        if _STAGE_INDEX[stage] <= last:
+            return [Violation(f"bucket {bucket}: stage {stage} after {BUCKET_STAGES[last]} "
+                              f"(expected the order {' < '.join(BUCKET_STAGES)}, each once)", 6)]
+        return []
+
+    def _apply_bucket_finished(self, st: RankState, ev: dict) -> None:
+        if st.sync is None or ev.get("stage") not in _STAGE_INDEX:
+            return
+        st.sync.buckets[ev.get("bucket")] = _STAGE_INDEX[ev["stage"]]
+        if ev["stage"] == "load":
+            st.sync.loaded[ev.get("bucket")] = int(ev.get("tensors", 0))
+            # The engine's weights just changed: its prefix cache is now invalid
+            # and its version is not trustworthy until sync.finished.
+            st.flushed = False
+            st.engine_version = None
+
+    def _check_sync_finished(self, st: RankState, ev: dict) -> list[Violation]:
+        if st.phase is not Phase.SYNC or not st.open or st.sync is None:
+            return [Violation(f"sync.finished outside a sync phase (current phase {st.phase})", 6)]
+        out = []
+        n = ev.get("buckets")
+        loaded = st.sync.loaded
+        if isinstance(n, int) and sorted(loaded) != list(range(n)):
+            missing = sorted(set(range(n)) - set(loaded))
+            out.append(Violation(f"sync.finished with {n} buckets but buckets loaded are "
+                                 f"{sorted(loaded)} (missing {missing})", 6))
+        unfinished = [b for b, s in st.sync.buckets.items() if b not in loaded]
+        if unfinished:
+            out.append(Violation(f"buckets {unfinished} never reached stage load", 6))
+        expected = ev.get("params")
+        if isinstance(expected, int) and sum(loaded.values()) != expected:
+            out.append(Violation(f"sync covered {sum(loaded.values())} tensors but the model has "
+                                 f"{expected} (expected every parameter exactly once)", 6))
+        if ev.get("weight_version") != st.trainer_version:
+            out.append(Violation(f"sync.finished weight_version {ev.get('weight_version')} != "
+                                 f"trainer version {st.trainer_version}", 1))
+        return out
+
+    def _apply_sync_finished(self, st: RankState, ev: dict) -> None:
+        st.engine_version = ev.get("weight_version")
+        if ev.get("cache_flushed"):
+            st.flushed = True
+        st.sync = _Sync()  # a second sync.finished in the same phase would see no loads
+
+    def _check_rollout_finished(self, st: RankState, ev: dict) -> list[Violation]:
+        if st.phase is not Phase.ROLLOUT or not st.open:
+            return [Violation(f"rollout.finished outside a rollout phase (current phase {st.phase})")]
+        return []

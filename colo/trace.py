@@ -1,0 +1,115 @@
+"""Recording ``colo.trace/1``: one JSON line per event, written through structlog.
+
+Every line is flushed as it is written, so a run that crashes leaves a trace
+whose complete lines replay; at most the last line is cut. Listeners (the live
+invariant checker, the phase summary) see each event as it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from colo.schema import BUCKET_STAGES, EVENTS, SCHEMA  # noqa: F401 (re-exported)
+
+Listener = Callable[[dict], None]
+
+
+def rank_path(base: str | os.PathLike, rank: int, world_size: int) -> Path:
+    """One file per rank: ``run.jsonl`` for a single rank, ``run.rank1.jsonl`` otherwise."""
+    base = Path(base)
+    if world_size == 1:
+        return base
+    return base.with_name(f"{base.stem}.rank{rank}{base.suffix or '.jsonl'}")
+
+
+def _event_first(_logger: Any, _name: str, event_dict: dict) -> dict:
+    # structlog appends the event name last; the format reads better with it first.
+    return {"event": event_dict.pop("event"), **event_dict}
+
+
+class TraceWriter:
+    """Writes one rank's events; ``ts`` is monotonic seconds since ``trace.started``."""
+
+    def __init__(self, path: str | os.PathLike | None, *, rank: int = 0, world_size: int = 1,
+                 clock: Callable[[], float] = time.monotonic, keep_events: bool = False):
+        if rank < 0 or world_size < 1 or rank >= world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank} world_size={world_size}")
+        self.path = Path(path) if path is not None else None
+        self.rank, self.world_size = rank, world_size
+        self._clock = clock
+        self._t0: float | None = None
+        self._fh: IO[str] | None = None
+        self._log = None
+        self._listeners: list[Listener] = []
+        self.events: list[dict] | None = [] if keep_events else None
+        self.closed = False
+
+    def add_listener(self, fn: Listener) -> None:
+        self._listeners.append(fn)
+
+    def _open(self) -> None:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "w", encoding="utf-8")
+            # structlog's WriteLogger writes and flushes each line under a lock.
+            self._log = structlog.wrap_logger(
+                structlog.WriteLogger(self._fh),
+                wrapper_class=structlog.BoundLogger,
+                processors=[_event_first, structlog.processors.JSONRenderer(separators=(",", ":"))],
+            )
+
+    def now(self) -> float:
+        return 0.0 if self._t0 is None else round(self._clock() - self._t0, 6)
+
+    def start(self, *, device: dict, config: dict, **extra: Any) -> dict:
+        if self._t0 is not None:
+            raise RuntimeError("trace already started")
+        self._t0 = self._clock()
+        self._open()
+        return self.emit("trace.started", schema=SCHEMA, world_size=self.world_size,
+                         device=device, config=config, **extra)
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        if event not in EVENTS:
+            raise ValueError(f"unknown trace event {event!r}; expected one of {', '.join(sorted(EVENTS))}")
+        if self._t0 is None:
+            raise RuntimeError(f"trace not started: cannot write {event}")
+        if self.closed:
+            raise RuntimeError(f"trace already finished: cannot write {event}")
+        record = {"event": event, "ts": self.now(), "rank": self.rank, **fields}
+        if self._log is not None:
+            body = dict(record)
+            self._log.msg(body.pop("event"), **body)
+        if self.events is not None:
+            self.events.append(record)
+        for fn in self._listeners:
+            fn(record)
+        return record
+
+    def finish(self) -> None:
+        if self._t0 is None or self.closed:
+            return
+        self.emit("trace.finished")
+        self.closed = True
+        if self._fh is not None:
+            self._fh.close()
+
+
+def read_trace(path: str | os.PathLike) -> list[dict]:
+    """Every complete line of a trace (a strict reader; replay has the forgiving one)."""
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}: line {n}: not JSON ({e.msg})") from None
+    return out

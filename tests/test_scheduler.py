@@ -1,0 +1,219 @@
+import anyio
+import pytest
+
+from colo.config import SchedulerConfig
+from colo.invariants import InvariantChecker, InvariantViolation
+from colo.memory import MemoryLedger, OutOfMemory
+from colo.phases import PLANS, IllegalTransition, Phase
+from colo.scheduler import Scheduler
+from colo.trace import TraceWriter, read_trace
+from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+
+INNER = {
+    "rollout": ["rollout.finished"],
+    "engine_release": ["memory.paused:engine.kv_cache", "memory.paused:engine.cuda_graph",
+                       "memory.paused:engine.weights"],
+    "trainer_onload": ["memory.resumed:trainer.weights", "memory.resumed:trainer.optimizer"],
+    "train": [],
+    "trainer_offload": ["memory.paused:trainer.weights", "memory.paused:trainer.optimizer"],
+    "engine_wake_weights": ["memory.resumed:engine.weights"],
+    "engine_wake_kv": ["memory.resumed:engine.kv_cache", "memory.resumed:engine.cuda_graph"],
+}
+
+
+def project(ev):
+    name = ev["event"]
+    if name == "phase.entered":
+        return f"{name}:{ev['to_phase']}"
+    if name in ("phase.finished", "phase.failed"):
+        return f"{name}:{ev['phase']}"
+    if name.startswith("memory."):
+        return f"{name}:{ev['owner']}.{ev['tag']}"
+    if name == "bucket.finished":
+        return f"bucket:{ev['bucket']}:{ev['stage']}"
+    return name
+
+
+def expected_cycle(plan, n_buckets, source):
+    out = []
+    for p in PLANS[plan]:
+        out.append(f"phase.entered:{p.value}")
+        if p is Phase.SYNC:
+            stages = ["upload", "gather", "pack", "handoff", "load"] if source == "host" else \
+                ["gather", "pack", "handoff", "load"]
+            out += [f"bucket:{b}:{s}" for b in range(n_buckets) for s in stages]
+            out.append("sync.finished")
+        else:
+            out += INNER[p.value]
+        out.append(f"phase.finished:{p.value}")
+    return out
+
+
+def make(plan="offload-first", total=10_000, bucket=50, transport=None, path=None, **kw):
+    trainer, engine = FakeTrainer(), FakeEngine()
+    memory = MemoryLedger(total_bytes=total)
+    trace = TraceWriter(path, keep_events=True)
+    s = Scheduler(trainer, engine, memory, transport or FakeTransport(), trace=trace,
+                  config=SchedulerConfig(plan=plan, bucket_bytes=bucket), **kw)
+    return s, trainer, engine, memory, trace
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+async def test_each_plan_runs_three_cycles_with_the_expected_events(plan, tmp_path):
+    path = tmp_path / "t.jsonl"
+    s, trainer, engine, memory, trace = make(plan, path=path)
+    async with s:
+        for _ in range(3):
+            await s.cycle()
+    events = read_trace(path)
+    assert events == trace.events  # the file holds exactly what was emitted
+    assert events[0]["event"] == "trace.started" and events[-1]["event"] == "trace.finished"
+    body = [project(e) for e in events[1:-1]]
+    source = "device" if plan == "sync-first" else "host"
+    # 10 tensors of 10 B, 16-byte aligned under 50 B: 3 per bucket -> 4 buckets
+    assert body == expected_cycle(plan, 4, source) * 3
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert [e["weight_version"] for e in syncs] == [1, 2, 3]
+    assert all(e["bytes"] == 100 and e["tensors"] == 10 and e["params"] == 10 for e in syncs)
+    assert [e["step"] for e in events if e["event"] == "rollout.finished"] == [0, 1, 2]
+    assert s.engine_version == s.trainer_version == 3 and engine.version == 3
+    assert memory.staging_bytes == 0
+    # replaying the recorded file through a fresh checker finds nothing
+    checker = InvariantChecker()
+    assert [v for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
+
+
+async def test_every_phase_event_carries_memory_by_tag():
+    s, *_ , trace = make()
+    async with s:
+        await s.cycle()
+    for e in trace.events:
+        if e["event"].startswith("phase."):
+            assert set(e["mem"]) == {"used", "total", "by_tag"}
+            assert e["mem"]["used"] == sum(e["mem"]["by_tag"].values())
+    rollout = next(e for e in trace.events if e["event"] == "phase.entered" and e["to_phase"] == "rollout")
+    assert rollout["mem"]["by_tag"] == {"engine.weights": 100, "engine.kv_cache": 300,
+                                        "engine.cuda_graph": 20, "trainer.weights": 0,
+                                        "trainer.optimizer": 0, "staging": 0}
+
+
+async def test_staging_never_exceeds_two_buckets_and_is_freed():
+    s, _, _, memory, trace = make(bucket=50)
+    async with s:
+        await s.cycle()
+    peak = max(e["mem"]["by_tag"]["staging"] for e in trace.events if "mem" in e and e["event"] == "bucket.finished")
+    assert 0 < peak <= 2 * 42  # two live buckets of 42 B (3 x 10 B, 16-byte aligned)
+    assert memory.staging_bytes == 0
+
+
+async def test_failed_sync_leaves_engine_stale_refuses_rollout_and_retry_recovers():
+    transport = FakeTransport(fail_at_bucket=2)
+    s, trainer, engine, memory, trace = make(transport=transport)
+    async with s:
+        with pytest.raises(RuntimeError, match="receiver failed in bucket 2"):
+            await s.cycle()
+        assert s.phase is Phase.FAILED
+        assert s.stale and engine.version is None
+        assert memory.staging_bytes == 0 and transport.aborted == 1
+        failed = [e for e in trace.events if e["event"] == "phase.failed"]
+        assert len(failed) == 1 and failed[0]["phase"] == "sync"
+        assert "receiver failed in bucket 2" in failed[0]["error"]
+        n = len(trace.events)
+        with pytest.raises(IllegalTransition, match="from phase failed on trigger 'rollout'"):
+            await s.run_phase(Phase.ROLLOUT)
+        with pytest.raises(IllegalTransition):
+            await s.cycle()
+        assert len(trace.events) == n and s.phase is Phase.FAILED  # refused: nothing written
+        transport.fail_at_bucket = None
+        await s.recover()
+        assert not s.stale and engine.version == s.trainer_version == 1
+        await s.cycle()
+    assert s.engine_version == 2
+    recovery = [e["to_phase"] for e in trace.events if e["event"] == "phase.entered"][7:13]
+    assert recovery == ["failed", "engine_release", "trainer_offload", "engine_wake_weights", "sync",
+                        "engine_wake_kv"]
+
+
+async def test_rollout_refused_while_engine_is_stale_and_state_unchanged():
+    s, _, engine, _, trace = make(engine_synced=False)
+    async with s:
+        n = len(trace.events)
+        with pytest.raises(InvariantViolation, match="invariant 1: rollout refused: the engine's weights are stale"):
+            await s.run_phase(Phase.ROLLOUT)
+        assert s.phase is None and len(trace.events) == n
+        await s.recover()  # from a fresh start: release, offload (no-op), wake, sync, wake kv
+        await s.cycle()
+    assert s.engine_version == 1
+
+
+async def test_train_refused_without_trainer_state_resident():
+    s, *_ = make()
+    async with s:
+        await s.run_phase(Phase.ROLLOUT)
+        await s.run_phase(Phase.ENGINE_RELEASE)
+        s.machine.phase = Phase.TRAINER_ONLOAD  # skip the onload: the invariant must catch it
+        with pytest.raises(InvariantViolation, match="invariant 2: train refused: trainer.weights is not resident"):
+            await s.run_phase(Phase.TRAIN)
+
+
+async def test_cancelling_mid_sync_frees_staging_and_writes_phase_failed():
+    transport = FakeTransport(block_at_bucket=1)
+    s, _, engine, memory, trace = make(transport=transport)
+    async with s:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s.cycle)
+            await transport.blocked.wait()
+            assert memory.staging_bytes > 0  # two buffers live at the moment of cancel
+            tg.cancel_scope.cancel()
+        assert memory.staging_bytes == 0
+        assert s.phase is Phase.FAILED and s.stale and engine.version is None
+    failed = [e for e in trace.events if e["event"] == "phase.failed"]
+    assert [(e["phase"], e["error"]) for e in failed] == [("sync", "cancelled")]
+    assert failed[0]["mem"]["by_tag"]["staging"] == 0
+    assert trace.events[-1]["event"] == "trace.finished"
+
+
+async def test_deadline_ends_the_phase_in_failed():
+    transport = FakeTransport(block_at_bucket=0)
+    s, *_, trace = make(transport=transport)
+    s.config = SchedulerConfig(plan="offload-first", bucket_bytes=50, deadlines={"sync": 0.05})
+    async with s:
+        with pytest.raises(TimeoutError):
+            await s.cycle()
+    failed = [e for e in trace.events if e["event"] == "phase.failed"]
+    assert failed[0]["phase"] == "sync" and failed[0]["error"] == "deadline of 0.05 s exceeded in sync"
+
+
+async def test_single_stage_runs_out_of_memory_where_kv_and_sync_buffers_meet():
+    # engine: weights 100 + kv 300 + graphs 20 = 420; trainer: 100 + 200; buckets of 42 B.
+    total = 450
+    ok, *_ = make("offload-first", total=total)
+    async with ok:
+        for _ in range(2):
+            await ok.cycle()
+    assert ok.memory.peak_bytes == 420  # rollout / wake_kv bind; sync needs only 100 + 2 x 42
+
+    s, _, _, memory, trace = make("single-stage", total=total)
+    async with s:
+        with pytest.raises(OutOfMemory) as ei:
+            await s.cycle()
+    err = ei.value
+    assert (err.phase, err.tag, err.requested, err.free) == ("sync", "staging", 42, 30)
+    assert "out of memory in phase sync: staging asks 42 B" in str(err)
+    failed = next(e for e in trace.events if e["event"] == "phase.failed")
+    assert failed["phase"] == "sync" and failed["oom_tag"] == "staging"
+    assert max(e["mem"]["used"] for e in trace.events if "mem" in e) <= total
+
+
+async def test_out_of_memory_on_wake_names_phase_and_tag_and_changes_nothing():
+    # the KV pool grew while paused (a larger mem_fraction_static): it no longer fits
+    s, _, engine, memory, trace = make(total=430)
+    async with s:
+        await s.run_phase(Phase.ROLLOUT)
+        for p in PLANS["offload-first"][1:7]:
+            await s.run_phase(p)
+        memory.resize("engine.kv_cache", 340)
+        with pytest.raises(OutOfMemory, match=r"out of memory in phase engine_wake_kv: engine.kv_cache asks"):
+            await s.run_phase(Phase.ENGINE_WAKE_KV)
+    assert not memory.is_resident("engine.kv_cache") and not memory.is_resident("engine.cuda_graph")
+    assert ("resume", ("kv_cache", "cuda_graph")) not in engine.calls
