@@ -9,7 +9,7 @@ Nothing here imports torch: metadata is plain data.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -59,6 +59,23 @@ class SyncContext:
     source: str
     staging: StagingPool
     record: StageRecorder
+
+
+@runtime_checkable
+class WeightExtractor(Protocol):
+    """Trainer-side source of full, unsharded tensors in the engine's dtype.
+
+    ``specs()`` lists every tensor the engine will receive, in extraction
+    order. ``extract(names)`` yields ``(name, tensor)`` for exactly those names,
+    in that order: full (sharding undone), converted to the engine dtype,
+    contiguous. In a multi-rank trainer every rank calls ``extract`` with the
+    same names in the same order (it runs collectives); only the rank that
+    sends uses the tensors. Called once per bucket, so bucket i+1 can be
+    extracted while bucket i is in flight.
+    """
+
+    def specs(self) -> Sequence[TensorSpec]: ...
+    def extract(self, names: Sequence[str]) -> Iterator[tuple[str, Any]]: ...
 
 
 @runtime_checkable
