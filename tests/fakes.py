@@ -25,6 +25,9 @@ class FakeTrainer:
     def param_specs(self) -> Sequence[TensorSpec]:
         return self.specs
 
+    def extractor(self):
+        raise AssertionError("the fake transport never extracts tensors")
+
     async def onload(self, tags):
         self.calls.append(("onload", tuple(tags)))
         self.resident |= set(tags)
