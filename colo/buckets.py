@@ -38,10 +38,16 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _check_shape(name: str, shape: tuple[int, ...]) -> None:
+    if any(d < 0 for d in shape):
+        raise ValueError(f"tensor {name!r}: shape {shape} has a negative dimension")
+
+
 def spec(name: str, shape: Sequence[int], dtype: str) -> TensorSpec:
     dtype = dtype.removeprefix("torch.")
-    return TensorSpec(name=name, shape=tuple(int(d) for d in shape), dtype=dtype,
-                      nbytes=numel(shape) * itemsize(dtype))
+    shape = tuple(int(d) for d in shape)
+    _check_shape(name, shape)
+    return TensorSpec(name=name, shape=shape, dtype=dtype, nbytes=numel(shape) * itemsize(dtype))
 
 
 @dataclass(frozen=True)
@@ -81,19 +87,23 @@ def plan_buckets(specs: Sequence[TensorSpec], budget_bytes: int, *, align: int =
 
     Every tensor lands in exactly one bucket, in the given order. A bucket
     exceeds the budget only when it holds a single tensor larger than it.
+    Each offset is a multiple of ``align`` and of the tensor's itemsize, so
+    the receiver can view the bytes as the tensor without a copy.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"bucket budget must be a positive number of bytes, got {budget_bytes!r}")
-    if align <= 0 or align & (align - 1):
-        raise ValueError(f"align must be a power of two, got {align}")
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"align must be a positive power of two, got {align!r}")
     seen: set[str] = set()
     for s in specs:
         if s.name in seen:
             raise ValueError(f"tensor {s.name!r} appears twice; every tensor must be sent once")
         seen.add(s.name)
-        if s.nbytes != numel(s.shape) * itemsize(s.dtype):
+        _check_shape(s.name, s.shape)
+        expected = numel(s.shape) * itemsize(s.dtype)
+        if s.nbytes != expected:
             raise ValueError(f"tensor {s.name!r}: nbytes {s.nbytes} does not match shape {s.shape} "
-                             f"and dtype {s.dtype}")
+                             f"and dtype {s.dtype} (expected {expected})")
     buckets: list[Bucket] = []
     current: list[Entry] = []
     offset = 0
@@ -105,7 +115,8 @@ def plan_buckets(specs: Sequence[TensorSpec], budget_bytes: int, *, align: int =
         current, offset = [], 0
 
     for s in specs:
-        start = _round_up(offset, align)
+        # itemsizes are powers of two, so the larger of the two is a multiple of both
+        start = _round_up(offset, max(align, itemsize(s.dtype)))
         if current and start + s.nbytes > budget_bytes:
             close()
             start = 0
