@@ -1,0 +1,218 @@
+"""``colo export``: a ``colo.trace/1`` trace as Chrome trace-event JSON for ui.perfetto.dev.
+
+Per rank (one process each):
+
+- thread "phases": one complete slice per phase, from ``phase.entered`` to its
+  ``phase.finished`` / ``phase.failed``;
+- threads "sync lane k": one slice per bucket spanning its stages, with the
+  stages nested inside. Buckets of one sync overlap (bucket i+1 uploads while
+  bucket i loads), and slices on one thread must nest, so overlapping buckets
+  go to different lanes: the pipeline overlap is the staircase across lanes;
+- counter "memory": one track per tag (bytes), and "device": used and total;
+- instants for rollouts, finished syncs and failures.
+
+Times are microseconds since ``trace.started``. Export reads anything replay
+can read, valid or not (an OOM trace is exactly what one wants to look at).
+Pure: no torch, no anyio, no structlog.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from colo.replay import BadTrace, LoadedTrace, load_trace
+
+PHASE_TID = 1
+LANE_TID0 = 10  # sync lane k is thread LANE_TID0 + k
+US = 1e6
+
+
+def _us(seconds: float) -> float:
+    # microsecond resolution is what the trace records (ts is rounded to 1e-6 s)
+    return round(seconds * US, 3)
+
+
+def _meta(pid: int, tid: int | None, name: str, value: str | int) -> dict:
+    ev = {"ph": "M", "pid": pid, "name": name, "args": {"name" if name.endswith("_name") else "sort_index": value}}
+    if tid is not None:
+        ev["tid"] = tid
+    return ev
+
+
+def _mem_args(mem: dict) -> dict:
+    return {"used": mem["used"], "by_tag": dict(mem.get("by_tag") or {})}
+
+
+def _bucket_slices(pid: int, stages: list[dict]) -> list[dict]:
+    """One sync's bucket stages as lanes of bucket slices with nested stage slices."""
+    by_bucket: dict[int, list[dict]] = {}
+    for ev in stages:
+        by_bucket.setdefault(ev["bucket"], []).append(ev)
+    spans = []
+    for bucket, evs in by_bucket.items():
+        parts = []
+        prev_end = None
+        for ev in evs:  # already in stage order (invariant 6; replay reports it otherwise)
+            end = float(ev["ts"])
+            d = ev.get("duration_s")
+            start = end - float(d) if isinstance(d, (int, float)) and d > 0 else end
+            # ts and duration_s are each rounded to 1e-6 s: clamp so that the
+            # stages of one bucket never overlap and nest cleanly in its slice
+            if prev_end is not None and start < prev_end:
+                start = prev_end
+            end = max(end, start)
+            parts.append((start, end, ev))
+            prev_end = end
+        spans.append((parts[0][0], parts[-1][1], bucket, parts))
+    spans.sort(key=lambda s: (s[0], s[2]))
+    lanes: list[float] = []  # end of the last bucket on each lane
+    out = []
+    for start, end, bucket, parts in spans:
+        lane = next((k for k, busy_until in enumerate(lanes) if busy_until <= start), None)
+        if lane is None:
+            lane = len(lanes)
+            lanes.append(end)
+        lanes[lane] = end
+        tid = LANE_TID0 + lane
+        first = parts[0][2]
+        out.append({"ph": "X", "pid": pid, "tid": tid, "cat": "bucket", "name": f"bucket {bucket}",
+                    "ts": _us(start), "dur": _us(end - start),
+                    "args": {"bucket": bucket, "step": first.get("step"), "bytes": first.get("bytes"),
+                             "tensors": first.get("tensors"), "lane": lane}})
+        for s, e, ev in parts:
+            out.append({"ph": "X", "pid": pid, "tid": tid, "cat": "stage", "name": ev["stage"],
+                        "ts": _us(s), "dur": _us(e - s),
+                        "args": {"bucket": bucket, "stage": ev["stage"], "bytes": ev.get("bytes"),
+                                 "tensors": ev.get("tensors"), "duration_s": ev.get("duration_s")}})
+    return out
+
+
+def chrome_events(trace: LoadedTrace) -> list[dict]:
+    pid = trace.rank
+    header = trace.header
+    device = header.get("device") or {}
+    out: list[dict] = [
+        _meta(pid, None, "process_name", f"rank {pid} ({device.get('kind', '?')} {device.get('name', '')})".strip()),
+        _meta(pid, None, "process_sort_index", pid),
+        _meta(pid, PHASE_TID, "thread_name", "phases"),
+        _meta(pid, PHASE_TID, "thread_sort_index", 0),
+    ]
+    open_phase: tuple[str, float, dict] | None = None
+    stages: list[dict] = []
+    last_counters: tuple | None = None
+    lanes_seen = 0
+
+    def flush_stages() -> None:
+        nonlocal stages, lanes_seen
+        if stages:
+            slices = _bucket_slices(pid, stages)
+            out.extend(slices)
+            lanes_seen = max([lanes_seen] + [s["tid"] - LANE_TID0 + 1 for s in slices])
+        stages = []
+
+    def close_phase(ts: float, ev: dict | None, failed: bool) -> None:
+        nonlocal open_phase
+        name, start, entered = open_phase
+        args = {"step": entered.get("step"), "from_phase": entered.get("from_phase")}
+        if "mem" in entered:
+            args["mem_at_entry"] = _mem_args(entered["mem"])
+        if ev is not None:
+            if "duration_s" in ev:
+                args["duration_s"] = ev["duration_s"]
+            if "mem" in ev:
+                args["mem_at_end"] = _mem_args(ev["mem"])
+            if failed:
+                args.update({k: ev[k] for k in ("error", "error_type", "oom_tag", "oom_requested", "oom_free")
+                             if k in ev})
+        else:
+            args["unfinished"] = "the trace ends inside this phase"
+        out.append({"ph": "X", "pid": pid, "tid": PHASE_TID, "cat": "phase", "name": name,
+                    "ts": _us(start), "dur": _us(max(0.0, ts - start)), "args": args})
+        open_phase = None
+
+    for ev in trace.events:
+        name, ts = ev["event"], float(ev["ts"])
+        if name == "phase.entered":
+            if open_phase is not None:  # a broken trace: still draw what is there
+                close_phase(ts, None, False)
+            open_phase = (ev["to_phase"], ts, ev)
+        elif name in ("phase.finished", "phase.failed"):
+            flush_stages()
+            if open_phase is not None and open_phase[0] == ev["phase"]:
+                close_phase(ts, ev, name == "phase.failed")
+            if name == "phase.failed":
+                out.append({"ph": "i", "s": "p", "pid": pid, "tid": PHASE_TID, "name": "failed",
+                            "ts": _us(ts), "args": {k: ev[k] for k in ("phase", "error", "error_type",
+                                                                      "oom_tag", "oom_requested", "oom_free")
+                                                    if k in ev}})
+        elif name == "bucket.finished":
+            stages.append(ev)
+        elif name == "sync.finished":
+            flush_stages()
+            d = ev.get("duration_s")
+            rate = ev["bytes"] / d / 1e9 if isinstance(d, (int, float)) and d > 0 and "bytes" in ev else None
+            out.append({"ph": "i", "s": "t", "pid": pid, "tid": PHASE_TID, "name": "sync.finished",
+                        "ts": _us(ts), "args": {**{k: ev[k] for k in ("step", "bytes", "buckets", "tensors",
+                                                                       "duration_s", "weight_version",
+                                                                       "digest", "source") if k in ev},
+                                                "gb_per_s": rate}})
+        elif name == "rollout.finished":
+            out.append({"ph": "i", "s": "t", "pid": pid, "tid": PHASE_TID, "name": "rollout.finished",
+                        "ts": _us(ts), "args": {k: ev[k] for k in ("step", "reward", "tokens") if k in ev}})
+        mem = ev.get("mem")
+        if mem is not None:
+            by_tag = dict(mem.get("by_tag") or {})
+            key = (tuple(sorted(by_tag.items())), mem["used"], mem["total"])
+            if key != last_counters:  # unchanged snapshots would only bloat the file
+                last_counters = key
+                # Perfetto names each counter track "<name> <arg>": "memory engine.kv_cache"
+                out.append({"ph": "C", "pid": pid, "name": "memory", "ts": _us(ts), "args": by_tag})
+                out.append({"ph": "C", "pid": pid, "name": "device", "ts": _us(ts),
+                            "args": {"used": mem["used"], "total": mem["total"],
+                                     "reserved": mem["used"] - sum(by_tag.values())}})
+    flush_stages()
+    if open_phase is not None:
+        close_phase(float(trace.events[-1]["ts"]), None, False)
+    for lane in range(lanes_seen):
+        out.append(_meta(pid, LANE_TID0 + lane, "thread_name", f"sync lane {lane}"))
+        out.append(_meta(pid, LANE_TID0 + lane, "thread_sort_index", 1 + lane))
+    return out
+
+
+def export(traces: list[LoadedTrace]) -> dict:
+    events: list[dict] = []
+    for t in traces:
+        events.extend(chrome_events(t))
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"source": "colo export", "traces": [t.path for t in traces],
+                      "config": [t.header.get("config") for t in traces]},
+    }
+
+
+def run_export(args) -> int:
+    from colo.cli import UsageError  # argparse only: still pure
+
+    try:
+        trace = load_trace(args.trace)
+    except BadTrace as e:
+        raise UsageError(str(e)) from None
+    for w in trace.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    doc = export([trace])
+    out = os.fspath(args.output)
+    try:
+        parent = os.path.dirname(out)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, separators=(",", ":"))
+    except OSError as e:
+        raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
+    n = {k: sum(1 for e in doc["traceEvents"] if e.get("cat") == k) for k in ("phase", "bucket", "stage")}
+    print(f"{out}: {n['phase']} phase slices, {n['bucket']} bucket slices with {n['stage']} stage slices, "
+          f"rank {trace.rank}; open it at https://ui.perfetto.dev")
+    return 0
