@@ -1,0 +1,789 @@
+"""The engine's own Qwen2: the same math as Hugging Face's, with fused parameters.
+
+Like SGLang's and vLLM's model files, q/k/v live in one ``qkv_proj`` and
+gate/up in one ``gate_up_proj``; the loader maps each trainer (HF) tensor to
+its row block through a table (:data:`LAYER_TABLE`), so a weight sync must
+deliver every HF name exactly once and the engine can say precisely which
+ones it did not get.
+
+Memory is held in two independently releasable regions, mirroring the
+engine's memory-saver tags: the parameters (``weights``) and one preallocated
+KV pool (``kv_cache``) sized from ``mem_fraction_static`` the way SGLang sizes
+it. Nothing here touches ``torch.cuda`` at import; the device is a parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+
+from colo.buckets import itemsize, numel, spec
+from colo.interfaces import TensorSpec
+
+
+class WeightMismatch(ValueError):
+    """Incoming weights do not match what the engine expects.
+
+    Raised once per check with every problem found, never one at a time: a
+    sync that is wrong in ten places should say so in one message.
+    """
+
+    def __init__(self, context: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
+                 duplicate: Sequence[str] = (), wrong_shape: Sequence[str] = (),
+                 wrong_dtype: Sequence[str] = ()) -> None:
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.duplicate = tuple(duplicate)
+        self.wrong_shape = tuple(wrong_shape)
+        self.wrong_dtype = tuple(wrong_dtype)
+        lines = [f"{context}:"]
+        for label, items in (("missing", self.missing), ("unexpected", self.unexpected),
+                             ("duplicate", self.duplicate), ("wrong shape", self.wrong_shape),
+                             ("wrong dtype", self.wrong_dtype)):
+            if items:
+                lines.append(f"  {label} ({len(items)}): " + ", ".join(items))
+        super().__init__("\n".join(lines))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.missing or self.unexpected or self.duplicate or self.wrong_shape or self.wrong_dtype)
+
+
+class EngineStateError(RuntimeError):
+    """An operation the engine's current state does not allow (released tag, stale weights)."""
+
+
+class KVPoolTooSmall(ValueError):
+    """``mem_fraction_static`` leaves too little room for the KV pool."""
+
+
+DTypeLike = Union[torch.dtype, str]
+
+
+def as_dtype(dtype: DTypeLike) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; expected a torch dtype name such as 'bfloat16'")
+    return value
+
+
+def dtype_name(dtype: DTypeLike) -> str:
+    return str(as_dtype(dtype)).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------
+# Shapes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dims:
+    """The numbers of a Qwen2 config the engine needs, validated once."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    rms_norm_eps: float
+    rope_theta: float
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "intermediate_size", "max_positions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, {self.rope_theta}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> Dims:
+        """Read a ``transformers.Qwen2Config``, refusing what this engine does not implement."""
+        unsupported = []
+        if getattr(config, "tie_word_embeddings", False):
+            unsupported.append("tie_word_embeddings=True (the engine keeps lm_head as its own parameter)")
+        if getattr(config, "use_sliding_window", False):
+            unsupported.append("use_sliding_window=True")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            unsupported.append(f"hidden_act={config.hidden_act!r} (only 'silu')")
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            unsupported.append(f"rope_type={rope.get('rope_type')!r} (only 'default')")
+        if unsupported:
+            raise ValueError("engine model does not support " + "; ".join(unsupported))
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+        if theta is None:
+            raise ValueError("config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                   num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+                   num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+                   intermediate_size=config.intermediate_size,
+                   max_positions=config.max_position_embeddings,
+                   rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(theta))
+
+    @property
+    def q_rows(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def slot_bytes(self, dtype: DTypeLike) -> int:
+        """Bytes one token occupies in the KV pool: K and V, every layer."""
+        return self.num_layers * 2 * self.kv_rows * itemsize(dtype_name(dtype))
+
+
+# ---------------------------------------------------------------------------
+# The name map
+
+#: Per decoder layer: engine parameter suffix, its HF parts in row order as
+#: (HF suffix, the ``Dims`` attribute giving that part's rows), and the
+#: ``Dims`` attributes of the trailing dimensions every part shares. A 1:1
+#: parameter is a fusion of one part. Row blocks follow SGLang's layout:
+#: qkv_proj = [q; k; v], gate_up_proj = [gate; up].
+LAYER_TABLE: tuple[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], ...] = (
+    ("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", "q_rows"),
+                                   ("self_attn.k_proj.weight", "kv_rows"),
+                                   ("self_attn.v_proj.weight", "kv_rows")), ("hidden_size",)),
+    ("self_attn.qkv_proj.bias", (("self_attn.q_proj.bias", "q_rows"),
+                                 ("self_attn.k_proj.bias", "kv_rows"),
+                                 ("self_attn.v_proj.bias", "kv_rows")), ()),
+    ("self_attn.o_proj.weight", (("self_attn.o_proj.weight", "hidden_size"),), ("q_rows",)),
+    ("mlp.gate_up_proj.weight", (("mlp.gate_proj.weight", "intermediate_size"),
+                                 ("mlp.up_proj.weight", "intermediate_size")), ("hidden_size",)),
+    ("mlp.down_proj.weight", (("mlp.down_proj.weight", "hidden_size"),), ("intermediate_size",)),
+    ("input_layernorm.weight", (("input_layernorm.weight", "hidden_size"),), ()),
+    ("post_attention_layernorm.weight", (("post_attention_layernorm.weight", "hidden_size"),), ()),
+)
+#: Outside the layers, in the order the engine's parameters are kept (and hashed).
+HEAD_TABLE = (("model.embed_tokens.weight", (("model.embed_tokens.weight", "vocab_size"),), ("hidden_size",)),)
+TAIL_TABLE = (
+    ("model.norm.weight", (("model.norm.weight", "hidden_size"),), ()),
+    ("lm_head.weight", (("lm_head.weight", "vocab_size"),), ("hidden_size",)),
+)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where one HF tensor lands: rows ``[row_offset, row_offset + shape[0])`` of ``param``."""
+
+    hf_name: str
+    param: str
+    row_offset: int
+    shape: tuple[int, ...]  # the HF tensor's shape
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    #: engine parameter name -> shape, in the engine's fixed order
+    params: Mapping[str, tuple[int, ...]]
+    #: HF name -> shard, in the engine's order (parts of a fused parameter in row order)
+    shards: Mapping[str, Shard]
+
+    @classmethod
+    def build(cls, dims: Dims) -> WeightMap:
+        params: dict[str, tuple[int, ...]] = {}
+        shards: dict[str, Shard] = {}
+
+        def add(table, prefix: str) -> None:
+            for suffix, parts, trailing in table:
+                name = prefix + suffix
+                tail = tuple(getattr(dims, a) for a in trailing)
+                offset = 0
+                for hf_suffix, rows_attr in parts:
+                    rows = getattr(dims, rows_attr)
+                    hf_name = prefix + hf_suffix
+                    shards[hf_name] = Shard(hf_name, name, offset, (rows, *tail))
+                    offset += rows
+                params[name] = (offset, *tail)
+
+        add(HEAD_TABLE, "")
+        for layer in range(dims.num_layers):
+            add(LAYER_TABLE, f"model.layers.{layer}.")
+        add(TAIL_TABLE, "")
+        return cls(params, shards)
+
+    def nbytes(self, dtype: DTypeLike) -> int:
+        size = itemsize(dtype_name(dtype))
+        return sum(numel(shape) * size for shape in self.params.values())
+
+    def hf_specs(self, dtype: DTypeLike) -> list[TensorSpec]:
+        name = dtype_name(dtype)
+        return [spec(s.hf_name, s.shape, name) for s in self.shards.values()]
+
+
+def expected_hf_specs(config: Any, dtype: DTypeLike = torch.bfloat16) -> list[TensorSpec]:
+    """Every HF name the engine expects in a sync, with its shape and the engine dtype."""
+    return WeightMap.build(Dims.from_config(config)).hf_specs(dtype)
+
+
+def _check_specs(wmap: WeightMap, incoming: Iterable[Any], dtype: str | None, context: str) -> None:
+    """Compare (name, shape[, dtype]) entries against the map; raise one WeightMismatch.
+
+    ``dtype=None`` skips the dtype check (the in-process loader converts).
+    """
+    seen: set[str] = set()
+    duplicate, unexpected, wrong_shape, wrong_dtype = [], [], [], []
+    for name, shape, got_dtype in incoming:
+        if name in seen:
+            duplicate.append(name)
+            continue
+        seen.add(name)
+        shard = wmap.shards.get(name)
+        if shard is None:
+            unexpected.append(name)
+            continue
+        if tuple(shape) != shard.shape:
+            wrong_shape.append(f"{name} {tuple(shape)} (expected {shard.shape})")
+        if dtype is not None and got_dtype != dtype:
+            wrong_dtype.append(f"{name} {got_dtype} (expected {dtype})")
+    missing = [n for n in wmap.shards if n not in seen]
+    err = WeightMismatch(context, missing=missing, unexpected=unexpected, duplicate=duplicate,
+                         wrong_shape=wrong_shape, wrong_dtype=wrong_dtype)
+    if not err.empty:
+        raise err
+
+
+def _spec_triples(specs: Iterable[Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    for s in specs:
+        if isinstance(s, TensorSpec):
+            yield s.name, tuple(s.shape), s.dtype
+        else:
+            name, shape, dt = s
+            yield name, tuple(shape), dtype_name(dt)
+
+
+def _named_items(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
+    return list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+
+
+def engine_state_from_hf(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         config: Any, dtype: DTypeLike = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Fuse trainer tensors into engine parameters on CPU, exactly as the loader would.
+
+    Each HF tensor is converted to ``dtype`` on its own before concatenation,
+    as the loader's per-slice ``copy_`` does, so the bits agree.
+    """
+    wmap = WeightMap.build(Dims.from_config(config))
+    items = _named_items(hf_named_tensors)
+    _check_specs(wmap, ((n, t.shape, None) for n, t in items), None, "trainer state does not match the engine")
+    target = as_dtype(dtype)
+    by_name = dict(items)
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in wmap.params}
+    for shard in wmap.shards.values():  # row order within each parameter
+        parts[shard.param].append(by_name[shard.hf_name].detach().to(device="cpu", dtype=target))
+    for name, pieces in parts.items():
+        out[name] = torch.cat(pieces, dim=0).contiguous()
+    return out
+
+
+def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        # a length-prefixed header makes (name, dtype, shape) boundaries unambiguous
+        header = json.dumps([name, dtype_name(t.dtype), list(t.shape)]).encode()
+        h.update(len(header).to_bytes(8, "little"))
+        h.update(header)
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                    config: Any, dtype: DTypeLike = torch.bfloat16) -> str:
+    """The digest an engine holding these trainer tensors reports (``EngineModel.digest``)."""
+    return _digest(engine_state_from_hf(hf_named_tensors, config, dtype).items())
+
+
+# ---------------------------------------------------------------------------
+# KV pool sizing
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVPoolPlan:
+    """SGLang's static split: KV pool = total x mem_fraction_static - weights.
+
+    SGLang measures free memory after loading the weights and keeps
+    ``total x (1 - mem_fraction_static)`` back for activations and the rest;
+    with nothing else resident that is the formula above. The pool holds a
+    whole number of token slots, so ``kv_bytes`` is the budget rounded down to
+    a multiple of ``slot_bytes`` (short of it by less than one slot).
+    """
+
+    total_bytes: int
+    mem_fraction_static: float
+    weight_bytes: int
+    slot_bytes: int
+    #: one sequence of the model's maximum length must fit
+    min_slots: int
+
+    def __post_init__(self) -> None:
+        for name in ("total_bytes", "weight_bytes", "slot_bytes", "min_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        mfs = self.mem_fraction_static
+        if isinstance(mfs, bool) or not isinstance(mfs, (int, float)) or not 0 < mfs <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {mfs!r}")
+        if self.budget_bytes <= 0:
+            raise KVPoolTooSmall(
+                f"mem_fraction_static {mfs} of {self.total_bytes} bytes is {self.static_bytes} bytes, "
+                f"which does not exceed the weights' {self.weight_bytes} bytes: no room for a KV pool")
+        if self.num_slots < self.min_slots:
+            raise KVPoolTooSmall(
+                f"KV pool budget {self.budget_bytes} bytes holds {self.num_slots} token slots of "
+                f"{self.slot_bytes} bytes; one sequence of max length needs {self.min_slots}: "
+                f"raise mem_fraction_static (now {mfs}) or the device size")
+
+    @property
+    def static_bytes(self) -> int:
+        return int(self.total_bytes * self.mem_fraction_static)
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.static_bytes - self.weight_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.budget_bytes // self.slot_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+
+class SlotAllocator:
+    """First-fit allocator of contiguous slot ranges over the pool."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.reset()
+
+    def reset(self) -> None:
+        self._free: list[tuple[int, int]] = [(0, self.num_slots)]  # sorted (start, length)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def alloc(self, n: int) -> int:
+        for i, (start, length) in enumerate(self._free):
+            if length >= n:
+                if length == n:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + n, length - n)
+                return start
+        raise EngineStateError(f"KV pool has no {n} contiguous free slots "
+                               f"({self.free_slots} of {self.num_slots} free)")
+
+    def free(self, start: int, n: int) -> None:
+        self._free.append((start, n))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((s, length))
+        self._free = merged
+
+
+# ---------------------------------------------------------------------------
+# The model
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _LoadSession:
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        self.duplicate: list[str] = []
+        self.unexpected: list[str] = []
+        self.wrong_shape: list[str] = []
+
+
+class EngineModel:
+    """Qwen2 forward, batched generation over a preallocated KV pool, and a sync loader.
+
+    Parameters are plain tensors in a dict rather than an ``nn.Module`` so
+    that releasing the ``weights`` region drops every reference at once and
+    re-allocating it produces fresh, uninitialised storage.
+    """
+
+    def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
+                 total_bytes: int, mem_fraction_static: float) -> None:
+        self.dims = Dims.from_config(config)
+        self.dtype = as_dtype(dtype)
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"engine dtype must be a floating point dtype, got {dtype_name(self.dtype)}")
+        self.device = torch.device(device)
+        self.map = WeightMap.build(self.dims)
+        self.weight_bytes = self.map.nbytes(self.dtype)
+        self.pool_plan = KVPoolPlan(total_bytes=total_bytes, mem_fraction_static=mem_fraction_static,
+                                    weight_bytes=self.weight_bytes, slot_bytes=self.dims.slot_bytes(self.dtype),
+                                    min_slots=self.dims.max_positions)
+        self.slots = SlotAllocator(self.pool_plan.num_slots)
+        d = self.dims
+        # derived from the config, not a weight: survives a release of the weights region
+        self._inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float32,
+                                                               device=self.device) / d.head_dim))
+        self._params: dict[str, torch.Tensor] | None = None
+        self._pool: torch.Tensor | None = None
+        self._load: _LoadSession | None = None
+        self.allocate_weights()
+        self.allocate_kv()
+
+    # -- memory regions ------------------------------------------------------
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pool_plan.kv_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool_plan.num_slots
+
+    @property
+    def weights_resident(self) -> bool:
+        return self._params is not None
+
+    @property
+    def kv_resident(self) -> bool:
+        return self._pool is not None
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes actually held now, counted from the live tensors."""
+        weights = sum(t.numel() * t.element_size() for t in self._params.values()) if self._params else 0
+        kv = self._pool.numel() * self._pool.element_size() if self._pool is not None else 0
+        return {"weights": weights, "kv_cache": kv}
+
+    def allocate_weights(self) -> None:
+        """Fresh, uninitialised parameter storage; contents are garbage until a full load."""
+        if self._params is not None:
+            raise EngineStateError("engine weights are already allocated")
+        self._params = {name: torch.empty(shape, dtype=self.dtype, device=self.device)
+                        for name, shape in self.map.params.items()}
+
+    def free_weights(self) -> None:
+        if self._params is None:
+            raise EngineStateError("engine weights are already freed")
+        self._params = None
+        self._load = None  # a half-done load has nothing left to finish
+        self._return_to_device()
+
+    def allocate_kv(self) -> None:
+        if self._pool is not None:
+            raise EngineStateError("engine KV pool is already allocated")
+        d = self.dims
+        self._pool = torch.empty((d.num_layers, 2, self.num_slots, d.num_kv_heads, d.head_dim),
+                                 dtype=self.dtype, device=self.device)
+        self.slots.reset()
+
+    def free_kv(self) -> None:
+        if self._pool is None:
+            raise EngineStateError("engine KV pool is already freed")
+        self._pool = None
+        self.slots.reset()
+        self._return_to_device()
+
+    def _return_to_device(self) -> None:
+        # Dropping a CUDA tensor only returns its block to this process's caching
+        # allocator; the trainer (another process) sees the bytes only once the
+        # cache hands them back to the driver.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def flush_cache(self) -> None:
+        """Forget every slot assignment. There is no prefix reuse across calls,
+        so after this no K/V written under older weights can be read again."""
+        self.slots.reset()
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The pool, ``[layers, 2 (K, V), slots, kv_heads, head_dim]``; K is stored after RoPE."""
+        if self._pool is None:
+            raise EngineStateError("engine KV pool is released")
+        return self._pool
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._require_weights("read parameters").items())
+
+    def _require_weights(self, what: str) -> dict[str, torch.Tensor]:
+        if self._params is None:
+            raise EngineStateError(f"cannot {what}: engine weights are released")
+        return self._params
+
+    def _require_pool(self, what: str) -> torch.Tensor:
+        if self._pool is None:
+            raise EngineStateError(f"cannot {what}: engine KV pool is released")
+        return self._pool
+
+    # -- loading -------------------------------------------------------------
+
+    def expected_specs(self) -> list[TensorSpec]:
+        return self.map.hf_specs(self.dtype)
+
+    def preflight(self, specs: Iterable[TensorSpec | tuple[str, Sequence[int], DTypeLike]]) -> None:
+        """Check a whole sync's (name, shape, dtype) list before any byte is written.
+
+        Raises one ``WeightMismatch`` listing every missing, unexpected,
+        duplicate, wrongly shaped or wrongly typed tensor; touches nothing.
+        """
+        _check_specs(self.map, _spec_triples(specs), dtype_name(self.dtype),
+                     "sync does not match the engine's parameters")
+
+    def begin_load(self) -> None:
+        self._require_weights("begin a load")
+        if self._load is not None:
+            raise EngineStateError("a load is already in progress (begin_load called twice without end_load)")
+        self._load = _LoadSession()
+
+    def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each (HF name, tensor) into its row block, converting dtype and device.
+
+        The batch is checked as a whole first (unknown names, duplicates
+        within it or of names already loaded, wrong shapes): on any problem
+        nothing from this batch is written and one ``WeightMismatch`` lists
+        them all. Returns the number of tensors written.
+        """
+        params = self._require_weights("load weights")
+        session = self._load
+        if session is None:
+            raise EngineStateError("load_weights called outside begin_load() / end_load()")
+        items = _named_items(named_tensors)
+        seen: set[str] = set()
+        duplicate, unexpected, wrong_shape = [], [], []
+        for name, tensor in items:
+            if name in seen or name in session.loaded:
+                duplicate.append(name)
+                continue
+            seen.add(name)
+            shard = self.map.shards.get(name)
+            if shard is None:
+                unexpected.append(name)
+            elif tuple(tensor.shape) != shard.shape:
+                wrong_shape.append(f"{name} {tuple(tensor.shape)} (expected {shard.shape})")
+        if duplicate or unexpected or wrong_shape:
+            session.duplicate += duplicate
+            session.unexpected += unexpected
+            session.wrong_shape += wrong_shape
+            raise WeightMismatch("load_weights refused the batch (nothing from it was written)",
+                                 duplicate=duplicate, unexpected=unexpected, wrong_shape=wrong_shape)
+        with torch.no_grad():
+            for name, tensor in items:
+                shard = self.map.shards[name]
+                params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]].copy_(tensor)
+                session.loaded.add(name)
+        return len(items)
+
+    def end_load(self) -> int:
+        """Close the load; raise one ``WeightMismatch`` unless every expected name came exactly once."""
+        session = self._load
+        if session is None:
+            raise EngineStateError("end_load called without begin_load()")
+        self._load = None
+        missing = [n for n in self.map.shards if n not in session.loaded]
+        err = WeightMismatch("weight sync incomplete", missing=missing, unexpected=session.unexpected,
+                             duplicate=session.duplicate, wrong_shape=session.wrong_shape)
+        if not err.empty:
+            raise err
+        return len(session.loaded)
+
+    @property
+    def loading(self) -> bool:
+        return self._load is not None
+
+    def digest(self) -> str:
+        """sha256 over (name, dtype, shape, raw bytes) of every parameter, in the map's order."""
+        return _digest(self._require_weights("digest weights").items())
+
+    # -- forward -------------------------------------------------------------
+
+    def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # as HF: angles in float32, cos/sin then cast to the activation dtype
+        pos = torch.arange(start, start + length, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.dims.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    def _forward(self, tokens: torch.Tensor, start: int, slots: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states after the final norm, ``[B, T, H]``.
+
+        ``slots`` (``[B, start + T]`` pool slot ids) switches on the cache:
+        the K/V of the T new tokens are written to ``slots[:, start:]`` and
+        attention reads all ``start + T`` of them back from the pool.
+        """
+        p = self._params
+        d = self.dims
+        b, t = tokens.shape
+        h = F.embedding(tokens, p["model.embed_tokens.weight"])
+        cos, sin = self._rope(start, t)
+        mask = None
+        if t > 1:
+            # bottom-right aligned causal mask: query i sees keys 0 .. start + i
+            keys = torch.arange(start + t, device=self.device)
+            mask = keys[None, :] <= (start + torch.arange(t, device=self.device))[:, None]
+        groups = d.num_heads // d.num_kv_heads
+        for layer in range(d.num_layers):
+            pre = f"model.layers.{layer}."
+            x = self._rmsnorm(h, p[pre + "input_layernorm.weight"])
+            qkv = F.linear(x, p[pre + "self_attn.qkv_proj.weight"], p[pre + "self_attn.qkv_proj.bias"])
+            q, k, v = qkv.split((d.q_rows, d.kv_rows, d.kv_rows), dim=-1)
+            q = q.view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
+            k = k.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+            v = v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if slots is not None:
+                k, v = self._store_and_gather(layer, k, v, slots, start)
+            # kv head j serves query heads j*groups .. (j+1)*groups-1, as HF's repeat_kv
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.head_dim ** -0.5)
+            attn = attn.transpose(1, 2).reshape(b, t, d.q_rows)
+            h = h + F.linear(attn, p[pre + "self_attn.o_proj.weight"])
+            x = self._rmsnorm(h, p[pre + "post_attention_layernorm.weight"])
+            gate, up = F.linear(x, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        return self._rmsnorm(h, p["model.norm.weight"])
+
+    def _store_and_gather(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                          start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self._pool
+        new = slots[:, start:]
+        pool[layer, 0][new] = k.transpose(1, 2)
+        pool[layer, 1][new] = v.transpose(1, 2)
+        return pool[layer, 0][slots].transpose(1, 2), pool[layer, 1][slots].transpose(1, 2)
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._params["lm_head.weight"]).float()
+
+    def _check_tokens(self, tokens: torch.Tensor, what: str) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long or tokens.dim() != 2 \
+                or tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(f"{what} must be a non-empty LongTensor [B, T], got "
+                             f"{getattr(tokens, 'dtype', type(tokens))} {tuple(getattr(tokens, 'shape', ()))}")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.dims.vocab_size):
+            raise ValueError(f"{what} holds token ids outside [0, {self.dims.vocab_size})")
+
+    @torch.inference_mode()
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full forward without the cache: float32 logits ``[B, T, V]``."""
+        self._require_weights("compute logits")
+        self._check_tokens(tokens, "tokens")
+        if tokens.shape[1] > self.dims.max_positions:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_position_embeddings "
+                             f"{self.dims.max_positions}")
+        return self._lm_head(self._forward(tokens.to(self.device), 0, None))
+
+    @torch.inference_mode()
+    def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``max_new_tokens`` per prompt through the KV pool.
+
+        Each sequence gets ``P + N - 1`` contiguous pool slots (the last
+        sampled token is never fed back, so it needs none). When the pool
+        cannot hold the whole batch it is generated in chunks of as many rows
+        as fit; the uniforms that drive sampling are drawn for the whole
+        batch up front, so the result does not depend on the chunking.
+
+        ``temperature > 0`` samples from softmax(logits / temperature) by
+        inverse CDF and returns that distribution's log-prob of each token;
+        ``temperature == 0`` is greedy and returns log_softmax(logits). Both
+        returned on the prompts' device: completions ``[B, N]`` (long),
+        log-probs ``[B, N]`` (float32).
+        """
+        self._require_weights("generate")
+        self._require_pool("generate")
+        self._check_tokens(prompts, "prompts")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        batch, plen = prompts.shape
+        if plen + max_new_tokens > self.dims.max_positions:
+            raise ValueError(f"prompt length {plen} + max_new_tokens {max_new_tokens} exceeds "
+                             f"max_position_embeddings {self.dims.max_positions}")
+        seq_slots = plen + max_new_tokens - 1
+        rows = self.slots.num_slots // seq_slots  # >= 1: the plan guarantees max_positions slots
+        uniforms = torch.rand((batch, max_new_tokens), generator=generator, device=generator.device,
+                              dtype=torch.float32).to(self.device)
+        tokens = prompts.to(self.device)
+        outs, lps = [], []
+        for lo in range(0, batch, rows):
+            hi = min(batch, lo + rows)
+            out, lp = self._generate_chunk(tokens[lo:hi], max_new_tokens, temperature, uniforms[lo:hi], seq_slots)
+            outs.append(out)
+            lps.append(lp)
+        return torch.cat(outs).to(prompts.device), torch.cat(lps).to(prompts.device)
+
+    def _generate_chunk(self, prompts: torch.Tensor, steps: int, temperature: float, uniforms: torch.Tensor,
+                        seq_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, plen = prompts.shape
+        starts: list[int] = []
+        try:
+            for _ in range(b):
+                starts.append(self.slots.alloc(seq_slots))
+            slots = (torch.tensor(starts, device=self.device)[:, None]
+                     + torch.arange(seq_slots, device=self.device)[None, :])
+            out = torch.empty((b, steps), dtype=torch.long, device=self.device)
+            lps = torch.empty((b, steps), dtype=torch.float32, device=self.device)
+            h = self._forward(prompts, 0, slots[:, :plen])
+            for step in range(steps):
+                tok, lp = self._sample(self._lm_head(h[:, -1]), temperature, uniforms[:, step])
+                out[:, step] = tok
+                lps[:, step] = lp
+                if step + 1 < steps:
+                    pos = plen + step
+                    h = self._forward(tok[:, None], pos, slots[:, :pos + 1])
+            return out, lps
+        finally:
+            # slots are per call: nothing outlives a generate, so a failure frees them too
+            for s in starts:
+                self.slots.free(s, seq_slots)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, temperature: float,
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if temperature == 0:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = logits.argmax(dim=-1)
+        else:
+            logp = torch.log_softmax(logits / temperature, dim=-1)
+            cdf = logp.exp().cumsum(dim=-1)
+            # u * total < total, and right=True skips zero-probability tokens
+            x = (uniforms * cdf[:, -1])[:, None]
+            tok = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
