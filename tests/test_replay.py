@@ -407,7 +407,7 @@ async def test_any_single_line_edit_gives_a_verdict_never_a_crash(data, tmp_path
 
 
 def test_replay_export_tune_and_summary_import_no_torch_anyio_or_structlog():
-    modules = ["colo.replay", "colo.summary", "colo.export"]
+    modules = ["colo.replay", "colo.summary", "colo.export", "colo.tune"]
     forbidden = ["torch", "anyio", "structlog", "torch_memory_saver"]
     code = (f"import sys; import {', '.join(modules)}; "
             f"print(','.join(m for m in {forbidden!r} if m in sys.modules))")

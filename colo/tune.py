@@ -1,0 +1,597 @@
+"""``colo tune``: recommend ``mem_fraction_static`` and a bucket size from recorded memory.
+
+The model (one per device, i.e. per trace file):
+
+- The engine sizes its KV pool as ``KV = T × mfs − Wr`` (T the device's total
+  bytes, Wr the engine's weights). So wherever the KV pool is resident, the
+  device holds ``T × mfs`` for the engine's weights and KV, plus everything
+  else: CUDA graphs, activations, the reserved remainder R (context,
+  communicator buffers, allocator cache), whatever the trainer leaves
+  resident, staging buffers. Call that ``other = used − KV − Wr``, read at
+  every recorded event where the KV pool is resident. It is read at every such
+  event, not at the engine's start, because what the trainer leaves behind
+  grows after the engine has sized its pool, and the largest value binds:
+  ``T × mfs + other + margin ≤ T``, so ``mfs ≤ (T − margin − other) / T``.
+- Events where the KV pool is not resident do not depend on mfs; they must
+  fit on their own (an OOM there is not fixed by any fraction).
+- Staging scales with the bucket size. The sync peak without staging
+  (engine weights, plus the trainer's state in ``sync-first``, plus the KV
+  pool at the recommended fraction in ``single-stage``) leaves room for the
+  buckets in flight; the recorded peak tells how many bucket budgets were live
+  at once (≤ 2 for a pipelined transport).
+- A ``phase.failed`` for an OOM is read as the event that would have been:
+  ``used = T − oom_free + oom_requested``. So a trace of a run that ran out of
+  memory tunes to a fraction at which it would not have.
+
+The what-if mode writes a one-cycle trace from sizes alone (the same events the
+scheduler writes) and runs the same analysis on it.
+
+Pure: no torch, no anyio, no structlog.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+from colo.memory import GiB, MiB, fmt_bytes
+from colo.phases import PLANS, Phase
+from colo.replay import BadTrace, LoadedTrace, load_trace
+from colo.schema import BUCKET_STAGES, SCHEMA
+from colo.summary import START
+
+KV = "engine.kv_cache"
+WEIGHTS = "engine.weights"
+STAGING = "staging"
+#: Default margin: 2% of the device, at most 1 GiB. Room for allocator
+#: fragmentation and growth the trace did not see. It must stay well under
+#: 0.05 × T so that a fraction 0.05 above the recommendation really fails.
+MARGIN_SHARE, MARGIN_CAP = 0.02, 1 * GiB
+#: A bigger bucket only costs memory beyond this: at the measured 55 GB/s
+#: pinned upload a 512 MiB bucket takes ~10 ms against ~0.2 ms to open its IPC
+#: handle, so the per-bucket overhead is already ~2%.
+BUCKET_CAP = 512 * MiB
+#: Bucket budgets in flight when a trace shows no staging: a pipelined sender
+#: keeps one bucket in flight while it fills the next.
+DEFAULT_LIVE_BUCKETS = 2.0
+
+
+class TuneError(ValueError):
+    """Bad input to the tuner (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One moment of device memory, located in a trace."""
+
+    file: str
+    line: int
+    event: str
+    phase: str  # the phase in progress, or "start" before the first one
+    step: int | None
+    used: int
+    by_tag: dict
+    kv_resident: bool
+    virtual: bool = False  # an allocation that was refused (phase.failed with oom_*)
+
+    @property
+    def kv(self) -> int:
+        return self.by_tag.get(KV, 0) if self.kv_resident else 0
+
+    @property
+    def staging(self) -> int:
+        return self.by_tag.get(STAGING, 0)
+
+    @property
+    def reserved(self) -> int:
+        return self.used - sum(self.by_tag.values())
+
+    def where(self) -> str:
+        step = f", step {self.step}" if self.step is not None else ""
+        what = "refused allocation at " if self.virtual else ""
+        return f"{self.phase}{step} ({os.path.basename(self.file)} line {self.line}: {what}{self.event})"
+
+
+@dataclass
+class Device:
+    """What one trace says about its device."""
+
+    file: str
+    total: int
+    engine_weights: int
+    bucket_bytes: int | None
+    plan: str | None
+    points: list[Point]
+    mfs_recorded: float | None = None
+    max_bucket: int = 0  # largest bucket.finished bytes
+
+
+def _points(trace: LoadedTrace) -> Device:
+    head = trace.header
+    config = head.get("config") or {}
+    tags = head.get("tags") or {}
+    total = (head.get("device") or {}).get("total_bytes")
+    if not isinstance(total, int) and isinstance(head.get("mem"), dict):
+        total = head["mem"]["total"]
+    if not isinstance(total, int) or total <= 0:
+        raise TuneError(f"{trace.path}: trace.started has no device.total_bytes; cannot size a fraction")
+    registered = {k: v.get("bytes", 0) for k, v in tags.items() if isinstance(v, dict)}
+    kv_res = bool((tags.get(KV) or {}).get("resident", True))
+    weights = registered.get(WEIGHTS)
+    phase, step = START, None
+    points: list[Point] = []
+    max_bucket = 0
+    for ev, n in zip(trace.events, trace.lines):
+        name = ev["event"]
+        if isinstance(ev.get("step"), int):
+            step = ev["step"]
+        if name == "phase.entered":
+            phase = ev["to_phase"]
+        elif name in ("memory.paused", "memory.resumed") and f"{ev['owner']}.{ev['tag']}" == KV:
+            kv_res = name == "memory.resumed"
+        elif name == "bucket.finished" and isinstance(ev.get("bytes"), int):
+            max_bucket = max(max_bucket, ev["bytes"])
+        mem = ev.get("mem")
+        if mem is None:
+            continue
+        by_tag = dict(mem.get("by_tag") or {})
+        if weights is None and by_tag.get(WEIGHTS):
+            weights = by_tag[WEIGHTS]
+        if name == "phase.failed" and isinstance(ev.get("oom_requested"), int) and isinstance(ev.get("oom_free"), int):
+            points.append(_refused(trace.path, n, ev, by_tag, kv_res, registered, total, step))
+        # The phase.entered snapshot is the previous phase's end state; count it there.
+        label = (ev["from_phase"] or START) if name == "phase.entered" else phase
+        points.append(Point(trace.path, n, name, label, step, mem["used"], by_tag, kv_res))
+    if weights is None:
+        raise TuneError(f"{trace.path}: no engine.weights in the trace; expected the engine's weights "
+                        "in trace.started tags or in mem.by_tag")
+    mfs = config.get("mem_fraction_static")
+    bucket = config.get("bucket_bytes")
+    return Device(trace.path, total, int(weights), bucket if isinstance(bucket, int) and bucket > 0 else None,
+                  config.get("plan"), points, mfs if isinstance(mfs, (int, float)) else None, max_bucket)
+
+
+#: the tags a phase brings back in one step: a refusal of one of them means
+#: all of them were coming (the scheduler checks they fit together)
+WAKES = {
+    Phase.ENGINE_WAKE_KV.value: (KV, "engine.cuda_graph"),
+    Phase.ENGINE_WAKE_WEIGHTS.value: (WEIGHTS,),
+    Phase.TRAINER_ONLOAD.value: ("trainer.weights", "trainer.optimizer"),
+}
+
+
+def _refused(path, n, ev, by_tag, kv_res, registered, total, step) -> Point:
+    """The state the refused allocation would have made.
+
+    The snapshot in ``phase.failed`` is taken after cleanup (staging freed,
+    nothing resumed), so the state is rebuilt: every tag the phase wakes at
+    resident size, or the staging buffers live at the refusal plus the one asked.
+    """
+    tag, asked = ev.get("oom_tag"), ev["oom_requested"]
+    reserved = ev["mem"]["used"] - sum(by_tag.values())
+    after = dict(by_tag)
+    wake = WAKES.get(ev["phase"], ())
+    for key in wake:
+        if not after.get(key):
+            after[key] = registered.get(key) or (asked if key == tag else 0)
+    if tag == STAGING:
+        # oom_free was measured with the live buffers still allocated
+        after[STAGING] = (total - ev["oom_free"] + asked) - (ev["mem"]["used"] - by_tag.get(STAGING, 0))
+    elif tag and tag not in wake:
+        after[tag] = after.get(tag, 0) + asked
+    used = reserved + sum(after.values())
+    return Point(path, n, ev["event"], ev["phase"], step, used, after, kv_res or KV in wake, virtual=True)
+
+
+# -- the analysis ---------------------------------------------------------------------
+
+def _floor2(x: float) -> float:
+    return math.floor(x * 100 + 1e-9) / 100
+
+
+def _pow2_floor(n: float) -> int:
+    return 1 << (int(n).bit_length() - 1) if n >= 1 else 0
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_margin(total: int) -> int:
+    return min(MARGIN_CAP, int(total * MARGIN_SHARE))
+
+
+@dataclass
+class DeviceResult:
+    device: Device
+    margin: int
+    max_fraction: float | None
+    binding: Point | None
+    mfs: float | None
+    bucket_bytes: int | None
+    bucket_limit: float | None
+    bucket_point: Point | None
+    live_buckets: float
+    by_phase: dict[str, float]
+    infeasible: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    arithmetic: list[str] = field(default_factory=list)
+
+
+def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
+    T, Wr = dev.total, dev.engine_weights
+    margin = default_margin(T) if margin is None else margin
+    limit = T - margin
+    infeasible: list[str] = []
+    notes: list[str] = []
+    by_phase: dict[str, float] = {}
+    binding: Point | None = None
+    best_other = None
+    for p in dev.points:
+        if p.kv_resident:
+            other = p.used - p.kv - Wr
+            frac = (limit - other) / T
+            if p.phase not in by_phase or frac < by_phase[p.phase]:
+                by_phase[p.phase] = frac
+            # strictly greater: the first event in time that reaches the peak is
+            # where a larger fraction fails first
+            if best_other is None or other > best_other:
+                best_other, binding = other, p
+        elif p.staging == 0 and p.used > limit:
+            # does not depend on the fraction; staging is the bucket's business below
+            (infeasible if p.used > T else notes).append(
+                f"{p.where()} holds {fmt_bytes(p.used)} without the KV pool: "
+                + (f"more than the device's {fmt_bytes(T)}; no mem_fraction_static fixes that"
+                   if p.used > T else f"less than the {fmt_bytes(margin)} margin is left; "
+                   "no mem_fraction_static changes that"))
+    first = next((p for p in dev.points if p.kv_resident), None)
+    if dev.mfs_recorded is not None and first is not None:
+        expected = int(T * dev.mfs_recorded) - Wr
+        if abs(first.kv - expected) > 0.01 * T:
+            notes.append(f"the KV pool was {fmt_bytes(first.kv)} at mem_fraction_static {dev.mfs_recorded}, "
+                         f"but T × mfs − Wr = {fmt_bytes(expected)}: this engine does not size its pool "
+                         "the way the model assumes, so the recommendation may be off")
+    max_fraction = None if binding is None else (limit - best_other) / T
+    mfs = None
+    if max_fraction is not None:
+        mfs = min(0.99, _floor2(max_fraction))
+        if mfs * T - Wr <= 0:
+            infeasible.append(
+                f"{binding.where()}: the largest fraction that fits, {max_fraction:.4f}, leaves "
+                f"T × mfs = {fmt_bytes(max(0, mfs) * T)} for engine weights of {fmt_bytes(Wr)}: no room "
+                "for a KV pool")
+            mfs = None
+    # -- bucket: what the sync holds besides staging, at the recommended fraction
+    budget = dev.bucket_bytes or dev.max_bucket or None
+    staged = [p for p in dev.points if p.staging > 0]
+    peak_staging = max((p.staging for p in staged), default=0)
+    live = peak_staging / budget if budget and peak_staging else DEFAULT_LIVE_BUCKETS
+    sync_points = [p for p in dev.points if p.staging > 0 or p.phase == Phase.SYNC.value]
+    bucket_point, bucket_limit, bucket = None, None, None
+    kv_new = (mfs * T - Wr) if mfs is not None else None
+    worst = None
+    for p in sync_points:
+        base = p.used - p.staging
+        if p.kv_resident:
+            if kv_new is None:
+                continue
+            base += kv_new - p.kv
+        if worst is None or base > worst:
+            worst, bucket_point = base, p
+    if worst is not None:
+        bucket_limit = (limit - worst) / live
+        cap = min(BUCKET_CAP, _pow2_ceil(max(1, Wr)))
+        bucket = _pow2_floor(min(bucket_limit, cap))
+        if bucket < 1:
+            infeasible.append(f"{bucket_point.where()}: the sync holds {fmt_bytes(worst)} besides staging; "
+                              f"with the {fmt_bytes(margin)} margin no bucket fits on {fmt_bytes(T)}")
+            bucket = None
+    else:
+        notes.append("no sync in the trace: no bucket size recommended")
+    res = DeviceResult(dev, margin, max_fraction, binding, mfs, bucket, bucket_limit, bucket_point, live,
+                       by_phase, infeasible, notes)
+    res.arithmetic = _arithmetic(res, worst, peak_staging, budget)
+    return res
+
+
+def _breakdown(p: Point, Wr: int) -> str:
+    parts = [f"{k} {fmt_bytes(v)}" for k, v in sorted(p.by_tag.items()) if v and k not in (KV, WEIGHTS)]
+    parts.append(f"reserved R {fmt_bytes(p.reserved)}")
+    return ", ".join(parts)
+
+
+def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budget: int | None) -> list[str]:
+    d, T, Wr, M = r.device, r.device.total, r.device.engine_weights, r.margin
+    L = [f"{d.file}: device T = {fmt_bytes(T, True)}; margin {fmt_bytes(M)}"
+         + (f" (2% of T, at most 1 GiB)" if M == default_margin(T) else ""),
+         f"  the engine sizes its KV pool as T × mfs − Wr, engine weights Wr = {fmt_bytes(Wr)}"]
+    if d.mfs_recorded is not None:
+        L.append(f"  recorded at mem_fraction_static {d.mfs_recorded}")
+    b = r.binding
+    if b is None:
+        L.append("  the KV pool is never resident in this trace: nothing binds the fraction")
+    else:
+        other = b.used - b.kv - Wr
+        start = next((p for p in d.points if p.kv_resident), None)
+        L.append(f"  binding: {b.where()}")
+        L.append(f"    besides the KV pool and Wr the device held other = {fmt_bytes(other)}: {_breakdown(b, Wr)}")
+        if start is not None and start is not b:
+            grown = other - (start.used - start.kv - Wr)
+            if grown > 0:
+                L.append(f"    (that is {fmt_bytes(grown)} more than at {start.where()}: "
+                         "it grew after the engine had sized its pool)")
+        L.append(f"    T × mfs + other + margin ≤ T  →  mfs ≤ (T − margin − other) / T = "
+                 f"({T} − {M} − {other}) / {T} = {r.max_fraction:.4f}")
+        if r.mfs is not None:
+            L.append(f"    → mem_fraction_static = {r.mfs:.2f} (rounded down to 0.01): "
+                     f"KV pool = {fmt_bytes(r.mfs * T - Wr)}, free at that point "
+                     f"{fmt_bytes(T - (r.mfs * T + other))}")
+    if sync_base is not None and r.bucket_limit is not None:
+        live = (f"{r.live_buckets:.2f} × the {fmt_bytes(budget)} bucket budget" if peak_staging and budget
+                else f"{r.live_buckets:.0f} buckets assumed (no staging recorded)")
+        L.append(f"  sync: besides staging the device holds {fmt_bytes(sync_base)} at "
+                 f"{r.bucket_point.where()}" + (" (KV pool at the recommended fraction)"
+                                                 if r.bucket_point.kv_resident else ""))
+        L.append(f"    staging peaked at {fmt_bytes(peak_staging)} = {live}")
+        L.append(f"    bucket ≤ (T − margin − sync) / {r.live_buckets:.2f} = {fmt_bytes(max(0, r.bucket_limit))}; "
+                 f"cap min(512 MiB, Wr rounded up to a power of two) = "
+                 f"{fmt_bytes(min(BUCKET_CAP, _pow2_ceil(max(1, Wr))))}")
+        if r.bucket_bytes:
+            L.append(f"    → bucket = {fmt_bytes(r.bucket_bytes)} (a power of two)")
+    return L
+
+
+@dataclass
+class Recommendation:
+    results: list[DeviceResult]
+    source: str  # "trace" or "what-if"
+    assumed: dict = field(default_factory=dict)
+
+    @property
+    def binding(self) -> DeviceResult | None:
+        fitted = [r for r in self.results if r.max_fraction is not None]
+        return min(fitted, key=lambda r: r.max_fraction) if fitted else None
+
+    @property
+    def feasible(self) -> bool:
+        return (not any(r.infeasible for r in self.results) and self.binding is not None
+                and self.mem_fraction_static is not None)
+
+    @property
+    def mem_fraction_static(self) -> float | None:
+        vals = [r.mfs for r in self.results if r.max_fraction is not None]
+        return None if not vals or None in vals else min(vals)
+
+    @property
+    def bucket_bytes(self) -> int | None:
+        vals = [r.bucket_bytes for r in self.results if r.bucket_bytes is not None]
+        return min(vals) if vals else None
+
+    def as_dict(self) -> dict:
+        b = self.binding
+        bp = b.binding if b else None
+        return {
+            "mem_fraction_static": self.mem_fraction_static,
+            "bucket_mib": None if self.bucket_bytes is None else self.bucket_bytes / MiB,
+            "binding_phase": bp.phase if bp else None,
+            "feasible": self.feasible,
+            "bucket_bytes": self.bucket_bytes,
+            "max_fraction": None if b is None else round(b.max_fraction, 6),
+            "binding": None if bp is None else {
+                "file": bp.file, "line": bp.line, "event": bp.event, "step": bp.step, "refused": bp.virtual,
+                "other_bytes": bp.used - bp.kv - b.device.engine_weights, "by_tag": bp.by_tag,
+                "reserved_bytes": bp.reserved},
+            "source": self.source,
+            "assumed": self.assumed,
+            "devices": [{
+                "file": r.device.file, "total_bytes": r.device.total, "margin_bytes": r.margin,
+                "engine_weights_bytes": r.device.engine_weights, "plan": r.device.plan,
+                "mem_fraction_static": r.mfs, "max_fraction": None if r.max_fraction is None else round(r.max_fraction, 6),
+                "binding_phase": r.binding.phase if r.binding else None,
+                "max_fraction_by_phase": {k: round(v, 6) for k, v in r.by_phase.items()},
+                "bucket_bytes": r.bucket_bytes,
+                "bucket_binding_phase": r.bucket_point.phase if r.bucket_point else None,
+                "live_buckets": round(r.live_buckets, 4),
+                "infeasible": r.infeasible, "notes": r.notes, "arithmetic": r.arithmetic,
+            } for r in self.results],
+        }
+
+    def text(self) -> str:
+        lines = []
+        if self.assumed:
+            lines.append("what-if (no trace); assumed, not measured: " + ", ".join(
+                f"{k} {v}" for k, v in self.assumed.items()))
+        for r in self.results:
+            lines += r.arithmetic
+            lines += [f"  note: {n}" for n in r.notes]
+            lines += [f"  does not fit: {n}" for n in r.infeasible]
+        b = self.binding
+        if self.feasible:
+            bucket = "none (no sync recorded)" if self.bucket_bytes is None else \
+                f"{self.bucket_bytes / MiB:g} MiB ({self.bucket_bytes} B)"
+            lines.append(f"recommend: mem_fraction_static {self.mem_fraction_static:.2f}, bucket {bucket}; "
+                         f"binding phase: {b.binding.phase}")
+        else:
+            phase = next((r.binding.phase for r in self.results if r.infeasible and r.binding), None)
+            lines.append("no recommendation: the trace does not fit the device at any mem_fraction_static"
+                         + (f" (binding phase {phase})" if phase else ""))
+        return "\n".join(lines)
+
+
+def tune(traces: list[LoadedTrace], margin_bytes: int | None = None) -> Recommendation:
+    return Recommendation([analyse_device(_points(t), margin_bytes) for t in traces], "trace")
+
+
+# -- what-if ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class WhatIf:
+    """Sizes instead of a trace. The defaults not given on the command line are
+    assumptions, printed with the result: record a trace for real numbers."""
+
+    gpu_gib: float
+    model_gib: float  # the engine's weights (in the engine's dtype)
+    bucket_mib: float = 64.0  # SchedulerConfig's default bucket
+    plan: str = "offload-first"
+    #: CUDA context, communicator buffers, allocator cache: R
+    reserved_gib: float = 1.0
+    cuda_graph_gib: float = 0.5
+    #: the trainer's weights and optimizer, by default the weights' size and twice it
+    trainer_weights_gib: float | None = None
+    optimizer_gib: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_gib", "model_gib", "bucket_mib"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        for name in ("reserved_gib", "cuda_graph_gib", "trainer_weights_gib", "optimizer_gib"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                raise ValueError(f"{name} must be >= 0, got {v!r}")
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
+        if self.reserved_gib >= self.gpu_gib:
+            raise ValueError(f"reserved_gib {self.reserved_gib} leaves nothing of a {self.gpu_gib} GiB device")
+
+    @property
+    def trainer_weights(self) -> float:
+        return self.model_gib if self.trainer_weights_gib is None else self.trainer_weights_gib
+
+    @property
+    def optimizer(self) -> float:
+        return 2 * self.model_gib if self.optimizer_gib is None else self.optimizer_gib
+
+    def assumptions(self) -> dict:
+        return {"reserved_gib": self.reserved_gib, "cuda_graph_gib": self.cuda_graph_gib,
+                "trainer_weights_gib": self.trainer_weights, "optimizer_gib": self.optimizer}
+
+
+def synthesize(w: WhatIf) -> list[dict]:
+    """One cycle of ``w.plan`` as the scheduler would record it, from sizes alone.
+
+    The KV pool is recorded resident with 0 bytes: the analysis replaces it by
+    ``T × mfs − Wr`` wherever it is resident, so its recorded size never matters.
+    """
+    T = int(w.gpu_gib * GiB)
+    R = int(w.reserved_gib * GiB)
+    size = {"engine.weights": int(w.model_gib * GiB), KV: 0, "engine.cuda_graph": int(w.cuda_graph_gib * GiB),
+            "trainer.weights": int(w.trainer_weights * GiB), "trainer.optimizer": int(w.optimizer * GiB)}
+    resident = {k: k.startswith("engine.") for k in size}
+    host = {k: k.startswith("trainer.") for k in size}
+    B = max(1, int(w.bucket_mib * MiB))
+    staging = 0
+    out: list[dict] = []
+    clock = [0.0]
+    step = 0
+
+    def mem() -> dict:
+        by_tag = {k: (v if resident[k] else 0) for k, v in size.items()}
+        by_tag[STAGING] = staging
+        return {"used": R + sum(by_tag.values()), "total": T, "by_tag": by_tag}
+
+    def emit(event: str, **fields) -> None:
+        clock[0] = round(clock[0] + 0.001, 6)
+        out.append({"event": event, "ts": clock[0], "rank": 0, **fields})
+
+    def flip(owner: str, tags: tuple[str, ...], on: bool) -> None:
+        for tag in tags:
+            key = f"{owner}.{tag}"
+            if resident[key] == on:
+                continue
+            resident[key] = on
+            if on:
+                emit("memory.resumed", owner=owner, tag=tag, bytes=size[key], mem=mem())
+            else:
+                host[key] = owner == "trainer"
+                emit("memory.paused", owner=owner, tag=tag, bytes=size[key], host_copy=host[key], mem=mem())
+
+    out.append({"event": "trace.started", "ts": 0.0, "rank": 0, "schema": SCHEMA, "world_size": 1,
+                "device": {"kind": "what-if", "name": f"{w.gpu_gib:g} GiB", "total_bytes": T},
+                "config": {"plan": w.plan, "bucket_bytes": B, "transport": "what-if"},
+                "tags": {k: {"bytes": v, "resident": resident[k], "host_copy": host[k]} for k, v in size.items()},
+                "mem": mem(), "engine_weight_version": 0, "trainer_weight_version": 0})
+    prev = None
+    for phase in PLANS[w.plan]:
+        emit("phase.entered", step=step, from_phase=prev, to_phase=phase.value, mem=mem())
+        if phase is Phase.ROLLOUT:
+            emit("rollout.finished", step=step, reward=0.0, tokens=0)
+        elif phase is Phase.ENGINE_RELEASE:
+            flip("engine", ("kv_cache", "cuda_graph", "weights"), False)
+        elif phase is Phase.TRAINER_ONLOAD:
+            flip("trainer", ("weights", "optimizer"), True)
+        elif phase is Phase.TRAINER_OFFLOAD:
+            flip("trainer", ("weights", "optimizer"), False)
+        elif phase is Phase.ENGINE_WAKE_WEIGHTS:
+            flip("engine", ("weights",), True)
+        elif phase is Phase.ENGINE_WAKE_KV:
+            flip("engine", ("kv_cache", "cuda_graph"), True)
+        elif phase is Phase.SYNC:
+            # two buckets in flight at the peak, as the pipelined transports do
+            n = 2
+            for b in range(n):
+                staging += B
+                stages = BUCKET_STAGES if not resident["trainer.weights"] else BUCKET_STAGES[1:]
+                for s in stages:
+                    emit("bucket.finished", step=step, bucket=b, stage=s, bytes=B, tensors=1, duration_s=0.0,
+                         mem=mem())
+            staging = 0
+            emit("sync.finished", step=step, bytes=n * B, buckets=n, tensors=n, params=n, duration_s=0.0,
+                 weight_version=1, digest="what-if", cache_flushed=True,
+                 source="device" if resident["trainer.weights"] else "host", mem=mem())
+        emit("phase.finished", step=step, phase=phase.value, duration_s=0.0, mem=mem())
+        prev = phase.value
+    emit("trace.finished")
+    return out
+
+
+def what_if(w: WhatIf, margin_bytes: int | None = None) -> Recommendation:
+    events = synthesize(w)
+    trace = LoadedTrace(f"what-if {w.plan}", events, list(range(1, len(events) + 1)))
+    rec = Recommendation([analyse_device(_points(trace), margin_bytes)], "what-if", w.assumptions())
+    return rec
+
+
+# -- the command ---------------------------------------------------------------------------
+
+def run_tune(args) -> int:
+    from colo.cli import UsageError  # argparse only: still pure
+
+    margin = None
+    warnings: list[str] = []
+    if args.margin_gib is not None:
+        if not args.margin_gib >= 0:
+            raise UsageError(f"--margin-gib must be >= 0, got {args.margin_gib}")
+        margin = int(args.margin_gib * GiB)
+    whatif_flags = {k: getattr(args, k) for k in ("gpu_gib", "model_gib", "bucket_mib", "plan")
+                    if getattr(args, k) is not None}
+    try:
+        if args.traces:
+            if whatif_flags:
+                raise UsageError("--" + ", --".join(k.replace("_", "-") for k in whatif_flags)
+                                 + " describe a what-if without a trace; give either TRACE... or them")
+            traces = [load_trace(p) for p in args.traces]
+            warnings = [w for t in traces for w in t.warnings]
+            rec = tune(traces, margin)
+        else:
+            missing = [f"--{k.replace('_', '-')}" for k in ("gpu_gib", "model_gib") if k not in whatif_flags]
+            if missing:
+                raise UsageError("give TRACE... or a what-if: " + " and ".join(missing) + " missing")
+            rec = what_if(WhatIf(**whatif_flags), margin)
+    except (BadTrace, TuneError, ValueError) as e:
+        if isinstance(e, UsageError):
+            raise
+        raise UsageError(str(e)) from None
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rec.as_dict(), indent=2))
+    else:
+        print(rec.text())
+    return 0 if rec.feasible else 1
+
+
+__all__ = ["Recommendation", "WhatIf", "analyse_device", "synthesize", "tune", "what_if", "TuneError"]

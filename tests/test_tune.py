@@ -1,0 +1,221 @@
+"""``colo tune``: the arithmetic on fake traces, and the property that matters:
+a run at the recommended fraction completes, one at +0.05 runs out of memory
+in the phase tune named."""
+
+import json
+
+import pytest
+
+from colo.cli import main
+from colo.config import SchedulerConfig
+from colo.memory import GiB, MiB, MemoryLedger, OutOfMemory
+from colo.replay import LoadedTrace, check_trace, load_trace
+from colo.scheduler import Scheduler
+from colo.trace import TraceWriter
+from colo.tune import WhatIf, synthesize, tune, what_if
+from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+
+T = 2000
+W_ENGINE, CG, W_TRAINER, OPT = 100, 20, 100, 200
+
+
+class LeavesCacheTrainer(FakeTrainer):
+    """A trainer whose first step leaves ``grow`` bytes resident for good (its
+    allocator cache, its communicator buffers): the engine sized its KV pool
+    before that existed."""
+
+    def __init__(self, memory, grow):
+        super().__init__(weights=W_TRAINER, optimizer=OPT)
+        self.memory, self.grow, self.grown = memory, grow, False
+
+    async def train_step(self, rollout):
+        if not self.grown:
+            self.memory.reserved_bytes += self.grow
+            self.grown = True
+        return await super().train_step(rollout)
+
+
+async def run_at(path, mfs, *, plan="offload-first", total=T, reserved=50, grow=0, cycles=3, bucket=50):
+    """The scheduler with fakes whose engine sizes its KV pool as total × mfs − weights.
+
+    Returns None when every cycle completes, else the OutOfMemory raised."""
+    memory = MemoryLedger(total_bytes=total, reserved_bytes=reserved)
+    engine = FakeEngine(weights=W_ENGINE, kv_cache=int(total * mfs) - W_ENGINE, cuda_graph=CG)
+    s = Scheduler(LeavesCacheTrainer(memory, grow), engine, memory, FakeTransport(),
+                  trace=TraceWriter(path), config=SchedulerConfig(plan=plan, bucket_bytes=bucket),
+                  run_config={"mem_fraction_static": mfs})
+    try:
+        async with s:
+            for _ in range(cycles):
+                await s.cycle()
+    except OutOfMemory as e:
+        return e
+    return None
+
+
+def cli(capsys, *argv):
+    code = main(["tune", *map(str, argv)])
+    io = capsys.readouterr()
+    return code, io.out, io.err
+
+
+async def test_fraction_and_bucket_from_a_trace_with_the_arithmetic(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    assert await run_at(path, 0.5, reserved=50) is None
+    code, out, _ = cli(capsys, path, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["feasible"] is True
+    # other = R 50 + graphs 20; margin = 2% of 2000 = 40: (2000 - 40 - 70) / 2000 = 0.945
+    assert doc["max_fraction"] == 0.945 and doc["mem_fraction_static"] == 0.94
+    assert doc["binding_phase"] == "start"  # nothing grows: the engine's start binds first
+    assert doc["binding"]["other_bytes"] == 70 and doc["binding"]["line"] == 1
+    # sync holds R 50 + Wr 100 besides staging; staging peaked at 84 B = 1.68 x the 50 B budget;
+    # (2000 - 40 - 150) / 1.68 = 1077 B, capped at Wr rounded up to a power of two: 128 B
+    dev = doc["devices"][0]
+    assert dev["live_buckets"] == 1.68 and dev["bucket_binding_phase"] == "sync"
+    assert doc["bucket_bytes"] == 128 and doc["bucket_mib"] == 128 / MiB
+    assert dev["max_fraction_by_phase"]["engine_wake_kv"] == 0.945
+    code, out, _ = cli(capsys, path)
+    assert code == 0
+    assert "mfs ≤ (T − margin − other) / T = (2000 − 40 − 70) / 2000 = 0.9450" in out
+    assert out.splitlines()[-1] == "recommend: mem_fraction_static 0.94, bucket 0.00012207 MiB (128 B); binding phase: start"
+
+
+async def test_margin_flag_and_what_grew_since_the_engine_started(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    assert await run_at(path, 0.5, reserved=50, grow=300) is None
+    code, out, _ = cli(capsys, path, "--margin-gib", 100 / GiB, "--json")
+    doc = json.loads(out)
+    # after the first train the device also holds the trainer's 300 B: other = 50 + 300 + 20
+    assert doc["max_fraction"] == pytest.approx((2000 - 100 - 370) / 2000, abs=1e-6)
+    assert doc["mem_fraction_static"] == 0.76
+    assert doc["binding_phase"] == "engine_wake_kv"
+    assert doc["binding"]["event"] == "memory.resumed" and doc["binding"]["reserved_bytes"] == 350
+    code, out, _ = cli(capsys, path, "--margin-gib", 100 / GiB)
+    assert "(that is 300 B more than at start (t.jsonl line 1: trace.started): it grew after" in out
+
+
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
+async def test_recommended_fraction_completes_and_five_points_more_ooms_in_the_named_phase(plan, tmp_path, capsys):
+    assert await run_at(tmp_path / "rec.jsonl", 0.4, plan=plan, grow=300) is None
+    rec = tune([load_trace(tmp_path / "rec.jsonl")])
+    mfs, phase = rec.mem_fraction_static, rec.binding.binding.phase
+    assert phase == {"offload-first": "engine_wake_kv", "sync-first": "engine_wake_kv",
+                     "single-stage": "sync"}[plan]  # single-stage: KV and the buckets together
+    assert await run_at(tmp_path / "ok.jsonl", mfs, plan=plan, grow=300) is None
+    err = await run_at(tmp_path / "oom.jsonl", mfs + 0.05, plan=plan, grow=300)
+    assert isinstance(err, OutOfMemory) and err.phase == phase
+    # and the recommended bucket size fits at the recommended fraction too
+    bucket = rec.bucket_bytes
+    assert await run_at(tmp_path / "b.jsonl", mfs, plan=plan, grow=300, bucket=bucket) is None
+
+
+async def test_a_trace_that_ran_out_of_memory_tunes_to_a_fraction_that_fits(tmp_path, capsys):
+    err = await run_at(tmp_path / "oom.jsonl", 0.9, grow=300)
+    assert err.phase == "engine_wake_kv"
+    code, out, _ = cli(capsys, tmp_path / "oom.jsonl", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["binding"]["refused"] is True and doc["binding_phase"] == "engine_wake_kv"
+    # the refused resume: R 350 + Wr 100 + KV 1700 + graphs 20 -> other = 370
+    assert doc["binding"]["other_bytes"] == 370
+    assert doc["mem_fraction_static"] == 0.79  # (2000 - 40 - 370) / 2000 = 0.795
+    assert await run_at(tmp_path / "ok.jsonl", doc["mem_fraction_static"], grow=300) is None
+
+
+async def test_a_staging_oom_in_single_stage_tunes_the_fraction_down(tmp_path, capsys):
+    # single-stage at 0.94: R 50 + KV 1780 + Wr 100 + graphs 20 = 1950; two 42 B buckets do not fit
+    err = await run_at(tmp_path / "oom.jsonl", 0.94, plan="single-stage")
+    assert err.phase == "sync" and err.tag == "staging"
+    doc = json.loads(cli(capsys, tmp_path / "oom.jsonl", "--json")[1])
+    assert doc["binding_phase"] == "sync" and doc["binding"]["refused"] is True
+    # other = R 50 + graphs 20 + both buckets 84: (2000 - 40 - 154) / 2000 = 0.903
+    assert doc["binding"]["other_bytes"] == 154 and doc["mem_fraction_static"] == 0.90
+    assert await run_at(tmp_path / "ok.jsonl", doc["mem_fraction_static"], plan="single-stage",
+                        bucket=doc["bucket_bytes"]) is None
+
+
+async def test_several_devices_take_the_tightest(tmp_path, capsys):
+    assert await run_at(tmp_path / "a.jsonl", 0.5, reserved=50) is None
+    assert await run_at(tmp_path / "b.jsonl", 0.5, reserved=150) is None
+    doc = json.loads(cli(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl", "--json")[1])
+    assert doc["mem_fraction_static"] == 0.89  # (2000 - 40 - 170) / 2000 = 0.895
+    assert doc["binding"]["file"].endswith("b.jsonl")
+
+
+# -- what-if ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("plan,mfs,bucket_mib,binding", [
+    # other = R 1 + graphs 0.5 GiB; margin 1 GiB: (80 - 1 - 1.5) / 80 = 0.96875
+    ("offload-first", 0.96, 512, "start"),
+    ("sync-first", 0.96, 512, "start"),
+    # the sync also holds two 512 MiB buckets beside the KV pool: (80 - 1 - 2.5) / 80 = 0.95625
+    ("single-stage", 0.95, 512, "sync"),
+])
+def test_what_if_uses_the_same_model(plan, mfs, bucket_mib, binding, capsys):
+    code, out, _ = cli(capsys, "--gpu-gib", 80, "--model-gib", 16, "--bucket-mib", 512, "--plan", plan, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["source"] == "what-if"
+    assert (doc["mem_fraction_static"], doc["bucket_mib"], doc["binding_phase"]) == (mfs, bucket_mib, binding)
+    assert doc["assumed"] == {"reserved_gib": 1.0, "cuda_graph_gib": 0.5, "trainer_weights_gib": 16,
+                              "optimizer_gib": 32}
+
+
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
+def test_what_if_trace_is_one_the_checker_accepts(plan):
+    events = synthesize(WhatIf(gpu_gib=80, model_gib=16, plan=plan))
+    result = check_trace(LoadedTrace("w", events, list(range(1, len(events) + 1))))
+    assert result.findings == []
+    assert [p for p, _ in result.phases] == [p.value for p in __import__("colo.phases").phases.PLANS[plan]]
+
+
+async def test_what_if_agrees_with_a_recorded_trace_of_the_same_sizes(tmp_path):
+    total, R = 1 * GiB, 64 * MiB
+    memory = MemoryLedger(total_bytes=total, reserved_bytes=R)
+    engine = FakeEngine(weights=100 * MiB, kv_cache=400 * MiB, cuda_graph=32 * MiB)
+    trainer = FakeTrainer(weights=100 * MiB, optimizer=200 * MiB)
+    s = Scheduler(trainer, engine, memory, FakeTransport(), trace=TraceWriter(tmp_path / "t.jsonl"),
+                  config=SchedulerConfig(plan="sync-first", bucket_bytes=16 * MiB))
+    async with s:
+        await s.cycle()
+    recorded = tune([load_trace(tmp_path / "t.jsonl")])
+    w = what_if(WhatIf(gpu_gib=1, model_gib=100 / 1024, reserved_gib=R / GiB, cuda_graph_gib=32 / 1024,
+                       optimizer_gib=200 / 1024, plan="sync-first", bucket_mib=16))
+    assert w.binding.max_fraction == pytest.approx(recorded.binding.max_fraction, abs=1e-9)
+    assert w.mem_fraction_static == recorded.mem_fraction_static
+
+
+def test_what_if_that_cannot_fit_exits_1_naming_the_phase(capsys):
+    # sync-first: R 1 + engine 20 + trainer 20 + optimizer 40 GiB = 81 GiB during sync on 80 GiB
+    code, out, _ = cli(capsys, "--gpu-gib", 80, "--model-gib", 20, "--plan", "sync-first")
+    assert code == 1
+    assert "does not fit: engine_wake_weights, step 0" in out and "no mem_fraction_static fixes that" in out
+    doc = json.loads(cli(capsys, "--gpu-gib", 80, "--model-gib", 20, "--plan", "sync-first", "--json")[1])
+    assert doc["feasible"] is False
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "give TRACE... or a what-if: --gpu-gib and --model-gib missing"),
+    (["--gpu-gib", "80"], "--model-gib missing"),
+    (["--gpu-gib", "8", "--model-gib", "1", "--margin-gib", "-1"], "--margin-gib must be >= 0, got -1.0"),
+    (["TRACE", "--gpu-gib", "80"], "--gpu-gib describe a what-if without a trace"),
+    (["--gpu-gib", "1", "--model-gib", "0.5"], "reserved_gib 1.0 leaves nothing of a 1.0 GiB device"),
+])
+def test_bad_usage_exits_2(argv, message, tmp_path, capsys):
+    argv = [str(tmp_path / "x.jsonl") if a == "TRACE" else a for a in argv]
+    code, out, err = cli(capsys, *argv)
+    assert code == 2 and out == "" and message in err
+
+
+def test_unreadable_trace_exits_2(tmp_path, capsys):
+    (tmp_path / "x.jsonl").write_text("nope\n")
+    code, _, err = cli(capsys, tmp_path / "x.jsonl")
+    assert code == 2 and "line 1: not JSON" in err
+
+
+def test_what_if_config_is_validated():
+    with pytest.raises(ValueError, match="plan must be one of offload-first, sync-first, single-stage, got 'fast'"):
+        WhatIf(gpu_gib=80, model_gib=16, plan="fast")
+    with pytest.raises(ValueError, match="model_gib must be > 0, got 0"):
+        WhatIf(gpu_gib=80, model_gib=0)
+    with pytest.raises(TypeError):
+        WhatIf(80, 16)  # keyword-only
