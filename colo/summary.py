@@ -99,24 +99,27 @@ class PhaseSummary:
         if not isinstance(mem, dict):
             return
         by_tag = mem.get("by_tag") or {}
-        if isinstance(mem.get("total"), int) and self.total_bytes is None:
+        if self.total_bytes is None and isinstance(mem.get("total"), int):
             self.total_bytes = mem["total"]
-        values = {k: v for k, v in by_tag.items() if isinstance(v, int)}
+        ts = ev.get("ts", self.last_ts)
+        peaks = self.peaks
+        tagged = 0
+        for key, value in by_tag.items():
+            tagged += value
+            self._bump(peaks, key, value, ts)
         used = mem.get("used")
         if isinstance(used, int):
-            values["used"] = used
+            self._bump(peaks, "used", used, ts)
             # what no tag accounts for: the CUDA context, communicator buffers,
             # the allocator's cache; it can grow during a run, and tune cares.
-            values["reserved"] = used - sum(v for k, v in by_tag.items() if isinstance(v, int))
-        ts = float(ev["ts"]) if isinstance(ev.get("ts"), (int, float)) else self.last_ts
-        for key, value in values.items():
-            peak = self.peaks.get(key)
-            if peak is None:
-                peak = self.peaks[key] = Peak()
-            # strictly greater: the first event that reaches a peak names the phase,
-            # not a later one that merely carries the same snapshot
-            if value > peak.bytes:
-                peak.bytes, peak.phase, peak.ts, peak.step = value, self._phase, ts, self._step
+            self._bump(peaks, "reserved", used - tagged, ts)
+
+    def _bump(self, peaks: dict, key: str, value: int, ts: float) -> None:
+        peak = peaks.get(key)
+        # strictly greater: the first event that reaches a peak names the phase,
+        # not a later one that merely carries the same snapshot
+        if peak is None or value > peak.bytes:
+            peaks[key] = Peak(value, self._phase, float(ts), self._step)
 
     # -- reading -----------------------------------------------------------------
     @property
