@@ -1,0 +1,170 @@
+"""Extractor for an unsharded trainer: a plain ``nn.Module`` or a name -> tensor mapping.
+
+Every tensor of the module's state dict (parameters and persistent buffers)
+is one engine tensor under the same name, unless ``rename`` maps or drops it.
+Floating-point tensors are converted to the engine dtype here, on the
+trainer's side; integer and bool buffers keep their dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from colo.buckets import spec
+from colo.interfaces import TensorSpec
+
+DTypeLike = torch.dtype | str | None
+
+
+class UnknownTensor(KeyError):
+    """A name the extractor does not have; printed as a sentence, not a quoted key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def resolve_dtype(dtype: DTypeLike) -> torch.dtype | None:
+    """``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"``; ``None`` keeps each tensor's dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise ValueError(f"engine dtype {dtype!r} is not a torch dtype (expected e.g. torch.bfloat16 or 'bfloat16')")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_dtype_of(dtype: torch.dtype, engine: torch.dtype | None) -> torch.dtype:
+    # Integer and bool tensors (step counters, masks) are not weights to cast.
+    if engine is None or not dtype.is_floating_point:
+        return dtype
+    return engine
+
+
+def to_engine(t: torch.Tensor, engine: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
+    """Move, then convert: the host copy is pinned, so uploading it as is runs at
+    full bandwidth, while a copy converted on the host would be pageable (7x
+    slower to upload) and the conversion itself is faster on the device."""
+    t = t.detach()
+    if device is not None:
+        t = t.to(device)
+    return t.to(engine_dtype_of(t.dtype, engine)).contiguous()
+
+
+def check_request(names: Sequence[str], known: Mapping[str, Any] | set[str], who: str) -> list[str]:
+    """Refuse the whole request before the first collective, so every rank fails alike."""
+    if isinstance(names, (str, bytes)):
+        raise TypeError(f"{who}: extract() takes a sequence of names, got the single string {names!r}")
+    names = list(names)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UnknownTensor(f"{who}: unknown tensor name(s) {unknown}; the extractor knows {len(known)} "
+                       f"names (see specs())")
+    seen: set[str] = set()
+    dup: list[str] = []
+    for n in names:
+        if n in seen and n not in dup:
+            dup.append(n)
+        seen.add(n)
+    if dup:
+        raise ValueError(f"{who}: tensor name(s) {dup} requested more than once in one extract()")
+    return names
+
+
+def check_against_spec(who: str, name: str, t: torch.Tensor, s: TensorSpec) -> torch.Tensor:
+    """The transport packs at offsets planned from ``specs()``: a tensor that no
+    longer matches them (a resized parameter) would corrupt its neighbours."""
+    if tuple(t.shape) != s.shape or dtype_name(t.dtype) != s.dtype:
+        raise ValueError(f"{who}: {name!r} is now {tuple(t.shape)} {dtype_name(t.dtype)}, but specs() "
+                         f"promised {s.shape} {s.dtype}; build a new extractor after changing the model")
+    return t
+
+
+class PlainExtractor:
+    """Full tensors straight from an unsharded ``module`` (or a name -> tensor ``mapping``).
+
+    ``dtype`` is the engine's dtype (``None``: keep the trainer's). ``device``,
+    when given, is where tensors are moved before conversion: set it when
+    the source is a pinned host copy (offload-first) so the bucket is built on
+    the device. ``rename(name)`` returns the engine's name for a state-dict
+    name, or ``None`` to leave the tensor out (e.g. a tied ``lm_head.weight``).
+
+    Tensors are looked up again on every ``extract``, so an optimizer step or
+    an offload that swaps ``param.data`` is seen. A yielded tensor may alias
+    the trainer's parameter when no conversion or move is needed: consume it
+    before the next step and never write to it.
+    """
+
+    kind = "plain"
+
+    def __init__(self, source: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: DTypeLike = None,
+                 device: torch.device | str | None = None,
+                 rename: Callable[[str], str | None] | None = None):
+        if not isinstance(source, (torch.nn.Module, Mapping)):
+            raise TypeError(f"{self.kind} extractor: source must be an nn.Module or a mapping of name to tensor, "
+                            f"got {type(source).__name__}")
+        self._source = source
+        self.dtype = resolve_dtype(dtype)
+        self.device = None if device is None else torch.device(device)
+        self._engine_to_source: dict[str, str] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        for src_name, t in self._tensors().items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.kind} extractor: {src_name!r} is a {type(t).__name__}, not a tensor")
+            self._check_tensor(src_name, t)
+            name = src_name if rename is None else rename(src_name)
+            if name is None:
+                continue
+            if name in self._engine_to_source:
+                raise ValueError(f"{self.kind} extractor: {src_name!r} and {self._engine_to_source[name]!r} "
+                                 f"both map to engine name {name!r}")
+            self._engine_to_source[name] = src_name
+            self._specs[name] = spec(name, t.shape, dtype_name(engine_dtype_of(t.dtype, self.dtype)))
+
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
+        if isinstance(self._source, torch.nn.Module):
+            return self._source.state_dict()
+        return self._source
+
+    def _check_tensor(self, name: str, t: torch.Tensor) -> None:
+        if _is_dtensor(t):
+            raise TypeError(f"{self.kind} extractor: {name!r} is a sharded DTensor; use FSDPExtractor, "
+                            f"which gathers it with full_tensor()")
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        return to_engine(t, self.dtype, self.device)
+
+    def specs(self) -> Sequence[TensorSpec]:
+        return list(self._specs.values())
+
+    def extract(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        # Checked here, not inside the generator: a bad request fails at the
+        # call, on every rank, before anything is gathered.
+        names = check_request(names, self._engine_to_source, f"{self.kind} extractor")
+        return self._extract(names)
+
+    def _extract(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = self._tensors()
+        for name in names:
+            src_name = self._engine_to_source[name]
+            t = tensors.get(src_name)
+            if t is None:
+                raise UnknownTensor(f"{self.kind} extractor: {src_name!r} is no longer in the source "
+                               f"(it was there when the extractor was built)")
+            yield name, check_against_spec(f"{self.kind} extractor", name, self._full(src_name, t),
+                                           self._specs[name])
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
