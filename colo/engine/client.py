@@ -1,0 +1,193 @@
+"""The trainer side's handle on the engine process (an ``EngineSide``).
+
+Spawns the engine, connects over the authenticated channel, and turns each
+call into one request. Every engine error comes back as :class:`EngineError`
+with the engine's own message; a dead engine as :class:`EngineDied`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from colo.channel import AsyncChannel, ChannelError, new_key
+from colo.interfaces import RolloutResult, TensorSpec
+
+
+class EngineError(RuntimeError):
+    def __init__(self, op: str, error_type: str, message: str):
+        self.op, self.error_type = op, error_type
+        super().__init__(f"engine {op} failed: {error_type}: {message}")
+
+
+class EngineDied(RuntimeError):
+    pass
+
+
+class RolloutTask(Protocol):
+    """What to generate and how to score it (the demo's task is one)."""
+
+    max_new_tokens: int
+    temperature: float
+
+    def prompts(self, step: int) -> list[list[int]]: ...
+    def rewards(self, prompts: list[list[int]], completions: list[list[int]]) -> list[float]: ...
+    def seed(self, step: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class RolloutData:
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    rewards: list[float]
+
+
+class EngineClient:
+    def __init__(self, channel: AsyncChannel, process: Any, sockdir: str, key: bytes, hello: dict,
+                 task: RolloutTask | None):
+        self._ch, self.process, self._sockdir, self._key, self.task = channel, process, sockdir, key, task
+        self._tag_bytes = {k: int(v) for k, v in hello["tag_bytes"].items()}
+        self.weight_version = hello.get("weight_version")
+        self.specs = [TensorSpec(name=n, shape=tuple(s), dtype=d, nbytes=0) for n, s, d in hello["param_specs"]]
+        self.closed = False
+
+    @classmethod
+    async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
+                    start_timeout_s: float = 180.0) -> EngineClient:
+        sockdir = tempfile.mkdtemp(prefix="colo-engine-")
+        os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
+        path = os.path.join(sockdir, "engine.sock")
+        key = new_key()
+        from colo.engine.server import serve
+
+        proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True,
+                                               name="colo-engine")
+        proc.start()
+        try:
+            with anyio.fail_after(start_timeout_s):
+                while not os.path.exists(path):
+                    if not proc.is_alive():
+                        raise EngineDied(f"engine process exited with code {proc.exitcode} while starting")
+                    await anyio.sleep(0.05)
+                ch = await AsyncChannel.connect(path, key)
+                reply = await ch.request("hello")
+        except BaseException:
+            proc.kill()
+            proc.join(5)
+            shutil.rmtree(sockdir, ignore_errors=True)
+            raise
+        if not reply.get("ok"):
+            raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
+        return cls(ch, proc, sockdir, key, reply, task)
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self._sockdir, "engine.sock")
+
+    async def reconnect(self) -> None:
+        """A fresh authenticated connection to the same engine (after a broken channel)."""
+        try:
+            await self._ch.aclose()
+        except Exception:
+            pass
+        self._ch = await AsyncChannel.connect(self.socket_path, self._key)
+
+    async def call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        if self.closed:
+            raise EngineDied(f"engine client is closed: cannot {op}")
+        try:
+            reply = await self._ch.request(op, on_sent=on_sent, **fields)
+        except ChannelError as e:
+            if not self.process.is_alive():
+                raise EngineDied(f"engine process died (exit code {self.process.exitcode}) during {op}") from e
+            raise
+        if not reply.get("ok"):
+            raise EngineError(op, reply.get("error_type", "?"), reply.get("error", ""))
+        return reply
+
+    # -- EngineSide ------------------------------------------------------------
+    def tag_bytes(self) -> dict[str, int]:
+        return dict(self._tag_bytes)
+
+    async def release(self, tags: Sequence[str]) -> None:
+        await self.call("release", tags=list(tags))
+
+    async def resume(self, tags: Sequence[str]) -> None:
+        await self.call("resume", tags=list(tags))
+
+    async def flush_cache(self) -> None:
+        await self.call("flush_cache")
+
+    async def set_weight_version(self, version: int | None) -> None:
+        await self.call("set_weight_version", version=version)
+        self.weight_version = version
+
+    async def digest(self) -> str:
+        return (await self.call("digest"))["digest"]
+
+    async def generate(self, step: int) -> RolloutResult:
+        if self.task is None:
+            raise RuntimeError("engine client has no rollout task: pass task= to spawn()")
+        t = self.task
+        prompts = t.prompts(step)
+        reply = await self.call("generate", prompts=prompts, max_new_tokens=t.max_new_tokens,
+                                temperature=t.temperature, seed=t.seed(step))
+        completions = reply["completions"]
+        rewards = t.rewards(prompts, completions)
+        tokens = sum(len(c) for c in completions)
+        return RolloutResult(reward=sum(rewards) / len(rewards), tokens=tokens,
+                             data=RolloutData(prompts, completions, rewards))
+
+    # -- sync ------------------------------------------------------------------
+    async def preflight(self, specs: Sequence[TensorSpec]) -> None:
+        await self.call("preflight", specs=[[s.name, list(s.shape), s.dtype] for s in specs])
+
+    async def begin_load(self) -> None:
+        await self.call("begin_load")
+
+    async def load_bucket(self, handle: dict, meta: list[dict], on_sent: Any = None) -> dict:
+        return await self.call("load_bucket", handle=handle, meta=meta, on_sent=on_sent)
+
+    async def end_load(self) -> None:
+        await self.call("end_load")
+
+    async def drop_handles(self) -> None:
+        await self.call("drop_handles")
+
+    async def logits(self, tokens: list[list[int]]) -> list:
+        return (await self.call("logits", tokens=tokens))["logits"]
+
+    # -- lifetime --------------------------------------------------------------
+    def kill(self) -> None:
+        """Kill the engine process outright (fault injection; a crashed engine)."""
+        self.process.kill()
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        if self.closed:
+            return
+        # Shielded: an engine left running after a cancelled run holds memory
+        # and a socket nobody will ever answer.
+        with anyio.CancelScope(shield=True):
+            if self.process.is_alive():
+                with anyio.move_on_after(timeout_s):
+                    try:
+                        await self._ch.request("shutdown")
+                    except Exception:
+                        pass
+            try:
+                await self._ch.aclose()
+            except Exception:
+                pass
+            await anyio.to_thread.run_sync(self.process.join, timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                await anyio.to_thread.run_sync(self.process.join, timeout_s)
+            shutil.rmtree(self._sockdir, ignore_errors=True)
+            self.closed = True

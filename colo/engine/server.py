@@ -1,0 +1,227 @@
+"""The engine process: an EngineCore behind the authenticated control channel.
+
+Like SGLang's scheduler process, it does one request at a time. It survives
+bad peers: a client without the key is refused, a frame that is not JSON
+(a pickle, say) is answered with an error and logged, and the engine keeps
+serving. Bucket handles are opened through ``colo.handles.open_handle`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from colo.buckets import ITEMSIZE, itemsize, numel
+from colo.channel import ChannelError, recv_frame, send_frame, server_handshake
+from colo.handles import open_handle
+from colo.interfaces import TensorSpec
+
+#: attachments kept open across buckets: the sender double-buffers, so two
+#: live segments is the steady state; a few more cover a restarted sync.
+MAX_ATTACHED = 4
+
+
+_LOG: Any = None  # a file opened by serve() when the client asked for one
+
+
+def log(event: str, **fields: Any) -> None:
+    # JSON lines, to the client's log file or to stderr; flushed so a killed
+    # engine leaves its last words behind.
+    print(json.dumps({"event": event, "pid": os.getpid(), **fields}), file=_LOG or sys.stderr, flush=True)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in ITEMSIZE:
+        raise ValueError(f"dtype {name!r} is not allowed; expected one of {', '.join(ITEMSIZE)}")
+    return getattr(torch, name)
+
+
+class EngineServer:
+    def __init__(self, core: Any):
+        self.core = core
+        self._attached: dict[str, Any] = {}
+        self.running = True
+
+    # -- handles ---------------------------------------------------------------
+    def _attach(self, handle: dict) -> Any:
+        name = handle.get("name") or handle.get("key")
+        seg = self._attached.get(name) if name else None
+        if seg is None or getattr(seg, "nbytes", None) != handle.get("nbytes"):
+            if seg is not None:
+                seg.close()
+            seg = open_handle(handle)
+            if name:
+                self._attached[name] = seg
+                while len(self._attached) > MAX_ATTACHED:
+                    self._attached.pop(next(iter(self._attached))).close()
+        return seg
+
+    def _detach_all(self) -> None:
+        for seg in self._attached.values():
+            seg.close()
+        self._attached.clear()
+
+    # -- ops -------------------------------------------------------------------
+    def op_hello(self) -> dict:
+        return {"tag_bytes": dict(self.core.tag_bytes()), "weight_version": self.core.weight_version,
+                "param_specs": [[s.name, list(s.shape), s.dtype] for s in self.core.param_specs()]}
+
+    def op_release(self, tags: list[str]) -> dict:
+        self.core.release(list(tags))
+        return {"tag_bytes": dict(self.core.tag_bytes())}
+
+    def op_resume(self, tags: list[str]) -> dict:
+        self.core.resume(list(tags))
+        return {"tag_bytes": dict(self.core.tag_bytes())}
+
+    def op_flush_cache(self) -> dict:
+        self.core.flush_cache()
+        return {}
+
+    def op_set_weight_version(self, version: int | None) -> dict:
+        self.core.set_weight_version(version)
+        return {}
+
+    def op_generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                    seed: int) -> dict:
+        g = torch.Generator().manual_seed(int(seed))
+        tokens = torch.tensor(prompts, dtype=torch.long)
+        completions, _ = self.core.generate(tokens, int(max_new_tokens), temperature=float(temperature),
+                                            generator=g)
+        return {"completions": completions.tolist()}
+
+    def op_logits(self, tokens: list[list[int]]) -> dict:
+        out = self.core.logits(torch.tensor(tokens, dtype=torch.long))
+        return {"logits": out.float().cpu().tolist()}
+
+    def op_digest(self) -> dict:
+        return {"digest": self.core.digest()}
+
+    def op_preflight(self, specs: list[list]) -> dict:
+        parsed = []
+        for name, shape, dtype in specs:
+            parsed.append(TensorSpec(name=name, shape=tuple(shape), dtype=dtype,
+                                     nbytes=numel(shape) * itemsize(dtype)))
+        self.core.preflight(parsed)
+        return {}
+
+    def op_begin_load(self) -> dict:
+        self.core.begin_load()
+        return {}
+
+    def op_load_bucket(self, handle: dict, meta: list[dict]) -> dict:
+        t0 = time.perf_counter()
+        seg = self._attach(handle)
+        flat = seg.tensor
+        opened = time.perf_counter()
+        named = []
+        for m in meta:
+            start, end, shape = int(m["start_idx"]), int(m["end_idx"]), tuple(int(d) for d in m["shape"])
+            dtype = torch_dtype(m["dtype"])
+            if not 0 <= start <= end <= flat.numel() or end - start != numel(shape) * itemsize(m["dtype"]):
+                raise ValueError(f"bucket entry {m.get('name')!r}: bytes [{start}, {end}) do not fit "
+                                 f"shape {shape} {m['dtype']} in a {flat.numel()} B buffer")
+            named.append((m["name"], flat[start:end].view(dtype).view(shape)))
+        # copy_ into the engine's parameters: after this the segment may be reused
+        self.core.load_weights(named)
+        del named, flat
+        done = time.perf_counter()
+        return {"handoff_s": opened - t0, "load_s": done - opened, "tensors": len(meta)}
+
+    def op_end_load(self) -> dict:
+        self._detach_all()
+        self.core.end_load()
+        return {}
+
+    def op_drop_handles(self) -> dict:
+        self._detach_all()
+        return {}
+
+    def op_shutdown(self) -> dict:
+        self.running = False
+        self._detach_all()
+        return {}
+
+    # -- loop ------------------------------------------------------------------
+    def handle(self, msg: dict) -> dict:
+        rid, op = msg.get("id"), msg.get("op")
+        fn = getattr(self, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
+        if fn is None:
+            return {"id": rid, "ok": False, "error_type": "UnknownOp", "error": f"unknown op {op!r}"}
+        args = {k: v for k, v in msg.items() if k not in ("id", "op")}
+        try:
+            return {"id": rid, "ok": True, **fn(**args)}
+        except Exception as e:  # the engine answers every request; it does not die on one
+            log("engine.request_failed", op=op, error=f"{type(e).__name__}: {e}")
+            return {"id": rid, "ok": False, "error_type": type(e).__name__, "error": str(e),
+                    "trace": traceback.format_exc(limit=3)}
+
+    def serve_connection(self, conn: socket.socket, key: bytes) -> None:
+        try:
+            server_handshake(conn, key)
+        except (ChannelError, OSError) as e:
+            log("channel.refused", reason=str(e))
+            return
+        while self.running:
+            try:
+                msg = recv_frame(conn)
+            except ChannelError as e:
+                if "closed" in str(e):
+                    return
+                # A frame we will not decode (not JSON: e.g. a pickle) is refused,
+                # logged, and the engine reads the next one.
+                log("channel.rejected_frame", reason=str(e))
+                send_frame(conn, {"id": None, "ok": False, "error_type": "ChannelError", "error": str(e)})
+                continue
+            send_frame(conn, self.handle(msg))
+
+
+def build_core(build: dict) -> Any:
+    """The EngineCore described by ``build`` (plain data, made by the client)."""
+    from transformers import Qwen2Config
+
+    from colo.engine.core import EngineCore
+
+    init_state = None
+    if build.get("checkpoint"):
+        from safetensors.torch import load_file
+
+        # Like SGLang launching from a model path: version 0 is the checkpoint.
+        init_state = load_file(build["checkpoint"])
+    return EngineCore(Qwen2Config(**build["config"]), dtype=torch_dtype(build["dtype"]),
+                      device=build["device"], total_bytes=int(build["total_bytes"]),
+                      mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state)
+
+
+def serve(sock_path: str, key: bytes, build: dict) -> None:
+    """Process entry point: build the engine, listen, serve until shutdown."""
+    global _LOG
+    if build.get("log_path"):
+        _LOG = open(build["log_path"], "a", encoding="utf-8")
+    core = build_core(build)
+    server = EngineServer(core)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path + ".tmp")
+    os.chmod(sock_path + ".tmp", 0o600)
+    listener.listen(4)
+    # Rename after listen: the client never connects to a socket that is not ready.
+    os.replace(sock_path + ".tmp", sock_path)
+    log("engine.ready", socket=sock_path)
+    try:
+        while server.running:
+            conn, _ = listener.accept()
+            with conn:
+                try:
+                    server.serve_connection(conn, key)
+                except (OSError, ChannelError) as e:
+                    log("channel.dropped", reason=str(e))
+    finally:
+        listener.close()
+        server._detach_all()

@@ -1,0 +1,110 @@
+"""Tensor handles that cross the control channel, and the only code that rebuilds them.
+
+A handle is a small JSON object: ``{"kind": "shm", "name": ..., "nbytes": ...}``
+for a host shared-memory segment, ``{"kind": "cuda_ipc", ...}`` for a CUDA IPC
+allocation. The receiving side calls :func:`open_handle`, which dispatches on
+``kind`` through a fixed table; nothing else turns channel bytes into memory.
+
+Shared memory lives in ``/dev/shm`` as files we create with ``O_EXCL`` and
+unlink ourselves: ``multiprocessing.shared_memory`` would hand the segment to
+a resource tracker that unlinks it behind our back when the engine exits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
+
+
+class HandleError(ValueError):
+    """A handle that is malformed or of a kind that is not allowed."""
+
+
+class ShmSegment:
+    """One shared-memory segment mapped into this process, viewable as a uint8 tensor."""
+
+    def __init__(self, name: str, nbytes: int, *, create: bool):
+        if not _SHM_NAME.match(name):
+            raise HandleError(f"shared-memory name {name!r} is not a colo segment name")
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise HandleError(f"shared-memory size must be a positive integer, got {nbytes!r}")
+        self.name, self.nbytes, self.owner = name, nbytes, create
+        path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, nbytes)
+            elif os.fstat(fd).st_size < nbytes:
+                raise HandleError(f"segment {name} holds {os.fstat(fd).st_size} B, handle says {nbytes} B")
+            self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, nbytes: int) -> ShmSegment:
+        return cls(f"colo-{os.getpid()}-{uuid.uuid4().hex}", nbytes, create=True)
+
+    def handle(self) -> dict:
+        return {"kind": "shm", "name": self.name, "nbytes": self.nbytes}
+
+    def close(self) -> None:
+        # Views of the mapping must be gone before it closes, or mmap refuses.
+        self.tensor = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                # a caller still holds a view: leave the mapping to the GC
+                pass
+            self._mm = None
+        if self.owner:
+            try:
+                os.unlink(os.path.join(SHM_DIR, self.name))
+            except FileNotFoundError:
+                pass
+            self.owner = False
+
+
+def _open_shm(handle: dict) -> ShmSegment:
+    return ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False)
+
+
+#: kind -> the one function allowed to rebuild it
+REBUILDERS: dict[str, Callable[[dict], Any]] = {"shm": _open_shm}
+
+
+def register_rebuilder(kind: str, fn: Callable[[dict], Any]) -> None:
+    """Add a handle kind (the CUDA backend adds ``cuda_ipc``); refuse overwriting one."""
+    if kind in REBUILDERS and REBUILDERS[kind] is not fn:
+        raise ValueError(f"handle kind {kind!r} is already registered")
+    REBUILDERS[kind] = fn
+
+
+def open_handle(handle: Any) -> Any:
+    if not isinstance(handle, dict):
+        raise HandleError(f"a handle must be a JSON object, got {type(handle).__name__}")
+    kind = handle.get("kind")
+    fn = REBUILDERS.get(kind)
+    if fn is None:
+        raise HandleError(f"handle kind {kind!r} is not allowed; expected one of {', '.join(sorted(REBUILDERS))}")
+    return fn(handle)
+
+
+def leftover_segments(pid: int | None = None) -> list[str]:
+    """Segments in /dev/shm created by ``pid`` (default: this process) — for leak checks."""
+    prefix = f"colo-{pid if pid is not None else os.getpid()}-"
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []

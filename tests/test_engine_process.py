@@ -1,0 +1,140 @@
+"""The engine process and its channel: authenticated, never unpickling, really shared memory."""
+
+import os
+import pickle
+import socket
+import struct
+
+import pytest
+import torch
+
+from colo.buckets import plan_buckets
+from colo.channel import ChannelError, answer, recv_frame, send_frame
+from colo.engine.client import EngineClient, EngineError
+from colo.engine.model import expected_digest
+from colo.handles import HandleError, ShmSegment, leftover_segments, open_handle
+from colo.models import build_trainer_model, demo_config
+from colo.transports.packed import pack_into
+
+CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=128, max_position_embeddings=64)
+
+
+@pytest.fixture
+async def engine(tmp_path):
+    config = demo_config(**CFG)
+    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
+             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
+    client = await EngineClient.spawn(build)
+    try:
+        yield client, config
+    finally:
+        await client.aclose()
+    assert not client.process.is_alive()
+
+
+def raw_connect(path, key):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(path)
+    challenge = s.recv(32)
+    s.sendall(answer(key, challenge) if key else os.urandom(32))
+    return s
+
+
+async def test_a_peer_without_the_key_is_refused_and_the_engine_keeps_serving(engine):
+    client, _ = engine
+    # The client is connected; the engine serves one connection at a time, so
+    # close ours first and prove a keyless peer gets nothing.
+    await client._ch.aclose()
+    s = raw_connect(client.socket_path, None)
+    assert s.recv(2) == b""  # refused: the engine closed without an "OK"
+    s.close()
+    await client.reconnect()  # with the key, the same engine answers
+    assert "tag_bytes" in await client.call("hello")
+
+
+async def test_pickle_payload_is_rejected_logged_and_serving_continues(engine, tmp_path):
+    client, _ = engine
+    evil = pickle.dumps(os.system)  # a classic: a pickle that would call os.system when loaded
+    sock_stream = client._ch._stream
+    await sock_stream.send(struct.pack(">I", len(evil)) + evil)
+    reply = await client._ch._recv()
+    assert reply["ok"] is False and reply["error_type"] == "ChannelError"
+    assert "not UTF-8 JSON" in reply["error"]
+    # and the engine still answers real requests
+    assert (await client.call("hello"))["weight_version"] is None
+    log = (tmp_path / "engine.log").read_text()
+    assert '"event": "channel.rejected_frame"' in log and "not UTF-8 JSON" in log
+
+
+async def test_unknown_ops_and_disallowed_handles_are_errors(engine):
+    client, _ = engine
+    with pytest.raises(EngineError, match="unknown op '__class__'"):
+        await client.call("__class__")
+    with pytest.raises(EngineError, match="handle kind 'pickle' is not allowed"):
+        await client.call("begin_load")
+        await client.load_bucket({"kind": "pickle", "data": "x"}, [])
+
+
+def test_handle_rebuild_is_allow_listed_and_names_are_checked():
+    with pytest.raises(HandleError, match="not allowed"):
+        open_handle({"kind": "torch_pickle"})
+    with pytest.raises(HandleError, match="not a colo segment name"):
+        open_handle({"kind": "shm", "name": "../../etc/passwd", "nbytes": 8})
+
+
+async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(engine):
+    client, config = engine
+    model = build_trainer_model(config, seed=3)
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    specs = client.specs
+    from colo.buckets import spec as mkspec
+    full = [mkspec(s.name, s.shape, s.dtype) for s in specs]
+    await client.preflight(full)
+    await client.begin_load()
+    buckets = plan_buckets(full, 64 << 10)
+    seg = ShmSegment.create(max(b.nbytes for b in buckets))
+    try:
+        for b in buckets:
+            pack_into(seg.tensor, b, [(e.spec.name, state[e.spec.name]) for e in b.entries])
+            reply = await client.load_bucket(seg.handle(), [e.meta() for e in b.entries])
+            assert reply["tensors"] == len(b.entries)
+        await client.end_load()
+    finally:
+        seg.close()
+    assert leftover_segments() == []
+    assert await client.digest() == expected_digest(state, config, torch.float32)
+    await client.set_weight_version(1)
+    probe = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    got = torch.tensor(await client.logits(probe))
+    want = model(torch.tensor(probe)).logits.detach()
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+async def test_preflight_lists_every_mismatch_before_any_byte(engine):
+    client, config = engine
+    from colo.buckets import spec as mkspec
+    good = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
+    bad = good[1:] + [mkspec("model.layers.9.mlp.up_proj.weight", (2, 2), "float32")]
+    bad[0] = mkspec(bad[0].name, (1,) + tuple(bad[0].shape), bad[0].dtype)
+    with pytest.raises(EngineError) as ei:
+        await client.preflight(bad)
+    msg = str(ei.value)
+    assert good[0].name in msg and "model.layers.9.mlp.up_proj.weight" in msg and bad[0].name in msg
+
+
+def test_channel_refuses_oversized_and_non_object_frames():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(struct.pack(">I", 5) + b"[1,2]")
+        with pytest.raises(ChannelError, match="must be a JSON object"):
+            recv_frame(b)
+        send_frame(a, {"id": 1, "op": "x"})
+        assert recv_frame(b) == {"id": 1, "op": "x"}
+        a.sendall(struct.pack(">I", 1 << 30))
+        with pytest.raises(ChannelError, match="exceeds"):
+            recv_frame(b)
+    finally:
+        a.close()
+        b.close()
