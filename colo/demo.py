@@ -1,0 +1,269 @@
+"""``colo demo``: a real colocated RL loop on a built-in small model.
+
+The trainer (an HF Qwen2 policy with AdamW) lives in this process; the rollout
+engine (colo's own fused-parameter implementation with a preallocated KV pool)
+lives in a spawned process; weights travel through the chosen transport; the
+scheduler drives the phases of the chosen plan and writes the trace. After
+every sync the engine's digest must equal the trainer's and the engine's logits
+on a fixed probe batch must match the trainer's: a mismatch fails the run.
+
+The task is learnable on purpose: the reward is the share of completion tokens
+drawn from a fixed eighth of the vocabulary, so the mean reward starts near
+0.125 and rises as the policy learns.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from colo.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, PLANS, TRANSPORTS, UsageError
+from colo.config import SchedulerConfig
+from colo.memory import GiB, MiB, MemoryLedger, fmt_bytes
+from colo.scheduler import Scheduler
+from colo.summary import PhaseSummary
+from colo.trace import TraceWriter
+
+#: Simulated always-resident device memory on the CPU (the CUDA context,
+#: communicator buffers, allocator cache of a real GPU): a parameter of the
+#: simulation, not a measurement.
+CPU_RESERVED_MIB = 32
+CPU_DEFAULT_GIB = 0.25
+#: Largest |engine − trainer| logit difference accepted on the probe batch,
+#: relative to the largest trainer logit (bf16 engine against fp32 trainer).
+LOGIT_TOLERANCE = 0.03
+
+
+class VerificationError(RuntimeError):
+    """The engine's weights after a sync are not the trainer's."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    device: str = "cpu"
+    steps: int = 8
+    plan: str = "offload-first"
+    transport: str = "packed"
+    bucket_mib: float = 1.0
+    mem_fraction_static: float = 0.8
+    device_mem_gib: float | None = None
+    reserved_mib: float = CPU_RESERVED_MIB
+    trace: str | None = None
+    seed: int = 0
+    engine_dtype: str = "bfloat16"
+    batch: int = 32
+    prompt_len: int = 8
+    new_tokens: int = 24
+    fault: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        for name in ("steps", "batch", "prompt_len", "new_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not self.bucket_mib > 0:
+            raise ValueError(f"bucket size must be > 0 MiB, got {self.bucket_mib}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.device_mem_gib is not None and not self.device_mem_gib > 0:
+            raise ValueError(f"device memory must be > 0 GiB, got {self.device_mem_gib}")
+        if self.device_mem_gib is not None and self.device == "cuda":
+            raise ValueError("--device-mem-gib sizes the simulated CPU device; on cuda the GPU's size is used")
+        if not self.reserved_mib >= 0:
+            raise ValueError(f"reserved memory must be >= 0 MiB, got {self.reserved_mib}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mib * MiB))
+
+    @property
+    def trace_path(self) -> Path:
+        return Path(self.trace or f"traces/demo-{self.plan}.jsonl")
+
+
+class ReinforceTask:
+    """Random prompts; reward = share of completion tokens in a fixed eighth of the vocabulary."""
+
+    def __init__(self, vocab_size: int, *, batch: int, prompt_len: int, new_tokens: int, seed: int,
+                 temperature: float = 1.0):
+        self.vocab_size, self.batch, self.prompt_len = vocab_size, batch, prompt_len
+        self.max_new_tokens, self.temperature, self._seed = new_tokens, temperature, seed
+
+    def seed(self, step: int) -> int:
+        return self._seed * 1_000_003 + step
+
+    def prompts(self, step: int) -> list[list[int]]:
+        g = torch.Generator().manual_seed(self.seed(step) ^ 0x5EED)
+        return torch.randint(0, self.vocab_size, (self.batch, self.prompt_len), generator=g).tolist()
+
+    @staticmethod
+    def rewarded(token: int) -> bool:
+        return token % 8 == 0
+
+    def rewards(self, prompts: list[list[int]], completions: list[list[int]]) -> list[float]:
+        return [sum(self.rewarded(t) for t in c) / len(c) for c in completions]
+
+
+def probe_batch(vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed ^ 0xBEEF)
+    return torch.randint(0, vocab_size, (2, 16), generator=g).tolist()
+
+
+def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed: int):
+    from colo.engine.model import expected_digest
+
+    probe = probe_batch(model_config.vocab_size, seed)
+
+    async def verify(digest: str) -> None:
+        want = expected_digest(trainer.hf_state(), model_config, getattr(torch, dtype))
+        if digest != want:
+            raise VerificationError(f"engine digest {digest[:16]} != trainer digest {want[:16]} after sync")
+        got = torch.tensor(await engine.logits(probe))
+        ref = trainer.logits(probe)
+        err = float((got - ref).abs().max())
+        bound = LOGIT_TOLERANCE * float(ref.abs().max())
+        if not err <= bound:
+            raise VerificationError(f"engine logits differ from the trainer's by {err:.4g} on the probe "
+                                    f"batch (bound {bound:.4g})")
+
+    return verify
+
+
+def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
+    """Total bytes, reserved bytes, device name."""
+    if cfg.device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        return total, total - free, torch.cuda.get_device_name()
+    total = int((cfg.device_mem_gib or CPU_DEFAULT_GIB) * GiB)
+    reserved = int(cfg.reserved_mib * MiB)
+    if reserved >= total:
+        raise ValueError(f"reserved memory {fmt_bytes(reserved)} leaves nothing of a {fmt_bytes(total)} device")
+    return total, reserved, f"simulated {fmt_bytes(total)} (cpu)"
+
+
+@dataclass
+class DemoOutcome:
+    rewards: list[float]
+    summary: PhaseSummary
+    trace_path: Path
+    error: BaseException | None = None
+
+
+async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
+    from safetensors.torch import save_file
+
+    from colo.engine.client import EngineClient
+    from colo.models import build_trainer_model, demo_config
+    from colo.trainer import ReferenceTrainer
+    from colo.transports import make_transport
+
+    torch.manual_seed(cfg.seed)
+    model_config = demo_config()
+    trainer = ReferenceTrainer(build_trainer_model(model_config, cfg.seed).to(cfg.device),
+                               engine_dtype=cfg.engine_dtype)
+    total, reserved, name = device_budget(cfg)
+    memory = MemoryLedger(total_bytes=total, reserved_bytes=reserved, device_kind=cfg.device, device_name=name)
+    task = ReinforceTask(model_config.vocab_size, batch=cfg.batch, prompt_len=cfg.prompt_len,
+                         new_tokens=cfg.new_tokens, seed=cfg.seed)
+    workdir = tempfile.mkdtemp(prefix="colo-demo-")
+    summary = PhaseSummary()
+    rewards: list[float] = []
+    error: BaseException | None = None
+    try:
+        # The engine starts from the trainer's initial checkpoint (version 0),
+        # as SGLang starts from a model path.
+        ckpt = os.path.join(workdir, "init.safetensors")
+        save_file({k: v.contiguous().cpu() for k, v in trainer.hf_state().items()}, ckpt)
+        build = {"config": model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
+                 "total_bytes": total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt}
+        engine = await EngineClient.spawn(build, task=task)
+        try:
+            trace = TraceWriter(cfg.trace_path)
+            trace.add_listener(summary.feed)
+            sched = Scheduler(
+                trainer, engine, memory, make_transport(cfg.transport),
+                config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes),
+                trace=trace, verify=make_verifier(trainer, engine, model_config, cfg.engine_dtype, cfg.seed),
+                run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
+                            "mem_fraction_static": cfg.mem_fraction_static,
+                            "model": {"params": sum(p.numel() for p in trainer.model.parameters()),
+                                      "engine_dtype": cfg.engine_dtype}})
+            bar = _progress(cfg.steps, progress)
+            async with sched:
+                try:
+                    for _ in range(cfg.steps):
+                        await sched.cycle()
+                        rewards.append(sched.last_rollout.reward)
+                        bar.set_postfix(reward=f"{rewards[-1]:.3f}")
+                        bar.update(1)
+                except Exception as e:  # recorded in the trace as phase.failed; reported below
+                    error = e
+                finally:
+                    bar.close()
+        finally:
+            await engine.aclose()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return DemoOutcome(rewards, summary, cfg.trace_path, error)
+
+
+def _progress(steps: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=steps, desc="colo demo", unit="cycle", file=sys.stderr, disable=not enabled,
+                dynamic_ncols=True)
+
+
+def report(cfg: DemoConfig, out: DemoOutcome) -> str:
+    lines = [out.summary.table(), "", "reward per step:"]
+    for i, r in enumerate(out.rewards):
+        lines.append(f"  step {i:3d}  {r:.3f}  " + "#" * int(round(r * 40)))
+    if len(out.rewards) >= 10:
+        first, last = out.rewards[:5], out.rewards[-5:]
+        lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f}")
+    lines.append(f"trace: {out.trace_path}")
+    if out.error is not None:
+        lines.append(f"FAILED in phase {_failed_phase(out)}: {type(out.error).__name__}: {out.error}")
+    return "\n".join(lines)
+
+
+def _failed_phase(out: DemoOutcome) -> str:
+    return out.summary.errors[-1].get("phase", "?") if out.summary.errors else "?"
+
+
+def config_from_args(args: Any) -> DemoConfig:
+    try:
+        return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport,
+                          bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
+                          device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
+                          fault=args.fault)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def run_demo(args: Any) -> int:
+    cfg = config_from_args(args)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    out = anyio.run(functools.partial(run, cfg, progress=not args.quiet))
+    print(report(cfg, out))
+    return EXIT_FAILED if out.error is not None else EXIT_OK
+
+
+__all__ = ["DemoConfig", "DemoOutcome", "ReinforceTask", "run", "run_demo"]

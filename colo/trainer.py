@@ -1,0 +1,101 @@
+"""The reference trainer: a small HF Qwen2 policy, AdamW, and a REINFORCE step.
+
+It is a ``TrainerSide``: its weights and optimizer state are the
+``trainer.weights`` and ``trainer.optimizer`` tags, its extractor hands full
+tensors in the engine's dtype to the transport, and its step learns from the
+engine's rollouts. On the CPU, onload and offload move nothing (host memory is
+the only memory; the ledger accounts for the simulated device); on a GPU the
+memory backend pauses and resumes the trainer's regions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+import torch
+
+from colo.interfaces import RolloutResult, TensorSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReinforceConfig:
+    lr: float = 2e-3
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
+
+
+class ReferenceTrainer:
+    def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
+                 config: ReinforceConfig | None = None, memory_backend: Any = None):
+        from colo.extractors.plain import PlainExtractor
+
+        self.model = model
+        self.config = config or ReinforceConfig()
+        self.engine_dtype = engine_dtype
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
+        self._extractor = PlainExtractor(self.model, dtype=getattr(torch, engine_dtype))
+        self._memory_backend = memory_backend
+        self.steps = 0
+
+    # -- TrainerSide -----------------------------------------------------------
+    def tag_bytes(self) -> dict[str, int]:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # AdamW keeps exp_avg and exp_avg_sq, each the size of the weights.
+        return {"weights": weights, "optimizer": 2 * weights}
+
+    def param_specs(self) -> Sequence[TensorSpec]:
+        return self._extractor.specs()
+
+    def extractor(self) -> Any:
+        return self._extractor
+
+    async def onload(self, tags: Sequence[str]) -> None:
+        if self._memory_backend is not None:
+            await self._memory_backend.resume("trainer", tags)
+
+    async def offload(self, tags: Sequence[str]) -> None:
+        if self._memory_backend is not None:
+            await self._memory_backend.pause("trainer", tags)
+
+    async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
+        return await anyio.to_thread.run_sync(self._reinforce, rollout.data)
+
+    # -- the learning ----------------------------------------------------------
+    def _reinforce(self, data: Any) -> dict[str, float]:
+        """One REINFORCE step with a mean baseline over the batch's sequences."""
+        device = next(self.model.parameters()).device
+        prompts = torch.tensor(data.prompts, dtype=torch.long, device=device)
+        completions = torch.tensor(data.completions, dtype=torch.long, device=device)
+        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=device)
+        seq = torch.cat([prompts, completions], dim=1)
+        p = prompts.shape[1]
+        logits = self.model(seq).logits[:, p - 1:-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        adv = rewards - rewards.mean()
+        std = rewards.std()
+        if std > 1e-6:
+            adv = adv / std
+        loss = -(adv.unsqueeze(1) * logp).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.opt.step()
+        self.steps += 1
+        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
+
+    # -- verification ----------------------------------------------------------
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def logits(self, tokens: list[list[int]]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        return self.model(torch.tensor(tokens, dtype=torch.long, device=device)).logits.float().cpu()
