@@ -152,7 +152,8 @@ def chrome_events(trace: LoadedTrace) -> list[dict]:
         elif name == "sync.finished":
             flush_stages()
             d = ev.get("duration_s")
-            rate = ev["bytes"] / d / 1e9 if isinstance(d, (int, float)) and d > 0 and "bytes" in ev else None
+            rate = ev["bytes"] / d / 1e9 if isinstance(d, (int, float)) and d > 0 and isinstance(ev.get("bytes"), int) \
+                else None
             out.append({"ph": "i", "s": "t", "pid": pid, "tid": PHASE_TID, "name": "sync.finished",
                         "ts": _us(ts), "args": {**{k: ev[k] for k in ("step", "bytes", "buckets", "tensors",
                                                                        "duration_s", "weight_version",

@@ -102,7 +102,7 @@ def _check_phase_name(path: str, n: int, ev: dict, key: str, nullable: bool = Fa
     name = ev.get(key)
     if name is None and nullable:
         return
-    if name not in _PHASES:
+    if type(name) is not str or name not in _PHASES:
         shown = "missing" if key not in ev else repr(name)
         raise _bad(path, n, f"{ev['event']} has {key} {shown}; expected one of {_PHASE_LIST}")
 
@@ -116,10 +116,44 @@ def _check_mem(path: str, n: int, ev: dict) -> None:
                    '{"used": int, "total": int, "by_tag": {tag: int}}')
 
 
+#: a count beyond this is corruption, not a model (the checker builds lists of that length)
+_MAX_COUNT = 10_000_000
+#: events whose bytes and duration_s readers compute with
+_TIMED = frozenset({"phase.finished", "phase.failed", "bucket.finished", "sync.finished",
+                    "memory.paused", "memory.resumed"})
+
+
+def _check_count(path: str, n: int, ev: dict, key: str) -> None:
+    if key in ev and not (_is_int(ev[key]) and 0 <= ev[key] <= _MAX_COUNT):
+        raise _bad(path, n, f"{ev['event']} has {key} {ev[key]!r}; expected a count in [0, {_MAX_COUNT}]")
+
+
+def _check_amounts(path: str, n: int, ev: dict) -> None:
+    if "bytes" in ev and not (_is_int(ev["bytes"]) and ev["bytes"] >= 0):
+        raise _bad(path, n, f"{ev['event']} has bytes {ev['bytes']!r}; expected an integer >= 0")
+    d = ev.get("duration_s", 0.0)
+    if not (_is_num(d) and d >= 0):
+        raise _bad(path, n, f"{ev['event']} has duration_s {d!r}; expected seconds >= 0")
+
+
+def _check_started(path: str, n: int, ev: dict) -> None:
+    if not isinstance(ev.get("device", {}), dict) or not isinstance(ev.get("config", {}), dict):
+        raise _bad(path, n, "trace.started needs device and config objects, got "
+                   f"device {ev.get('device')!r} config {ev.get('config')!r}")
+    tags = ev.get("tags", {})
+    if not isinstance(tags, dict) or not all(isinstance(v, dict) for v in tags.values()):
+        raise _bad(path, n, f"trace.started has tags {json.dumps(tags)[:120]}; expected "
+                   '{"owner.tag": {"bytes", "resident", "host_copy"}}')
+    ev_v, tr_v = ev.get("engine_weight_version"), ev.get("trainer_weight_version", 0)
+    if not (ev_v is None or _is_int(ev_v)) or not _is_int(tr_v):
+        raise _bad(path, n, f"trace.started has engine_weight_version {ev_v!r} and trainer_weight_version "
+                   f"{tr_v!r}; expected integers (the engine's may be null: stale)")
+
+
 def _validate(path: str, n: int, ev: dict) -> None:
     """Shape and names only; what the events *mean* is the checker's business."""
     name = ev.get("event")
-    if name not in EVENTS:
+    if type(name) is not str or name not in EVENTS:
         shown = "no 'event' key" if "event" not in ev else f"unknown event {name!r}"
         raise _bad(path, n, f"{shown}; expected one of {_EVENT_LIST}")
     if not _is_num(ev.get("ts")):
@@ -139,6 +173,14 @@ def _validate(path: str, n: int, ev: dict) -> None:
         if not _is_int(ev.get("bucket")) or not isinstance(ev.get("stage"), str):
             raise _bad(path, n, f"bucket.finished needs an integer bucket and a stage name, got "
                        f"bucket {ev.get('bucket')!r} stage {ev.get('stage')!r}")
+        _check_count(path, n, ev, "tensors")
+    elif name == "sync.finished":
+        for key in ("buckets", "params", "tensors"):
+            _check_count(path, n, ev, key)
+    elif name == "trace.started":
+        _check_started(path, n, ev)
+    if name in _TIMED:
+        _check_amounts(path, n, ev)
     if "mem" in ev:
         _check_mem(path, n, ev)
 

@@ -406,6 +406,41 @@ async def test_any_single_line_edit_gives_a_verdict_never_a_crash(data, tmp_path
     assert all(f.line is not None and 1 <= f.line <= len(events) for f in report.findings)
 
 
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 10**30) | st.floats(allow_nan=False)
+                     | st.sampled_from(["", "sync", "engine", "kv_cache", "x"]),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                     max_leaves=4)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+async def test_any_field_set_to_any_json_value_is_bad_input_or_a_verdict(data, tmp_path_factory):
+    from colo.export import export
+    from colo.tune import TuneError, tune
+
+    tmp = tmp_path_factory.mktemp("f")
+    events = read_trace(await record(tmp / "ok.jsonl", cycles=1))
+    target = events[data.draw(st.integers(0, len(events) - 1))]
+    while True:  # walk down into a nested object now and then
+        key = data.draw(st.sampled_from(sorted(target)))
+        if isinstance(target[key], dict) and target[key] and data.draw(st.booleans()):
+            target = target[key]
+            continue
+        break
+    target[key] = data.draw(_JSON)
+    path = write(tmp / "m.jsonl", events)
+    try:
+        trace = load_trace(path)
+    except BadTrace:
+        return
+    replay([path])
+    export([trace])
+    try:
+        tune([trace])
+    except TuneError:
+        pass
+
+
 def test_replay_export_tune_and_summary_import_no_torch_anyio_or_structlog():
     modules = ["colo.replay", "colo.summary", "colo.export", "colo.tune"]
     forbidden = ["torch", "anyio", "structlog", "torch_memory_saver"]
