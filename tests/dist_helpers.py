@@ -1,6 +1,6 @@
 """Shared by the extractor tests: a multi-process runner on gloo, bit equality, a tiny HF-named model.
 
-``run_workers(fn, tmp_path)`` spawns ``world_size`` processes; each joins a gloo
+``run_workers(fn, tmp_path)`` starts ``world_size`` processes; each joins a gloo
 group rendezvousing through a file in ``tmp_path``, calls
 ``fn(rank, world_size, tmp_path, *args)`` and saves what it returns with
 ``torch.save``. A worker that raises writes its traceback and exits; the
@@ -45,9 +45,25 @@ def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple) -> N
         os._exit(1)
 
 
+_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
+            "colo.extractors", "tests.dist_helpers"]
+_context = None
+
+
+def _mp_context():
+    # A fork server: a clean process (unlike pytest's) that imports torch, FSDP
+    # and dynamo (FSDP2 pulls it in) once, then forks every worker of every
+    # test; spawning each worker afresh would pay ~5 s of imports apiece.
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
 def run_workers(fn: Callable, tmp_path: Path, *args: Any, world_size: int = 2) -> list[Any]:
-    """``fn`` must be a module-level function (spawned children import it by name)."""
-    ctx = mp.get_context("spawn")
+    """``fn`` must be a module-level function (the workers import it by name)."""
+    ctx = _mp_context()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, str(tmp_path), args), daemon=True)
              for r in range(world_size)]
     for p in procs:

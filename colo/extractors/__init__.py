@@ -7,6 +7,8 @@ parameters broadcast from their owner, Megatron names made HF). Each follows
 ``colo.interfaces.WeightExtractor``.
 """
 
+from colo.extractors.fsdp import FSDPExtractor
+from colo.extractors.megatron import LLAMA_RULES, MegatronExtractor, NameRule, global_name
 from colo.extractors.plain import PlainExtractor
 
-__all__ = ["PlainExtractor"]
+__all__ = ["FSDPExtractor", "LLAMA_RULES", "MegatronExtractor", "NameRule", "PlainExtractor", "global_name"]
