@@ -1,0 +1,471 @@
+"""Extractor for a Megatron-layout trainer: TP shards gathered, PP/EP parameters broadcast, names made HF.
+
+Megatron marks each parameter with ``tensor_model_parallel``, ``partition_dim``
+and ``partition_stride``. A tensor-parallel parameter is rebuilt by an
+all-gather over its tensor-parallel group and a ``cat`` on ``partition_dim``
+(slime's ``all_gather_param``); a parameter that lives on one pipeline stage
+or one expert-parallel rank only is first broadcast from that rank along its
+pipeline (then expert) group. Only then is the name converted: a GLU
+``linear_fc1`` shard holds ``[gate_i; up_i]``, so the gathered halves are
+re-interleaved into ``gate_proj`` and ``up_proj``; a fused ``linear_qkv``
+holds ``[q; k; v]`` per query group and is split into ``q_proj``, ``k_proj``
+and ``v_proj``; vocabulary padding is cut off.
+
+Who holds what is exchanged once, at construction, with ``all_gather_object``
+of plain metadata (names, shapes, dtypes, attributes, group ranks), so every
+rank derives the same plan of collectives; tensors only ever travel through
+``broadcast`` and ``all_gather``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colo.buckets import spec
+from colo.extractors.plain import (DTypeLike, check_against_spec, check_request, dtype_name, engine_dtype_of,
+                                   resolve_dtype, to_engine)
+from colo.interfaces import TensorSpec
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """How one Megatron parameter becomes one or more HF tensors.
+
+    ``pattern`` must match the whole (global) Megatron name; ``targets`` are
+    the HF names it becomes, with ``\\1``-style references to the pattern's
+    groups. ``split``: ``"none"`` (one target), ``"glu"`` (``[gate; up]`` on dim
+    0 -> gate, up), ``"qkv"`` (per query group ``[q; k; v]`` on dim 0 -> q, k,
+    v; needs ``attention=``). ``vocab``: rows past ``vocab_size`` are padding.
+    ``expert``: an expert's parameter, broadcast along the expert-parallel
+    group and gathered over the expert tensor-parallel group.
+    """
+
+    pattern: str
+    targets: tuple[str, ...]
+    split: str = "none"
+    vocab: bool = False
+    expert: bool = False
+
+    def __post_init__(self) -> None:
+        want = {"none": 1, "glu": 2, "qkv": 3}
+        if self.split not in want:
+            raise ValueError(f"rule {self.pattern!r}: split must be one of {', '.join(want)}, got {self.split!r}")
+        if len(self.targets) != want[self.split]:
+            raise ValueError(f"rule {self.pattern!r}: split {self.split!r} makes {want[self.split]} tensor(s), "
+                             f"got {len(self.targets)} target name(s)")
+        re.compile(self.pattern)
+
+
+_L = r"decoder\.layers\.(\d+)\."
+_HL = r"model.layers.\1."
+
+#: Megatron-core GPT (transformer-engine spec) -> HF Llama / Qwen2 / Qwen3 /
+#: Qwen-MoE checkpoint names. First full match wins. Extend or replace it for
+#: other architectures; a parameter no rule matches is refused by name.
+LLAMA_RULES: tuple[NameRule, ...] = (
+    NameRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), vocab=True),
+    NameRule(r"output_layer\.weight", ("lm_head.weight",), vocab=True),
+    NameRule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",)),
+    NameRule(_L + r"self_attention\.linear_qkv\.layer_norm_weight", (_HL + "input_layernorm.weight",)),
+    NameRule(_L + r"self_attention\.linear_qkv\.(weight|bias)",
+             (_HL + r"self_attn.q_proj.\2", _HL + r"self_attn.k_proj.\2", _HL + r"self_attn.v_proj.\2"),
+             split="qkv"),
+    NameRule(_L + r"self_attention\.linear_proj\.weight", (_HL + "self_attn.o_proj.weight",)),
+    NameRule(_L + r"self_attention\.(q|k)_layernorm\.weight", (_HL + r"self_attn.\2_norm.weight",)),
+    NameRule(_L + r"mlp\.linear_fc1\.layer_norm_weight", (_HL + "post_attention_layernorm.weight",)),
+    NameRule(_L + r"pre_mlp_layernorm\.weight", (_HL + "post_attention_layernorm.weight",)),
+    NameRule(_L + r"mlp\.linear_fc1\.weight", (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"),
+             split="glu"),
+    NameRule(_L + r"mlp\.linear_fc2\.weight", (_HL + "mlp.down_proj.weight",)),
+    NameRule(_L + r"mlp\.router\.weight", (_HL + "mlp.gate.weight",)),
+    NameRule(_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
+             (_HL + r"mlp.experts.\2.gate_proj.weight", _HL + r"mlp.experts.\2.up_proj.weight"),
+             split="glu", expert=True),
+    NameRule(_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
+             (_HL + r"mlp.experts.\2.down_proj.weight",), expert=True),
+    # grouped-GEMM experts name the expert as a suffix
+    NameRule(_L + r"mlp\.experts\.linear_fc1\.weight(\d+)",
+             (_HL + r"mlp.experts.\2.gate_proj.weight", _HL + r"mlp.experts.\2.up_proj.weight"),
+             split="glu", expert=True),
+    NameRule(_L + r"mlp\.experts\.linear_fc2\.weight(\d+)", (_HL + r"mlp.experts.\2.down_proj.weight",),
+             expert=True),
+)
+
+
+def global_name(name: str, *, layer_offset: int = 0, expert_offset: int = 0) -> str:
+    """Megatron numbers layers per pipeline stage and experts per expert-parallel
+    rank; the extractor needs model-wide numbers (as slime renames before its
+    update). ``layer_offset``: this stage's first layer; ``expert_offset``:
+    this rank's first expert."""
+    name = re.sub(r"(^|\.)(decoder\.layers\.)(\d+)(?=\.)",
+                  lambda m: f"{m[1]}{m[2]}{int(m[3]) + layer_offset}", name, count=1)
+    name = re.sub(r"(\.local_experts\.)(\d+)(?=\.)", lambda m: f"{m[1]}{int(m[2]) + expert_offset}", name)
+    return re.sub(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$",
+                  lambda m: f"{m[1]}{int(m[2]) + expert_offset}", name)
+
+
+@dataclass(frozen=True)
+class _Meta:
+    """What one rank says about one of its parameters: plain data, safe to exchange."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    tp: bool
+    partition_dim: int
+    partition_stride: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Meta:
+        # Megatron's set_defaults_if_not_set_tensor_model_parallel_attributes
+        # treats a parameter without the attributes as replicated: so do we.
+        return cls(tuple(t.shape), dtype_name(t.dtype), bool(getattr(t, "tensor_model_parallel", False)),
+                   int(getattr(t, "partition_dim", -1)), int(getattr(t, "partition_stride", 1)))
+
+    def __str__(self) -> str:
+        return (f"{self.shape} {self.dtype} tensor_model_parallel={self.tp} partition_dim={self.partition_dim} "
+                f"partition_stride={self.partition_stride}")
+
+
+@dataclass
+class _Source:
+    name: str
+    rule: NameRule
+    targets: tuple[str, ...]
+    meta: _Meta
+    local: bool
+    broadcasts: list[tuple[int, Any]] = field(default_factory=list)  # (global src rank, group) for this rank
+    gather: Any = None  # the group to all-gather over, or None
+    gather_size: int = 1
+
+
+_AXES = ("tp", "pp", "ep", "etp")
+
+
+class MegatronExtractor:
+    """Full HF tensors from this rank's Megatron parameters.
+
+    ``params``: this rank's parameters as ``(name, tensor)`` pairs or a
+    mapping, with model-wide (global) layer and expert numbers (see
+    ``global_name``) and Megatron's ``tensor_model_parallel`` /
+    ``partition_dim`` / ``partition_stride`` attributes. A mapping is read
+    again on every ``extract`` (so it may hold a host copy that the trainer
+    refreshes); pairs are kept as given (a ``Parameter`` follows ``.data`` swaps).
+
+    Groups (``None``: that parallelism is 1): ``tp_group`` tensor-parallel,
+    ``pp_group`` this rank's pipeline group (one rank per stage), ``ep_group``
+    expert-parallel, ``expert_tp_group`` expert tensor-parallel (pass
+    ``tp_group`` when experts are sharded like dense layers). ``group``: every
+    rank that extracts (default: the world); all of them must build the
+    extractor together, since construction exchanges the metadata.
+
+    ``dtype``: the engine's dtype; shards are converted before they travel.
+    ``device``: where shards go before converting and gathering (the
+    communicator's device when the source is a host copy). ``attention``:
+    ``(num_attention_heads, num_query_groups)``, needed to split a fused
+    ``linear_qkv``. ``vocab_size``: the tokenizer's vocabulary, to cut
+    Megatron's padding off the embedding and output layer. ``rules``: the
+    name table (``LLAMA_RULES``).
+
+    ``specs()`` lists every HF tensor of the whole model (every rank gets the
+    same list), in rank-major order of first appearance. Every rank must
+    call ``extract`` with the same names in the same order; every rank then
+    yields the full tensors.
+    """
+
+    kind = "megatron"
+
+    def __init__(self, params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                 dtype: DTypeLike = None, device: torch.device | str | None = None,
+                 tp_group: Any = None, pp_group: Any = None, ep_group: Any = None, expert_tp_group: Any = None,
+                 group: Any = None, attention: tuple[int, int] | None = None, vocab_size: int | None = None,
+                 rules: Sequence[NameRule] = LLAMA_RULES):
+        self.dtype = resolve_dtype(dtype)
+        self.device = None if device is None else torch.device(device)
+        self.attention = _check_attention(attention)
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size <= 0):
+            raise ValueError(f"megatron extractor: vocab_size must be a positive int, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.rules = tuple(rules)
+        if isinstance(params, Mapping):
+            self._mapping: Mapping[str, torch.Tensor] | None = params
+            local = dict(params)
+        else:
+            self._mapping = None
+            local = {}
+            for name, t in params:
+                if name in local:
+                    raise ValueError(f"megatron extractor: parameter {name!r} given twice")
+                local[name] = t
+        self._local = local
+        for name, t in local.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"megatron extractor: {name!r} is a {type(t).__name__}, not a tensor")
+        self._groups = {"tp": tp_group, "pp": pp_group, "ep": ep_group, "etp": expert_tp_group}
+
+        metas = {name: _Meta.of(t) for name, t in local.items()}
+        everyone = self._exchange(metas, group)
+        self._plan(everyone)
+
+    # -- construction ----------------------------------------------------------
+    def _exchange(self, metas: dict[str, _Meta], group: Any) -> list[dict]:
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            if any(g is not None for g in self._groups.values()) or group is not None:
+                raise RuntimeError("megatron extractor: process groups were given but torch.distributed "
+                                   "is not initialized")
+            self.rank = 0
+            axes = {a: [0] for a in _AXES}
+            return [{"rank": 0, "axes": axes, "params": [(n, m) for n, m in metas.items()]}]
+        self.rank = dist.get_rank()
+        axes = {a: (dist.get_process_group_ranks(g) if g is not None else [self.rank])
+                for a, g in self._groups.items()}
+        mine = {"rank": self.rank, "axes": axes,
+                "params": [(n, (m.shape, m.dtype, m.tp, m.partition_dim, m.partition_stride))
+                           for n, m in metas.items()]}
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, mine, group=group)
+        for r in out:
+            r["params"] = [(n, _Meta(tuple(m[0]), *m[1:])) for n, m in r["params"]]
+        return out
+
+    def _plan(self, everyone: list[dict]) -> None:
+        who = "megatron extractor"
+        ranks = [r["rank"] for r in everyone]
+        axes_of = {r["rank"]: r["axes"] for r in everyone}
+        _check_groups(axes_of, ranks)
+        held: dict[str, dict[int, _Meta]] = {}
+        for r in everyone:  # rank-major, first appearance: the extraction order
+            for name, m in r["params"]:
+                held.setdefault(name, {})[r["rank"]] = m
+
+        self._sources: dict[str, _Source] = {}
+        self._by_target: dict[str, str] = {}
+        self._specs: dict[str, TensorSpec] = {}
+        unmatched = []
+        for name, by_rank in held.items():
+            rule, match = _match(self.rules, name)
+            if rule is None:
+                unmatched.append(name)
+                continue
+            metas = set(by_rank.values())
+            if len(metas) > 1:
+                detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(by_rank.items()))
+                raise ValueError(f"{who}: ranks disagree about {name!r} (shape, dtype or parallel attributes "
+                                 f"differ): {detail}")
+            meta = metas.pop()
+            src = _Source(name, rule, tuple(match.expand(t) for t in rule.targets), meta,
+                          local=self.rank in by_rank)
+            self._route(src, set(by_rank), ranks, axes_of)
+            for target, shape in zip(src.targets, self._shapes(src)):
+                if target in self._by_target:
+                    raise ValueError(f"{who}: {name!r} and {self._by_target[target]!r} both become {target!r}")
+                self._by_target[target] = name
+                self._specs[target] = spec(target, shape, dtype_name(self._engine_dtype(meta)))
+            self._sources[name] = src
+        if unmatched:
+            raise ValueError(f"{who}: no name rule matches parameter(s) {unmatched}; add a NameRule for them")
+
+    def _route(self, src: _Source, holders: set[int], ranks: list[int], axes_of: dict) -> None:
+        """Decide this rank's broadcasts and gather for ``src``, from metadata every rank shares."""
+        who, name, meta = "megatron extractor", src.name, src.meta
+        for axis in ("pp", "ep") if src.rule.expert else ("pp",):
+            reached = set(holders)
+            for r in ranks:
+                members = axes_of[r][axis]
+                inside = holders.intersection(members)
+                if len(members) == 1 or len(inside) in (0, len(members)):
+                    continue
+                if len(inside) > 1:
+                    raise ValueError(f"{who}: {name!r} is held by ranks {sorted(inside)} of the {axis} group "
+                                     f"{members} but not by all of it; expected one owner or every member")
+                reached.add(r)
+                if r == self.rank:
+                    src.broadcasts.append((next(iter(inside)), self._groups[axis]))
+            holders = reached
+        missing = sorted(set(ranks) - holders)
+        if missing:
+            raise ValueError(f"{who}: {name!r} (held by ranks {sorted(holders)}) cannot reach rank(s) {missing} "
+                             f"through their pipeline{'/expert' if src.rule.expert else ''} groups")
+        if meta.partition_stride != 1:
+            raise ValueError(f"{who}: {name!r} has partition_stride {meta.partition_stride}; only 1 is supported")
+        tp_axis = "etp" if src.rule.expert else "tp"
+        size = len(axes_of[self.rank][tp_axis])
+        if meta.tp and size > 1:
+            if not 0 <= meta.partition_dim < len(meta.shape):
+                raise ValueError(f"{who}: {name!r} is tensor-parallel but its partition_dim {meta.partition_dim} "
+                                 f"is not a dimension of its shard {meta.shape}")
+            if src.rule.split in ("glu", "qkv") and meta.partition_dim != 0:
+                raise ValueError(f"{who}: {name!r} is a fused {src.rule.split} weight sharded on dim "
+                                 f"{meta.partition_dim}; expected column-parallel (partition_dim 0)")
+            src.gather, src.gather_size = self._groups[tp_axis], size
+
+    def _engine_dtype(self, meta: _Meta) -> torch.dtype:
+        return engine_dtype_of(getattr(torch, meta.dtype), self.dtype)
+
+    def _shapes(self, src: _Source) -> list[tuple[int, ...]]:
+        """What ``_convert`` will produce, from the metadata alone (and every check on it).
+
+        Plain arithmetic, not a dry run on meta tensors: ``torch.cat`` on the
+        meta device imports dynamo, seconds of start-up. ``extract`` still
+        checks each tensor against these shapes before it leaves."""
+        who, name, meta = "megatron extractor", src.name, src.meta
+        full = list(meta.shape)
+        if src.gather is not None:
+            full[meta.partition_dim] *= src.gather_size
+        if src.rule.split == "glu":
+            if not full or meta.shape[0] % 2:
+                raise ValueError(f"{who}: GLU weight {name!r} has an odd first dimension "
+                                 f"{meta.shape[0] if full else 'in a 0-d tensor'}; a shard must hold [gate_i; up_i]")
+            outs = [[full[0] // 2, *full[1:]] for _ in range(2)]
+        elif src.rule.split == "qkv":
+            head_dim, _ = self._qkv_layout(name, full)
+            heads, groups = self.attention
+            if groups % src.gather_size:
+                raise ValueError(f"{who}: {name!r} is split over {src.gather_size} tensor-parallel ranks, which "
+                                 f"does not divide its {groups} query groups; check attention=")
+            outs = [[n * head_dim, *full[1:]] for n in (heads, groups, groups)]
+        else:
+            outs = [full]
+        if src.rule.vocab and self.vocab_size is not None:
+            if not full or self.vocab_size > full[0]:
+                raise ValueError(f"{who}: vocab_size {self.vocab_size} is larger than {name!r}'s "
+                                 f"{full[0] if full else 0} rows")
+            for o in outs:
+                o[0] = self.vocab_size
+        return [tuple(o) for o in outs]
+
+    # -- conversion ------------------------------------------------------------
+    def _convert(self, src: _Source, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        rule = src.rule
+        if rule.split == "glu":
+            # each shard is [gate_i; up_i]: gate = [gate_0; gate_1; ...], up likewise
+            halves = [s.chunk(2, dim=0) for s in shards]
+            outs = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        else:
+            full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=src.meta.partition_dim)
+            outs = self._split_qkv(src.name, full) if rule.split == "qkv" else [full]
+        if rule.vocab and self.vocab_size is not None:
+            outs = [o[:self.vocab_size] for o in outs]
+        return [o.contiguous() for o in outs]
+
+    def _qkv_layout(self, name: str, shape: Sequence[int]) -> tuple[int, int]:
+        """(head_dim, query heads per group) of a fused QKV with ``shape``."""
+        if self.attention is None:
+            raise ValueError(f"megatron extractor: {name!r} is a fused QKV; pass "
+                             f"attention=(num_attention_heads, num_query_groups) to split it")
+        heads, groups = self.attention
+        rows = shape[0] if len(shape) else 0
+        if not len(shape) or rows % (heads + 2 * groups):
+            raise ValueError(f"megatron extractor: {name!r} has {rows} rows, not a multiple of "
+                             f"heads + 2 * query groups = {heads + 2 * groups}")
+        return rows // (heads + 2 * groups), heads // groups
+
+    def _split_qkv(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
+        head_dim, per = self._qkv_layout(name, full.shape)
+        heads, groups = self.attention
+        rest = full.shape[1:]
+        # Megatron lays the fused projection out per query group: [q heads of the group; k; v]
+        g = full.reshape(groups, (per + 2) * head_dim, *rest)
+        q = g[:, :per * head_dim].reshape(heads * head_dim, *rest)
+        k = g[:, per * head_dim:(per + 1) * head_dim].reshape(groups * head_dim, *rest)
+        v = g[:, (per + 1) * head_dim:].reshape(groups * head_dim, *rest)
+        return [q, k, v]
+
+    # -- extraction ------------------------------------------------------------
+    def specs(self) -> Sequence[TensorSpec]:
+        return list(self._specs.values())
+
+    def extract(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        names = check_request(names, self._specs, "megatron extractor")
+        return self._extract(names)
+
+    def _extract(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        last_use = {self._by_target[n]: i for i, n in enumerate(names)}
+        ready: dict[str, dict[str, torch.Tensor]] = {}
+        for i, name in enumerate(names):
+            source = self._by_target[name]
+            if source not in ready:
+                # every rank reaches this line for the same source in the same order
+                ready[source] = self._materialize(self._sources[source])
+            t = ready[source].pop(name)
+            if last_use[source] == i:  # the sibling outputs nobody asked for in this call go now
+                del ready[source]
+            yield name, check_against_spec("megatron extractor", name, t, self._specs[name])
+
+    def _materialize(self, src: _Source) -> dict[str, torch.Tensor]:
+        target = self._engine_dtype(src.meta)
+        if src.local:
+            t = self._mapping[src.name] if self._mapping is not None else self._local[src.name]
+            if tuple(t.shape) != src.meta.shape:
+                raise ValueError(f"megatron extractor: {src.name!r} is now {tuple(t.shape)}, but was "
+                                 f"{src.meta.shape} when the ranks exchanged metadata")
+            t = to_engine(t, self.dtype, self.device)
+        else:
+            t = torch.empty(src.meta.shape, dtype=target, device=self._comm_device())
+        for owner, group in src.broadcasts:
+            dist.broadcast(_wire(t), src=owner, group=group)
+        shards = [t]
+        if src.gather is not None:
+            parts = [torch.empty_like(_wire(t)) for _ in range(src.gather_size)]
+            dist.all_gather(parts, _wire(t), group=src.gather)
+            shards = [p.view(target) for p in parts]
+        return dict(zip(src.targets, self._convert(src, shards)))
+
+    def _comm_device(self) -> torch.device:
+        if self.device is not None:
+            return self.device
+        # a rank that holds nothing (unusual) receives on the CPU
+        first = next(iter(self._local.values()), None)
+        return first.device if first is not None else torch.device("cpu")
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """Broadcast and all-gather only move bytes; gloo refuses float8 ("Invalid
+    scalar type"), so 1-byte types travel as uint8 views of the same memory."""
+    if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
+        return t.view(torch.uint8)
+    return t
+
+
+def _match(rules: Sequence[NameRule], name: str) -> tuple[NameRule | None, re.Match | None]:
+    for rule in rules:
+        m = re.fullmatch(rule.pattern, name)
+        if m:
+            return rule, m
+    return None, None
+
+
+def _check_attention(attention: tuple[int, int] | None) -> tuple[int, int] | None:
+    if attention is None:
+        return None
+    try:
+        heads, groups = (int(x) for x in attention)
+    except (TypeError, ValueError):
+        raise ValueError(f"megatron extractor: attention must be (num_attention_heads, num_query_groups), "
+                         f"got {attention!r}") from None
+    if heads <= 0 or groups <= 0 or heads % groups:
+        raise ValueError(f"megatron extractor: attention=({heads}, {groups}): expected positive head counts "
+                         f"with num_attention_heads a multiple of num_query_groups")
+    return heads, groups
+
+
+def _check_groups(axes_of: dict[int, dict[str, list[int]]], ranks: list[int]) -> None:
+    """Each rank's group on an axis must contain it, and its members must name the same group."""
+    for r in ranks:
+        for axis, members in axes_of[r].items():
+            if r not in members:
+                raise ValueError(f"megatron extractor: rank {r}'s {axis} group {members} does not contain it")
+            for m in members:
+                if m not in axes_of:
+                    raise ValueError(f"megatron extractor: rank {r}'s {axis} group {members} has rank {m}, "
+                                     f"which does not take part in extraction")
+                if axes_of[m][axis] != members:
+                    raise ValueError(f"megatron extractor: ranks {r} and {m} disagree about their {axis} group: "
+                                     f"{members} vs {axes_of[m][axis]}")

@@ -1,0 +1,406 @@
+"""MegatronExtractor: Megatron-layout shards built from an unsharded HF model, gathered back bit-exactly.
+
+The shards are made here the way Megatron lays them out (column-parallel on
+dim 0, row-parallel on dim 1, GLU ``linear_fc1`` shard = ``[gate_i; up_i]``,
+fused QKV per query group, vocabulary padded), independently of the
+extractor's code, which has to undo all of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from colo.buckets import plan_buckets
+from colo.extractors import LLAMA_RULES, MegatronExtractor, NameRule, global_name
+from tests.dist_helpers import TinyLlama, assert_bit_equal, run_workers
+
+T = TinyLlama
+PADDED_VOCAB = 40  # Megatron pads the vocabulary to a multiple of the TP size (and more)
+SEED = 5
+
+
+def hf_reference(experts: int = 0) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in TinyLlama(SEED, experts=experts).named_parameters()}
+
+
+def _param(t: torch.Tensor, tp: bool = False, dim: int = -1) -> nn.Parameter:
+    p = nn.Parameter(t.clone())
+    p.tensor_model_parallel = tp
+    p.partition_dim = dim
+    p.partition_stride = 1
+    return p
+
+
+def _column(t: torch.Tensor, rank: int, size: int) -> nn.Parameter:
+    return _param(t.chunk(size, dim=0)[rank], True, 0)
+
+
+def _row(t: torch.Tensor, rank: int, size: int) -> nn.Parameter:
+    return _param(t.chunk(size, dim=1)[rank], True, 1)
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> nn.Parameter:
+    return _param(torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]]), True, 0)
+
+
+def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    per = T.HEADS // T.GROUPS
+    hd = T.HEAD_DIM
+    blocks = []
+    for g in range(T.GROUPS):
+        blocks += [q[g * per * hd:(g + 1) * per * hd], k[g * hd:(g + 1) * hd], v[g * hd:(g + 1) * hd]]
+    return torch.cat(blocks)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    pad = torch.full((PADDED_VOCAB - t.shape[0], *t.shape[1:]), 99.0)  # never sent: trimmed by vocab_size
+    return torch.cat([t, pad])
+
+
+def megatron_params(ref: dict, *, tp_rank: int = 0, tp: int = 1, layers=(0, 1), embed=True, head=True,
+                    experts=(), expert_offset=0) -> list[tuple[str, nn.Parameter]]:
+    """This rank's parameters, Megatron names. ``experts``: the global expert ids it owns
+    (named locally from 0, as Megatron does, then made global with ``global_name``)."""
+    out = []
+    if embed:
+        out.append(("embedding.word_embeddings.weight", _column(_padded(ref["model.embed_tokens.weight"]), tp_rank, tp)))
+    for i in layers:
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out.append((m + "self_attention.linear_qkv.layer_norm_weight", _param(ref[h + "input_layernorm.weight"])))
+        for kind in ("weight", "bias"):
+            fused = _fused_qkv(*(ref[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv"))
+            out.append((m + f"self_attention.linear_qkv.{kind}", _column(fused, tp_rank, tp)))
+        out.append((m + "self_attention.linear_proj.weight", _row(ref[h + "self_attn.o_proj.weight"], tp_rank, tp)))
+        if h + "mlp.gate.weight" in ref:
+            out.append((m + "pre_mlp_layernorm.weight", _param(ref[h + "post_attention_layernorm.weight"])))
+            out.append((m + "mlp.router.weight", _param(ref[h + "mlp.gate.weight"])))
+            for local, e in enumerate(experts):  # expert tensor parallelism 1: whole experts
+                x = f"{h}mlp.experts.{e}."
+                pre = f"{m}mlp.experts.local_experts.{local}."
+                out.append((global_name(pre + "linear_fc1.weight", expert_offset=expert_offset),
+                            _glu(ref[x + "gate_proj.weight"], ref[x + "up_proj.weight"], 0, 1)))
+                out.append((global_name(pre + "linear_fc2.weight", expert_offset=expert_offset),
+                            _row(ref[x + "down_proj.weight"], 0, 1)))
+        else:
+            out.append((m + "mlp.linear_fc1.layer_norm_weight", _param(ref[h + "post_attention_layernorm.weight"])))
+            out.append((m + "mlp.linear_fc1.weight",
+                        _glu(ref[h + "mlp.gate_proj.weight"], ref[h + "mlp.up_proj.weight"], tp_rank, tp)))
+            out.append((m + "mlp.linear_fc2.weight", _row(ref[h + "mlp.down_proj.weight"], tp_rank, tp)))
+    if head:
+        out.append(("decoder.final_layernorm.weight", _param(ref["model.norm.weight"])))
+        out.append(("output_layer.weight", _column(_padded(ref["lm_head.weight"]), tp_rank, tp)))
+    return out
+
+
+ATTENTION = (T.HEADS, T.GROUPS)
+
+
+def extract_in_buckets(ex, budget: int) -> dict[str, torch.Tensor]:
+    got = {}
+    for b in plan_buckets(list(ex.specs()), budget):
+        names = [e.spec.name for e in b.entries]
+        out = list(ex.extract(names))
+        assert [n for n, _ in out] == names
+        got.update(out)
+    return got
+
+
+def check_against(ref: dict, got: dict, dtype: torch.dtype, who: str) -> None:
+    assert sorted(got) == sorted(ref), f"{who}: names differ: {sorted(set(got) ^ set(ref))}"
+    for n, t in ref.items():
+        assert_bit_equal(got[n], t.to(dtype), f"{who} {n}")
+
+
+# -- one process: the name table and the conversions -----------------------------
+
+def test_unsharded_megatron_params_become_the_hf_model_bit_exactly():
+    ref = hf_reference()
+    ex = MegatronExtractor(megatron_params(ref), dtype=torch.bfloat16, attention=ATTENTION, vocab_size=T.VOCAB)
+    specs = ex.specs()
+    assert [s.name for s in specs][:6] == [
+        "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.bias"]
+    assert {s.name: (s.shape, s.dtype) for s in specs} == {n: (tuple(t.shape), "bfloat16") for n, t in ref.items()}
+    check_against(ref, extract_in_buckets(ex, 64), torch.bfloat16, "tp=1")
+
+
+def test_without_vocab_size_the_padding_rows_are_sent():
+    ref = hf_reference()
+    ex = MegatronExtractor(megatron_params(ref, layers=()), attention=ATTENTION)
+    got = dict(ex.extract(["model.embed_tokens.weight"]))["model.embed_tokens.weight"]
+    assert got.shape == (PADDED_VOCAB, T.HIDDEN)
+    assert_bit_equal(got[:T.VOCAB], ref["model.embed_tokens.weight"])
+
+
+def test_gate_and_up_asked_for_in_separate_calls_each_come_out_right():
+    ref = hf_reference()
+    ex = MegatronExtractor(megatron_params(ref, embed=False, head=False), dtype=torch.float16, attention=ATTENTION)
+    up, = ex.extract(["model.layers.1.mlp.up_proj.weight"])
+    gate, = ex.extract(["model.layers.1.mlp.gate_proj.weight"])
+    assert_bit_equal(up[1], ref["model.layers.1.mlp.up_proj.weight"].half())
+    assert_bit_equal(gate[1], ref["model.layers.1.mlp.gate_proj.weight"].half())
+
+
+def test_a_mapping_is_read_again_at_every_extract():
+    ref = hf_reference()
+    params = dict(megatron_params(ref, layers=(), embed=False))
+    ex = MegatronExtractor(params, attention=ATTENTION)
+    params["decoder.final_layernorm.weight"] = _param(torch.arange(8.0))
+    (_, t), = ex.extract(["model.norm.weight"])
+    assert_bit_equal(t, torch.arange(8.0))
+
+
+def test_global_name_renumbers_stage_layers_and_rank_experts():
+    assert global_name("decoder.layers.0.mlp.linear_fc1.weight", layer_offset=12) == \
+        "decoder.layers.12.mlp.linear_fc1.weight"
+    assert global_name("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight",
+                       layer_offset=4, expert_offset=8) == "decoder.layers.5.mlp.experts.local_experts.11.linear_fc2.weight"
+    assert global_name("decoder.layers.2.mlp.experts.linear_fc1.weight1", expert_offset=4) == \
+        "decoder.layers.2.mlp.experts.linear_fc1.weight5"
+    assert global_name("embedding.word_embeddings.weight", layer_offset=3) == "embedding.word_embeddings.weight"
+
+
+def test_grouped_gemm_expert_names_map_like_sequential_ones():
+    w = _param(torch.randn(6, 4))
+    ex = MegatronExtractor([("decoder.layers.3.mlp.experts.linear_fc1.weight7", w)])
+    assert [s.name for s in ex.specs()] == ["model.layers.3.mlp.experts.7.gate_proj.weight",
+                                            "model.layers.3.mlp.experts.7.up_proj.weight"]
+    got = dict(ex.extract([s.name for s in ex.specs()]))
+    assert_bit_equal(got["model.layers.3.mlp.experts.7.up_proj.weight"], w.detach()[3:])
+
+
+def test_a_parameter_no_rule_matches_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"no name rule matches parameter\(s\) \['decoder\.layers\.0\.mystery\.weight'\]"
+                                         r"; add a NameRule for them"):
+        MegatronExtractor([("decoder.final_layernorm.weight", _param(torch.ones(2))),
+                           ("decoder.layers.0.mystery.weight", _param(torch.ones(2)))])
+
+
+def test_a_custom_rule_table_can_pass_names_through():
+    rules = (NameRule(r"(.*)", (r"\1",)),)
+    ex = MegatronExtractor([("decoder.layers.0.mystery.weight", _param(torch.ones(2)))], rules=rules)
+    assert [s.name for s in ex.specs()] == ["decoder.layers.0.mystery.weight"]
+
+
+def test_fused_qkv_needs_the_head_counts():
+    ref = hf_reference()
+    with pytest.raises(ValueError, match=r"'decoder\.layers\.0\.self_attention\.linear_qkv\.weight' is a fused QKV; "
+                                         r"pass attention=\(num_attention_heads, num_query_groups\) to split it"):
+        MegatronExtractor(megatron_params(ref, layers=(0,)))
+
+
+@pytest.mark.parametrize("attention, message", [
+    ((4, 3), r"attention=\(4, 3\): expected positive head counts with num_attention_heads a multiple"),
+    ((0, 1), r"attention=\(0, 1\): expected positive"),
+    ("4,2", r"attention must be \(num_attention_heads, num_query_groups\), got '4,2'"),
+])
+def test_bad_head_counts_are_refused(attention, message):
+    with pytest.raises(ValueError, match=message):
+        MegatronExtractor([], attention=attention)
+
+
+def test_qkv_rows_that_do_not_fit_the_head_counts_are_refused():
+    with pytest.raises(ValueError, match=r"linear_qkv\.weight' has 16 rows, not a multiple of heads \+ 2 \* "
+                                         r"query groups = 10"):
+        MegatronExtractor([("decoder.layers.0.self_attention.linear_qkv.weight", _param(torch.ones(16, 8)))],
+                          attention=(6, 2))
+
+
+def test_two_parameters_that_become_the_same_hf_name_are_refused():
+    with pytest.raises(ValueError, match=r"'decoder\.layers\.0\.pre_mlp_layernorm\.weight' and "
+                                         r"'decoder\.layers\.0\.mlp\.linear_fc1\.layer_norm_weight' both become "
+                                         r"'model\.layers\.0\.post_attention_layernorm\.weight'"):
+        MegatronExtractor([("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", _param(torch.ones(2))),
+                           ("decoder.layers.0.pre_mlp_layernorm.weight", _param(torch.ones(2)))])
+
+
+def test_partition_stride_other_than_one_is_refused():
+    p = _param(torch.ones(4, 2), True, 0)
+    p.partition_stride = 2
+    with pytest.raises(ValueError, match=r"'output_layer\.weight' has partition_stride 2; only 1 is supported"):
+        MegatronExtractor([("output_layer.weight", p)])
+
+
+def test_an_odd_glu_weight_is_refused():
+    with pytest.raises(ValueError, match=r"GLU weight 'decoder\.layers\.0\.mlp\.linear_fc1\.weight' has an odd "
+                                         r"first dimension 5"):
+        MegatronExtractor([("decoder.layers.0.mlp.linear_fc1.weight", _param(torch.ones(5, 2)))])
+
+
+def test_a_vocab_size_larger_than_the_embedding_is_refused():
+    with pytest.raises(ValueError, match=r"vocab_size 41 is larger than 'embedding\.word_embeddings\.weight''s 40 rows"):
+        MegatronExtractor([("embedding.word_embeddings.weight", _param(torch.ones(40, 2)))], vocab_size=41)
+
+
+def test_rules_with_the_wrong_number_of_targets_are_refused():
+    with pytest.raises(ValueError, match=r"rule 'x': split 'glu' makes 2 tensor\(s\), got 1 target name\(s\)"):
+        NameRule("x", ("a",), split="glu")
+    with pytest.raises(ValueError, match=r"split must be one of none, glu, qkv, got 'swap'"):
+        NameRule("x", ("a",), split="swap")
+
+
+def test_groups_without_torch_distributed_are_refused():
+    with pytest.raises(RuntimeError, match=r"process groups were given but torch\.distributed is not initialized"):
+        MegatronExtractor([], tp_group=object())
+
+
+def test_unknown_names_and_resized_parameters_are_refused():
+    ref = hf_reference()
+    params = megatron_params(ref, layers=(), embed=False)
+    ex = MegatronExtractor(params, dtype=torch.bfloat16)
+    with pytest.raises(KeyError, match=r"megatron extractor: unknown tensor name\(s\) \['model\.layers\.0\.mlp"
+                                       r"\.gate_proj\.weight'\]"):
+        ex.extract(["model.norm.weight", "model.layers.0.mlp.gate_proj.weight"])
+    params[0][1].data = torch.ones(3)
+    with pytest.raises(ValueError, match=r"'decoder\.final_layernorm\.weight' is now \(3,\), but was \(8,\) when "
+                                         r"the ranks exchanged metadata"):
+        list(ex.extract(["model.norm.weight"]))
+
+
+def test_the_default_table_is_small_and_every_rule_compiles():
+    assert len(LLAMA_RULES) <= 20
+    assert all(isinstance(r, NameRule) for r in LLAMA_RULES)
+
+
+# -- two processes on gloo -----------------------------------------------------------
+
+def tp_worker(rank: int, world: int, tmp_path) -> dict:
+    import torch.distributed as dist
+
+    ref = hf_reference()
+    params = megatron_params(ref, tp_rank=rank, tp=world)
+    local_shapes = {n: tuple(p.shape) for n, p in params}
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, tp_group=dist.group.WORLD, attention=ATTENTION,
+                           vocab_size=T.VOCAB)
+    specs = [(s.name, list(s.shape), s.dtype) for s in ex.specs()]
+    in_buckets = extract_in_buckets(ex, 64)  # small: gate and up land in different calls
+    names = [s[0] for s in specs]
+    reversed_names = [n for n, _ in ex.extract(names[::-1])]
+    fp8 = dict(MegatronExtractor(params, dtype=torch.float8_e4m3fn, tp_group=dist.group.WORLD,
+                                 attention=ATTENTION, vocab_size=T.VOCAB).extract(names))
+    errors = []
+    # refused on every rank alike, before any collective: a GLU weight sharded on
+    # the wrong dimension; head counts whose query groups cannot be split over 2 ranks
+    qkv = [(n, p) for n, p in params if n == "decoder.layers.0.self_attention.linear_qkv.weight"]
+    for bad, kw in (([("decoder.layers.0.mlp.linear_fc1.weight", _param(torch.ones(4, 2), True, 1))], {}),
+                    (qkv, {"attention": (2, 1)})):
+        try:
+            MegatronExtractor(bad, tp_group=dist.group.WORLD, **kw)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return {"local_shapes": local_shapes, "specs": specs, "in_buckets": in_buckets,
+            "reversed_names": reversed_names, "fp8": fp8, "errors": errors}
+
+
+def test_tensor_parallel_shards_are_gathered_reinterleaved_and_split(tmp_path):
+    ref = hf_reference()
+    results = run_workers(tp_worker, tmp_path)
+    for rank, res in enumerate(results):
+        # really sharded: each rank held half of the GLU rows and half of o_proj's columns
+        assert res["local_shapes"]["decoder.layers.0.mlp.linear_fc1.weight"] == (T.INTER, T.HIDDEN)
+        assert res["local_shapes"]["decoder.layers.0.self_attention.linear_proj.weight"] == (T.HIDDEN, 4)
+        assert res["local_shapes"]["embedding.word_embeddings.weight"] == (PADDED_VOCAB // 2, T.HIDDEN)
+        assert {n: (tuple(s), d) for n, s, d in res["specs"]} == {n: (tuple(t.shape), "bfloat16")
+                                                                  for n, t in ref.items()}
+        check_against(ref, res["in_buckets"], torch.bfloat16, f"rank {rank}")
+        check_against(ref, res["fp8"], torch.float8_e4m3fn, f"rank {rank} fp8")
+        assert res["reversed_names"] == [n for n, _, _ in res["specs"]][::-1]
+        assert res["errors"] == [
+            "megatron extractor: 'decoder.layers.0.mlp.linear_fc1.weight' is a fused glu weight sharded on dim 1; "
+            "expected column-parallel (partition_dim 0)",
+            "megatron extractor: 'decoder.layers.0.self_attention.linear_qkv.weight' is split over 2 "
+            "tensor-parallel ranks, which does not divide its 1 query groups; check attention="]
+
+
+def pp_worker(rank: int, world: int, tmp_path) -> dict:
+    import torch.distributed as dist
+
+    ref = hf_reference()
+    # two pipeline stages: embedding and layer 0 on rank 0; layer 1, final norm and head on rank 1
+    params = megatron_params(ref, layers=(rank,), embed=rank == 0, head=rank == 1)
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, pp_group=dist.group.WORLD, attention=ATTENTION,
+                           vocab_size=T.VOCAB)
+    out = {"names": sorted(n for n, _ in params), "specs": [s.name for s in ex.specs()],
+           "in_buckets": extract_in_buckets(ex, 200)}
+    errors = []
+    # both stages claim the final norm, with different shapes: every rank refuses alike
+    clash = [("decoder.final_layernorm.weight", _param(torch.ones(8 + rank)))]
+    # a parameter only rank 1 has, with no pipeline group to bring it to rank 0
+    orphan = [("decoder.final_layernorm.weight", _param(torch.ones(8)))] if rank == 1 else []
+    for bad, kw in ((clash, {"pp_group": dist.group.WORLD}), (orphan, {})):
+        try:
+            MegatronExtractor(bad, **kw)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+def test_pipeline_stage_parameters_are_broadcast_from_their_stage(tmp_path):
+    ref = hf_reference()
+    results = run_workers(pp_worker, tmp_path)
+    assert not set(results[0]["names"]) & set(results[1]["names"])  # nothing shared: every layer has one owner
+    for rank, res in enumerate(results):
+        check_against(ref, res["in_buckets"], torch.bfloat16, f"rank {rank}")
+        # rank-major order of first appearance: stage 0's tensors, then stage 1's
+        assert res["specs"].index("model.layers.0.mlp.down_proj.weight") < res["specs"].index("model.norm.weight")
+        assert res["errors"] == [
+            "megatron extractor: ranks disagree about 'decoder.final_layernorm.weight' (shape, dtype or parallel "
+            "attributes differ): rank 0: (8,) float32 tensor_model_parallel=False partition_dim=-1 "
+            "partition_stride=1; rank 1: (9,) float32 tensor_model_parallel=False partition_dim=-1 "
+            "partition_stride=1",
+            "megatron extractor: 'decoder.final_layernorm.weight' (held by ranks [1]) cannot reach rank(s) [0] "
+            "through their pipeline groups"]
+
+
+EXPERTS = 4
+
+
+def ep_worker(rank: int, world: int, tmp_path) -> dict:
+    import torch.distributed as dist
+
+    ref = hf_reference(experts=EXPERTS)
+    per = EXPERTS // world
+    # dense layers tensor-parallel over both ranks; experts split between them (expert parallelism 2,
+    # expert tensor parallelism 1), named locally from 0 like Megatron does
+    params = megatron_params(ref, tp_rank=rank, tp=world, experts=range(rank * per, (rank + 1) * per),
+                             expert_offset=rank * per)
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, tp_group=dist.group.WORLD, ep_group=dist.group.WORLD,
+                           attention=ATTENTION, vocab_size=T.VOCAB)
+    return {"names": [n for n, _ in params], "in_buckets": extract_in_buckets(ex, 100)}
+
+
+def test_expert_parameters_are_broadcast_from_their_owner_and_dense_ones_gathered(tmp_path):
+    ref = hf_reference(experts=EXPERTS)
+    results = run_workers(ep_worker, tmp_path)
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in results[1]["names"]
+    assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" not in results[0]["names"]
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in ref
+    for rank, res in enumerate(results):
+        check_against(ref, res["in_buckets"], torch.bfloat16, f"rank {rank}")
+
+
+def tp_pp_worker(rank: int, world: int, tmp_path) -> dict:
+    import torch.distributed as dist
+
+    ref = hf_reference()
+    # 4 ranks: TP 2 x PP 2. Stage 0 = ranks 0, 1 (embedding, layer 0); stage 1 = ranks 2, 3 (layer 1, head).
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stage, tp_rank = divmod(rank, 2)
+    params = megatron_params(ref, tp_rank=tp_rank, tp=2, layers=(stage,), embed=stage == 0, head=stage == 1)
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, tp_group=tp_groups[stage], pp_group=pp_groups[tp_rank],
+                           attention=ATTENTION, vocab_size=T.VOCAB)
+    return {"in_buckets": extract_in_buckets(ex, 150)}
+
+
+def test_tensor_and_pipeline_parallel_together_on_four_ranks(tmp_path):
+    ref = hf_reference()
+    results = run_workers(tp_pp_worker, tmp_path, world_size=4)
+    for rank, res in enumerate(results):
+        check_against(ref, res["in_buckets"], torch.bfloat16, f"rank {rank}")
