@@ -219,6 +219,7 @@ class DeviceResult:
     infeasible: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     arithmetic: list[str] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)  # later phases that meet the same peak
 
 
 def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
@@ -254,6 +255,10 @@ def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
             notes.append(f"the KV pool was {fmt_bytes(first.kv)} at mem_fraction_static {dev.mfs_recorded}, "
                          f"but T × mfs − Wr = {fmt_bytes(expected)}: this engine does not size its pool "
                          "the way the model assumes, so the recommendation may be off")
+    # the same peak met again later (every cycle, typically): worth naming too
+    tied = [] if binding is None else list(dict.fromkeys(
+        p.phase for p in dev.points if p.kv_resident and p.phase != binding.phase
+        and p.used - p.kv - Wr == best_other))
     max_fraction = None if binding is None else (limit - best_other) / T
     mfs = None
     if max_fraction is not None:
@@ -292,7 +297,7 @@ def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
     else:
         notes.append("no sync in the trace: no bucket size recommended")
     res = DeviceResult(dev, margin, max_fraction, binding, mfs, bucket, bucket_limit, bucket_point, live,
-                       by_phase, infeasible, notes)
+                       by_phase, infeasible, notes, tied=tied)
     res.arithmetic = _arithmetic(res, worst, peak_staging, budget)
     return res
 
@@ -316,7 +321,7 @@ def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budge
     else:
         other = b.used - b.kv - Wr
         start = next((p for p in d.points if p.kv_resident), None)
-        L.append(f"  binding: {b.where()}")
+        L.append(f"  binding: {b.where()}" + (f"; the same peak recurs in {', '.join(r.tied)}" if r.tied else ""))
         L.append(f"    besides the KV pool and Wr the device held other = {fmt_bytes(other)}: {_breakdown(b, Wr)}")
         if start is not None and start is not b:
             grown = other - (start.used - start.kv - Wr)
@@ -377,6 +382,7 @@ class Recommendation:
             "mem_fraction_static": self.mem_fraction_static,
             "bucket_mib": None if self.bucket_bytes is None else self.bucket_bytes / MiB,
             "binding_phase": bp.phase if bp else None,
+            "tied_phases": b.tied if b else [],
             "feasible": self.feasible,
             "bucket_bytes": self.bucket_bytes,
             "max_fraction": None if b is None else round(b.max_fraction, 6),
@@ -391,6 +397,7 @@ class Recommendation:
                 "engine_weights_bytes": r.device.engine_weights, "plan": r.device.plan,
                 "mem_fraction_static": r.mfs, "max_fraction": None if r.max_fraction is None else round(r.max_fraction, 6),
                 "binding_phase": r.binding.phase if r.binding else None,
+                "tied_phases": r.tied,
                 "max_fraction_by_phase": {k: round(v, 6) for k, v in r.by_phase.items()},
                 "bucket_bytes": r.bucket_bytes,
                 "bucket_binding_phase": r.bucket_point.phase if r.bucket_point else None,

@@ -68,6 +68,7 @@ async def test_fraction_and_bucket_from_a_trace_with_the_arithmetic(tmp_path, ca
     # other = R 50 + graphs 20; margin = 2% of 2000 = 40: (2000 - 40 - 70) / 2000 = 0.945
     assert doc["max_fraction"] == 0.945 and doc["mem_fraction_static"] == 0.94
     assert doc["binding_phase"] == "start"  # nothing grows: the engine's start binds first
+    assert doc["tied_phases"] == ["rollout", "engine_wake_kv"]  # ... and every cycle after it
     assert doc["binding"]["other_bytes"] == 70 and doc["binding"]["line"] == 1
     # sync holds R 50 + Wr 100 besides staging; staging peaked at 84 B = 1.68 x the 50 B budget;
     # (2000 - 40 - 150) / 1.68 = 1077 B, capped at Wr rounded up to a power of two: 128 B
