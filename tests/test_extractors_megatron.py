@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from colo.buckets import plan_buckets
@@ -125,6 +127,21 @@ def test_unsharded_megatron_params_become_the_hf_model_bit_exactly():
         "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.q_proj.bias"]
     assert {s.name: (s.shape, s.dtype) for s in specs} == {n: (tuple(t.shape), "bfloat16") for n, t in ref.items()}
     check_against(ref, extract_in_buckets(ex, 64), torch.bfloat16, "tp=1")
+
+
+_REF = hf_reference()
+_EX = MegatronExtractor(megatron_params(_REF), dtype=torch.bfloat16, attention=ATTENTION, vocab_size=T.VOCAB)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(sorted(_REF)), st.integers(0, len(_REF)))
+def test_any_subset_in_any_order_yields_exactly_those_names(order, k):
+    # siblings (gate/up, q/k/v) asked for apart, together, or not at all
+    names = order[:k]
+    out = list(_EX.extract(names))
+    assert [n for n, _ in out] == names
+    for n, t in out:
+        assert_bit_equal(t, _REF[n].to(torch.bfloat16), n)
 
 
 def test_without_vocab_size_the_padding_rows_are_sent():
@@ -255,9 +272,17 @@ def test_unknown_names_and_resized_parameters_are_refused():
                                        r"\.gate_proj\.weight'\]"):
         ex.extract(["model.norm.weight", "model.layers.0.mlp.gate_proj.weight"])
     params[0][1].data = torch.ones(3)
-    with pytest.raises(ValueError, match=r"'decoder\.final_layernorm\.weight' is now \(3,\), but was \(8,\) when "
-                                         r"the ranks exchanged metadata"):
+    with pytest.raises(ValueError, match=r"'decoder\.final_layernorm\.weight' is now \(3,\) float32, but was "
+                                         r"\(8,\) float32 when the ranks exchanged metadata"):
         list(ex.extract(["model.norm.weight"]))
+    params[0][1].data = torch.ones(8, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"is now \(8,\) float16, but was \(8,\) float32"):
+        list(ex.extract(["model.norm.weight"]))
+    mapping = dict(megatron_params(ref, layers=(), embed=False))
+    ex = MegatronExtractor(mapping)
+    del mapping["output_layer.weight"]
+    with pytest.raises(KeyError, match=r"'output_layer\.weight' is no longer in this rank's parameters"):
+        list(ex.extract(["lm_head.weight"]))
 
 
 def test_the_default_table_is_small_and_every_rule_compiles():

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from colo.buckets import spec
-from colo.extractors.plain import (DTypeLike, check_against_spec, check_request, dtype_name, engine_dtype_of,
-                                   resolve_dtype, to_engine)
+from colo.extractors.plain import (DTypeLike, UnknownTensor, check_against_spec, check_request, dtype_name,
+                                   engine_dtype_of, resolve_dtype, to_engine)
 from colo.interfaces import TensorSpec
 
 
@@ -402,10 +402,17 @@ class MegatronExtractor:
     def _materialize(self, src: _Source) -> dict[str, torch.Tensor]:
         target = self._engine_dtype(src.meta)
         if src.local:
-            t = self._mapping[src.name] if self._mapping is not None else self._local[src.name]
-            if tuple(t.shape) != src.meta.shape:
-                raise ValueError(f"megatron extractor: {src.name!r} is now {tuple(t.shape)}, but was "
-                                 f"{src.meta.shape} when the ranks exchanged metadata")
+            source = self._mapping if self._mapping is not None else self._local
+            t = source.get(src.name)
+            # Only this rank can see these two mistakes; the others will wait in
+            # the collective below until their timeout. Still better than sending
+            # bytes of the wrong size.
+            if t is None:
+                raise UnknownTensor(f"megatron extractor: {src.name!r} is no longer in this rank's parameters "
+                                    f"(it was there when the ranks exchanged metadata)")
+            if tuple(t.shape) != src.meta.shape or dtype_name(t.dtype) != src.meta.dtype:
+                raise ValueError(f"megatron extractor: {src.name!r} is now {tuple(t.shape)} {dtype_name(t.dtype)}, "
+                                 f"but was {src.meta.shape} {src.meta.dtype} when the ranks exchanged metadata")
             t = to_engine(t, self.dtype, self.device)
         else:
             t = torch.empty(src.meta.shape, dtype=target, device=self._comm_device())
