@@ -66,7 +66,7 @@ def check_request(names: Sequence[str], known: Mapping[str, Any] | set[str], who
     unknown = [n for n in names if n not in known]
     if unknown:
         raise UnknownTensor(f"{who}: unknown tensor name(s) {unknown}; the extractor knows {len(known)} "
-                       f"names (see specs())")
+                            f"names (see specs())")
     seen: set[str] = set()
     dup: list[str] = []
     for n in names:
