@@ -453,3 +453,18 @@ def test_replay_export_tune_and_summary_import_no_torch_anyio_or_structlog():
 def test_empty_argument_list_is_bad_input():
     with pytest.raises(BadTrace, match="no trace given"):
         replay([])
+
+
+# -- the committed traces --------------------------------------------------------------
+
+TRACES = sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", TRACES, ids=lambda p: p.name)
+def test_committed_traces_replay_clean(path, capsys):
+    code, out, err = run(capsys, path, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["valid"] is True and doc["warnings"] == [] and err == ""
+    assert doc["files"][0]["finished"] is True
+    summary = doc["ranks"][str(doc["files"][0]["rank"])]
+    assert summary["sync"]["count"] >= 1 and summary["errors"] == []
