@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,29 @@ from colo.trace import TraceWriter
 #: simulation, not a measurement.
 CPU_RESERVED_MIB = 32
 CPU_DEFAULT_GIB = 0.25
+#: What the simulated trainer leaves on the device after its first step (a real
+#: trainer's allocator cache and communicator buffers): R grows after the
+#: engine started, which is what makes engine_wake_kv the phase that binds.
+CPU_TRAINER_LEFTOVER_MIB = 8
 #: Largest |engine − trainer| logit difference accepted on the probe batch,
 #: relative to the largest trainer logit (bf16 engine against fp32 trainer).
 LOGIT_TOLERANCE = 0.03
+
+
+@dataclass
+class SimulatedDevice(MemoryLedger):
+    """The CPU's stand-in for a GPU: a budget, a fixed R, and what the trainer left behind."""
+
+    leftover: Callable[[], int] = lambda: 0
+    base_reserved: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.base_reserved = self.reserved_bytes
+
+    def observe(self) -> None:
+        self.reserved_bytes = self.base_reserved + self.leftover()
+        self._bump_peak()
 
 
 class VerificationError(RuntimeError):
@@ -57,6 +78,7 @@ class DemoConfig:
     mem_fraction_static: float = 0.8
     device_mem_gib: float | None = None
     reserved_mib: float = CPU_RESERVED_MIB
+    trainer_leftover_mib: float = CPU_TRAINER_LEFTOVER_MIB
     trace: str | None = None
     seed: int = 0
     engine_dtype: str = "bfloat16"
@@ -86,6 +108,8 @@ class DemoConfig:
             raise ValueError("--device-mem-gib sizes the simulated CPU device; on cuda the GPU's size is used")
         if not self.reserved_mib >= 0:
             raise ValueError(f"reserved memory must be >= 0 MiB, got {self.reserved_mib}")
+        if not self.trainer_leftover_mib >= 0:
+            raise ValueError(f"trainer leftover must be >= 0 MiB, got {self.trainer_leftover_mib}")
 
     @property
     def bucket_bytes(self) -> int:
@@ -144,6 +168,26 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
     return verify
 
 
+def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
+    """The reference trainer; on a GPU its weights and AdamW state live in memory-saver
+    regions with a pinned host backup, so offload and onload are real pauses."""
+    from colo.models import build_trainer_model
+    from colo.trainer import ReferenceTrainer
+
+    if cfg.device == "cpu":
+        model = build_trainer_model(model_config, cfg.seed)
+        return ReferenceTrainer(model, engine_dtype=cfg.engine_dtype), None
+    from colo.cuda_memory import Saver, TrainerMemory
+
+    saver = Saver()
+    with saver.region("trainer.weights", cpu_backup=True):
+        model = build_trainer_model(model_config, cfg.seed).to("cuda")
+    trainer = ReferenceTrainer(model, engine_dtype=cfg.engine_dtype, memory_backend=TrainerMemory(saver))
+    with saver.region("trainer.optimizer", cpu_backup=True):
+        trainer.init_optimizer_state()
+    return trainer, saver
+
+
 def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
     """Total bytes, reserved bytes, device name."""
     if cfg.device == "cuda":
@@ -168,16 +212,13 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
     from safetensors.torch import save_file
 
     from colo.engine.client import EngineClient
-    from colo.models import build_trainer_model, demo_config
-    from colo.trainer import ReferenceTrainer
+    from colo.models import demo_config
     from colo.transports import make_transport
 
     torch.manual_seed(cfg.seed)
     model_config = demo_config()
-    trainer = ReferenceTrainer(build_trainer_model(model_config, cfg.seed).to(cfg.device),
-                               engine_dtype=cfg.engine_dtype)
+    trainer, saver = build_trainer(cfg, model_config)
     total, reserved, name = device_budget(cfg)
-    memory = MemoryLedger(total_bytes=total, reserved_bytes=reserved, device_kind=cfg.device, device_name=name)
     task = ReinforceTask(model_config.vocab_size, batch=cfg.batch, prompt_len=cfg.prompt_len,
                          new_tokens=cfg.new_tokens, seed=cfg.seed)
     workdir = tempfile.mkdtemp(prefix="colo-demo-")
@@ -189,10 +230,26 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
         # as SGLang starts from a model path.
         ckpt = os.path.join(workdir, "init.safetensors")
         save_file({k: v.contiguous().cpu() for k, v in trainer.hf_state().items()}, ckpt)
+        if saver is not None:
+            # Colocated start: the trainer offloads before the engine starts, as
+            # slime does, so the engine's KV pool can take its fraction.
+            await trainer.offload(["weights", "optimizer"])
         build = {"config": model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
-                 "total_bytes": total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt}
+                 "total_bytes": total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
+                 "memory": "saver" if saver is not None else "free"}
         engine = await EngineClient.spawn(build, task=task)
         try:
+            if cfg.device == "cuda":
+                from colo.cuda_memory import cuda_ledger
+
+                # R is what the device holds now beyond the engine's regions:
+                # both CUDA contexts, the allocator caches.
+                memory = cuda_ledger(accounted_bytes=sum(engine.tag_bytes().values()), device_name=name)
+            else:
+                leftover = int(cfg.trainer_leftover_mib * MiB)
+                memory = SimulatedDevice(total_bytes=total, reserved_bytes=reserved, device_kind="cpu",
+                                         device_name=name,
+                                         leftover=lambda: leftover if trainer.steps else 0)
             trace = TraceWriter(cfg.trace_path)
             trace.add_listener(summary.feed)
             sched = Scheduler(
@@ -204,17 +261,17 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
                             "model": {"params": sum(p.numel() for p in trainer.model.parameters()),
                                       "engine_dtype": cfg.engine_dtype}})
             bar = _progress(cfg.steps, progress)
-            async with sched:
-                try:
+            try:
+                async with sched:
                     for _ in range(cfg.steps):
                         await sched.cycle()
                         rewards.append(sched.last_rollout.reward)
                         bar.set_postfix(reward=f"{rewards[-1]:.3f}")
                         bar.update(1)
-                except Exception as e:  # recorded in the trace as phase.failed; reported below
-                    error = e
-                finally:
-                    bar.close()
+            except Exception as e:  # in the trace as phase.failed (or before it: at start-up)
+                error = e
+            finally:
+                bar.close()
         finally:
             await engine.aclose()
     finally:
@@ -243,7 +300,8 @@ def report(cfg: DemoConfig, out: DemoOutcome) -> str:
 
 
 def _failed_phase(out: DemoOutcome) -> str:
-    return out.summary.errors[-1].get("phase", "?") if out.summary.errors else "?"
+    # no phase.failed at all: the device could not hold the engine at start-up
+    return out.summary.errors[-1].get("phase", "?") if out.summary.errors else "start"
 
 
 def config_from_args(args: Any) -> DemoConfig:

@@ -201,6 +201,14 @@ class MemoryLedger:
         except KeyError:
             raise TagStateError(f"staging buffer {sid} is not allocated (freed twice?)") from None
 
+    def observe(self) -> None:
+        """Refresh what the ledger cannot count itself (R) from the device.
+
+        The scheduler calls it after every phase. A plain ledger has nothing to
+        refresh; the GPU ledger reads the device, the demo's simulated device
+        adds what the trainer left behind.
+        """
+
     def free_all_staging(self) -> int:
         freed = self.staging_bytes
         self._staging.clear()

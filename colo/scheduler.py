@@ -167,6 +167,7 @@ class Scheduler:
         except BaseException as exc:
             await self._fail(target, exc, t0)
             raise
+        self.memory.observe()
         self._emit("phase.finished", step=self.step, phase=target.value,
                    duration_s=round(self._clock() - t0, 6), mem=self.memory.snapshot())
         return result

@@ -2,10 +2,10 @@
 at the recommended mem_fraction_static completes, and at the recommendation +
 0.05 it runs out of memory in the phase tune named.
 
-"start" is tune's name for the engine's start-up, before the first phase: the
-demo's engine allocates its KV pool there, and when nothing the trainer leaves
-behind grows afterwards, that is where a larger fraction fails first (the
-scheduler refuses to register the pool: OutOfMemory with no phase).
+The demo's simulated trainer leaves memory on the device after its first step
+(as a real trainer's allocator cache does), so R grows after the engine sized
+its pool and the wake-up of the KV cache is where a larger fraction fails.
+"start" would be tune's name for the engine's start-up, before any phase.
 """
 
 import json
@@ -41,5 +41,6 @@ async def test_demo_completes_at_the_recommendation_and_ooms_five_points_above_i
 
     err = await demo(tmp_path, "above.jsonl", round(mfs + 0.05, 2))
     assert isinstance(err, OutOfMemory)
+    assert phase == "engine_wake_kv"
     assert (err.phase or "start") == phase
     assert err.tag == "engine.kv_cache"  # the pool that mem_fraction_static sizes
