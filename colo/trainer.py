@@ -43,6 +43,7 @@ class ReferenceTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
         self._extractor = PlainExtractor(self.model, dtype=getattr(torch, engine_dtype))
         self._memory_backend = memory_backend
+        self._cpu_twin: torch.nn.Module | None = None
         self.steps = 0
 
     # -- TrainerSide -----------------------------------------------------------
@@ -55,7 +56,27 @@ class ReferenceTrainer:
         return self._extractor.specs()
 
     def extractor(self) -> Any:
+        backend = self._memory_backend
+        if backend is not None and not backend.resident("weights"):
+            # offload-first on a GPU: the weights are paused, their pinned host
+            # backup is the source; tensors are uploaded as buckets are built.
+            from colo.extractors.plain import PlainExtractor
+
+            host = {n: backend.saver.host_view(p) for n, p in self.model.named_parameters()}
+            return PlainExtractor(host, dtype=getattr(torch, self.engine_dtype),
+                                  device=next(self.model.parameters()).device)
         return self._extractor
+
+    def init_optimizer_state(self) -> None:
+        """Allocate AdamW's state now (it is lazy), so that it lands in the caller's
+        memory region (``trainer.optimizer``) rather than wherever the first step runs."""
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                state = self.opt.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     async def onload(self, tags: Sequence[str]) -> None:
         if self._memory_backend is not None:
@@ -92,10 +113,24 @@ class ReferenceTrainer:
         return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
 
     # -- verification ----------------------------------------------------------
+    def _paused(self) -> bool:
+        return self._memory_backend is not None and not self._memory_backend.resident("weights")
+
     def hf_state(self) -> dict[str, torch.Tensor]:
+        if self._paused():
+            # the device pages are unmapped: read the pinned host backup instead
+            return {n: self._memory_backend.saver.host_view(p) for n, p in self.model.named_parameters()}
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def logits(self, tokens: list[list[int]]) -> torch.Tensor:
-        device = next(self.model.parameters()).device
-        return self.model(torch.tensor(tokens, dtype=torch.long, device=device)).logits.float().cpu()
+        if self._paused():
+            # A CPU twin fed the host backup: touching the paused model would
+            # read unmapped device memory.
+            if self._cpu_twin is None:
+                self._cpu_twin = type(self.model)(self.model.config).eval()
+            self._cpu_twin.load_state_dict(self.hf_state(), strict=True)
+            model, device = self._cpu_twin, torch.device("cpu")
+        else:
+            model, device = self.model, next(self.model.parameters()).device
+        return model(torch.tensor(tokens, dtype=torch.long, device=device)).logits.float().cpu()

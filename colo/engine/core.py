@@ -35,9 +35,9 @@ class EngineCore:
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float,
-                 init_state: Mapping[str, torch.Tensor] | None = None) -> None:
+                 init_state: Mapping[str, torch.Tensor] | None = None, saver: Any = None) -> None:
         self.model = EngineModel(config, dtype=dtype, device=device, total_bytes=total_bytes,
-                                 mem_fraction_static=mem_fraction_static)
+                                 mem_fraction_static=mem_fraction_static, saver=saver)
         self._paused: set[str] = set()
         self._version: int | None = None
         # the weights hold a complete load since their storage was last allocated

@@ -14,6 +14,8 @@ it. Nothing here touches ``torch.cuda`` at import; the device is a parameter.
 
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import json
 import math
@@ -436,7 +438,11 @@ class EngineModel:
     """
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
-                 total_bytes: int, mem_fraction_static: float) -> None:
+                 total_bytes: int, mem_fraction_static: float, saver: Any = None) -> None:
+        # With a memory saver (the GPU backend), release pauses the region and
+        # keeps the tensors' virtual addresses; without one it drops them.
+        self.saver = saver
+        self._held: dict[str, Any] = {}
         self.dims = Dims.from_config(config)
         self.dtype = as_dtype(dtype)
         if not self.dtype.is_floating_point:
@@ -486,12 +492,17 @@ class EngineModel:
         """Fresh, uninitialised parameter storage; contents are garbage until a full load."""
         if self._params is not None:
             raise EngineStateError("engine weights are already allocated")
-        self._params = {name: torch.empty(shape, dtype=self.dtype, device=self.device)
-                        for name, shape in self.map.params.items()}
+        if self._resume_held("weights"):
+            self._params = self._held.pop("weights")
+            return
+        with self._region("weights"):
+            self._params = {name: torch.empty(shape, dtype=self.dtype, device=self.device)
+                            for name, shape in self.map.params.items()}
 
     def free_weights(self) -> None:
         if self._params is None:
             raise EngineStateError("engine weights are already freed")
+        self._hold("weights", self._params)
         self._params = None
         self._load = None  # a half-done load has nothing left to finish
         self._return_to_device()
@@ -500,16 +511,40 @@ class EngineModel:
         if self._pool is not None:
             raise EngineStateError("engine KV pool is already allocated")
         d = self.dims
-        self._pool = torch.empty((d.num_layers, 2, self.num_slots, d.num_kv_heads, d.head_dim),
-                                 dtype=self.dtype, device=self.device)
+        if self._resume_held("kv_cache"):
+            self._pool = self._held.pop("kv_cache")
+        else:
+            with self._region("kv_cache"):
+                self._pool = torch.empty((d.num_layers, 2, self.num_slots, d.num_kv_heads, d.head_dim),
+                                         dtype=self.dtype, device=self.device)
         self.slots.reset()
 
     def free_kv(self) -> None:
         if self._pool is None:
             raise EngineStateError("engine KV pool is already freed")
+        self._hold("kv_cache", self._pool)
         self._pool = None
         self.slots.reset()
         self._return_to_device()
+
+    def _region(self, tag: str) -> Any:
+        if self.saver is None:
+            return contextlib.nullcontext()
+        return self.saver.region(f"engine.{tag}")
+
+    def _hold(self, tag: str, tensors: Any) -> None:
+        # Paused, not dropped: the saver unmaps the pages but the tensors keep
+        # their addresses, so a resume hands back the same storage (its
+        # contents are garbage until the next load).
+        if self.saver is not None:
+            self.saver.pause(f"engine.{tag}")
+            self._held[tag] = tensors
+
+    def _resume_held(self, tag: str) -> bool:
+        if tag not in self._held:
+            return False
+        self.saver.resume(f"engine.{tag}")
+        return True
 
     def _return_to_device(self) -> None:
         # Dropping a CUDA tensor only returns its block to this process's caching
