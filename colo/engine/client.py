@@ -155,6 +155,17 @@ class EngineClient:
     async def load_bucket(self, handle: dict, meta: list[dict], on_sent: Any = None) -> dict:
         return await self.call("load_bucket", handle=handle, meta=meta, on_sent=on_sent)
 
+    async def transport_init(self, transport: str, init_info: dict) -> None:
+        """Build the engine's receiver for ``transport`` (a broadcast receiver joins the group here)."""
+        await self.call("transport_init", transport=transport, init_info=init_info)
+
+    async def transport_load(self, transport: str, request: dict, on_sent: Any = None) -> dict:
+        """One request through the transport's receiver into the engine's parameters."""
+        return await self.call("transport_load", transport=transport, request=request, on_sent=on_sent)
+
+    async def transport_close(self, transport: str) -> None:
+        await self.call("transport_close", transport=transport)
+
     async def end_load(self) -> None:
         await self.call("end_load")
 

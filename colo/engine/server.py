@@ -47,6 +47,8 @@ class EngineServer:
     def __init__(self, core: Any):
         self.core = core
         self._attached: dict[str, Any] = {}
+        #: transport name -> its engine-side receiver (``colo.transports``)
+        self._receivers: dict[str, Any] = {}
         self.running = True
 
     # -- handles ---------------------------------------------------------------
@@ -67,6 +69,26 @@ class EngineServer:
         for seg in self._attached.values():
             seg.close()
         self._attached.clear()
+        # per-sync resources of every receiver (mapped segments); a process
+        # group or a checkpoint root outlives the sync
+        for receiver in self._receivers.values():
+            receiver.release()
+
+    def _close_receivers(self) -> None:
+        for receiver in self._receivers.values():
+            try:
+                receiver.close()
+            except Exception as e:  # closing one must not keep the others open
+                log("transport.close_failed", error=f"{type(e).__name__}: {e}")
+        self._receivers.clear()
+
+    def _set_receiver(self, transport: str, strategy: Any, info: Any) -> Any:
+        old = self._receivers.pop(transport, None)
+        if old is not None:
+            old.close()
+        receiver = strategy.create_receiver(info, device=self.core.model.device)
+        self._receivers[transport] = receiver
+        return receiver
 
     # -- ops -------------------------------------------------------------------
     def op_hello(self) -> dict:
@@ -135,6 +157,52 @@ class EngineServer:
         done = time.perf_counter()
         return {"handoff_s": opened - t0, "load_s": done - opened, "tensors": len(meta)}
 
+    # -- transports (colo.transports: a strategy's engine-side receiver) ---------
+    def op_transport_init(self, transport: str, init_info: dict) -> dict:
+        """Build the receiver of ``transport`` from its init info (replacing an old one).
+
+        A broadcast receiver joins the sender's process group here: the sender
+        must be joining it at the same time."""
+        from colo.transports import get_strategy
+
+        strategy = get_strategy(transport)
+        self._set_receiver(transport, strategy, strategy.init_info_type.from_json(init_info))
+        return {}
+
+    def op_transport_load(self, transport: str, request: dict) -> dict:
+        """Receive one request through the transport's receiver and load what it yields.
+
+        Transports whose init info is empty get a receiver on first use."""
+        from colo.transports import get_strategy
+        from colo.transports.base import EmptyInitInfo
+
+        receiver = self._receivers.get(transport) if isinstance(transport, str) else None
+        if receiver is None:
+            strategy = get_strategy(transport)  # the allow-list: only registered transports
+            if strategy.init_info_type is not EmptyInitInfo:
+                raise ValueError(f"transport {transport!r} is not initialised on the engine: "
+                                 f"call transport_init first")
+            receiver = self._set_receiver(transport, strategy, EmptyInitInfo())
+        t0 = time.perf_counter()
+        with receiver.receive(request) as named:
+            opened = time.perf_counter()
+            # copy_ into the engine's parameters: after the reply the sender may
+            # reuse or free whatever ``named`` views
+            n = self.core.load_weights(named)
+            del named
+            if self.core.model.device.type == "cuda":
+                # The ack promises the sender may reuse or free the memory: the
+                # copies out of it must have finished, not merely been queued.
+                torch.cuda.synchronize(self.core.model.device)
+        done = time.perf_counter()
+        return {"handoff_s": opened - t0, "load_s": done - opened, "tensors": n}
+
+    def op_transport_close(self, transport: str) -> dict:
+        receiver = self._receivers.pop(transport, None) if isinstance(transport, str) else None
+        if receiver is not None:
+            receiver.close()
+        return {}
+
     def op_end_load(self) -> dict:
         self._detach_all()
         self.core.end_load()
@@ -147,6 +215,7 @@ class EngineServer:
     def op_shutdown(self) -> dict:
         self.running = False
         self._detach_all()
+        self._close_receivers()
         return {}
 
     # -- loop ------------------------------------------------------------------
@@ -190,7 +259,13 @@ def build_core(build: dict) -> Any:
     from colo.engine.core import EngineCore
 
     init_state = None
-    if build.get("checkpoint"):
+    if build.get("checkpoint") and os.path.isdir(build["checkpoint"]):
+        from colo.transports.disk import load_checkpoint
+
+        # A directory the disk transport committed (manifest + shards); one
+        # without a manifest is refused as incomplete.
+        init_state = load_checkpoint(build["checkpoint"])
+    elif build.get("checkpoint"):
         from safetensors.torch import load_file
 
         # Like SGLang launching from a model path: version 0 is the checkpoint.
@@ -225,3 +300,4 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
     finally:
         listener.close()
         server._detach_all()
+        server._close_receivers()

@@ -1,4 +1,10 @@
-"""Transfer strategies, one file per transport, chosen by name."""
+"""Transfer strategies, one file per transport, chosen by name.
+
+Each module holds its init info, request type, sender, receiver and a
+``STRATEGY`` that builds them (see ``colo.transports.base``). ``REGISTRY``
+names the sender the scheduler drives; ``STRATEGIES`` is the engine's
+allow-list: a receiver is built only for a name listed here.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,30 @@ from typing import Any
 
 #: name -> "module:class"; a transport's module is imported only when chosen.
 REGISTRY = {
+    "ipc": "colo.transports.ipc:IpcTransport",
     "packed": "colo.transports.packed:PackedTransport",
+    "broadcast": "colo.transports.broadcast:BroadcastTransport",
+    "disk": "colo.transports.disk:DiskTransport",
 }
+
+#: name -> "module:attribute" of the strategy (the factory of both halves).
+STRATEGIES = {name: target.split(":")[0] + ":STRATEGY" for name, target in REGISTRY.items()}
+
+
+def _load(table: dict[str, str], name: str, what: str) -> Any:
+    try:
+        target = table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {what} {name!r}; expected one of {', '.join(table)}") from None
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def make_transport(name: str, **options: Any) -> Any:
-    try:
-        target = REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown transport {name!r}; expected one of {', '.join(REGISTRY)}") from None
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(**options)
+    """The trainer-side sender of transport ``name`` (what the scheduler drives)."""
+    return _load(REGISTRY, name, "transport")(**options)
+
+
+def get_strategy(name: str) -> Any:
+    """The strategy of transport ``name``: ``create_init_info/sender/receiver``, ``request_type``."""
+    return _load(STRATEGIES, name, "transport")

@@ -11,136 +11,150 @@ held — reusing it earlier would overwrite weights the engine is still reading.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import anyio.to_thread
 
-from colo.buckets import Bucket, plan_buckets
-from colo.handles import ShmSegment
-from colo.interfaces import SyncContext, SyncResult
+from colo.buckets import Bucket
+from colo.handles import ShmSegment, open_handle
+from colo.interfaces import SyncContext
+from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
+                                  check_bucket_tensors, parse_tensors, timed_ack, views)
+
+#: attachments the receiver keeps open across buckets: the sender double-buffers,
+#: so two live segments is the steady state; a few more cover a restarted sync.
+MAX_ATTACHED = 4
+
+
+@dataclass(frozen=True)
+class PackedRequest:
+    """One bucket: the flat buffer's handle and where each tensor lies in it."""
+
+    handle: dict
+    tensors: tuple[TensorMeta, ...]
+
+    def to_json(self) -> dict:
+        return {"handle": self.handle, "tensors": [m.to_json() for m in self.tensors]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> PackedRequest:
+        if not isinstance(d, dict) or not isinstance(d.get("handle"), dict):
+            raise RequestError("packed request must be a JSON object with a 'handle' object and 'tensors'")
+        nbytes = d["handle"].get("nbytes")
+        return cls(d["handle"], parse_tensors(d, "tensors", "packed request",
+                                              buffer_nbytes=nbytes if isinstance(nbytes, int) else None))
+
+
+def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> int:
+    """Copy ``tensors`` into ``flat`` at the bucket's offsets; check names and sizes first."""
+    check_bucket_tensors(bucket, tensors)
+    for (_, t), e in zip(tensors, bucket.entries):
+        flat[e.start:e.end].copy_(t.contiguous().view(-1).view(flat.dtype))
+    return bucket.payload_bytes
 
 
 class _Slot:
     """One staging buffer: the memory, its handle, and its place in the budget."""
 
     def __init__(self, nbytes: int, ctx: SyncContext):
-        self.sid = ctx.staging.alloc(nbytes)  # count it before it exists: OOM before allocation
+        self.staged = Staged(ctx, nbytes)  # counted before it exists: OOM before allocation
         try:
             self.seg = ShmSegment.create(nbytes)
         except BaseException:
-            ctx.staging.free(self.sid)
+            self.staged.free()
             raise
 
-    def close(self, ctx: SyncContext) -> None:
+    def close(self) -> None:
         self.seg.close()
-        ctx.staging.free(self.sid)
+        self.staged.free()
 
 
-def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> int:
-    """Copy ``tensors`` into ``flat`` at the bucket's offsets; check names and sizes as we go."""
-    if len(tensors) != len(bucket.entries):
-        raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
-                         f"planned {len(bucket.entries)}")
-    for (name, t), e in zip(tensors, bucket.entries):
-        if name != e.spec.name:
-            raise ValueError(f"bucket {bucket.index}: extractor gave {name!r} where {e.spec.name!r} was planned")
-        if str(t.dtype).removeprefix("torch.") != e.spec.dtype or tuple(t.shape) != e.spec.shape:
-            raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, planned {e.spec.shape} {e.spec.dtype}")
-        flat[e.start:e.end].copy_(t.contiguous().view(-1).view(flat.dtype))
-    return bucket.payload_bytes
-
-
-class PackedTransport:
+class PackedTransport(BucketSender):
     name = "packed"
 
     def __init__(self, *, pipelined: bool = True):
-        self.pipelined = pipelined
-        self._engine: Any = None
+        super().__init__(pipelined=pipelined)
+        self._slots: list[_Slot | None] = [None, None]
+        self._cap = 0
 
-    async def sync(self, trainer: Any, engine: Any, ctx: SyncContext) -> SyncResult:
-        extractor = trainer.extractor()
-        specs = list(extractor.specs())
-        if not specs:
-            raise ValueError("the trainer has no parameters to sync (empty model)")
-        buckets = plan_buckets(specs, ctx.bucket_bytes)
-        self._engine = engine
-        # The engine checks every name, shape and dtype before the first byte moves.
-        await engine.preflight(specs)
-        await engine.begin_load()
-        cap = max(b.nbytes for b in buckets)
-        slots: list[_Slot | None] = [None, None]
-        try:
-            def slot(i: int) -> _Slot:
-                if slots[i % 2] is None:
-                    slots[i % 2] = _Slot(cap, ctx)
-                return slots[i % 2]
+    async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
+        self._cap = max(b.nbytes for b in buckets)
 
-            await self._prepare(extractor, buckets[0], slot(0), ctx)
-            for i, bucket in enumerate(buckets):
-                nxt = buckets[i + 1] if i + 1 < len(buckets) else None
-                if self.pipelined and nxt is not None:
-                    try:
-                        async with anyio.create_task_group() as tg:
-                            tg.start_soon(self._handoff, engine, bucket, slot(i), ctx)
-                            await self._prepare(extractor, nxt, slot(i + 1), ctx)
-                    except BaseExceptionGroup as group:
-                        # One side failed and the other was cancelled: the caller
-                        # should see the failure (an OOM, an engine error), not a group.
-                        real = [e for e in group.exceptions
-                                if not isinstance(e, anyio.get_cancelled_exc_class())]
-                        if len(real) == 1:
-                            raise real[0] from None
-                        raise
-                else:
-                    await self._handoff(engine, bucket, slot(i), ctx)
-                    if nxt is not None:
-                        await self._prepare(extractor, nxt, slot(i + 1), ctx)
-            await engine.end_load()
-        finally:
-            with anyio.CancelScope(shield=True):
-                for s in slots:
-                    if s is not None:
-                        s.close(ctx)
-        return SyncResult(bytes=sum(b.payload_bytes for b in buckets), buckets=len(buckets),
-                          tensors=len(specs))
+    def _slot(self, i: int, ctx: SyncContext) -> _Slot:
+        if self._slots[i] is None:
+            self._slots[i] = _Slot(self._cap, ctx)
+        return self._slots[i]
 
-    async def _prepare(self, extractor: Any, bucket: Bucket, slot: _Slot, ctx: SyncContext) -> None:
-        names = [e.spec.name for e in bucket.entries]
+    async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
+        seg = self._slot(slot, ctx).seg
         t0 = time.perf_counter()
-        # Off the event loop: the engine's acknowledgement of the previous
-        # bucket must be read while this one is being gathered and packed.
-        tensors = await anyio.to_thread.run_sync(lambda: list(extractor.extract(names)))
-        t1 = time.perf_counter()
-        ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), t1 - t0)
-        await anyio.to_thread.run_sync(pack_into, slot.seg.tensor, bucket, tensors)
-        del tensors
-        ctx.record(bucket.index, "pack", bucket.payload_bytes, len(names), time.perf_counter() - t1)
+        await anyio.to_thread.run_sync(pack_into, seg.tensor, bucket, tensors)
+        ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
-    async def _handoff(self, engine: Any, bucket: Bucket, slot: _Slot, ctx: SyncContext) -> None:
-        meta = [e.meta() for e in bucket.entries]
-        n = len(meta)
-        t0 = time.perf_counter()
-        sent = [t0]
+    async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        req = PackedRequest(self._slots[slot].seg.handle(), tuple(TensorMeta.of_bucket(bucket)))
+        on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
+        on_ack(await engine.transport_load(self.name, req.to_json(), on_sent=on_sent))
 
-        def on_sent() -> None:
-            # recorded the moment the handle is on the wire, so the handoff
-            # slice ends where the engine's load begins
-            sent[0] = time.perf_counter()
-            ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, sent[0] - t0)
+    def _cleanup(self) -> None:
+        for i, s in enumerate(self._slots):
+            if s is not None:
+                s.close()
+                self._slots[i] = None
 
-        reply = await engine.load_bucket(slot.seg.handle(), meta, on_sent=on_sent)
-        ctx.record(bucket.index, "load", bucket.payload_bytes, reply.get("tensors", n),
-                   time.perf_counter() - sent[0])
 
-    async def abort(self) -> None:
-        # The engine may still map our (now unlinked) segments: make it let go
-        # so the memory really returns.
-        if self._engine is not None:
-            with anyio.move_on_after(5):
-                try:
-                    await self._engine.drop_handles()
-                except Exception:
-                    pass
+class PackedReceiver:
+    """Opens each bucket's segment (kept open: the sender reuses two) and views it."""
+
+    def __init__(self) -> None:
+        self._attached: dict[str, Any] = {}
+
+    def _attach(self, handle: dict) -> Any:
+        name = handle.get("name") or handle.get("handle")
+        seg = self._attached.get(name) if isinstance(name, str) else None
+        if seg is None or getattr(seg, "nbytes", None) != handle.get("nbytes"):
+            if seg is not None:
+                seg.close()
+            seg = open_handle(handle)
+            if isinstance(name, str):
+                self._attached[name] = seg
+                while len(self._attached) > MAX_ATTACHED:
+                    self._attached.pop(next(iter(self._attached))).close()
+        return seg
+
+    @contextlib.contextmanager
+    def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
+        req = request if isinstance(request, PackedRequest) else PackedRequest.from_json(request)
+        seg = self._attach(req.handle)
+        # Views into the sender's buffer: valid until the ack, which the server
+        # sends only after the loader copied them into the parameters.
+        yield views(seg.tensor, req.tensors)
+
+    def release(self) -> None:
+        for seg in self._attached.values():
+            seg.close()
+        self._attached.clear()
+
+    close = release
+
+
+class PackedStrategy:
+    name = "packed"
+    request_type = PackedRequest
+    init_info_type = EmptyInitInfo
+
+    def create_init_info(self) -> EmptyInitInfo:
+        return EmptyInitInfo()
+
+    def create_sender(self, **options: Any) -> PackedTransport:
+        return PackedTransport(**options)
+
+    def create_receiver(self, init_info: EmptyInitInfo, *, device: Any = None) -> PackedReceiver:
+        return PackedReceiver()
+
+
+STRATEGY = PackedStrategy()

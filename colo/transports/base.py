@@ -1,0 +1,318 @@
+"""What every transport shares: the seed's Strategy / Sender / Receiver split, kept small.
+
+A transport is one module with
+
+- an init-info dataclass (what the engine must know once, e.g. a process
+  group's endpoint or a checkpoint root),
+- a request dataclass (what travels per bucket: metadata and handles, plain
+  JSON both ways — ``to_json()`` / ``from_json()``; never a pickle),
+- the trainer-side sender (``name``, ``sync``, ``abort``, ``aclose``: the
+  ``Transport`` the scheduler drives),
+- the engine-side receiver (``receive(request)`` is a context manager that
+  yields ``(name, tensor)`` pairs valid until it exits; ``release()`` drops
+  per-sync resources; ``close()`` drops everything),
+- a strategy (``STRATEGY``) that ties them together: ``create_init_info``,
+  ``create_sender``, ``create_receiver``, ``request_type``, ``init_info_type``.
+
+:class:`BucketSender` runs the part every sender has in common: preflight
+before the first byte, the bucket plan, the two-slot pipeline (bucket i+1 is
+gathered and packed while bucket i is handed off and loaded), and shielded
+cleanup. Subclasses fill in ``_pack`` and ``_handoff``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+import anyio.to_thread
+
+from colo.buckets import ITEMSIZE, Bucket, itemsize, numel, plan_buckets
+from colo.interfaces import SyncContext, SyncResult
+
+
+class RequestError(ValueError):
+    """A request or init info that does not have the fields its transport expects."""
+
+
+def _field(d: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(d, dict):
+        raise RequestError(f"{what} must be a JSON object, got {type(d).__name__}")
+    if key not in d:
+        raise RequestError(f"{what} has no field {key!r}")
+    value = d[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise RequestError(f"{what} field {key!r} must be {_kind_name(kind)}, got a bool")
+    if not isinstance(value, kind):
+        raise RequestError(f"{what} field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+@dataclass(frozen=True)
+class EmptyInitInfo:
+    """Nothing to set up: the handles in each request are all the engine needs."""
+
+    def to_json(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_json(cls, d: Any) -> EmptyInitInfo:
+        if not isinstance(d, dict):
+            raise RequestError(f"init info must be a JSON object, got {type(d).__name__}")
+        return cls()
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a bucket: where its bytes are in the flat buffer (SGLang's
+    ``FlattenedTensorBucket`` entry: name, shape, dtype, start_idx, end_idx, numel)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "start_idx": self.start, "end_idx": self.end, "numel": numel(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: Any, *, buffer_nbytes: int | None = None) -> TensorMeta:
+        name = _field(d, "name", str, "tensor entry")
+        what = f"bucket entry {name!r}"
+        dtype = _field(d, "dtype", str, what)
+        if dtype not in ITEMSIZE:
+            raise RequestError(f"{what}: dtype {dtype!r} is not allowed; expected one of {', '.join(ITEMSIZE)}")
+        shape_raw = _field(d, "shape", list, what)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape_raw):
+            raise RequestError(f"{what}: shape must be a list of non-negative integers, got {shape_raw!r}")
+        shape = tuple(shape_raw)
+        start, end = d.get("start_idx", 0), d.get("end_idx", numel(shape) * itemsize(dtype))
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)):
+            raise RequestError(f"{what}: start_idx and end_idx must be integers")
+        limit = buffer_nbytes if buffer_nbytes is not None else end
+        if not 0 <= start <= end <= limit or end - start != numel(shape) * itemsize(dtype):
+            raise RequestError(f"bucket entry {name!r}: bytes [{start}, {end}) do not fit "
+                               f"shape {shape} {dtype} in a {limit} B buffer")
+        return cls(name, shape, dtype, start, end)
+
+    @classmethod
+    def of_bucket(cls, bucket: Bucket) -> list[TensorMeta]:
+        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end) for e in bucket.entries]
+
+
+def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = None) -> tuple[TensorMeta, ...]:
+    raw = _field(d, key, list, what)
+    return tuple(TensorMeta.from_json(m, buffer_nbytes=buffer_nbytes) for m in raw)
+
+
+def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` views into a flat uint8 buffer: no copy; valid while ``flat`` is."""
+    import torch
+
+    out = []
+    for m in tensors:
+        if m.end > flat.numel():
+            raise RequestError(f"bucket entry {m.name!r}: bytes [{m.start}, {m.end}) do not fit "
+                               f"shape {m.shape} {m.dtype} in a {flat.numel()} B buffer")
+        out.append((m.name, flat[m.start:m.end].view(getattr(torch, m.dtype)).view(m.shape)))
+    return out
+
+
+# -- the split ------------------------------------------------------------------
+
+class Receiver(Protocol):
+    """Engine side: turns one request into ``(name, tensor)`` pairs for the loader."""
+
+    def receive(self, request: Any) -> AbstractContextManager[list[tuple[str, Any]]]: ...
+    def release(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Strategy(Protocol):
+    name: str
+    request_type: type
+    init_info_type: type
+
+    def create_init_info(self, **kwargs: Any) -> Any: ...
+    def create_sender(self, **options: Any) -> Any: ...
+    def create_receiver(self, init_info: Any, *, device: Any) -> Receiver: ...
+
+
+# -- the sender's common part -------------------------------------------------------
+
+def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
+    """The extractor must hand exactly the planned tensors: the bytes go to planned offsets."""
+    if len(tensors) != len(bucket.entries):
+        raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
+                         f"planned {len(bucket.entries)}")
+    for (name, t), e in zip(tensors, bucket.entries):
+        if name != e.spec.name:
+            raise ValueError(f"bucket {bucket.index}: extractor gave {name!r} where {e.spec.name!r} was planned")
+        if str(t.dtype).removeprefix("torch.") != e.spec.dtype or tuple(t.shape) != e.spec.shape:
+            raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, planned {e.spec.shape} {e.spec.dtype}")
+
+
+def raise_first_real(group: BaseExceptionGroup) -> None:
+    """One side of a pipelined step failed and the other was cancelled: the caller
+    should see the failure (an OOM, an engine error), not a group."""
+    real = [e for e in group.exceptions if not isinstance(e, anyio.get_cancelled_exc_class())]
+    if len(real) == 1:
+        raise real[0] from None
+    raise group
+
+
+class Staged:
+    """Bytes a transport holds for the sync, counted against the device budget.
+
+    Counted before the memory exists, so an OOM is raised before allocating;
+    ``free()`` is idempotent so shielded cleanup can call it on anything.
+    """
+
+    def __init__(self, ctx: SyncContext, nbytes: int):
+        self._ctx = ctx
+        self.nbytes = nbytes
+        self._sid: int | None = ctx.staging.alloc(nbytes)
+
+    def free(self) -> None:
+        if self._sid is not None:
+            sid, self._sid = self._sid, None
+            self._ctx.staging.free(sid)
+
+
+class BucketSender:
+    """Preflight, plan, two-slot pipeline, cleanup; subclasses move the bytes.
+
+    ``_pack(bucket, tensors, slot, ctx)`` puts one gathered bucket into slot
+    ``slot`` (0 or 1); ``_handoff(bucket, slot, ctx)`` hands it to the engine
+    and returns once the engine acknowledged the load. A slot is packed again
+    only after the handoff of the bucket it held returned: the engine may read
+    a slot until it acknowledges, and overwriting it earlier corrupts weights.
+    """
+
+    name = "?"
+
+    def __init__(self, *, pipelined: bool = True):
+        if not isinstance(pipelined, bool):
+            raise ValueError(f"pipelined must be a bool, got {pipelined!r}")
+        self.pipelined = pipelined
+        self._engine: Any = None
+
+    # -- hooks ---------------------------------------------------------------
+    async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
+        """After preflight, before ``begin_load``: per-sync setup (a tmp dir, a group)."""
+
+    async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
+        raise NotImplementedError
+
+    async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        raise NotImplementedError
+
+    async def _commit(self, ctx: SyncContext, buckets: list[Bucket]) -> None:
+        """After the engine's ``end_load`` accepted the whole sync."""
+
+    def _cleanup(self) -> None:
+        """Shielded, after every sync, success or not: free every slot."""
+
+    # -- the sync --------------------------------------------------------------
+    async def sync(self, trainer: Any, engine: Any, ctx: SyncContext) -> SyncResult:
+        extractor = trainer.extractor()
+        specs = list(extractor.specs())
+        if not specs:
+            raise ValueError("the trainer has no parameters to sync (empty model)")
+        buckets = plan_buckets(specs, ctx.bucket_bytes)
+        self._engine = engine
+        # The engine checks every name, shape and dtype before the first byte moves.
+        await engine.preflight(specs)
+        try:
+            await self._begin(engine, ctx, buckets)
+            await engine.begin_load()
+            await pipeline(buckets, lambda b, s: self._prepare(extractor, b, s, ctx),
+                           lambda b, s: self._handoff(engine, b, s, ctx), pipelined=self.pipelined)
+            await engine.end_load()
+            await self._commit(ctx, buckets)
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._cleanup()
+        return SyncResult(bytes=sum(b.payload_bytes for b in buckets), buckets=len(buckets),
+                          tensors=len(specs))
+
+    async def _prepare(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        names = [e.spec.name for e in bucket.entries]
+        t0 = time.perf_counter()
+        # Off the event loop: the engine's acknowledgement of the previous
+        # bucket must be read while this one is being gathered and packed.
+        tensors = await anyio.to_thread.run_sync(lambda: list(extractor.extract(names)))
+        ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), time.perf_counter() - t0)
+        check_bucket_tensors(bucket, tensors)
+        await self._pack(bucket, tensors, slot, ctx)
+
+    async def abort(self) -> None:
+        # The engine may still map our (now unlinked) buffers: make it let go
+        # so the memory really returns.
+        if self._engine is not None:
+            with anyio.move_on_after(5):
+                try:
+                    await self._engine.drop_handles()
+                except Exception:
+                    pass
+
+    async def aclose(self) -> None:
+        """Release what outlives a sync (a process group, a temporary root)."""
+
+
+async def pipeline(buckets: Sequence[Bucket], prepare: Callable[[Bucket, int], Awaitable[None]],
+                   handoff: Callable[[Bucket, int], Awaitable[None]], *, pipelined: bool = True) -> None:
+    """prepare(0); then handoff(i) alongside prepare(i+1), slot = index % 2.
+
+    prepare(i+2) reuses the slot of bucket i and starts only after handoff(i)
+    returned, i.e. after the engine acknowledged bucket i.
+    """
+    await prepare(buckets[0], 0)
+    for i, bucket in enumerate(buckets):
+        nxt = buckets[i + 1] if i + 1 < len(buckets) else None
+        if pipelined and nxt is not None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(handoff, bucket, i % 2)
+                    await prepare(nxt, (i + 1) % 2)
+            except BaseExceptionGroup as group:
+                raise_first_real(group)
+        else:
+            await handoff(bucket, i % 2)
+            if nxt is not None:
+                await prepare(nxt, (i + 1) % 2)
+
+
+def timed_ack(ctx: SyncContext, bucket: Bucket, n: int) -> tuple[Callable[[], None], Callable[[dict], None]]:
+    """``on_sent`` and ``on_ack`` callbacks recording handoff (until the request is
+    on the wire: where the engine's load begins) and load (until the ack)."""
+    t0 = time.perf_counter()
+    sent = [t0]
+
+    def on_sent() -> None:
+        sent[0] = time.perf_counter()
+        ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, sent[0] - t0)
+
+    def on_ack(reply: dict) -> None:
+        ctx.record(bucket.index, "load", bucket.payload_bytes, reply.get("tensors", n), time.perf_counter() - sent[0])
+
+    return on_sent, on_ack
+
+
+__all__ = ["BucketSender", "EmptyInitInfo", "Receiver", "RequestError", "Staged", "Strategy", "TensorMeta",
+           "check_bucket_tensors", "parse_tensors", "pipeline", "raise_first_real", "timed_ack", "views"]

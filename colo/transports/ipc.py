@@ -1,0 +1,188 @@
+"""``ipc``: one handle and one request per tensor — verl's way, and the baseline.
+
+verl hands SGLang every tensor as its own CUDA IPC handle; the engine opens
+each (~0.15–0.2 ms apiece on a GPU) and loads it. With thousands of tensors
+the handles, not the bytes, dominate the sync: that cost is what ``packed``
+removes, and this transport exists to measure it.
+
+On a GPU a tensor is exported where it lies (``colo.cuda_ipc``, keyed by GPU
+UUID); on the CPU it is copied into its own ``/dev/shm`` segment. Buckets are
+still planned and pipelined like the other transports, so the only
+difference from ``packed`` is the number of handles: bucket i+1 is gathered
+and exported while bucket i's tensors are handed off one request at a time.
+Each tensor's memory is freed as soon as the engine acknowledged loading it.
+
+Trace stages per bucket: ``pack`` is creating the per-tensor segments (empty
+on a GPU, where nothing is copied); ``handoff`` spans the per-tensor round
+trips up to the moment the last request is on the wire — these round trips
+are the baseline's cost; ``load`` is the last tensor's load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+import torch
+
+from colo.buckets import Bucket
+from colo.handles import ShmSegment, open_handle
+from colo.interfaces import SyncContext
+from colo.transports.base import BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta, views
+
+
+@dataclass(frozen=True)
+class IpcRequest:
+    """One tensor: its handle (``shm`` or ``cuda_ipc``) and what it is."""
+
+    handle: dict
+    tensor: TensorMeta
+
+    def to_json(self) -> dict:
+        return {"handle": self.handle, "tensor": self.tensor.to_json()}
+
+    @classmethod
+    def from_json(cls, d: Any) -> IpcRequest:
+        if not isinstance(d, dict) or not isinstance(d.get("handle"), dict) or "tensor" not in d:
+            raise RequestError("ipc request must be a JSON object with a 'handle' object and a 'tensor'")
+        nbytes = d["handle"].get("nbytes")
+        return cls(d["handle"], TensorMeta.from_json(d["tensor"],
+                                                     buffer_nbytes=nbytes if isinstance(nbytes, int) else None))
+
+
+class _Exported:
+    """One tensor's shareable memory, held until the engine acknowledged it."""
+
+    def __init__(self, ctx: SyncContext, name: str, t: Any):
+        flat = t.contiguous().view(-1).view(torch.uint8)
+        # a 0-byte tensor still gets a 1-byte segment: a handle needs memory behind it
+        self.staged = Staged(ctx, max(1, flat.numel()))
+        self.name = name
+        self.nbytes = flat.numel()
+        self.seg: ShmSegment | None = None
+        self.tensor: Any = None
+        try:
+            if flat.device.type == "cuda" and flat.numel() > 0:
+                from colo.cuda_ipc import export_cuda
+
+                # exported where it lies: the extractor's converted copy is ours to share
+                self.tensor = flat
+                self.handle = export_cuda(flat)
+            else:
+                self.seg = ShmSegment.create(max(1, flat.numel()))
+                self.seg.tensor[:flat.numel()].copy_(flat)
+                self.handle = self.seg.handle()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
+        self.tensor = None
+        self.staged.free()
+
+
+def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]]) -> list[_Exported]:
+    out: list[_Exported] = []
+    try:
+        for name, t in tensors:
+            out.append(_Exported(ctx, name, t))
+    except BaseException:
+        for e in out:
+            e.close()
+        raise
+    return out
+
+
+class IpcTransport(BucketSender):
+    name = "ipc"
+
+    def __init__(self, *, pipelined: bool = True):
+        super().__init__(pipelined=pipelined)
+        self._slots: list[list[_Exported]] = [[], []]
+        self._cuda = False
+
+    async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
+        t0 = time.perf_counter()
+        self._slots[slot] = await anyio.to_thread.run_sync(_export_all, ctx, tensors)
+        self._cuda = self._cuda or any(e.tensor is not None for e in self._slots[slot])
+        ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
+
+    async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        exported = self._slots[slot]
+        n = len(exported)
+        t0 = time.perf_counter()
+        last_sent = t0
+        loaded = 0
+        for k, (e, m) in enumerate(zip(exported, TensorMeta.of_bucket(bucket))):
+            def on_sent(last: bool = k == n - 1) -> None:
+                nonlocal last_sent
+                last_sent = time.perf_counter()
+                if last:  # the handoff ends where the last tensor's load begins
+                    ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, last_sent - t0)
+
+            request = IpcRequest(e.handle, TensorMeta(m.name, m.shape, m.dtype, 0, m.nbytes))
+            reply = await engine.transport_load(self.name, request.to_json(), on_sent=on_sent)
+            loaded += int(reply.get("tensors", 1))
+            # acknowledged: the engine copied it and closed its mapping
+            e.close()
+        self._slots[slot] = []
+        ctx.record(bucket.index, "load", bucket.payload_bytes, loaded, time.perf_counter() - last_sent)
+
+    def _cleanup(self) -> None:
+        for i, exported in enumerate(self._slots):
+            for e in exported:
+                e.close()
+            self._slots[i] = []
+        if self._cuda:
+            # the engine dropped its references; without this every sync leaks
+            torch.cuda.ipc_collect()
+            self._cuda = False
+
+
+class IpcReceiver:
+    """Opens each tensor's handle, views it, and closes it right after the load."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = device
+
+    @contextlib.contextmanager
+    def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
+        req = request if isinstance(request, IpcRequest) else IpcRequest.from_json(request)
+        if req.handle.get("kind") == "cuda_ipc":
+            import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc rebuilder
+        seg = open_handle(req.handle)
+        try:
+            # one-use mapping: the sender frees the memory once we acknowledge
+            yield views(seg.tensor, [req.tensor])
+        finally:
+            seg.close()
+
+    def release(self) -> None:
+        pass
+
+    close = release
+
+
+class IpcStrategy:
+    name = "ipc"
+    request_type = IpcRequest
+    init_info_type = EmptyInitInfo
+
+    def create_init_info(self) -> EmptyInitInfo:
+        return EmptyInitInfo()
+
+    def create_sender(self, **options: Any) -> IpcTransport:
+        return IpcTransport(**options)
+
+    def create_receiver(self, init_info: EmptyInitInfo, *, device: Any = None) -> IpcReceiver:
+        return IpcReceiver(device)
+
+
+STRATEGY = IpcStrategy()

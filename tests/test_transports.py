@@ -1,0 +1,287 @@
+"""The four transports with real processes: same digests, pipelining, preflight, requests.
+
+The demo runs (one per transport, two small steps each) are shared by the
+tests of this module; every other test spawns its own small engine.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from colo.buckets import plan_buckets
+from colo.demo import DemoConfig, run
+from colo.engine.client import EngineClient, EngineError
+from colo.engine.model import expected_digest
+from colo.extractors.plain import PlainExtractor
+from colo.handles import leftover_segments
+from colo.interfaces import SyncContext
+from colo.invariants import InvariantChecker
+from colo.memory import MemoryLedger
+from colo.models import build_trainer_model, demo_config
+from colo.phases import Phase
+from colo.scheduler import Scheduler
+from colo.trace import TraceWriter, read_trace
+from colo.transports import REGISTRY, get_strategy, make_transport
+
+TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
+DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
+CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=128, max_position_embeddings=64)
+
+
+def test_every_transport_is_registered_with_a_strategy():
+    assert sorted(REGISTRY) == sorted(TRANSPORTS)
+    for name in TRANSPORTS:
+        s = get_strategy(name)
+        assert s.name == name == make_transport(name).name
+        assert all(hasattr(s, a) for a in ("create_init_info", "create_sender", "create_receiver",
+                                           "request_type", "init_info_type"))
+    with pytest.raises(ValueError, match="unknown transport 'pickle'; expected one of ipc, packed"):
+        make_transport("pickle")
+
+
+# -- the demo under each transport ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_traces(tmp_path_factory):
+    out = {}
+    for name in TRANSPORTS:
+        path = tmp_path_factory.mktemp(name) / "t.jsonl"
+        res = anyio.run(lambda: run(DemoConfig(transport=name, trace=str(path), **DEMO), progress=False))
+        assert res.error is None, f"{name}: {res.error}"
+        assert leftover_segments() == []
+        out[name] = read_trace(path)
+    return out
+
+
+def syncs(events):
+    """Per sync: the bucket.finished events in trace order, and the sync.finished event."""
+    out, current = [], None
+    for e in events:
+        if e["event"] == "phase.entered" and e["to_phase"] == "sync":
+            current = []
+        elif e["event"] == "bucket.finished":
+            current.append(e)
+        elif e["event"] == "sync.finished":
+            out.append((current, e))
+    return out
+
+
+def test_all_four_transports_yield_the_same_digests_and_valid_traces(demo_traces):
+    digests = {}
+    for name, events in demo_traces.items():
+        checker = InvariantChecker()
+        assert [str(v) for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
+        assert events[0]["config"]["transport"] == name
+        finished = [s for _, s in syncs(events)]
+        assert [s["weight_version"] for s in finished] == [1, 2]
+        assert all(s["tensors"] == s["params"] and s["buckets"] > 1 for s in finished)
+        digests[name] = [s["digest"] for s in finished]
+    # the same seed, the same weights after every sync, whatever carried them
+    assert digests["ipc"] == digests["packed"] == digests["broadcast"] == digests["disk"]
+    assert len(set(digests["packed"])) == 2
+
+
+def _planned():
+    specs = PlainExtractor(build_trainer_model(demo_config(), 0), dtype=torch.bfloat16).specs()
+    return plan_buckets(specs, int(DEMO["bucket_mib"] * (1 << 20)))
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_pipelining_overlaps_buckets_and_reuses_a_buffer_only_after_its_ack(demo_traces, name):
+    buckets = _planned()
+    for stages, done in syncs(demo_traces[name]):
+        assert done["buckets"] == len(buckets) >= 3
+        at = {(e["bucket"], e["stage"]): k for k, e in enumerate(stages)}
+        assert sorted(at) == sorted((b.index, s) for b in buckets for s in ("gather", "pack", "handoff", "load"))
+        span = {(e["bucket"], e["stage"]): (e["ts"] - e["duration_s"], e["ts"]) for e in stages}
+        for i in range(len(buckets) - 1):
+            # bucket i+1 is gathered and packed while bucket i is handed off and loaded
+            prep = (span[i + 1, "gather"][0], span[i + 1, "pack"][1])
+            flight = (span[i, "handoff"][0], span[i, "load"][1])
+            assert prep[0] < flight[1] and flight[0] < prep[1], (name, i, prep, flight)
+            assert at[i, "pack"] < at[i + 1, "gather"]
+            # bucket i+1 goes out only after bucket i was acknowledged
+            assert at[i, "load"] < at[i + 1, "handoff"]
+        for i in range(len(buckets) - 2):
+            # bucket i+2 reuses bucket i's buffer: only after bucket i's ack
+            assert at[i, "load"] < at[i + 2, "pack"]
+
+
+def test_packed_holds_exactly_two_staging_buffers(demo_traces):
+    cap = max(b.nbytes for b in _planned())
+    events = demo_traces["packed"]
+    staging = [e["mem"]["by_tag"]["staging"] for e in events if "mem" in e]
+    assert max(staging) == 2 * cap
+    # at every bucket event 0, 1 or 2 whole buffers are live, never more
+    in_sync = [e["mem"]["by_tag"]["staging"] for stages, _ in syncs(events) for e in stages]
+    assert set(in_sync) == {0, cap, 2 * cap}
+    # freed by the end of each sync
+    assert all(s["mem"]["by_tag"]["staging"] == 0 for _, s in syncs(events))
+
+
+def test_other_transports_stage_at_most_two_buckets_on_the_trainer_side(demo_traces):
+    buckets = _planned()
+    cap = max(b.nbytes for b in buckets)
+    pairs = max(a.payload_bytes + b.payload_bytes for a, b in zip(buckets, buckets[1:]))
+    peak = {n: max(e["mem"]["by_tag"]["staging"] for e in demo_traces[n] if "mem" in e) for n in TRANSPORTS}
+    # ipc: one segment per tensor, two buckets' worth at most
+    assert 0 < peak["ipc"] <= pairs + sum(len(b.entries) for b in buckets)
+    # broadcast: two trainer buffers plus the engine's receive buffer
+    assert 2 * cap < peak["broadcast"] <= 3 * cap
+    # disk: the shard being written and the one being read back
+    assert 0 < peak["disk"] <= pairs
+
+
+# -- direct syncs through a small engine ------------------------------------------
+
+class Trainer:
+    def __init__(self, source):
+        self._extractor = PlainExtractor(source, dtype=torch.float32)
+
+    def extractor(self):
+        return self._extractor
+
+
+class Pool:
+    def __init__(self):
+        self.live, self.peak, self._n = {}, 0, 0
+
+    def alloc(self, nbytes):
+        assert nbytes > 0
+        self._n += 1
+        self.live[self._n] = nbytes
+        self.peak = max(self.peak, sum(self.live.values()))
+        return self._n
+
+    def free(self, sid):
+        del self.live[sid]
+
+
+class CountingEngine:
+    """The real client, with a count of per-request loads."""
+
+    def __init__(self, client):
+        self.client, self.loads = client, 0
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def transport_load(self, *args, **kw):
+        self.loads += 1
+        return await self.client.transport_load(*args, **kw)
+
+
+@pytest.fixture
+async def small_engine(tmp_path):
+    config = demo_config(**CFG)
+    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
+             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
+    client = await EngineClient.spawn(build)
+    try:
+        yield client, config
+    finally:
+        await client.aclose()
+
+
+async def test_each_transport_loads_the_trainers_weights_with_its_own_request_count(small_engine, tmp_path):
+    client, config = small_engine
+    for seed, name in enumerate(TRANSPORTS):
+        state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
+        options = {"root": str(tmp_path / "ckpt")} if name == "disk" else {}
+        transport = make_transport(name, **options)
+        engine = CountingEngine(client)
+        pool, recorded = Pool(), []
+        ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=64 << 10, source="host", staging=pool,
+                          record=lambda *a: recorded.append(a))
+        try:
+            result = await transport.sync(Trainer(state), engine, ctx)
+            again = await transport.sync(Trainer(state), engine, ctx) if name == "broadcast" else None
+            group = transport._group.info.group_name if name == "broadcast" else None
+        finally:
+            await transport.aclose()
+        buckets = plan_buckets(PlainExtractor(state, dtype=torch.float32).specs(), 64 << 10)
+        assert (result.buckets, result.tensors) == (len(buckets), len(state)) and result.bytes == sum(
+            t.numel() * 4 for t in state.values())
+        # verl's baseline: one request per tensor; the others: one per bucket
+        per_sync = len(state) if name == "ipc" else len(buckets)
+        assert engine.loads == per_sync * (2 if again else 1), name
+        assert await client.digest() == expected_digest(state, config, torch.float32), name
+        assert pool.live == {} and pool.peak > 0 and leftover_segments() == []
+        stages = {(b, s) for b, s, *_ in recorded}
+        assert stages == {(b.index, s) for b in buckets for s in ("gather", "pack", "handoff", "load")}
+        if name == "broadcast":
+            assert group is not None and again is not None  # the second sync reused the group
+            with pytest.raises(EngineError, match="'broadcast' is not initialised on the engine"):
+                await client.transport_load("broadcast", {"nbytes": 8, "tensors": []})
+    assert leftover_segments() == []
+
+
+# -- preflight through a real sync ------------------------------------------------
+
+class MismatchedTrainer:
+    """A trainer whose tensors disagree with the engine in four ways."""
+
+    def __init__(self, config):
+        state = {n: p.detach().clone() for n, p in build_trainer_model(config, seed=1).named_parameters()}
+        del state["model.norm.weight"]                                            # missing
+        state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(4, 4)            # unexpected
+        state["lm_head.weight"] = torch.zeros(config.vocab_size, config.hidden_size + 1)  # wrong shape
+        state["model.layers.0.input_layernorm.weight"] = torch.ones(config.hidden_size, dtype=torch.int32)  # dtype
+        self.state = state
+        self._extractor = PlainExtractor(state, dtype=torch.float32)
+
+    def tag_bytes(self):
+        return {"weights": 1 << 20, "optimizer": 2 << 20}
+
+    def param_specs(self):
+        return self._extractor.specs()
+
+    def extractor(self):
+        return self._extractor
+
+    async def onload(self, tags):
+        pass
+
+    async def offload(self, tags):
+        pass
+
+    async def train_step(self, rollout):
+        raise AssertionError("not reached")
+
+
+MISMATCHES = ("missing (1): model.norm.weight", "unexpected (1): model.layers.9.mlp.up_proj.weight",
+              "lm_head.weight (128, 65) (expected (128, 64))",
+              "model.layers.0.input_layernorm.weight int32 (expected float32)")
+
+
+async def test_a_mismatched_trainer_fails_the_sync_phase_before_any_byte_for_every_transport(small_engine, tmp_path):
+    client, config = small_engine
+    trainer = MismatchedTrainer(config)
+    memory = MemoryLedger(total_bytes=256 << 20, reserved_bytes=0)
+    trace = TraceWriter(tmp_path / "t.jsonl")
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    sched = Scheduler(trainer, client, memory, make_transport("ipc"), trace=trace, engine_synced=False)
+    async with sched:
+        for name in TRANSPORTS:
+            sched.transport = make_transport(name, **({"root": str(root)} if name == "disk" else {}))
+            for phase in (Phase.ENGINE_RELEASE, Phase.TRAINER_OFFLOAD, Phase.ENGINE_WAKE_WEIGHTS):
+                await sched.run_phase(phase)
+            before = await client.digest()
+            with pytest.raises(EngineError) as ei:
+                await sched.run_phase(Phase.SYNC)
+            msg = str(ei.value)
+            assert "engine preflight failed: WeightMismatch" in msg
+            assert all(m in msg for m in MISMATCHES), (name, msg)
+            # the engine's weights are untouched, nothing was staged or written
+            assert await client.digest() == before, name
+            assert memory.staging_bytes == 0 and list(root.iterdir()) == [] and leftover_segments() == []
+    events = read_trace(tmp_path / "t.jsonl")
+    failed = [e for e in events if e["event"] == "phase.failed"]
+    assert [(e["phase"], e["error_type"]) for e in failed] == [("sync", "EngineError")] * 4
+    assert all(all(m in e["error"] for m in MISMATCHES) for e in failed)
+    assert [e for e in events if e["event"] == "bucket.finished"] == []
+    assert max(e["mem"]["by_tag"]["staging"] for e in events if "mem" in e) == 0
