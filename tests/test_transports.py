@@ -216,6 +216,9 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
             assert group is not None and again is not None  # the second sync reused the group
             with pytest.raises(EngineError, match="'broadcast' is not initialised on the engine"):
                 await client.transport_load("broadcast", {"nbytes": 8, "tensors": []})
+    # the engine builds receivers only for registered transports
+    with pytest.raises(EngineError, match="unknown transport 'os:system'; expected one of ipc, packed"):
+        await client.transport_load("os:system", {})
     assert leftover_segments() == []
 
 
@@ -285,3 +288,35 @@ async def test_a_mismatched_trainer_fails_the_sync_phase_before_any_byte_for_eve
     assert all(all(m in e["error"] for m in MISMATCHES) for e in failed)
     assert [e for e in events if e["event"] == "bucket.finished"] == []
     assert max(e["mem"]["by_tag"]["staging"] for e in events if "mem" in e) == 0
+
+
+# -- requests are plain JSON, checked field by field ------------------------------
+
+def test_requests_round_trip_as_json_and_bad_ones_name_the_field():
+    import json
+
+    from colo.transports.base import RequestError, TensorMeta
+    from colo.transports.broadcast import BroadcastRequest, BroadcastTransport, DistributedInitInfo
+    from colo.transports.ipc import IpcRequest
+    from colo.transports.packed import PackedRequest
+
+    m = TensorMeta("w", (2, 3), "bfloat16", 16, 28)
+    for req in (PackedRequest({"kind": "shm", "name": "x", "nbytes": 32}, (m,)),
+                IpcRequest({"kind": "shm", "name": "x", "nbytes": 12}, TensorMeta("w", (2, 3), "bfloat16", 0, 12)),
+                BroadcastRequest(32, (m,))):
+        assert type(req).from_json(json.loads(json.dumps(req.to_json()))) == req
+    info = get_strategy("broadcast").create_init_info(master_port=29500)
+    assert DistributedInitInfo.from_json(json.loads(json.dumps(info.to_json()))) == info
+    with pytest.raises(RequestError, match=r"bucket entry 'w': bytes \[16, 28\) do not fit shape \(2, 3\) "
+                                           r"bfloat16 in a 20 B buffer"):
+        PackedRequest.from_json({"handle": {"kind": "shm", "nbytes": 20}, "tensors": [m.to_json()]})
+    with pytest.raises(RequestError, match="dtype 'object' is not allowed"):
+        BroadcastRequest.from_json({"nbytes": 32, "tensors": [{**m.to_json(), "dtype": "object"}]})
+    with pytest.raises(RequestError, match="broadcast request field 'nbytes' must be int, got str"):
+        BroadcastRequest.from_json({"nbytes": "32", "tensors": []})
+    with pytest.raises(RequestError, match="ipc request must be a JSON object with a 'handle' object"):
+        IpcRequest.from_json({"tensor": m.to_json()})
+    with pytest.raises(RequestError, match="backend must be one of gloo, nccl, got 'mpi'"):
+        DistributedInitInfo.from_json({**info.to_json(), "backend": "mpi"})
+    with pytest.raises(ValueError, match="master_addr must be a loopback address, got '0.0.0.0'"):
+        BroadcastTransport(master_addr="0.0.0.0")

@@ -177,11 +177,11 @@ class BroadcastTransport(BucketSender):
         return self._slots[i][1]
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
-        from colo.transports.packed import pack_into
+        from colo.transports.packed import _pack_and_settle
 
         flat = self._slot(slot, ctx, tensors[0][1].device)
         t0 = time.perf_counter()
-        await anyio.to_thread.run_sync(pack_into, flat, bucket, tensors)
+        await anyio.to_thread.run_sync(_pack_and_settle, flat, bucket, tensors)
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:

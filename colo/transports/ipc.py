@@ -97,6 +97,10 @@ def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]]) -> list[_Expor
         for e in out:
             e.close()
         raise
+    if any(e.tensor is not None for e in out):
+        # the engine reads these from another process, outside this stream's
+        # order: the conversions that produced them must be done
+        torch.cuda.synchronize()
     return out
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
+import torch
 
 from colo.buckets import Bucket
 from colo.handles import ShmSegment, open_handle
@@ -57,19 +58,50 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     return bucket.payload_bytes
 
 
-class _Slot:
-    """One staging buffer: the memory, its handle, and its place in the budget."""
+def _pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
+    pack_into(flat, bucket, tensors)
+    if flat.is_cuda:
+        # the engine reads the buffer from another process, outside this
+        # stream's order: the copies must be done before the handle goes out
+        torch.cuda.synchronize(flat.device)
 
-    def __init__(self, nbytes: int, ctx: SyncContext):
+
+class _Slot:
+    """One staging buffer: the memory, its handle, and its place in the budget.
+
+    On the CPU a ``/dev/shm`` segment; on a GPU a plain ``cudaMalloc`` block
+    exported as a CUDA IPC handle (never memory-saver memory: that cannot be
+    exported)."""
+
+    def __init__(self, nbytes: int, ctx: SyncContext, device: Any):
         self.staged = Staged(ctx, nbytes)  # counted before it exists: OOM before allocation
+        self.seg: ShmSegment | None = None
+        self.cuda: Any = None
         try:
-            self.seg = ShmSegment.create(nbytes)
+            if device.type == "cuda":
+                from colo.cuda_ipc import export_cuda
+
+                self.cuda = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self._handle = export_cuda(self.cuda)
+            else:
+                self.seg = ShmSegment.create(nbytes)
+                self._handle = self.seg.handle()
         except BaseException:
-            self.staged.free()
+            self.close()
             raise
 
+    @property
+    def tensor(self) -> Any:
+        return self.cuda if self.cuda is not None else self.seg.tensor
+
+    def handle(self) -> dict:
+        return self._handle
+
     def close(self) -> None:
-        self.seg.close()
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
+        self.cuda = None
         self.staged.free()
 
 
@@ -80,23 +112,26 @@ class PackedTransport(BucketSender):
         super().__init__(pipelined=pipelined)
         self._slots: list[_Slot | None] = [None, None]
         self._cap = 0
+        self._cuda = False
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         self._cap = max(b.nbytes for b in buckets)
 
-    def _slot(self, i: int, ctx: SyncContext) -> _Slot:
+    def _slot(self, i: int, ctx: SyncContext, device: Any) -> _Slot:
         if self._slots[i] is None:
-            self._slots[i] = _Slot(self._cap, ctx)
+            self._slots[i] = _Slot(self._cap, ctx, device)
+            self._cuda = self._cuda or device.type == "cuda"
         return self._slots[i]
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
-        seg = self._slot(slot, ctx).seg
+        # the buffer lives where the extractor put the tensors
+        flat = self._slot(slot, ctx, tensors[0][1].device).tensor
         t0 = time.perf_counter()
-        await anyio.to_thread.run_sync(pack_into, seg.tensor, bucket, tensors)
+        await anyio.to_thread.run_sync(_pack_and_settle, flat, bucket, tensors)
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
-        req = PackedRequest(self._slots[slot].seg.handle(), tuple(TensorMeta.of_bucket(bucket)))
+        req = PackedRequest(self._slots[slot].handle(), tuple(TensorMeta.of_bucket(bucket)))
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
         on_ack(await engine.transport_load(self.name, req.to_json(), on_sent=on_sent))
 
@@ -105,6 +140,11 @@ class PackedTransport(BucketSender):
             if s is not None:
                 s.close()
                 self._slots[i] = None
+        if self._cuda:
+            # the engine closed its mappings at end_load (or drop_handles);
+            # without collecting, every sync leaks the exported blocks
+            torch.cuda.ipc_collect()
+            self._cuda = False
 
 
 class PackedReceiver:
@@ -129,6 +169,8 @@ class PackedReceiver:
     @contextlib.contextmanager
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
         req = request if isinstance(request, PackedRequest) else PackedRequest.from_json(request)
+        if req.handle.get("kind") == "cuda_ipc":
+            import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc rebuilder
         seg = self._attach(req.handle)
         # Views into the sender's buffer: valid until the ack, which the server
         # sends only after the loader copied them into the parameters.
