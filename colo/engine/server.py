@@ -153,6 +153,10 @@ class EngineServer:
             named.append((m["name"], flat[start:end].view(dtype).view(shape)))
         # copy_ into the engine's parameters: after this the segment may be reused
         self.core.load_weights(named)
+        if flat.is_cuda:
+            # The ack promises the sender may reuse the buffer: the copies out of
+            # it must have finished, not merely been queued.
+            torch.cuda.synchronize(flat.device)
         del named, flat
         done = time.perf_counter()
         return {"handoff_s": opened - t0, "load_s": done - opened, "tensors": len(meta)}
@@ -270,9 +274,17 @@ def build_core(build: dict) -> Any:
 
         # Like SGLang launching from a model path: version 0 is the checkpoint.
         init_state = load_file(build["checkpoint"])
+    saver = None
+    if build.get("memory") == "saver":
+        from colo.cuda_memory import Saver
+
+        saver = Saver()
+    if str(build["device"]).startswith("cuda"):
+        import colo.cuda_ipc  # noqa: F401  (registers the cuda_ipc handle kind)
     return EngineCore(Qwen2Config(**build["config"]), dtype=torch_dtype(build["dtype"]),
                       device=build["device"], total_bytes=int(build["total_bytes"]),
-                      mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state)
+                      mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
+                      saver=saver)
 
 
 def serve(sock_path: str, key: bytes, build: dict) -> None:
