@@ -39,7 +39,7 @@ class RequestError(ValueError):
     """A request or init info that does not have the fields its transport expects."""
 
 
-def _field(d: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+def get_field(d: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:
     if not isinstance(d, dict):
         raise RequestError(f"{what} must be a JSON object, got {type(d).__name__}")
     if key not in d:
@@ -92,12 +92,12 @@ class TensorMeta:
 
     @classmethod
     def from_json(cls, d: Any, *, buffer_nbytes: int | None = None) -> TensorMeta:
-        name = _field(d, "name", str, "tensor entry")
+        name = get_field(d, "name", str, "tensor entry")
         what = f"bucket entry {name!r}"
-        dtype = _field(d, "dtype", str, what)
+        dtype = get_field(d, "dtype", str, what)
         if dtype not in ITEMSIZE:
             raise RequestError(f"{what}: dtype {dtype!r} is not allowed; expected one of {', '.join(ITEMSIZE)}")
-        shape_raw = _field(d, "shape", list, what)
+        shape_raw = get_field(d, "shape", list, what)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape_raw):
             raise RequestError(f"{what}: shape must be a list of non-negative integers, got {shape_raw!r}")
         shape = tuple(shape_raw)
@@ -116,7 +116,7 @@ class TensorMeta:
 
 
 def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = None) -> tuple[TensorMeta, ...]:
-    raw = _field(d, key, list, what)
+    raw = get_field(d, key, list, what)
     return tuple(TensorMeta.from_json(m, buffer_nbytes=buffer_nbytes) for m in raw)
 
 
@@ -164,7 +164,8 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
         if name != e.spec.name:
             raise ValueError(f"bucket {bucket.index}: extractor gave {name!r} where {e.spec.name!r} was planned")
         if str(t.dtype).removeprefix("torch.") != e.spec.dtype or tuple(t.shape) != e.spec.shape:
-            raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, planned {e.spec.shape} {e.spec.dtype}")
+            raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, "
+                             f"planned {e.spec.shape} {e.spec.dtype}")
 
 
 def raise_first_real(group: BaseExceptionGroup) -> None:

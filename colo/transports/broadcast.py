@@ -33,7 +33,7 @@ import torch
 
 from colo.buckets import Bucket
 from colo.interfaces import SyncContext
-from colo.transports.base import (BucketSender, RequestError, Staged, TensorMeta, _field, parse_tensors,
+from colo.transports.base import (BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors,
                                   raise_first_real, views)
 
 BACKENDS = ("gloo", "nccl")
@@ -72,9 +72,9 @@ class DistributedInitInfo:
         timeout = d.get("timeout_s", 60.0) if isinstance(d, dict) else None
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise RequestError(f"{what} field 'timeout_s' must be a number")
-        return cls(_field(d, "master_addr", str, what), _field(d, "master_port", int, what),
-                   _field(d, "world_size", int, what), _field(d, "backend", str, what),
-                   _field(d, "group_name", str, what), float(timeout))
+        return cls(get_field(d, "master_addr", str, what), get_field(d, "master_port", int, what),
+                   get_field(d, "world_size", int, what), get_field(d, "backend", str, what),
+                   get_field(d, "group_name", str, what), float(timeout))
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class BroadcastRequest:
 
 
 def _request_nbytes(d: Any) -> int:
-    nbytes = _field(d, "nbytes", int, "broadcast request")
+    nbytes = get_field(d, "nbytes", int, "broadcast request")
     if nbytes <= 0:
         raise RequestError(f"broadcast request nbytes must be positive, got {nbytes}")
     return nbytes
@@ -177,11 +177,11 @@ class BroadcastTransport(BucketSender):
         return self._slots[i][1]
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
-        from colo.transports.packed import _pack_and_settle
+        from colo.transports.packed import pack_and_settle
 
         flat = self._slot(slot, ctx, tensors[0][1].device)
         t0 = time.perf_counter()
-        await anyio.to_thread.run_sync(_pack_and_settle, flat, bucket, tensors)
+        await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors)
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:

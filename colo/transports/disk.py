@@ -42,7 +42,7 @@ import torch
 
 from colo.buckets import Bucket, itemsize, numel
 from colo.interfaces import SyncContext
-from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, _field, parse_tensors
+from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
 
 FORMAT = "colo.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -70,7 +70,7 @@ class DiskInitInfo:
 
     @classmethod
     def from_json(cls, d: Any) -> DiskInitInfo:
-        return cls(_field(d, "root", str, "disk init info"))
+        return cls(get_field(d, "root", str, "disk init info"))
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class DiskRequest:
 
     @classmethod
     def from_json(cls, d: Any) -> DiskRequest:
-        return cls(_field(d, "file", str, "disk request"), parse_tensors(d, "tensors", "disk request"))
+        return cls(get_field(d, "file", str, "disk request"), parse_tensors(d, "tensors", "disk request"))
 
 
 def _fsync_dir(path: str) -> None:

@@ -58,7 +58,7 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     return bucket.payload_bytes
 
 
-def _pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
+def pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
     pack_into(flat, bucket, tensors)
     if flat.is_cuda:
         # the engine reads the buffer from another process, outside this
@@ -127,7 +127,7 @@ class PackedTransport(BucketSender):
         # the buffer lives where the extractor put the tensors
         flat = self._slot(slot, ctx, tensors[0][1].device).tensor
         t0 = time.perf_counter()
-        await anyio.to_thread.run_sync(_pack_and_settle, flat, bucket, tensors)
+        await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors)
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:

@@ -1,0 +1,344 @@
+"""``colo bench``: whole-sync throughput and peak staging, transport against transport.
+
+For each model and each transport: a real engine process (colo's engine,
+weights in the engine dtype), a real trainer-side extractor (``PlainExtractor``
+over the trainer's float32 copy, converting to the engine dtype per bucket),
+and whole syncs through ``transport.sync`` — one warm-up, then the median of
+``repeat``. Reported per transport: sync seconds, payload bytes, GB/s
+(payload bytes / median seconds / 1e9), peak staging bytes (what the
+transport counted through ``ctx.staging``), engine requests per sync, the
+median time each stage spent (summed over buckets; stages overlap, so these
+do not add up to the sync), and whether the engine's digest after the syncs
+equals the trainer's. Beside them, measured in the same run: a host memcpy
+and a fsynced file write, the ceilings the CPU transports run into.
+
+Pluggable: :data:`MODELS` (``BenchModel``) and :data:`CASES` (``Case``: a
+label, a registered transport, its options) are plain tables; :func:`bench`
+takes any of them. ``--device cuda`` runs ``colo.bench_gpu`` (issue 7's
+benchmark) where that module exists.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from colo.cli import EXIT_FAILED, EXIT_OK, UsageError
+from colo.interfaces import SyncContext
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchModel:
+    name: str
+    description: str
+    #: Qwen2Config fields over the demo defaults (``colo.models.demo_config``)
+    config: dict
+    bucket_mib: float
+    repeat: int
+    engine_dtype: str = "bfloat16"
+    #: the trainer's copy the extractor converts from (master weights)
+    source_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.bucket_mib > 0:
+            raise ValueError(f"bench model {self.name}: bucket_mib must be > 0, got {self.bucket_mib}")
+        if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
+            raise ValueError(f"bench model {self.name}: repeat must be a positive integer, got {self.repeat!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    transport: str
+    options: dict = field(default_factory=dict)
+
+
+MODELS: dict[str, BenchModel] = {
+    "demo": BenchModel(name="demo", description="the demo's Qwen2 (colo.models.DEMO_DEFAULTS)", config={},
+                       bucket_mib=1.0, repeat=5),
+    # TinyLlama's layer shapes as a Qwen2 (qkv bias, untied lm_head): 1.1 B parameters
+    "qwen2-1b": BenchModel(name="qwen2-1b", description="Qwen2 with TinyLlama-1.1B layer shapes (GQA 32/4)",
+                           config=dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=22,
+                                       num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632,
+                                       max_position_embeddings=256),
+                           bucket_mib=64.0, repeat=3),
+}
+
+#: ``ipc`` first: verl's per-tensor handles are the baseline row.
+CASES: list[Case] = [Case("ipc", "ipc"), Case("packed", "packed"), Case("broadcast", "broadcast"),
+                     Case("disk", "disk", {"keep": 1})]
+
+
+class PeakStaging:
+    """A staging pool that only counts: live bytes and their peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.peak = 0
+        self._next = 0
+
+    def alloc(self, nbytes: int) -> int:
+        self._next += 1
+        self.live[self._next] = nbytes
+        self.peak = max(self.peak, sum(self.live.values()))
+        return self._next
+
+    def free(self, sid: int) -> None:
+        del self.live[sid]
+
+
+class SourceTrainer:
+    """The trainer side a transport needs: a float32 copy of every tensor, extracted per bucket."""
+
+    def __init__(self, config: Any, *, source_dtype: str, engine_dtype: str, seed: int = 0):
+        from colo.engine.model import expected_hf_specs
+
+        g = torch.Generator().manual_seed(seed)
+        self.state = {s.name: torch.empty(s.shape, dtype=getattr(torch, source_dtype)).uniform_(-0.05, 0.05,
+                                                                                                  generator=g)
+                      for s in expected_hf_specs(config, getattr(torch, source_dtype))}
+        self.engine_dtype = getattr(torch, engine_dtype)
+
+    def extractor(self) -> Any:
+        from colo.extractors.plain import PlainExtractor
+
+        return PlainExtractor(self.state, dtype=self.engine_dtype)
+
+
+class _Counting:
+    """The engine client, counting the per-request loads of a sync."""
+
+    def __init__(self, client: Any):
+        self.client, self.requests = client, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+    async def transport_load(self, *args: Any, **kw: Any) -> dict:
+        self.requests += 1
+        return await self.client.transport_load(*args, **kw)
+
+
+# -- measured ceilings ------------------------------------------------------------
+
+def measure_limits(nbytes: int = 512 * MiB, reps: int = 3, directory: str | None = None) -> dict:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    memcpy = statistics.median(times[1:])
+    data = src.numpy().tobytes()
+    del src, dst
+    wtimes = []
+    with tempfile.TemporaryDirectory(dir=directory, prefix="colo-bench-write-") as d:
+        for i in range(reps):
+            path = os.path.join(d, f"w{i}")
+            t0 = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            wtimes.append(time.perf_counter() - t0)
+            os.unlink(path)
+    return {"bytes": nbytes, "memcpy_GBps": nbytes / memcpy / 1e9,
+            "file_write_fsync_GBps": nbytes / statistics.median(wtimes) / 1e9,
+            "file_write_dir": directory or tempfile.gettempdir()}
+
+
+# -- the benchmark -----------------------------------------------------------------
+
+async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int, repeat: int,
+                    warmup: int = 1) -> dict:
+    from colo.transports import make_transport
+
+    transport = make_transport(case.transport, **case.options)
+    counting = _Counting(engine)
+    times: list[float] = []
+    peaks: list[int] = []
+    requests: list[int] = []
+    stage_sums: dict[str, list[float]] = {}
+    result = None
+    try:
+        for i in range(warmup + repeat):
+            pool = PeakStaging()
+            stages: dict[str, float] = {}
+
+            def record(bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
+                stages[stage] = stages.get(stage, 0.0) + duration_s
+
+            ctx = SyncContext(step=i, weight_version=i, bucket_bytes=bucket_bytes, source="host", staging=pool,
+                              record=record)
+            counting.requests = 0
+            t0 = time.perf_counter()
+            result = await transport.sync(trainer, counting, ctx)
+            elapsed = time.perf_counter() - t0
+            if pool.live:
+                raise RuntimeError(f"{case.label}: {sum(pool.live.values())} staging bytes left after a sync")
+            if i >= warmup:
+                times.append(elapsed)
+                peaks.append(pool.peak)
+                requests.append(counting.requests)
+                for stage, s in stages.items():
+                    stage_sums.setdefault(stage, []).append(s)
+    finally:
+        await transport.aclose()
+    sec = statistics.median(times)
+    return {"transport": case.label, "name": case.transport, "options": case.options, "sync_s": sec,
+            "sync_s_all": times, "bytes": result.bytes, "GBps": result.bytes / sec / 1e9,
+            "peak_staging_bytes": max(peaks), "buckets": result.buckets, "tensors": result.tensors,
+            "requests_per_sync": max(requests),
+            "stage_s_median": {k: statistics.median(v) for k, v in stage_sums.items()}}
+
+
+def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
+    from colo.engine.model import Dims, expected_hf_specs
+
+    dtype = getattr(torch, model.engine_dtype)
+    weights = sum(s.nbytes for s in expected_hf_specs(config, dtype))
+    dims = Dims.from_config(config)
+    # the smallest KV pool the engine accepts (one sequence of max length), twice over:
+    # the benchmark never generates, and the host's memory is for the weights
+    kv = 2 * dims.max_positions * dims.slot_bytes(dtype)
+    fraction = 0.9
+    return {"config": config.to_dict(), "dtype": model.engine_dtype, "device": device,
+            "total_bytes": int((weights + kv) / fraction) + 1, "mem_fraction_static": fraction,
+            "checkpoint": None}
+
+
+async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
+                      progress: Any = None) -> dict:
+    from colo.engine.client import EngineClient
+    from colo.engine.model import expected_digest
+    from colo.models import demo_config
+
+    say = progress or (lambda *_: None)
+    config = demo_config(**model.config)
+    trainer = SourceTrainer(config, source_dtype=model.source_dtype, engine_dtype=model.engine_dtype)
+    params = sum(t.numel() for t in trainer.state.values())
+    want = expected_digest(trainer.state, config, getattr(torch, model.engine_dtype))
+    engine = await EngineClient.spawn(_engine_build(config, model, device))
+    rows = []
+    try:
+        for case in cases:
+            say(f"{model.name}: {case.label} ...")
+            row = await time_case(case, trainer, engine, bucket_bytes=int(model.bucket_mib * MiB),
+                                  repeat=model.repeat)
+            # the last sync must have delivered the trainer's weights, bit for bit
+            row["digest_ok"] = await engine.digest() == want
+            rows.append(row)
+            say(f"{model.name}: {case.label:10s} {row['sync_s']:8.3f} s  {row['GBps']:6.3f} GB/s  "
+                f"peak staging {row['peak_staging_bytes'] / MiB:8.1f} MiB  digest ok {row['digest_ok']}")
+    finally:
+        await engine.aclose()
+    return {"model": model.name, "description": model.description, "params": params,
+            "tensors": len(trainer.state), "engine_dtype": model.engine_dtype, "source_dtype": model.source_dtype,
+            "config": {k: v for k, v in config.to_dict().items()
+                       if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                "num_key_value_heads", "intermediate_size")},
+            "bucket_mib": model.bucket_mib, "warmup": 1, "repeat": model.repeat, "digest": want, "rows": rows}
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        mem = None
+    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
+                progress: Any = None) -> dict:
+    limits = measure_limits()
+    return {"kind": "colo.bench/cpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": device, "machine": machine_info(), "limits": limits,
+            "models": [await bench_model(m, cases, device=device, progress=progress) for m in models]}
+
+
+def table(result: dict) -> str:
+    """The README's table: one row per model and transport."""
+    lines = ["| model | transport | sync s | bytes | GB/s | peak staging | requests/sync | digest |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for m in result["models"]:
+        for r in m["rows"]:
+            lines.append(f"| {m['model']} ({m['params'] / 1e6:,.0f} M params, {m['bucket_mib']:g} MiB buckets) "
+                         f"| {r['transport']} | {r['sync_s']:.3f} | {r['bytes']:,} | {r['GBps']:.2f} "
+                         f"| {r['peak_staging_bytes'] / MiB:,.1f} MiB | {r['requests_per_sync']:,} "
+                         f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
+    return "\n".join(lines)
+
+
+# -- the command ---------------------------------------------------------------------
+
+def _choose(args: Any) -> tuple[list[BenchModel], list[Case]]:
+    from colo.transports import REGISTRY
+
+    names = list(MODELS) if args.model == "all" else [n.strip() for n in str(args.model).split(",")]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown or not names:
+        raise UsageError(f"unknown model {', '.join(unknown) or repr(args.model)}; expected one of "
+                         f"{', '.join(MODELS)}, a comma-separated list of them, or all")
+    wanted = args.transports or [c.label for c in CASES]
+    bad = [t for t in wanted if t not in REGISTRY]
+    if bad:
+        raise UsageError(f"unknown transport {', '.join(bad)}; expected some of {', '.join(REGISTRY)}")
+    by_label = {c.label: c for c in CASES}
+    return [MODELS[n] for n in names], [by_label.get(t, Case(t, t)) for t in wanted]
+
+
+def run_bench(args: Any) -> int:
+    if args.device == "cuda":
+        try:
+            from colo.bench_gpu import run_bench_gpu
+        except ModuleNotFoundError:
+            print("colo bench --device cuda: not implemented in this build (no colo.bench_gpu)", file=sys.stderr)
+            return EXIT_FAILED
+        return run_bench_gpu(args.out)
+    models, cases = _choose(args)
+    out = Path(args.out) if args.out else Path("bench/results") / f"cpu-sync-{dt.date.today().isoformat()}.json"
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = anyio.run(lambda: bench(models, cases, device="cpu", progress=say))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(table(result))
+    print(f"results: {out}")
+    ok = all(r["digest_ok"] for m in result["models"] for r in m["rows"])
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+__all__ = ["BenchModel", "CASES", "Case", "MODELS", "PeakStaging", "bench", "bench_model", "machine_info",
+           "measure_limits", "run_bench", "table", "time_case"]
