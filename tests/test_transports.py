@@ -31,6 +31,12 @@ CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_he
            intermediate_size=128, max_position_embeddings=64)
 
 
+@pytest.fixture(autouse=True)
+def no_leftover_segments():
+    yield
+    assert leftover_segments() == []
+
+
 def test_every_transport_is_registered_with_a_strategy():
     assert sorted(REGISTRY) == sorted(TRANSPORTS)
     for name in TRANSPORTS:
@@ -320,3 +326,44 @@ def test_requests_round_trip_as_json_and_bad_ones_name_the_field():
         DistributedInitInfo.from_json({**info.to_json(), "backend": "mpi"})
     with pytest.raises(ValueError, match="master_addr must be a loopback address, got '0.0.0.0'"):
         BroadcastTransport(master_addr="0.0.0.0")
+
+
+# -- a failure mid-sync, then recovery --------------------------------------------
+
+async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_weights(small_engine, tmp_path):
+    from colo.config import SchedulerConfig
+    from tests.test_transports_disk import Trainer as FlakyTrainer
+
+    client, config = small_engine
+    root = tmp_path / "ckpt"
+    for seed, name in enumerate(TRANSPORTS):
+        state = {n: p.detach() for n, p in build_trainer_model(config, seed=10 + seed).named_parameters()}
+        trainer = FlakyTrainer(state, fail_at=2)
+        transport = make_transport(name, **({"root": str(root)} if name == "disk" else {}))
+        memory = MemoryLedger(total_bytes=256 << 20)
+        trace = tmp_path / f"{name}.jsonl"
+        # after the previous recovery every engine tag is resident again, as a fresh scheduler assumes
+        sched = Scheduler(trainer, client, memory, transport, trace=TraceWriter(trace), engine_synced=False,
+                          config=SchedulerConfig(plan="offload-first", bucket_bytes=16 << 10))
+        try:
+            async with sched:
+                for phase in (Phase.ENGINE_RELEASE, Phase.TRAINER_OFFLOAD, Phase.ENGINE_WAKE_WEIGHTS):
+                    await sched.run_phase(phase)
+                with pytest.raises(RuntimeError, match="simulated trainer crash while gathering bucket 2"):
+                    await sched.run_phase(Phase.SYNC)
+                assert memory.staging_bytes == 0 and leftover_segments() == []
+                if name == "broadcast":
+                    assert transport._group is None  # the group a failure may have broken is gone
+                trainer.fail_at = None
+                await sched.recover()
+                assert sched.engine_version == 0 and not sched.stale
+        finally:
+            await transport.aclose()
+        assert await client.digest() == expected_digest(state, config, torch.float32), name
+        events = read_trace(trace)
+        checker = InvariantChecker()
+        assert [str(v) for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
+        assert [e["phase"] for e in events if e["event"] == "phase.failed"] == ["sync"]
+        assert leftover_segments() == []
+    # disk: only the recovery's checkpoint exists
+    assert sorted(p.name for p in root.iterdir()) == ["step-0"]

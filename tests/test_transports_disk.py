@@ -30,6 +30,12 @@ CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_he
            intermediate_size=128, max_position_embeddings=64)
 
 
+@pytest.fixture(autouse=True)
+def no_leftover_segments():
+    yield
+    assert leftover_segments() == []
+
+
 class FlakyExtractor:
     """Extracts like PlainExtractor, but raises on the ``fail_at``-th bucket (a trainer crash)."""
 
