@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--trace", default=None, help="trace path (default: traces/demo-<plan>.jsonl)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--fault", default=None, metavar="KIND@PHASE")
+    d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
+                   help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(module="colo.demo", func="run_demo")
 

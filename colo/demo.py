@@ -79,6 +79,8 @@ class DemoConfig:
     device_mem_gib: float | None = None
     reserved_mib: float = CPU_RESERVED_MIB
     trainer_leftover_mib: float = CPU_TRAINER_LEFTOVER_MIB
+    #: the engine process's own CUDA_VISIBLE_DEVICES (a GPU UUID or index list)
+    engine_visible_devices: str | None = None
     trace: str | None = None
     seed: int = 0
     engine_dtype: str = "bfloat16"
@@ -237,7 +239,9 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
         build = {"config": model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
                  "total_bytes": total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
                  "memory": "saver" if saver is not None else "free"}
-        engine = await EngineClient.spawn(build, task=task)
+        env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
+        engine = await EngineClient.spawn(build, task=task, env=env)
+        transport = make_transport(cfg.transport)
         try:
             if cfg.device == "cuda":
                 from colo.cuda_memory import cuda_ledger
@@ -253,7 +257,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
             trace = TraceWriter(cfg.trace_path)
             trace.add_listener(summary.feed)
             sched = Scheduler(
-                trainer, engine, memory, make_transport(cfg.transport),
+                trainer, engine, memory, transport,
                 config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes),
                 trace=trace, verify=make_verifier(trainer, engine, model_config, cfg.engine_dtype, cfg.seed),
                 run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
@@ -273,7 +277,14 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
             finally:
                 bar.close()
         finally:
+            # the transport first: a broadcast group's other end is the engine
+            await transport.aclose()
             await engine.aclose()
+            if saver is not None:
+                # Leave the process with its regions resident: the memory saver
+                # must not meet paused regions at teardown.
+                for key in sorted(saver.paused):
+                    saver.resume(key)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return DemoOutcome(rewards, summary, cfg.trace_path, error)
@@ -309,7 +320,7 @@ def config_from_args(args: Any) -> DemoConfig:
         return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport,
                           bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
-                          fault=args.fault)
+                          fault=args.fault, engine_visible_devices=args.engine_visible_devices)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -321,7 +332,15 @@ def run_demo(args: Any) -> int:
         return EXIT_BAD_INPUT
     out = anyio.run(functools.partial(run, cfg, progress=not args.quiet))
     print(report(cfg, out))
-    return EXIT_FAILED if out.error is not None else EXIT_OK
+    code = EXIT_FAILED if out.error is not None else EXIT_OK
+    if cfg.device == "cuda":
+        # The run is over and written down; torch_memory_saver's pools, torn
+        # down at interpreter exit, end the process with status 1 ("only support
+        # interesting region") whatever happened before. Leave without them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 __all__ = ["DemoConfig", "DemoOutcome", "ReinforceTask", "run", "run_demo"]

@@ -3,10 +3,12 @@
 Skipped where no GPU exists; they must pass on a GPU machine (see bench/README.md).
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from colo.demo import DemoConfig, run
 from colo.invariants import InvariantChecker
 from colo.trace import read_trace
 
@@ -26,6 +28,67 @@ def replay_clean(path):
 def free_bytes():
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
+
+
+def test_cuda_ipc_handle_names_the_gpu_by_uuid_and_maps_it_back():
+    from colo.cuda_ipc import export_cuda, gpu_uuid, local_index
+    from colo.handles import HandleError
+
+    buf = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    h = export_cuda(buf)
+    assert h["gpu_uuid"] == gpu_uuid(torch.cuda.current_device())
+    assert local_index(h["gpu_uuid"]) == torch.cuda.current_device()
+    with pytest.raises(HandleError, match="not visible"):
+        local_index("GPU-00000000-0000-0000-0000-000000000000")
+    import json
+    assert json.loads(json.dumps(h)) == h  # plain JSON: nothing to unpickle
+
+
+def demo(tmp_path, *args):
+    """Run the demo on CUDA in its own process, as a user would; return its trace.
+
+    One trainer per process, as in real deployments: torch_memory_saver keeps
+    process-wide state that a second trainer in the same process would inherit."""
+    trace = tmp_path / "t.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "colo.cli", "demo", "--device", "cuda", "--quiet",
+                           "--trace", str(trace), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    return replay_clean(trace)
+
+
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
+def test_demo_on_cuda_runs_each_plan_with_verified_syncs(plan, tmp_path):
+    events = demo(tmp_path, "--plan", plan, "--steps", "2", "--mem-fraction-static", "0.5")
+    start = events[0]
+    assert start["device"]["kind"] == "cuda" and start["device"]["total_bytes"] == torch.cuda.mem_get_info()[1]
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert [s["weight_version"] for s in syncs] == [1, 2]
+    assert all(s["tensors"] == s["params"] for s in syncs)
+    # the engine's KV pool really left the device while the trainer trained
+    train = [e for e in events if e["event"] == "phase.entered" and e["to_phase"] == "train"]
+    rollout = [e for e in events if e["event"] == "phase.entered" and e["to_phase"] == "rollout"]
+    kv = start["tags"]["engine.kv_cache"]["bytes"]
+    assert kv > 10 * (1 << 30)
+    assert train[0]["mem"]["used"] < rollout[0]["mem"]["used"] - kv + 512 * MiB
+
+
+def test_engine_with_a_different_cuda_visible_devices_loads_over_ipc(tmp_path):
+    # The engine sees the GPU through its UUID, the trainer through its index:
+    # handles keyed by index would name the wrong (or no) device.
+    from colo.cuda_ipc import gpu_uuid
+
+    events = demo(tmp_path, "--steps", "1", "--mem-fraction-static", "0.5",
+                  "--engine-visible-devices", "GPU-" + gpu_uuid(torch.cuda.current_device()).removeprefix("GPU-"))
+    assert len([e for e in events if e["event"] == "sync.finished"]) == 1
+
+
+def test_device_memory_does_not_grow_over_fifty_syncs(tmp_path):
+    events = demo(tmp_path, "--steps", "50", "--mem-fraction-static", "0.3")
+    used = [e["mem"]["used"] for e in events if e["event"] == "phase.finished" and e["phase"] == "sync"]
+    assert len(used) == 50
+    # after warm-up, the device holds the same at the end of every sync: no
+    # leaked staging, no IPC block left uncollected
+    assert max(used[5:]) - min(used[5:]) <= 8 * MiB, used
 
 
 def test_saver_pause_returns_device_memory_and_keeps_a_pinned_backup():
@@ -49,59 +112,3 @@ def test_saver_pause_returns_device_memory_and_keeps_a_pinned_backup():
     assert torch.equal(t[-1000:].cpu(), torch.arange(n // 4 - 1000, n // 4, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="already resident"):
         saver.resume("test.weights")
-
-
-def test_cuda_ipc_handle_names_the_gpu_by_uuid_and_maps_it_back():
-    from colo.cuda_ipc import export_cuda, gpu_uuid, local_index
-    from colo.handles import HandleError
-
-    buf = torch.empty(4096, dtype=torch.uint8, device="cuda")
-    h = export_cuda(buf)
-    assert h["gpu_uuid"] == gpu_uuid(torch.cuda.current_device())
-    assert local_index(h["gpu_uuid"]) == torch.cuda.current_device()
-    with pytest.raises(HandleError, match="not visible"):
-        local_index("GPU-00000000-0000-0000-0000-000000000000")
-    import json
-    assert json.loads(json.dumps(h)) == h  # plain JSON: nothing to unpickle
-
-
-@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
-async def test_demo_on_cuda_runs_each_plan_with_verified_syncs(plan, tmp_path):
-    out = await run(DemoConfig(device="cuda", plan=plan, steps=2, batch=8, new_tokens=8,
-                               mem_fraction_static=0.5, trace=str(tmp_path / "t.jsonl")), progress=False)
-    assert out.error is None, out.error
-    events = replay_clean(out.trace_path)
-    start = events[0]
-    assert start["device"]["kind"] == "cuda" and start["device"]["total_bytes"] == torch.cuda.mem_get_info()[1]
-    syncs = [e for e in events if e["event"] == "sync.finished"]
-    assert [s["weight_version"] for s in syncs] == [1, 2]
-    assert all(s["tensors"] == s["params"] for s in syncs)
-    # the engine's KV pool really left the device while the trainer trained
-    train = [e for e in events if e["event"] == "phase.entered" and e["to_phase"] == "train"]
-    rollout = [e for e in events if e["event"] == "phase.entered" and e["to_phase"] == "rollout"]
-    kv = start["tags"]["engine.kv_cache"]["bytes"]
-    assert train[0]["mem"]["used"] <= rollout[0]["mem"]["used"] - kv + 64 * MiB
-
-
-async def test_engine_with_a_different_cuda_visible_devices_loads_over_ipc(tmp_path, monkeypatch):
-    # The engine sees the GPU through its UUID, the trainer through its index:
-    # handles keyed by index would name the wrong (or no) device.
-    from colo.cuda_ipc import gpu_uuid
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpu_uuid(torch.cuda.current_device()))
-    out = await run(DemoConfig(device="cuda", steps=1, batch=8, new_tokens=8, mem_fraction_static=0.5,
-                               trace=str(tmp_path / "t.jsonl")), progress=False)
-    assert out.error is None, out.error
-    assert len([e for e in replay_clean(out.trace_path) if e["event"] == "sync.finished"]) == 1
-
-
-async def test_device_memory_does_not_grow_over_fifty_syncs(tmp_path):
-    out = await run(DemoConfig(device="cuda", steps=50, batch=4, new_tokens=4, mem_fraction_static=0.3,
-                               trace=str(tmp_path / "t.jsonl")), progress=False)
-    assert out.error is None, out.error
-    events = replay_clean(out.trace_path)
-    used = [e["mem"]["used"] for e in events if e["event"] == "phase.finished" and e["phase"] == "sync"]
-    assert len(used) == 50
-    # after warm-up, the device holds the same at the end of every sync: no
-    # leaked staging, no IPC block left uncollected
-    assert max(used[5:]) - min(used[5:]) <= 8 * MiB, used

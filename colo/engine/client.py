@@ -60,7 +60,9 @@ class EngineClient:
 
     @classmethod
     async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
-                    start_timeout_s: float = 180.0) -> EngineClient:
+                    start_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> EngineClient:
+        """Start the engine process; ``env`` is added to its environment only (e.g. its
+        own ``CUDA_VISIBLE_DEVICES``, as an engine launched elsewhere would have)."""
         sockdir = tempfile.mkdtemp(prefix="colo-engine-")
         os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
         path = os.path.join(sockdir, "engine.sock")
@@ -69,7 +71,17 @@ class EngineClient:
 
         proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True,
                                                name="colo-engine")
-        proc.start()
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        try:
+            # a spawned child copies os.environ at start(): set it for that moment only
+            os.environ.update(env or {})
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         try:
             with anyio.fail_after(start_timeout_s):
                 while not os.path.exists(path):
