@@ -69,9 +69,12 @@ class _Exported:
             if flat.device.type == "cuda" and flat.numel() > 0:
                 from colo.cuda_ipc import export_cuda
 
-                # exported where it lies: the extractor's converted copy is ours to share
-                self.tensor = flat
-                self.handle = export_cuda(flat)
+                # A copy into a plain cudaMalloc block, always: the tensor may
+                # be the trainer's own parameter inside a memory-saver region (a
+                # virtual-memory mapping that cudaIpcGetMemHandle cannot export).
+                self.tensor = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
+                self.tensor.copy_(flat)
+                self.handle = export_cuda(self.tensor)
             else:
                 self.seg = ShmSegment.create(max(1, flat.numel()))
                 self.seg.tensor[:flat.numel()].copy_(flat)
