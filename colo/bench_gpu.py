@@ -134,7 +134,11 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
             times.append(elapsed)
             peaks.append(torch.cuda.max_memory_allocated() - base)
     sec = statistics.median(times)
-    return {"sync_s": sec, "sync_s_all": times, "bytes": result.bytes, "buckets": result.buckets,
+    # where the time goes: each stage's total over the timed syncs, per sync
+    by_stage: dict[str, float] = {}
+    for _bucket, stage, _n, _t, dur in stages[len(stages) // (reps + 1):]:
+        by_stage[stage] = by_stage.get(stage, 0.0) + dur / reps
+    return {"sync_s": sec, "stage_s_per_sync": by_stage, "sync_s_all": times, "bytes": result.bytes, "buckets": result.buckets,
             "tensors": result.tensors, "GBps": result.bytes / sec / 1e9, "peak_extra_bytes": max(peaks)}
 
 
@@ -184,6 +188,7 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
         shapes["num_hidden_layers"] = layers
     config = demo_config(**shapes)
     limits = measure_limits()
+    print(json.dumps({"limits": limits}), flush=True)
     saver = Saver()
     trainer = BenchTrainer(config, saver)
     saver.pause("trainer.optimizer")  # kept on the host while we sync
@@ -198,15 +203,21 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
             if source == "host" and "trainer.weights" not in saver.paused:
                 saver.pause("trainer.weights")
             for label, name, opts in VARIANTS:
-                r = await time_sync(make_transport(name, **opts), trainer, engine, source=source,
-                                    bucket_bytes=int(bucket_mib * MiB), reps=reps)
+                transport = make_transport(name, **opts)
+                try:
+                    r = await time_sync(transport, trainer, engine, source=source,
+                                        bucket_bytes=int(bucket_mib * MiB), reps=reps)
+                finally:
+                    if hasattr(transport, "aclose"):
+                        await transport.aclose()
                 r.update(plan=plan, transport=label, bucket_mib=bucket_mib)
                 rows.append(r)
-                print(f"{plan:14s} {label:17s} {r['sync_s']:8.3f} s {r['GBps']:7.2f} GB/s "
-                      f"peak extra {r['peak_extra_bytes'] / GiB:6.2f} GiB", flush=True)
+                print(json.dumps({"row": r}), flush=True)  # in the log even if the run is cut short
         # the last sync (offload-first, pipelined) must have delivered the trainer's weights
         digest_ok = await engine.digest() == expected_digest(trainer.host_state(), config, torch.bfloat16)
+        print(json.dumps({"digest_verified": digest_ok}), flush=True)
         phases = await time_phases(trainer, engine)
+        print(json.dumps({"phases": phases}), flush=True)
     finally:
         await engine.aclose()
     model_bytes = trainer.weight_bytes

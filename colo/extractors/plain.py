@@ -53,8 +53,12 @@ def to_engine(t: torch.Tensor, engine: torch.dtype | None, device: torch.device 
     full bandwidth, while a copy converted on the host would be pageable (7x
     slower to upload) and the conversion itself is faster on the device."""
     t = t.detach()
-    if device is not None:
-        t = t.to(device)
+    if device is not None and t.device != device:
+        # From pinned memory the copy is queued, not waited for: the next
+        # tensor's upload overlaps it, and whoever reads the result (pack) is on
+        # the same stream, so the order is kept. The source (a pinned host
+        # backup) outlives the copy.
+        t = t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned())
     return t.to(engine_dtype_of(t.dtype, engine)).contiguous()
 
 
