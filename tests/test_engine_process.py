@@ -16,21 +16,9 @@ from colo.handles import HandleError, ShmSegment, leftover_segments, open_handle
 from colo.models import build_trainer_model, demo_config
 from colo.transports.packed import pack_into
 
-CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           intermediate_size=128, max_position_embeddings=64)
-
-
 @pytest.fixture
-async def engine(tmp_path):
-    config = demo_config(**CFG)
-    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
-             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
-    client = await EngineClient.spawn(build)
-    try:
-        yield client, config
-    finally:
-        await client.aclose()
-    assert not client.process.is_alive()
+def engine(small_engine):
+    return small_engine
 
 
 def raw_connect(path, key):

@@ -27,14 +27,9 @@ from colo.transports import REGISTRY, get_strategy, make_transport
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
 DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
-CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           intermediate_size=128, max_position_embeddings=64)
+from tests.conftest import SMALL_CFG as CFG
 
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    yield
-    assert leftover_segments() == []
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
 def test_every_transport_is_registered_with_a_strategy():
@@ -178,18 +173,6 @@ class CountingEngine:
     async def transport_load(self, *args, **kw):
         self.loads += 1
         return await self.client.transport_load(*args, **kw)
-
-
-@pytest.fixture
-async def small_engine(tmp_path):
-    config = demo_config(**CFG)
-    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
-             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
-    client = await EngineClient.spawn(build)
-    try:
-        yield client, config
-    finally:
-        await client.aclose()
 
 
 async def test_each_transport_loads_the_trainers_weights_with_its_own_request_count(small_engine, tmp_path):

@@ -26,14 +26,9 @@ from colo.transports.disk import (DiskInitInfo, DiskReceiver, DiskRequest, DiskT
                                   latest_checkpoint, list_checkpoints, load_checkpoint, remove_incomplete,
                                   write_shard)
 
-CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-           intermediate_size=128, max_position_embeddings=64)
+from tests.conftest import SMALL_CFG as CFG
 
-
-@pytest.fixture(autouse=True)
-def no_leftover_segments():
-    yield
-    assert leftover_segments() == []
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
 class FlakyExtractor:
@@ -133,7 +128,7 @@ KILLED_WRITER = textwrap.dedent("""
     from colo.interfaces import SyncContext
 
     root = sys.argv[1]
-    real_write = disk._write_durable
+    real_write = disk.write_durable
 
     def dying_write(path, data):
         if path.endswith("shard-00002.safetensors") and "step-1" in os.listdir(root):
@@ -144,7 +139,7 @@ KILLED_WRITER = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         real_write(path, data)
 
-    disk._write_durable = dying_write
+    disk.write_durable = dying_write
 
     class Engine:  # acknowledges every shard; the engine is not what is tested here
         async def preflight(self, specs): pass

@@ -96,7 +96,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_durable(path: str, data: bytes) -> None:
+def write_durable(path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         view = memoryview(data)
@@ -113,7 +113,7 @@ def write_shard(path: str, tensors: list[tuple[str, Any]], *, bucket: int) -> in
 
     data = save({name: t.detach().contiguous().cpu() for name, t in tensors},
                 metadata={"format": FORMAT, "bucket": str(bucket)})
-    _write_durable(path, data)
+    write_durable(path, data)
     return len(data)
 
 
@@ -267,7 +267,7 @@ class DiskTransport(BucketSender):
 
         def commit() -> None:
             # The manifest last: its presence is what makes the directory complete.
-            _write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+            write_durable(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
             if os.path.exists(final):  # a re-sync of the same version (after a recovery)
                 _retire(final)

@@ -1,0 +1,32 @@
+"""Shared test fixtures: a small real engine process, and a leak check for /dev/shm."""
+
+import pytest
+
+from colo.engine.client import EngineClient
+from colo.handles import leftover_segments
+from colo.models import demo_config
+
+#: a model small enough that an engine process starts in a few seconds
+SMALL_CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+
+
+@pytest.fixture
+async def small_engine(tmp_path):
+    """A real float32 engine process on the CPU, stale (no checkpoint); its log in tmp_path."""
+    config = demo_config(**SMALL_CFG)
+    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
+             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
+    client = await EngineClient.spawn(build)
+    try:
+        yield client, config
+    finally:
+        await client.aclose()
+    assert not client.process.is_alive()
+
+
+@pytest.fixture
+def no_leftover_segments():
+    """Fail a test that leaves one of our /dev/shm segments behind."""
+    yield
+    assert leftover_segments() == []
