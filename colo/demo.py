@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,12 @@ import torch
 
 from colo.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, PLANS, TRANSPORTS, UsageError
 from colo.config import SchedulerConfig
+from colo.engine.client import EngineError
+from colo.handles import leftover_segments
+from colo.invariants import InvariantViolation
 from colo.memory import GiB, MiB, MemoryLedger, fmt_bytes
-from colo.scheduler import Scheduler
+from colo.phases import IllegalTransition, Phase
+from colo.scheduler import Scheduler, describe
 from colo.summary import PhaseSummary
 from colo.trace import TraceWriter
 
@@ -87,7 +91,12 @@ class DemoConfig:
     batch: int = 32
     prompt_len: int = 8
     new_tokens: int = 24
+    #: ``KIND@PHASE`` (see :mod:`colo.faults`): fail that phase once, then recover
     fault: str | None = None
+    #: the faulted phase's deadline for a ``deadline`` fault
+    fault_deadline_s: float = 30.0
+    #: inject at the first occurrence of the phase at this step or later
+    fault_step: int = 0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -112,6 +121,15 @@ class DemoConfig:
             raise ValueError(f"reserved memory must be >= 0 MiB, got {self.reserved_mib}")
         if not self.trainer_leftover_mib >= 0:
             raise ValueError(f"trainer leftover must be >= 0 MiB, got {self.trainer_leftover_mib}")
+        if self.fault is not None:
+            self.parsed_fault()  # raises ValueError naming the kinds and phases allowed
+
+    def parsed_fault(self) -> Any:
+        from colo.faults import Fault
+
+        if self.fault is None:
+            return None
+        return Fault.parse(self.fault, step=self.fault_step, deadline_s=self.fault_deadline_s)
 
     @property
     def bucket_bytes(self) -> int:
@@ -151,15 +169,18 @@ def probe_batch(vocab_size: int, seed: int) -> list[list[int]]:
 
 
 def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed: int):
+    """``engine`` is the engine or a zero-argument callable returning the current one
+    (the demo replaces an engine that died)."""
     from colo.engine.model import expected_digest
 
     probe = probe_batch(model_config.vocab_size, seed)
+    current = engine if callable(engine) else (lambda: engine)
 
     async def verify(digest: str) -> None:
         want = expected_digest(trainer.hf_state(), model_config, getattr(torch, dtype))
         if digest != want:
             raise VerificationError(f"engine digest {digest[:16]} != trainer digest {want[:16]} after sync")
-        got = torch.tensor(await engine.logits(probe))
+        got = torch.tensor(await current().logits(probe))
         ref = trainer.logits(probe)
         err = float((got - ref).abs().max())
         bound = LOGIT_TOLERANCE * float(ref.abs().max())
@@ -203,17 +224,66 @@ def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
 
 
 @dataclass
+class Recovery:
+    """What happened to one injected fault, and what the demo checked after it."""
+
+    fault: str
+    phase: str
+    step: int
+    cause: str
+    #: the refusals a stale engine must give: the scheduler's and the engine's own
+    rollout_refused_by_scheduler: str = ""
+    rollout_refused_by_engine: str = ""
+    #: the engine's own weight version after the failure (None: stale)
+    engine_weight_version_after_failure: int | None = -1
+    staging_bytes_after_failure: int = -1
+    segments_after_failure: list[str] = field(default_factory=list)
+    trainer_digest_at_fault: str = ""
+    trainer_digest_after_failure: str = ""
+    engine_replaced: bool = False
+    old_engine_pid: int | None = None
+    new_engine_pid: int | None = None
+    engine_digest_after_recovery: str = ""
+    recovered: bool = False
+
+    @property
+    def trainer_intact(self) -> bool:
+        return bool(self.trainer_digest_at_fault) and self.trainer_digest_at_fault == self.trainer_digest_after_failure
+
+    def lines(self) -> list[str]:
+        out = [f"fault {self.fault} injected at step {self.step}: phase {self.phase} failed: {self.cause}",
+               f"  after the failure: engine weight version {self.engine_weight_version_after_failure}, rollout refused ({self.rollout_refused_by_engine or '-'}); "
+               f"staging {self.staging_bytes_after_failure} B, shared-memory segments "
+               f"{len(self.segments_after_failure)}; trainer weights "
+               + ("intact" if self.trainer_intact else "CHANGED")]
+        if self.engine_replaced:
+            out.append(f"  engine process {self.old_engine_pid} died; started engine process {self.new_engine_pid}")
+        if self.recovered:
+            out.append(f"  recovered: engine digest {self.engine_digest_after_recovery[:16]} equals the trainer's")
+        else:
+            out.append("  recovery FAILED")
+        return out
+
+
+@dataclass
 class DemoOutcome:
     rewards: list[float]
     summary: PhaseSummary
     trace_path: Path
     error: BaseException | None = None
+    recoveries: list[Recovery] = field(default_factory=list)
+
+
+def _refusal(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
     from safetensors.torch import save_file
 
     from colo.engine.client import EngineClient
+    from colo.engine.model import expected_digest
+    from colo.faults import FaultInjector
     from colo.models import demo_config
     from colo.transports import make_transport
 
@@ -226,7 +296,16 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
     workdir = tempfile.mkdtemp(prefix="colo-demo-")
     summary = PhaseSummary()
     rewards: list[float] = []
+    recoveries: list[Recovery] = []
     error: BaseException | None = None
+    fault = cfg.parsed_fault()
+
+    def trainer_digest() -> str:
+        return expected_digest(trainer.hf_state(), model_config, getattr(torch, cfg.engine_dtype))
+
+    at_fault: list[str] = []
+    injector = FaultInjector(fault, on_fire=lambda: at_fault.append(trainer_digest())) if fault else None
+    engines: list[Any] = []  # every engine process this run started, closed at the end
     try:
         # The engine starts from the trainer's initial checkpoint (version 0),
         # as SGLang starts from a model path.
@@ -240,7 +319,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
                  "total_bytes": total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
                  "memory": "saver" if saver is not None else "free"}
         env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
-        engine = await EngineClient.spawn(build, task=task, env=env)
+        engines.append(await EngineClient.spawn(build, task=task, env=env))
         transport = make_transport(cfg.transport)
         try:
             if cfg.device == "cuda":
@@ -248,7 +327,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
 
                 # R is what the device holds now beyond the engine's regions:
                 # both CUDA contexts, the allocator caches.
-                memory = cuda_ledger(accounted_bytes=sum(engine.tag_bytes().values()), device_name=name)
+                memory = cuda_ledger(accounted_bytes=sum(engines[0].tag_bytes().values()), device_name=name)
             else:
                 leftover = int(cfg.trainer_leftover_mib * MiB)
                 memory = SimulatedDevice(total_bytes=total, reserved_bytes=reserved, device_kind="cpu",
@@ -256,22 +335,84 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
                                          leftover=lambda: leftover if trainer.steps else 0)
             trace = TraceWriter(cfg.trace_path)
             trace.add_listener(summary.feed)
+            wrap_engine = injector.wrap_engine if injector else (lambda e: e)
             sched = Scheduler(
-                trainer, engine, memory, transport,
-                config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes),
-                trace=trace, verify=make_verifier(trainer, engine, model_config, cfg.engine_dtype, cfg.seed),
+                injector.wrap_trainer(trainer) if injector else trainer, wrap_engine(engines[0]), memory,
+                transport,
+                config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
+                                       deadlines=fault.deadlines() if fault else {}),
+                trace=trace, verify=make_verifier(trainer, lambda: sched.engine, model_config,
+                                                  cfg.engine_dtype, cfg.seed),
                 run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
                             "mem_fraction_static": cfg.mem_fraction_static,
                             "model": {"params": sum(p.numel() for p in trainer.model.parameters()),
                                       "engine_dtype": cfg.engine_dtype}})
+            if injector:
+                injector.attach(sched)
+
+            async def recover() -> Recovery:
+                """Fail safe, then back to a synced engine: check what a failure must
+                leave behind, replace a dead engine, re-sync from the trainer's copy."""
+                failed = summary.errors[-1] if summary.errors else {}
+                rec = Recovery(fault=str(fault), phase=failed.get("phase", "?"), step=sched.step,
+                               cause=failed.get("error", "?"), trainer_digest_at_fault=at_fault[-1],
+                               staging_bytes_after_failure=memory.staging_bytes,
+                               segments_after_failure=leftover_segments(),
+                               trainer_digest_after_failure=trainer_digest())
+                recoveries.append(rec)
+                try:  # a stale engine must never roll out: the scheduler refuses, writing nothing
+                    await sched.run_phase(Phase.ROLLOUT)
+                    raise RuntimeError("the scheduler allowed rollout after a failure")
+                except (IllegalTransition, InvariantViolation) as e:
+                    rec.rollout_refused_by_scheduler = _refusal(e)
+                old = engines[-1]
+                if not old.process.is_alive():
+                    # The trainer's copy is the truth: a new engine starts empty and stale
+                    # and the recovery sync fills it.
+                    new = await EngineClient.spawn({**build, "checkpoint": None}, task=task, env=env)
+                    engines.append(new)
+                    await sched.replace_engine(wrap_engine(new))
+                    rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.process.pid, new.process.pid
+                    await old.aclose()
+                try:  # and the engine itself refuses too
+                    await engines[-1].generate(sched.step)
+                    raise RuntimeError("the engine generated with stale weights after a failure")
+                except EngineError as e:
+                    rec.rollout_refused_by_engine = _refusal(e)
+                rec.engine_weight_version_after_failure = (await engines[-1].call("hello"))["weight_version"]
+                await sched.recover()
+                rec.engine_digest_after_recovery = sched.last_sync["digest"]
+                rec.recovered = rec.engine_digest_after_recovery == trainer_digest()
+                return rec
+
             bar = _progress(cfg.steps, progress)
             try:
                 async with sched:
-                    for _ in range(cfg.steps):
-                        await sched.cycle()
+                    while len(rewards) < cfg.steps:
+                        with anyio.CancelScope() as scope:  # a cancel fault cancels this scope
+                            if injector:
+                                injector.scope = scope
+                            try:
+                                await sched.cycle()
+                            except Exception:
+                                if sched.phase is not Phase.FAILED:
+                                    raise  # refused before any phase started: nothing to recover
+                        if sched.phase is Phase.FAILED:
+                            # Only an injected fault is recovered from: a failure nobody
+                            # injected (a plan that does not fit) would recur every cycle.
+                            if injector is None or not injector.fired or len(recoveries) == 1:
+                                err = sched.last_error
+                                raise err if isinstance(err, Exception) else RuntimeError(describe(err))
+                            rec = await recover()
+                            if not rec.recovered:
+                                raise VerificationError("recovery did not restore the trainer's weights")
+                            continue
                         rewards.append(sched.last_rollout.reward)
                         bar.set_postfix(reward=f"{rewards[-1]:.3f}")
                         bar.update(1)
+                    if injector is not None and not injector.fired:
+                        raise RuntimeError(f"fault {fault} was never injected: no {fault.phase} at step "
+                                           f">= {fault.step} in {cfg.steps} steps")
             except Exception as e:  # in the trace as phase.failed (or before it: at start-up)
                 error = e
             finally:
@@ -279,7 +420,8 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
         finally:
             # the transport first: a broadcast group's other end is the engine
             await transport.aclose()
-            await engine.aclose()
+            for engine in engines:
+                await engine.aclose()
             if saver is not None:
                 # Leave the process with its regions resident: the memory saver
                 # must not meet paused regions at teardown.
@@ -287,7 +429,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
                     saver.resume(key)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return DemoOutcome(rewards, summary, cfg.trace_path, error)
+    return DemoOutcome(rewards, summary, cfg.trace_path, error, recoveries)
 
 
 def _progress(steps: int, enabled: bool) -> Any:
@@ -305,6 +447,8 @@ def report(cfg: DemoConfig, out: DemoOutcome) -> str:
         first, last = out.rewards[:5], out.rewards[-5:]
         lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f}")
     lines.append(f"trace: {out.trace_path}")
+    for rec in out.recoveries:
+        lines.extend(rec.lines())
     if out.error is not None:
         lines.append(f"FAILED in phase {_failed_phase(out)}: {type(out.error).__name__}: {out.error}")
     return "\n".join(lines)
@@ -326,7 +470,13 @@ def config_from_args(args: Any) -> DemoConfig:
 
 
 def run_demo(args: Any) -> int:
-    cfg = config_from_args(args)
+    try:
+        cfg = config_from_args(args)
+    except UsageError as e:
+        # reported here, not by cli.main: under ``python -m colo.cli`` the CLI module
+        # is __main__ and its UsageError is not the class this module raises
+        print(f"colo demo: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
         return EXIT_BAD_INPUT

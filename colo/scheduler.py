@@ -140,6 +140,28 @@ class Scheduler:
         for phase in path:
             await self.run_phase(phase)
 
+    async def replace_engine(self, engine: EngineSide) -> None:
+        """Swap in a new engine process for one that died; only from ``failed``.
+
+        The ledger keeps describing the same engine regions, so the new
+        process is brought to what the ledger says (it starts with every tag
+        resident: the tags the ledger has paused are released on it) and the
+        table, the invariants and the trace need no new state. It is stale
+        until :meth:`recover` syncs it.
+        """
+        if self.phase is not Phase.FAILED:
+            raise IllegalTransition(self.phase, "replace_engine", Phase.FAILED)
+        old, new = self.engine.tag_bytes(), engine.tag_bytes()
+        if old != new:
+            raise ValueError(f"the new engine's memory tags {new} differ from the old engine's {old}")
+        paused = self._paused("engine", ENGINE_RELEASE_ORDER)
+        await engine.set_weight_version(None)
+        if paused:
+            await engine.flush_cache()
+            await engine.release(paused)
+        self.engine = engine
+        self.engine_version = None
+
     async def run_phase(self, target: Phase) -> Any:
         src = self.machine.phase
         trigger = trigger_for(src, target)

@@ -63,26 +63,30 @@ class EngineClient:
                     start_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> EngineClient:
         """Start the engine process; ``env`` is added to its environment only (e.g. its
         own ``CUDA_VISIBLE_DEVICES``, as an engine launched elsewhere would have)."""
-        sockdir = tempfile.mkdtemp(prefix="colo-engine-")
-        os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
-        path = os.path.join(sockdir, "engine.sock")
-        key = new_key()
         from colo.engine.server import serve
 
-        proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True,
-                                               name="colo-engine")
-        saved = {k: os.environ.get(k) for k in (env or {})}
+        key = new_key()
+        sockdir = tempfile.mkdtemp(prefix="colo-engine-")
+        proc: Any = None
+        # Everything after mkdtemp is inside the try: a failed start (a bad
+        # environment, an engine that dies or refuses hello) must not leave the
+        # socket directory or a process behind.
         try:
-            # a spawned child copies os.environ at start(): set it for that moment only
-            os.environ.update(env or {})
-            proc.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        try:
+            os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
+            path = os.path.join(sockdir, "engine.sock")
+            proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True,
+                                                   name="colo-engine")
+            saved = {k: os.environ.get(k) for k in (env or {})}
+            try:
+                # a spawned child copies os.environ at start(): set it for that moment only
+                os.environ.update(env or {})
+                proc.start()
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             with anyio.fail_after(start_timeout_s):
                 while not os.path.exists(path):
                     if not proc.is_alive():
@@ -90,13 +94,16 @@ class EngineClient:
                     await anyio.sleep(0.05)
                 ch = await AsyncChannel.connect(path, key)
                 reply = await ch.request("hello")
+            if not reply.get("ok"):
+                await ch.aclose()
+                raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
         except BaseException:
-            proc.kill()
-            proc.join(5)
-            shutil.rmtree(sockdir, ignore_errors=True)
+            with anyio.CancelScope(shield=True):
+                if proc is not None and proc.pid is not None:
+                    proc.kill()
+                    await anyio.to_thread.run_sync(proc.join, 5)
+                shutil.rmtree(sockdir, ignore_errors=True)
             raise
-        if not reply.get("ok"):
-            raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
         return cls(ch, proc, sockdir, key, reply, task)
 
     @property

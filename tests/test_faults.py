@@ -1,0 +1,219 @@
+"""Issue 6: every injectable fault fails safe, and the run recovers and continues.
+
+The faults are real: the engine process is SIGKILLed, the receiver path raises
+after a bucket was loaded, the phase's own deadline fires, the ledger runs out,
+the scheduler's scope is cancelled. Each test asserts the state a failure must
+leave (failed, cause in the trace, engine stale, trainer untouched, nothing
+leaked) and that recovery restores the trainer's digest.
+"""
+
+import dataclasses
+import glob
+import gc
+import os
+import tempfile
+
+import anyio
+import pytest
+import torch
+
+from colo.config import SchedulerConfig
+from colo.demo import DemoConfig, ReinforceTask, make_verifier, run
+from colo.engine.client import EngineClient
+from colo.engine.model import expected_digest
+from colo.faults import KINDS, POSSIBLE, Fault, FaultInjector
+from colo.handles import leftover_segments
+from colo.memory import MemoryLedger
+from colo.models import build_trainer_model, demo_config
+from colo.phases import IllegalTransition, Phase
+from colo.replay import replay
+from colo.scheduler import Scheduler
+from colo.trace import TraceWriter, read_trace
+from colo.trainer import ReferenceTrainer
+from colo.transports import make_transport
+
+CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=128, max_position_embeddings=64)
+CAUSE = {"kill-engine": "EngineDied: engine process died (exit code -9) during ",
+         "raise": "InjectedFault: injected fault in ",
+         "deadline": "deadline of 0.5 s exceeded in ",
+         "oom": "OutOfMemory: out of memory in phase ",
+         "cancel": "cancelled"}
+
+
+def open_fds() -> int:
+    gc.collect()
+    return len(os.listdir("/proc/self/fd"))
+
+
+def engine_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "colo-engine-*")))
+
+
+@pytest.fixture(scope="module")
+def warm_spawn(tmp_path_factory):
+    """The first spawned process opens descriptors multiprocessing keeps for the
+    life of the test process; start one first so fd counts compare like with like."""
+    async def once():
+        client, _ = await spawn(tmp_path_factory.mktemp("warm"), None, 0)
+        await client.aclose()
+
+    anyio.run(once)
+
+
+@pytest.fixture
+def no_leaks(warm_spawn):
+    """Open fds, engine socket dirs and /dev/shm segments are the same after the test."""
+    fds, dirs = open_fds(), engine_dirs()
+    yield
+    assert leftover_segments() == []
+    assert engine_dirs() == dirs
+    assert open_fds() == fds
+
+
+# -- the fault itself: parsed, validated ------------------------------------------
+
+def test_fault_parses_kind_at_phase_and_names_what_is_allowed():
+    assert Fault.parse("kill-engine@sync") == Fault(kind="kill-engine", phase="sync")
+    assert str(Fault.parse("oom@engine_wake_kv")) == "oom@engine_wake_kv"
+    assert Fault.parse("deadline@train", deadline_s=2).deadlines() == {"train": 2.0}
+    assert Fault.parse("raise@train").deadlines() == {}
+    with pytest.raises(ValueError, match="unknown fault kind 'explode'; expected one of kill-engine, raise, "
+                                         "deadline, oom, cancel"):
+        Fault.parse("explode@sync")
+    with pytest.raises(ValueError, match="unknown fault phase 'synk'; expected one of rollout, engine_release"):
+        Fault.parse("raise@synk")
+    with pytest.raises(ValueError, match="fault must be KIND@PHASE"):
+        Fault.parse("raise")
+    with pytest.raises(ValueError, match="fault kill-engine cannot happen at train; kill-engine is possible at "
+                                         "rollout, engine_release, engine_wake_weights, sync, engine_wake_kv"):
+        Fault.parse("kill-engine@train")
+    with pytest.raises(ValueError, match="fault oom cannot happen at rollout"):
+        Fault.parse("oom@rollout")
+    with pytest.raises(ValueError, match="unknown fault phase 'failed'"):
+        Fault.parse("raise@failed")
+    with pytest.raises(ValueError, match="fault step must be an integer >= 0"):
+        Fault(kind="raise", phase="sync", step=-1)
+
+
+# -- every possible (kind, phase), against a real engine process ------------------
+
+async def spawn(tmp_path, task, n):
+    config = demo_config(**CFG)
+    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
+             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / f"engine{n}.log")}
+    return await EngineClient.spawn(build, task=task), config
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_each_fault_at_each_phase_fails_safe_and_recovers(kind, tmp_path, no_leaks):
+    await fault_matrix(kind, tmp_path)
+
+
+async def fault_matrix(kind, tmp_path):
+    config = demo_config(**CFG)
+    task = ReinforceTask(config.vocab_size, batch=4, prompt_len=4, new_tokens=4, seed=0)
+    trainer = ReferenceTrainer(build_trainer_model(config, seed=0), engine_dtype="float32")
+    engines = [(await spawn(tmp_path, task, 0))[0]]
+    try:
+        for n, phase in enumerate(POSSIBLE[kind]):
+            # 0.5 s: a hundred times what any phase of this small model takes
+            fault = Fault(kind=kind, phase=phase, deadline_s=0.5)
+            at_fault = {}
+            injector = FaultInjector(fault, on_fire=lambda: at_fault.update(
+                {k: v.clone() for k, v in trainer.hf_state().items()}))
+            memory = MemoryLedger(total_bytes=128 << 20)
+            path = tmp_path / f"{phase}.jsonl"
+            transport = make_transport("packed")
+            sched = Scheduler(injector.wrap_trainer(trainer), injector.wrap_engine(engines[-1]), memory, transport,
+                              trace=TraceWriter(path), engine_synced=False,
+                              config=SchedulerConfig(bucket_bytes=16 << 10, deadlines=fault.deadlines()),
+                              verify=make_verifier(trainer, lambda: sched.engine, config, "float32", 0))
+            try:
+                async with sched:
+                    await sched.recover()  # the engine starts stale: the first sync
+                    injector.attach(sched)
+                    with anyio.CancelScope() as scope:
+                        injector.scope = scope
+                        try:
+                            await sched.cycle()
+                        except Exception:
+                            pass
+                    where = f"{kind}@{phase}"
+                    assert injector.fired and sched.phase is Phase.FAILED, where
+                    failed = [e for e in read_trace(path) if e["event"] == "phase.failed"]
+                    assert [e["phase"] for e in failed] == [phase], where
+                    assert failed[0]["error"].startswith(CAUSE[kind]), (where, failed[0]["error"])
+                    # fail safe: stale, no rollout, trainer untouched, nothing leaked
+                    assert sched.stale and sched.engine_version is None, where
+                    with pytest.raises(IllegalTransition, match="from phase failed on trigger 'rollout'"):
+                        await sched.run_phase(Phase.ROLLOUT)
+                    state = trainer.hf_state()
+                    assert at_fault.keys() == state.keys() and all(
+                        torch.equal(at_fault[k], state[k]) for k in state), where
+                    assert memory.staging_bytes == 0 and leftover_segments() == [], where
+                    old = engines[-1]
+                    if kind == "kill-engine":
+                        assert not old.process.is_alive()
+                        new, _ = await spawn(tmp_path, task, n + 1)
+                        engines.append(new)
+                        await sched.replace_engine(injector.wrap_engine(new))
+                        await old.aclose()
+                    assert (await engines[-1].call("hello"))["weight_version"] is None, where
+                    await sched.recover()
+                    assert sched.last_sync["digest"] == expected_digest(at_fault, config, torch.float32), where
+                    await sched.cycle()  # the run continues
+                    assert sched.last_sync["digest"] == expected_digest(trainer.hf_state(), config, torch.float32)
+            finally:
+                await transport.aclose()
+            assert replay([path]).valid, where
+            assert leftover_segments() == []
+    finally:
+        for e in engines:
+            await e.aclose()
+
+
+# -- the demo: recovery, report, trace ----------------------------------------------
+
+SMALL = dict(steps=2, batch=4, new_tokens=4, bucket_mib=0.5, fault_deadline_s=5.0)
+
+
+@pytest.mark.parametrize("fault", ["kill-engine@sync"])
+async def test_the_demo_recovers_from_a_fault_and_completes_every_step(fault, tmp_path, no_leaks):
+    out = await run(DemoConfig(fault=fault, trace=str(tmp_path / "t.jsonl"), **SMALL), progress=False)
+    assert out.error is None and len(out.rewards) == 2
+    [rec] = out.recoveries
+    assert (rec.fault, rec.phase, rec.step) == (fault, fault.split("@")[1], 0)
+    assert rec.recovered and rec.trainer_intact
+    assert rec.engine_digest_after_recovery == rec.trainer_digest_at_fault == rec.trainer_digest_after_failure
+    assert rec.engine_weight_version_after_failure is None
+    assert "illegal transition from phase failed on trigger 'rollout'" in rec.rollout_refused_by_scheduler
+    assert rec.rollout_refused_by_engine.startswith("EngineError: engine generate failed: EngineStateError")
+    assert rec.staging_bytes_after_failure == 0 and rec.segments_after_failure == []
+    assert rec.engine_replaced == (fault == "kill-engine@sync")
+    report = replay([out.trace_path])
+    assert report.valid
+    events = read_trace(out.trace_path)
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    # the recovery sync (version 1: the failed cycle had trained), then one per completed cycle
+    assert [s["weight_version"] for s in syncs] == [1, 2, 3]
+    assert syncs[0]["digest"] == rec.engine_digest_after_recovery
+    assert [e["error"] for e in events if e["event"] == "phase.failed"] == [rec.cause]
+    assert rec.cause.startswith(CAUSE[fault.split("@")[0]])
+
+
+def test_cli_demo_with_a_fault_exits_zero_and_says_what_happened(tmp_path, monkeypatch, capsys):
+    import colo.demo
+    from colo.cli import main
+
+    small = colo.demo.config_from_args
+    # the CLI's defaults are a long demo: the same path, with a small batch
+    monkeypatch.setattr(colo.demo, "config_from_args",
+                        lambda args: dataclasses.replace(small(args), batch=4, new_tokens=4))
+    trace = tmp_path / "cli.jsonl"
+    code = main(["demo", "--steps", "1", "--quiet", "--fault", "raise@sync", "--trace", str(trace)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "fault raise@sync injected at step 0: phase sync failed: InjectedFault" in out
+    assert "recovered: engine digest" in out and "trainer weights intact" in out
+    assert main(["replay", str(trace)]) == 0
