@@ -278,7 +278,9 @@ def _refusal(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
+async def run(cfg: DemoConfig, *, progress: bool = True,
+              on_cycle: Callable[[int], None] | None = None) -> DemoOutcome:
+    """``on_cycle(n)`` is called after the n-th completed cycle (the soak measures there)."""
     from safetensors.torch import save_file
 
     from colo.engine.client import EngineClient
@@ -410,6 +412,8 @@ async def run(cfg: DemoConfig, *, progress: bool = True) -> DemoOutcome:
                         rewards.append(sched.last_rollout.reward)
                         bar.set_postfix(reward=f"{rewards[-1]:.3f}")
                         bar.update(1)
+                        if on_cycle is not None:
+                            on_cycle(len(rewards))
                     if injector is not None and not injector.fired:
                         raise RuntimeError(f"fault {fault} was never injected: no {fault.phase} at step "
                                            f">= {fault.step} in {cfg.steps} steps")
