@@ -94,7 +94,8 @@ class BenchTrainer:
 
         if "trainer.weights" in self.saver.paused:
             host = {n: self.saver.host_view(p) for n, p in self.params.items()}
-            return PlainExtractor(host, dtype=torch.bfloat16, device="cuda")
+            # same dtype on both sides: the transport uploads straight into its buffer
+            return PlainExtractor(host, dtype=torch.bfloat16, upload_to="cuda")
         return PlainExtractor(self.params, dtype=torch.bfloat16)
 
     def host_state(self) -> dict:

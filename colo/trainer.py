@@ -63,8 +63,14 @@ class ReferenceTrainer:
             from colo.extractors.plain import PlainExtractor
 
             host = {n: backend.saver.host_view(p) for n, p in self.model.named_parameters()}
-            return PlainExtractor(host, dtype=getattr(torch, self.engine_dtype),
-                                  device=next(self.model.parameters()).device)
+            device = next(self.model.parameters()).device
+            dtype = getattr(torch, self.engine_dtype)
+            if all(p.dtype == dtype for p in self.model.parameters()):
+                # nothing to convert: the transport uploads straight into its buffer
+                return PlainExtractor(host, dtype=dtype, upload_to=device)
+            # a conversion is due: upload first, convert on the device (a host-side
+            # conversion would produce pageable memory, several times slower to upload)
+            return PlainExtractor(host, dtype=dtype, device=device)
         return self._extractor
 
     def init_optimizer_state(self) -> None:

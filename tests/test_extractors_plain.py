@@ -165,3 +165,17 @@ def test_a_tensor_removed_from_a_mapping_source_is_named():
     del host["lm_head.weight"]
     with pytest.raises(KeyError, match=r"'lm_head\.weight' is no longer in the source"):
         list(ex.extract(["lm_head.weight"]))
+
+
+def test_upload_to_and_device_are_exclusive_and_upload_to_keeps_tensors_on_the_host():
+    import torch
+
+    from colo.extractors.plain import PlainExtractor
+
+    src = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    with pytest.raises(ValueError, match="give device .* or upload_to"):
+        PlainExtractor(src, device="cpu", upload_to="cpu")
+    ex = PlainExtractor(src, upload_to="cpu")
+    assert ex.upload_to == torch.device("cpu")
+    (name, t), = ex.extract(["w"])
+    assert name == "w" and t.device.type == "cpu" and torch.equal(t, src["w"])

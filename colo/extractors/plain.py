@@ -110,13 +110,19 @@ class PlainExtractor:
 
     def __init__(self, source: torch.nn.Module | Mapping[str, torch.Tensor], *, dtype: DTypeLike = None,
                  device: torch.device | str | None = None,
-                 rename: Callable[[str], str | None] | None = None):
+                 rename: Callable[[str], str | None] | None = None, upload_to: torch.device | str | None = None):
         if not isinstance(source, (torch.nn.Module, Mapping)):
             raise TypeError(f"{self.kind} extractor: source must be an nn.Module or a mapping of name to tensor, "
                             f"got {type(source).__name__}")
         self._source = source
         self.dtype = resolve_dtype(dtype)
         self.device = None if device is None else torch.device(device)
+        if upload_to is not None and device is not None:
+            raise ValueError(f"{self.kind} extractor: give device (upload here) or upload_to (the transport "
+                             "uploads into its own buffer), not both")
+        #: where a transport should stage this source's tensors: they come out
+        #: on the host and are copied once, straight into the staging buffer
+        self.upload_to = None if upload_to is None else torch.device(upload_to)
         self._engine_to_source: dict[str, str] = {}
         self._specs: dict[str, TensorSpec] = {}
         for src_name, t in self._tensors().items():

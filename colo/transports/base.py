@@ -212,6 +212,7 @@ class BucketSender:
             raise ValueError(f"pipelined must be a bool, got {pipelined!r}")
         self.pipelined = pipelined
         self._engine: Any = None
+        self._extractor: Any = None
 
     # -- hooks ---------------------------------------------------------------
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
@@ -253,6 +254,7 @@ class BucketSender:
                           tensors=len(specs))
 
     async def _prepare(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        self._extractor = extractor
         names = [e.spec.name for e in bucket.entries]
         t0 = time.perf_counter()
         # Off the event loop: the engine's acknowledgement of the previous

@@ -117,6 +117,11 @@ class IpcTransport(BucketSender):
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
         t0 = time.perf_counter()
+        target = getattr(self._extractor, "upload_to", None)
+        if target is not None and torch.device(target).type == "cuda":
+            # verl's way on a GPU is one CUDA IPC handle per tensor: a host
+            # source is uploaded first, not shared through host memory
+            tensors = [(n, t.to(target, non_blocking=t.is_pinned())) for n, t in tensors]
         self._slots[slot] = await anyio.to_thread.run_sync(_export_all, ctx, tensors)
         self._cuda = self._cuda or any(e.tensor is not None for e in self._slots[slot])
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)

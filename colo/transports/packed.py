@@ -54,7 +54,10 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     """Copy ``tensors`` into ``flat`` at the bucket's offsets; check names and sizes first."""
     check_bucket_tensors(bucket, tensors)
     for (_, t), e in zip(tensors, bucket.entries):
-        flat[e.start:e.end].copy_(t.contiguous().view(-1).view(flat.dtype))
+        src = t.contiguous().view(-1).view(flat.dtype)
+        # Straight from a pinned host copy into the device buffer: one upload,
+        # no intermediate device tensor; queued, and settled once per bucket.
+        flat[e.start:e.end].copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
     return bucket.payload_bytes
 
 
@@ -124,8 +127,12 @@ class PackedTransport(BucketSender):
         return self._slots[i]
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
-        # the buffer lives where the extractor put the tensors
-        flat = self._slot(slot, ctx, tensors[0][1].device).tensor
+        # The buffer lives where the extractor put the tensors, or on the device
+        # the extractor names as its upload target (a pinned host source packed
+        # directly into device memory).
+        target = getattr(self._extractor, "upload_to", None)
+        device = torch.device(target) if target is not None else tensors[0][1].device
+        flat = self._slot(slot, ctx, device).tensor
         t0 = time.perf_counter()
         await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors)
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
