@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import anyio
 import anyio.to_thread
+import torch
 
 from colo.buckets import ITEMSIZE, Bucket, itemsize, numel, plan_buckets
 from colo.interfaces import SyncContext, SyncResult
@@ -213,6 +214,7 @@ class BucketSender:
         self.pipelined = pipelined
         self._engine: Any = None
         self._extractor: Any = None
+        self._stream: Any = None
 
     # -- hooks ---------------------------------------------------------------
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
@@ -259,10 +261,29 @@ class BucketSender:
         t0 = time.perf_counter()
         # Off the event loop: the engine's acknowledgement of the previous
         # bucket must be read while this one is being gathered and packed.
-        tensors = await anyio.to_thread.run_sync(lambda: list(extractor.extract(names)))
+        stream = self._upload_stream(getattr(extractor, "device", None))
+
+        def gather() -> list:
+            if stream is None:
+                return list(extractor.extract(names))
+            # Uploads and conversions of bucket i+1 run on the sender's own
+            # stream, while the engine loads bucket i; pack follows on the same
+            # stream, so it sees them in order.
+            with torch.cuda.stream(stream):
+                return list(extractor.extract(names))
+
+        tensors = await anyio.to_thread.run_sync(gather)
         ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), time.perf_counter() - t0)
         check_bucket_tensors(bucket, tensors)
         await self._pack(bucket, tensors, slot, ctx)
+
+    def _upload_stream(self, device: Any) -> Any:
+        """The sender's CUDA stream for uploads and packing (None off the GPU)."""
+        if device is None or torch.device(device).type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=torch.device(device))
+        return self._stream
 
     async def abort(self) -> None:
         # The engine may still map our (now unlinked) buffers: make it let go

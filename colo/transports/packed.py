@@ -61,12 +61,26 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     return bucket.payload_bytes
 
 
-def pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
-    pack_into(flat, bucket, tensors)
-    if flat.is_cuda:
-        # the engine reads the buffer from another process, outside this
-        # stream's order: the copies must be done before the handle goes out
-        torch.cuda.synchronize(flat.device)
+def pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]],
+                    stream: Any = None) -> None:
+    """Pack, then wait until the bytes are in ``flat``.
+
+    The engine reads the buffer from another process, outside any stream order
+    of ours: the copies must be done before the handle goes out. With a
+    ``stream`` (the sender's upload stream) the copies run there, after what
+    produced the tensors, and only that stream's work is waited for, through an
+    event, not the whole device."""
+    if stream is None or not flat.is_cuda:
+        pack_into(flat, bucket, tensors)
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        return
+    stream.wait_stream(torch.cuda.current_stream(flat.device))
+    with torch.cuda.stream(stream):
+        pack_into(flat, bucket, tensors)
+        done = torch.cuda.Event()
+        done.record(stream)
+    done.synchronize()
 
 
 class _Slot:
@@ -134,7 +148,7 @@ class PackedTransport(BucketSender):
         device = torch.device(target) if target is not None else tensors[0][1].device
         flat = self._slot(slot, ctx, device).tensor
         t0 = time.perf_counter()
-        await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors)
+        await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors, self._upload_stream(device))
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
