@@ -1,5 +1,6 @@
-"""Issue 6, soak (short version of bench/soak.py): the demo loop on the CPU keeps
-fds, /dev/shm entries and resident memory flat, and every cycle's sync is verified."""
+"""Issue 6, soak: 500 cycles of the demo loop on the CPU keep fds, /dev/shm entries and
+resident memory flat, and every cycle's sync is verified (bench/soak.py also measures the
+engine process; 500 cycles took 86 s on the 2-core development VM, so this runs in CI)."""
 
 import os
 
@@ -10,7 +11,7 @@ from colo.trace import read_trace
 
 pytestmark = pytest.mark.slow
 
-CYCLES, WARMUP = 25, 5
+CYCLES, WARMUP = 500, 50
 
 
 def rss() -> int:
@@ -18,7 +19,7 @@ def rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-async def test_twenty_five_cycles_keep_fds_shm_and_memory_flat_and_verify_every_sync(tmp_path):
+async def test_five_hundred_cycles_keep_fds_shm_and_memory_flat_and_verify_every_sync(tmp_path):
     seen = {}
 
     def on_cycle(n):
