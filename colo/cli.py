@@ -120,4 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as ``python -m colo.cli``: use the package's module, not this __main__
+    # copy, so that UsageError raised by a subcommand is the class caught here.
+    from colo.cli import main as _main
+
+    sys.exit(_main())

@@ -135,3 +135,26 @@ def test_a_trace_cut_off_by_a_crash_replays_up_to_its_last_complete_line(tmp_pat
     out = json.loads(capsys.readouterr().out)
     assert out["valid"] is True
     assert any("line 4 is cut off" in w for w in out["warnings"])
+
+
+def test_a_bucket_with_a_wrong_device_tensor_is_refused_by_name():
+    import torch
+
+    from colo.buckets import plan_buckets, spec
+    from colo.transports.base import check_bucket_tensors
+
+    a = torch.zeros(4)
+    b = torch.empty(4, device="meta")  # no GPU here: the meta device stands for "elsewhere"
+    bucket = plan_buckets([spec("a", (4,), "float32"), spec("b", (4,), "float32")], 1 << 20)[0]
+    with pytest.raises(ValueError, match=r"tensors must be on one device with data, got a on cpu, b on meta"):
+        check_bucket_tensors(bucket, [("a", a), ("b", b)])
+
+
+def test_python_dash_m_cli_reports_usage_errors_with_exit_two(tmp_path):
+    import subprocess
+    import sys
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(empty)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr

@@ -161,6 +161,12 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     if len(tensors) != len(bucket.entries):
         raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
                          f"planned {len(bucket.entries)}")
+    devices = {str(t.device) for _, t in tensors}
+    # One bucket is one buffer on one device: a tensor elsewhere (another GPU,
+    # the meta device that holds no data) cannot be packed with the rest.
+    if "meta" in devices or len(devices) > 1:
+        where = ", ".join(f"{n} on {t.device}" for n, t in tensors)
+        raise ValueError(f"bucket {bucket.index}: tensors must be on one device with data, got {where}")
     for (name, t), e in zip(tensors, bucket.entries):
         if name != e.spec.name:
             raise ValueError(f"bucket {bucket.index}: extractor gave {name!r} where {e.spec.name!r} was planned")
