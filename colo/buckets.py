@@ -56,16 +56,6 @@ class Entry:
     start: int  # byte offset in the bucket
     end: int
 
-    @property
-    def numel(self) -> int:
-        return numel(self.spec.shape)
-
-    def meta(self) -> dict:
-        """The per-tensor metadata that travels with a bucket (safe to encode as JSON)."""
-        s = self.spec
-        return {"name": s.name, "shape": list(s.shape), "dtype": s.dtype,
-                "start_idx": self.start, "end_idx": self.end, "numel": self.numel}
-
 
 @dataclass(frozen=True)
 class Bucket:

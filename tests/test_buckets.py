@@ -113,9 +113,11 @@ def test_alignment_below_the_itemsize_still_aligns_to_the_dtype():
 
 
 def test_meta_is_the_flattened_bucket_wire_format():
-    e = plan_buckets([spec("x", (2, 3), "torch.bfloat16")], 100)[0].entries[0]
-    assert e.meta() == {"name": "x", "shape": [2, 3], "dtype": "bfloat16",
-                        "start_idx": 0, "end_idx": 12, "numel": 6}
+    from colo.transports.base import TensorMeta
+
+    (m,) = TensorMeta.of_bucket(plan_buckets([spec("x", (2, 3), "torch.bfloat16")], 100)[0])
+    assert m.to_json() == {"name": "x", "shape": [2, 3], "dtype": "bfloat16",
+                           "start_idx": 0, "end_idx": 12, "numel": 6}
 
 
 def test_no_tensors_means_no_buckets():

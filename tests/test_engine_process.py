@@ -14,7 +14,8 @@ from colo.engine.client import EngineClient, EngineError
 from colo.engine.model import expected_digest
 from colo.handles import HandleError, ShmSegment, leftover_segments, open_handle
 from colo.models import build_trainer_model, demo_config
-from colo.transports.packed import pack_into
+from colo.transports.base import TensorMeta
+from colo.transports.packed import PackedRequest, pack_into
 
 @pytest.fixture
 def engine(small_engine):
@@ -60,9 +61,9 @@ async def test_unknown_ops_and_disallowed_handles_are_errors(engine):
     client, _ = engine
     with pytest.raises(EngineError, match="unknown op '__class__'"):
         await client.call("__class__")
+    await client.call("begin_load")
     with pytest.raises(EngineError, match="handle kind 'pickle' is not allowed"):
-        await client.call("begin_load")
-        await client.load_bucket({"kind": "pickle", "data": "x"}, [])
+        await client.transport_load("packed", {"handle": {"kind": "pickle", "data": "x"}, "tensors": []})
 
 
 def test_handle_rebuild_is_allow_listed_and_names_are_checked():
@@ -86,7 +87,8 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
     try:
         for b in buckets:
             pack_into(seg.tensor, b, [(e.spec.name, state[e.spec.name]) for e in b.entries])
-            reply = await client.load_bucket(seg.handle(), [e.meta() for e in b.entries])
+            request = PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(b)))
+            reply = await client.transport_load("packed", request.to_json())
             assert reply["tensors"] == len(b.entries)
         await client.end_load()
     finally:

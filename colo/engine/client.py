@@ -171,9 +171,6 @@ class EngineClient:
     async def begin_load(self) -> None:
         await self.call("begin_load")
 
-    async def load_bucket(self, handle: dict, meta: list[dict], on_sent: Any = None) -> dict:
-        return await self.call("load_bucket", handle=handle, meta=meta, on_sent=on_sent)
-
     async def transport_init(self, transport: str, init_info: dict) -> None:
         """Build the engine's receiver for ``transport`` (a broadcast receiver joins the group here)."""
         await self.call("transport_init", transport=transport, init_info=init_info)

@@ -3,7 +3,8 @@
 Like SGLang's scheduler process, it does one request at a time. It survives
 bad peers: a client without the key is refused, a frame that is not JSON
 (a pickle, say) is answered with an error and logged, and the engine keeps
-serving. Bucket handles are opened through ``colo.handles.open_handle`` only.
+serving. Bucket handles are opened by the transports' receivers, through
+``colo.handles.open_handle`` only.
 """
 
 from __future__ import annotations
@@ -20,13 +21,7 @@ import torch
 
 from colo.buckets import ITEMSIZE, itemsize, numel
 from colo.channel import ChannelError, recv_frame, send_frame, server_handshake
-from colo.handles import open_handle
 from colo.interfaces import TensorSpec
-
-#: attachments kept open across buckets: the sender double-buffers, so two
-#: live segments is the steady state; a few more cover a restarted sync.
-MAX_ATTACHED = 4
-
 
 _LOG: Any = None  # a file opened by serve() when the client asked for one
 
@@ -46,29 +41,12 @@ def torch_dtype(name: str) -> torch.dtype:
 class EngineServer:
     def __init__(self, core: Any):
         self.core = core
-        self._attached: dict[str, Any] = {}
         #: transport name -> its engine-side receiver (``colo.transports``)
         self._receivers: dict[str, Any] = {}
         self.running = True
 
     # -- handles ---------------------------------------------------------------
-    def _attach(self, handle: dict) -> Any:
-        name = handle.get("name") or handle.get("key")
-        seg = self._attached.get(name) if name else None
-        if seg is None or getattr(seg, "nbytes", None) != handle.get("nbytes"):
-            if seg is not None:
-                seg.close()
-            seg = open_handle(handle)
-            if name:
-                self._attached[name] = seg
-                while len(self._attached) > MAX_ATTACHED:
-                    self._attached.pop(next(iter(self._attached))).close()
-        return seg
-
     def _detach_all(self) -> None:
-        for seg in self._attached.values():
-            seg.close()
-        self._attached.clear()
         # per-sync resources of every receiver (mapped segments); a process
         # group or a checkpoint root outlives the sync
         for receiver in self._receivers.values():
@@ -137,29 +115,6 @@ class EngineServer:
     def op_begin_load(self) -> dict:
         self.core.begin_load()
         return {}
-
-    def op_load_bucket(self, handle: dict, meta: list[dict]) -> dict:
-        t0 = time.perf_counter()
-        seg = self._attach(handle)
-        flat = seg.tensor
-        opened = time.perf_counter()
-        named = []
-        for m in meta:
-            start, end, shape = int(m["start_idx"]), int(m["end_idx"]), tuple(int(d) for d in m["shape"])
-            dtype = torch_dtype(m["dtype"])
-            if not 0 <= start <= end <= flat.numel() or end - start != numel(shape) * itemsize(m["dtype"]):
-                raise ValueError(f"bucket entry {m.get('name')!r}: bytes [{start}, {end}) do not fit "
-                                 f"shape {shape} {m['dtype']} in a {flat.numel()} B buffer")
-            named.append((m["name"], flat[start:end].view(dtype).view(shape)))
-        # copy_ into the engine's parameters: after this the segment may be reused
-        self.core.load_weights(named)
-        if flat.is_cuda:
-            # The ack promises the sender may reuse the buffer: the copies out of
-            # it must have finished, not merely been queued.
-            torch.cuda.synchronize(flat.device)
-        del named, flat
-        done = time.perf_counter()
-        return {"handoff_s": opened - t0, "load_s": done - opened, "tensors": len(meta)}
 
     # -- transports (colo.transports: a strategy's engine-side receiver) ---------
     def op_transport_init(self, transport: str, init_info: dict) -> dict:
