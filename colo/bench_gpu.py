@@ -27,7 +27,7 @@ import anyio
 import torch
 
 from colo.interfaces import SyncContext
-from colo.memory import GiB, MiB, MemoryLedger
+from colo.memory import GiB, LedgerStaging, MiB, MemoryLedger
 
 QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
@@ -93,24 +93,13 @@ class BenchTrainer:
         from colo.extractors.plain import PlainExtractor
 
         if "trainer.weights" in self.saver.paused:
-            host = {n: self.saver.host_view(p) for n, p in self.params.items()}
+            host = self.host_state()
             # same dtype on both sides: the transport uploads straight into its buffer
             return PlainExtractor(host, dtype=torch.bfloat16, upload_to="cuda")
         return PlainExtractor(self.params, dtype=torch.bfloat16)
 
     def host_state(self) -> dict:
         return {n: self.saver.host_view(p) for n, p in self.params.items()}
-
-
-class _Staging:
-    def __init__(self, ledger: MemoryLedger):
-        self.ledger = ledger
-
-    def alloc(self, nbytes: int) -> int:
-        return self.ledger.alloc_staging(nbytes, phase="sync")
-
-    def free(self, sid: int) -> None:
-        self.ledger.free_staging(sid)
 
 
 async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, bucket_bytes: int,
@@ -121,7 +110,7 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
     result = None
     for i in range(reps + 1):  # the first is a warm-up
         ctx = SyncContext(step=i, weight_version=1, bucket_bytes=bucket_bytes, source=source,
-                          staging=_Staging(ledger), record=lambda *a: stages.append(a))
+                          staging=LedgerStaging(ledger), record=lambda *a: stages.append(a))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -213,3 +213,16 @@ class MemoryLedger:
         freed = self.staging_bytes
         self._staging.clear()
         return freed
+
+
+class LedgerStaging:
+    """A ledger's staging allocations seen as a sync's ``StagingPool`` (alloc/free)."""
+
+    def __init__(self, ledger: MemoryLedger, phase: str = "sync"):
+        self._ledger, self._phase = ledger, phase
+
+    def alloc(self, nbytes: int) -> int:
+        return self._ledger.alloc_staging(nbytes, phase=self._phase)
+
+    def free(self, sid: int) -> None:
+        self._ledger.free_staging(sid)

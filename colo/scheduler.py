@@ -26,7 +26,7 @@ import anyio
 from colo.config import SchedulerConfig
 from colo.interfaces import EngineSide, RolloutResult, SyncContext, TrainerSide, Transport
 from colo.invariants import InvariantChecker, InvariantViolation, Violation
-from colo.memory import MemoryLedger, OutOfMemory
+from colo.memory import LedgerStaging, MemoryLedger, OutOfMemory
 from colo.phases import RECOVERY, IllegalTransition, Phase, PhaseMachine, is_legal, trigger_for, validate_plan
 from colo.trace import TraceWriter
 
@@ -38,19 +38,6 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return "cancelled"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-class _Staging:
-    """Staging buffers of the running sync, counted against the device budget."""
-
-    def __init__(self, memory: MemoryLedger):
-        self._memory = memory
-
-    def alloc(self, nbytes: int) -> int:
-        return self._memory.alloc_staging(nbytes, phase=Phase.SYNC.value)
-
-    def free(self, sid: int) -> None:
-        self._memory.free_staging(sid)
 
 
 class Scheduler:
@@ -315,7 +302,7 @@ class Scheduler:
                        tensors=int(tensors), duration_s=round(duration_s, 6), mem=self.memory.snapshot())
 
         ctx = SyncContext(step=step, weight_version=version, bucket_bytes=self.config.bucket_bytes,
-                          source=source, staging=_Staging(self.memory), record=record)
+                          source=source, staging=LedgerStaging(self.memory), record=record)
         t0 = self._clock()
         result = await self.transport.sync(self.trainer, self.engine, ctx)
         if self.memory.staging_bytes:

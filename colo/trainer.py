@@ -56,13 +56,12 @@ class ReferenceTrainer:
         return self._extractor.specs()
 
     def extractor(self) -> Any:
-        backend = self._memory_backend
-        if backend is not None and not backend.resident("weights"):
+        if self._paused():
             # offload-first on a GPU: the weights are paused, their pinned host
             # backup is the source; tensors are uploaded as buckets are built.
             from colo.extractors.plain import PlainExtractor
 
-            host = {n: backend.saver.host_view(p) for n, p in self.model.named_parameters()}
+            host = self.hf_state()  # the pinned backup's views while paused
             device = next(self.model.parameters()).device
             dtype = getattr(torch, self.engine_dtype)
             if all(p.dtype == dtype for p in self.model.parameters()):
