@@ -17,6 +17,6 @@ case "${1:-tests}" in
     python3 -m colo.cli replay "$OUT/gpu-demo.jsonl" | tail -5
     ;;
   bench)
-    python3 -m colo.bench_gpu "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log"
+    python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log"
     ;;
 esac

@@ -2,7 +2,7 @@
 
 Records a trace of at least --events events with the real scheduler and the
 test fakes (every event kind the scheduler writes, memory snapshots on each),
-then times `colo.replay.replay` on it: reading + validation, the invariant
+then times `colo.offline.replay.replay` on it: reading + validation, the invariant
 checker, the per-phase summary. Writes bench/results/replay-speed-<host>.json.
 
     python bench/replay_speed.py [--events 100000] [--repeat 5]
@@ -29,11 +29,11 @@ sys.path.insert(0, str(ROOT))
 def record(path: Path, events: int) -> int:
     import anyio
 
-    from colo.config import SchedulerConfig
-    from colo.memory import MemoryLedger
+    from colo.core.config import SchedulerConfig
+    from colo.core.memory import MemoryLedger
     from colo.scheduler import Scheduler
-    from colo.trace import TraceWriter
-    from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+    from colo.trace.writer import TraceWriter
+    from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 
     async def main() -> int:
         trace = TraceWriter(path)
@@ -56,7 +56,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from colo.replay import check_trace, load_trace, replay
+    from colo.offline.replay import check_trace, load_trace, replay
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.jsonl"
@@ -78,7 +78,7 @@ def main() -> int:
     lines = len(report.results[0].trace.events)
     result = {
         "benchmark": "replay-speed",
-        "what": "colo.replay.replay() on one trace recorded by the scheduler with the test fakes "
+        "what": "colo.offline.replay.replay() on one trace recorded by the scheduler with the test fakes "
                 "(offload-first, 4 buckets per sync): read + validate + invariant checker + summary",
         "events": lines,
         "trace_bytes": size,

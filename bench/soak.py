@@ -20,8 +20,8 @@ import anyio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from colo.demo import DemoConfig, run  # noqa: E402
-from colo.trace import read_trace  # noqa: E402
+from colo.apps.demo import DemoConfig, run  # noqa: E402
+from colo.trace.writer import read_trace  # noqa: E402
 
 
 def rss_bytes(pid: int) -> int:

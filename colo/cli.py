@@ -70,17 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
                    help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
-    d.set_defaults(module="colo.demo", func="run_demo")
+    d.set_defaults(module="colo.apps.demo", func="run_demo")
 
     r = sub.add_parser("replay", help="check traces against the phase table and invariants")
     r.add_argument("traces", nargs="+")
     r.add_argument("--json", action="store_true")
-    r.set_defaults(module="colo.replay", func="run_replay")
+    r.set_defaults(module="colo.offline.replay", func="run_replay")
 
     e = sub.add_parser("export", help="Chrome trace JSON that Perfetto opens")
     e.add_argument("trace")
     e.add_argument("-o", "--output", required=True)
-    e.set_defaults(module="colo.export", func="run_export")
+    e.set_defaults(module="colo.offline.export", func="run_export")
 
     t = sub.add_parser("tune", help="recommend mem_fraction_static and a bucket size")
     t.add_argument("traces", nargs="*")
@@ -90,14 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model-gib", type=_positive(float), default=None)
     t.add_argument("--bucket-mib", type=_positive(float), default=None)
     t.add_argument("--plan", choices=PLANS, default=None)
-    t.set_defaults(module="colo.tune", func="run_tune")
+    t.set_defaults(module="colo.offline.tune", func="run_tune")
 
     b = sub.add_parser("bench", help="sync throughput and peak memory, transport against transport")
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     b.add_argument("--model", default="demo")
     b.add_argument("--transports", nargs="+", default=None)
     b.add_argument("--out", default=None)
-    b.set_defaults(module="colo.bench", func="run_bench")
+    b.set_defaults(module="colo.apps.bench", func="run_bench")
     return p
 
 

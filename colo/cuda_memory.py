@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from colo.memory import MemoryLedger
+from colo.core.memory import MemoryLedger
 
 
 def refuse_expandable_segments() -> None:

@@ -23,12 +23,12 @@ from typing import Any
 
 import anyio
 
-from colo.config import SchedulerConfig
-from colo.interfaces import EngineSide, RolloutResult, SyncContext, TrainerSide, Transport
-from colo.invariants import InvariantChecker, InvariantViolation, Violation
-from colo.memory import LedgerStaging, MemoryLedger, OutOfMemory
-from colo.phases import RECOVERY, IllegalTransition, Phase, PhaseMachine, is_legal, trigger_for, validate_plan
-from colo.trace import TraceWriter
+from colo.core.config import SchedulerConfig
+from colo.core.interfaces import EngineSide, RolloutResult, SyncContext, TrainerSide, Transport
+from colo.core.invariants import InvariantChecker, InvariantViolation, Violation
+from colo.core.memory import LedgerStaging, MemoryLedger, OutOfMemory
+from colo.core.phases import RECOVERY, IllegalTransition, Phase, PhaseMachine, is_legal, trigger_for, validate_plan
+from colo.trace.writer import TraceWriter
 
 ENGINE_RELEASE_ORDER = ("kv_cache", "cuda_graph", "weights")
 TRAINER_TAGS = ("weights", "optimizer")

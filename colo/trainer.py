@@ -17,7 +17,7 @@ from typing import Any
 import anyio.to_thread
 import torch
 
-from colo.interfaces import RolloutResult, TensorSpec
+from colo.core.interfaces import RolloutResult, TensorSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from colo.cli import main
-from colo.config import SchedulerConfig
-from colo.demo import DemoConfig
+from colo.core.config import SchedulerConfig
+from colo.apps.demo import DemoConfig
 from colo.extractors.plain import PlainExtractor
 from colo.transports import make_transport
 
@@ -140,7 +140,7 @@ def test_a_trace_cut_off_by_a_crash_replays_up_to_its_last_complete_line(tmp_pat
 def test_a_bucket_with_a_wrong_device_tensor_is_refused_by_name():
     import torch
 
-    from colo.buckets import plan_buckets, spec
+    from colo.core.buckets import plan_buckets, spec
     from colo.transports.base import check_bucket_tensors
 
     a = torch.zeros(4)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-import colo.bench as bench
-from colo.buckets import plan_buckets
+import colo.apps.bench as bench
+from colo.core.buckets import plan_buckets
 from colo.cli import main
 from colo.handles import leftover_segments
 from colo.models import demo_config
@@ -26,7 +26,7 @@ def test_bench_reports_every_transport_with_measured_values(tmp_path, monkeypatc
     out = tmp_path / "r.json"
     assert main(["bench", "--device", "cpu", "--model", "tiny", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["kind"] == "colo.bench/cpu-sync" and result["device"] == "cpu"
+    assert result["kind"] == "colo.apps.bench/cpu-sync" and result["device"] == "cpu"
     assert {"platform", "cpu", "cores", "python", "torch"} <= set(result["machine"])
     assert result["machine"]["torch"] == torch.__version__
     assert result["limits"]["memcpy_GBps"] > 0 and result["limits"]["file_write_fsync_GBps"] > 0

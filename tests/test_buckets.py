@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colo.buckets import ALIGN, ITEMSIZE, plan_buckets, spec
-from colo.interfaces import TensorSpec
+from colo.core.buckets import ALIGN, ITEMSIZE, plan_buckets, spec
+from colo.core.interfaces import TensorSpec
 
 DTYPES = sorted(ITEMSIZE)
 

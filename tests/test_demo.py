@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from colo.demo import DemoConfig, run
+from colo.apps.demo import DemoConfig, run
 from colo.handles import leftover_segments
-from colo.invariants import InvariantChecker
-from colo.trace import read_trace
+from colo.core.invariants import InvariantChecker
+from colo.trace.writer import read_trace
 
 SMALL = dict(steps=2, batch=8, new_tokens=8)
 

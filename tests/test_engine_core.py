@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from colo.buckets import spec
+from colo.core.buckets import spec
 from colo.engine.core import EngineCore
 from colo.engine.model import (Dims, EngineModel, EngineStateError, KVPoolTooSmall, WeightMismatch,
                                expected_digest, expected_hf_specs)

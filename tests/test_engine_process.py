@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from colo.buckets import plan_buckets
+from colo.core.buckets import plan_buckets
 from colo.channel import ChannelError, answer, recv_frame, send_frame
 from colo.engine.client import EngineClient, EngineError
 from colo.engine.model import expected_digest
@@ -78,7 +78,7 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
     model = build_trainer_model(config, seed=3)
     state = {n: p.detach() for n, p in model.named_parameters()}
     specs = client.specs
-    from colo.buckets import spec as mkspec
+    from colo.core.buckets import spec as mkspec
     full = [mkspec(s.name, s.shape, s.dtype) for s in specs]
     await client.preflight(full)
     await client.begin_load()
@@ -104,7 +104,7 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
 
 async def test_preflight_lists_every_mismatch_before_any_byte(engine):
     client, config = engine
-    from colo.buckets import spec as mkspec
+    from colo.core.buckets import spec as mkspec
     good = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
     bad = good[1:] + [mkspec("model.layers.9.mlp.up_proj.weight", (2, 2), "float32")]
     bad[0] = mkspec(bad[0].name, (1,) + tuple(bad[0].shape), bad[0].dtype)

@@ -5,13 +5,13 @@ import json
 import pytest
 
 from colo.cli import main
-from colo.config import SchedulerConfig
-from colo.interfaces import SyncResult
-from colo.memory import MemoryLedger
-from colo.schema import BUCKET_STAGES
+from colo.core.config import SchedulerConfig
+from colo.core.interfaces import SyncResult
+from colo.core.memory import MemoryLedger
+from colo.core.schema import BUCKET_STAGES
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter, read_trace
-from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+from colo.trace.writer import TraceWriter, read_trace
+from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 from tests.test_replay import record
 
 

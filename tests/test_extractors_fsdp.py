@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from colo.buckets import plan_buckets
+from colo.core.buckets import plan_buckets
 from tests.dist_helpers import TinyLlama, assert_bit_equal, run_workers
 
 SEED = 11

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from colo.buckets import plan_buckets
+from colo.core.buckets import plan_buckets
 from colo.extractors import MegatronExtractor, NameRule, global_name
 from tests.dist_helpers import TinyLlama, assert_bit_equal, run_workers
 

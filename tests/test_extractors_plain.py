@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colo.buckets import plan_buckets
+from colo.core.buckets import plan_buckets
 from colo.extractors import PlainExtractor
-from colo.interfaces import WeightExtractor
+from colo.core.interfaces import WeightExtractor
 from tests.dist_helpers import TinyLlama, assert_bit_equal
 
 

@@ -17,18 +17,18 @@ import anyio
 import pytest
 import torch
 
-from colo.config import SchedulerConfig
-from colo.demo import DemoConfig, ReinforceTask, make_verifier, run
+from colo.core.config import SchedulerConfig
+from colo.apps.demo import DemoConfig, ReinforceTask, make_verifier, run
 from colo.engine.client import EngineClient
 from colo.engine.model import expected_digest
-from colo.faults import KINDS, POSSIBLE, Fault, FaultInjector
+from colo.testing.faults import KINDS, POSSIBLE, Fault, FaultInjector
 from colo.handles import leftover_segments
-from colo.memory import MemoryLedger
+from colo.core.memory import MemoryLedger
 from colo.models import build_trainer_model, demo_config
-from colo.phases import IllegalTransition, Phase
-from colo.replay import replay
+from colo.core.phases import IllegalTransition, Phase
+from colo.offline.replay import replay
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter, read_trace
+from colo.trace.writer import TraceWriter, read_trace
 from colo.trainer import ReferenceTrainer
 from colo.transports import make_transport
 
@@ -203,12 +203,12 @@ async def test_the_demo_recovers_from_a_fault_and_completes_every_step(fault, tm
 
 
 def test_cli_demo_with_a_fault_exits_zero_and_says_what_happened(tmp_path, monkeypatch, capsys):
-    import colo.demo
+    import colo.apps.demo
     from colo.cli import main
 
-    small = colo.demo.config_from_args
+    small = colo.apps.demo.config_from_args
     # the CLI's defaults are a long demo: the same path, with a small batch
-    monkeypatch.setattr(colo.demo, "config_from_args",
+    monkeypatch.setattr(colo.apps.demo, "config_from_args",
                         lambda args: dataclasses.replace(small(args), batch=4, new_tokens=4))
     trace = tmp_path / "cli.jsonl"
     code = main(["demo", "--steps", "1", "--quiet", "--fault", "raise@sync", "--trace", str(trace)])

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from colo.invariants import InvariantChecker
-from colo.trace import read_trace
+from colo.core.invariants import InvariantChecker
+from colo.trace.writer import read_trace
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, gpu]

@@ -1,6 +1,6 @@
 import pytest
 
-from colo.memory import MemoryLedger, OutOfMemory, TagStateError
+from colo.core.memory import MemoryLedger, OutOfMemory, TagStateError
 
 
 def ledger(total=1000):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from colo.phases import (INITIAL, PLANS, RECOVERY, TRANSITIONS, IllegalTransition, Phase, PhaseMachine,
+from colo.core.phases import (INITIAL, PLANS, RECOVERY, TRANSITIONS, IllegalTransition, Phase, PhaseMachine,
                          is_legal, mermaid, trigger_for, validate_plan)
 
 P = Phase
@@ -102,4 +102,4 @@ def test_readme_diagram_is_generated_from_the_table():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S)
     assert block, "README.md has no mermaid block"
-    assert block.group(1) == mermaid(), "README diagram is stale: run `python -m colo.readme`"
+    assert block.group(1) == mermaid(), "README diagram is stale: run `python -m tools.readme`"

@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-PURE = ["colo.phases", "colo.invariants", "colo.buckets", "colo.memory", "colo.schema", "colo.config"]
+PURE = ["colo.core.phases", "colo.core.invariants", "colo.core.buckets", "colo.core.memory", "colo.core.schema", "colo.core.config"]
 FORBIDDEN = ["torch", "torch.cuda", "anyio", "torch_memory_saver", "structlog"]
 
 

@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colo.cli import main
-from colo.config import SchedulerConfig
-from colo.memory import MemoryLedger, OutOfMemory
-from colo.replay import BadTrace, load_trace, replay
+from colo.core.config import SchedulerConfig
+from colo.core.memory import MemoryLedger, OutOfMemory
+from colo.offline.replay import BadTrace, load_trace, replay
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter, read_trace
-from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+from colo.trace.writer import TraceWriter, read_trace
+from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 
 
 async def record(path, *, plan="offload-first", cycles=2, total=10_000, bucket=50, rank=0,
@@ -415,8 +415,8 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2, 10**30) | st.fl
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 async def test_any_field_set_to_any_json_value_is_bad_input_or_a_verdict(data, tmp_path_factory):
-    from colo.export import export
-    from colo.tune import TuneError, tune
+    from colo.offline.export import export
+    from colo.offline.tune import TuneError, tune
 
     tmp = tmp_path_factory.mktemp("f")
     events = read_trace(await record(tmp / "ok.jsonl", cycles=1))
@@ -442,7 +442,7 @@ async def test_any_field_set_to_any_json_value_is_bad_input_or_a_verdict(data, t
 
 
 def test_replay_export_tune_and_summary_import_no_torch_anyio_or_structlog():
-    modules = ["colo.replay", "colo.summary", "colo.export", "colo.tune"]
+    modules = ["colo.offline.replay", "colo.offline.summary", "colo.offline.export", "colo.offline.tune"]
     forbidden = ["torch", "anyio", "structlog", "torch_memory_saver"]
     code = (f"import sys; import {', '.join(modules)}; "
             f"print(','.join(m for m in {forbidden!r} if m in sys.modules))")

@@ -1,13 +1,13 @@
 import anyio
 import pytest
 
-from colo.config import SchedulerConfig
-from colo.invariants import InvariantChecker, InvariantViolation
-from colo.memory import MemoryLedger, OutOfMemory
-from colo.phases import PLANS, IllegalTransition, Phase
+from colo.core.config import SchedulerConfig
+from colo.core.invariants import InvariantChecker, InvariantViolation
+from colo.core.memory import MemoryLedger, OutOfMemory
+from colo.core.phases import PLANS, IllegalTransition, Phase
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter, read_trace
-from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+from colo.trace.writer import TraceWriter, read_trace
+from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 
 INNER = {
     "rollout": ["rollout.finished"],

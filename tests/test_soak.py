@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from colo.demo import DemoConfig, run
-from colo.trace import read_trace
+from colo.apps.demo import DemoConfig, run
+from colo.trace.writer import read_trace
 
 pytestmark = pytest.mark.slow
 

@@ -10,19 +10,19 @@ import anyio
 import pytest
 import torch
 
-from colo.buckets import plan_buckets
-from colo.demo import DemoConfig, run
+from colo.core.buckets import plan_buckets
+from colo.apps.demo import DemoConfig, run
 from colo.engine.client import EngineClient, EngineError
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.handles import leftover_segments
-from colo.interfaces import SyncContext
-from colo.invariants import InvariantChecker
-from colo.memory import MemoryLedger
+from colo.core.interfaces import SyncContext
+from colo.core.invariants import InvariantChecker
+from colo.core.memory import MemoryLedger
 from colo.models import build_trainer_model, demo_config
-from colo.phases import Phase
+from colo.core.phases import Phase
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter, read_trace
+from colo.trace.writer import TraceWriter, read_trace
 from colo.transports import REGISTRY, get_strategy, make_transport
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
@@ -314,7 +314,7 @@ def test_requests_round_trip_as_json_and_bad_ones_name_the_field():
 # -- a failure mid-sync, then recovery --------------------------------------------
 
 async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_weights(small_engine, tmp_path):
-    from colo.config import SchedulerConfig
+    from colo.core.config import SchedulerConfig
     from tests.test_transports_disk import Trainer as FlakyTrainer
 
     client, config = small_engine

@@ -11,16 +11,16 @@ import textwrap
 import pytest
 import torch
 
-from colo.config import SchedulerConfig
+from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineClient
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.handles import leftover_segments
-from colo.memory import MemoryLedger
+from colo.core.memory import MemoryLedger
 from colo.models import build_trainer_model, demo_config
-from colo.phases import Phase
+from colo.core.phases import Phase
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter, read_trace
+from colo.trace.writer import TraceWriter, read_trace
 from colo.transports.base import RequestError, TensorMeta
 from colo.transports.disk import (DiskInitInfo, DiskReceiver, DiskRequest, DiskTransport, IncompleteCheckpoint,
                                   latest_checkpoint, list_checkpoints, load_checkpoint, remove_incomplete,
@@ -125,7 +125,7 @@ KILLED_WRITER = textwrap.dedent("""
     import anyio, torch
     import colo.transports.disk as disk
     from colo.extractors.plain import PlainExtractor
-    from colo.interfaces import SyncContext
+    from colo.core.interfaces import SyncContext
 
     root = sys.argv[1]
     real_write = disk.write_durable
@@ -199,7 +199,7 @@ def test_a_writer_killed_mid_shard_leaves_only_an_incomplete_hidden_directory(tm
 def test_keep_retires_old_checkpoints_out_of_the_step_namespace(tmp_path):
     import anyio
 
-    from colo.interfaces import SyncContext
+    from colo.core.interfaces import SyncContext
 
     class Engine:
         async def preflight(self, specs): pass

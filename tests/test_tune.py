@@ -7,13 +7,13 @@ import json
 import pytest
 
 from colo.cli import main
-from colo.config import SchedulerConfig
-from colo.memory import GiB, MiB, MemoryLedger, OutOfMemory
-from colo.replay import LoadedTrace, check_trace, load_trace
+from colo.core.config import SchedulerConfig
+from colo.core.memory import GiB, MiB, MemoryLedger, OutOfMemory
+from colo.offline.replay import LoadedTrace, check_trace, load_trace
 from colo.scheduler import Scheduler
-from colo.trace import TraceWriter
-from colo.tune import WhatIf, synthesize, tune, what_if
-from tests.fakes import FakeEngine, FakeTrainer, FakeTransport
+from colo.trace.writer import TraceWriter
+from colo.offline.tune import WhatIf, synthesize, tune, what_if
+from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 
 T = 2000
 W_ENGINE, CG, W_TRAINER, OPT = 100, 20, 100, 200
@@ -166,7 +166,7 @@ def test_what_if_trace_is_one_the_checker_accepts(plan):
     events = synthesize(WhatIf(gpu_gib=80, model_gib=16, plan=plan))
     result = check_trace(LoadedTrace("w", events, list(range(1, len(events) + 1))))
     assert result.findings == []
-    assert [p for p, _ in result.phases] == [p.value for p in __import__("colo.phases").phases.PLANS[plan]]
+    assert [p for p, _ in result.phases] == [p.value for p in __import__("colo.core.phases", fromlist=["PLANS"]).PLANS[plan]]
 
 
 async def test_what_if_agrees_with_a_recorded_trace_of_the_same_sizes(tmp_path):

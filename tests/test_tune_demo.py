@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from colo.cli import main
-from colo.demo import DemoConfig, run
-from colo.memory import OutOfMemory
+from colo.apps.demo import DemoConfig, run
+from colo.core.memory import OutOfMemory
 
 #: recorded by ``colo demo --trace traces/cpu-demo.jsonl`` (defaults); if the demo's
 #: memory changes, re-record it and this test tunes from the new one

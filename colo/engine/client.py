@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import anyio
 
 from colo.channel import AsyncChannel, ChannelError, new_key
-from colo.interfaces import RolloutResult, TensorSpec
+from colo.core.interfaces import RolloutResult, TensorSpec
 
 
 class EngineError(RuntimeError):

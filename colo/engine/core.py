@@ -17,7 +17,7 @@ import torch
 
 from colo.engine.model import (DTypeLike, EngineModel, EngineStateError, WeightMismatch,  # noqa: F401
                                dtype_name)
-from colo.interfaces import TensorSpec
+from colo.core.interfaces import TensorSpec
 
 TAGS = ("weights", "kv_cache", "cuda_graph")
 

@@ -26,8 +26,8 @@ from typing import Any, Union
 import torch
 import torch.nn.functional as F
 
-from colo.buckets import itemsize, numel, spec
-from colo.interfaces import TensorSpec
+from colo.core.buckets import itemsize, numel, spec
+from colo.core.interfaces import TensorSpec
 
 
 class WeightMismatch(ValueError):

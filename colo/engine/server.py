@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from colo.buckets import ITEMSIZE, itemsize, numel
+from colo.core.buckets import ITEMSIZE, itemsize, numel
 from colo.channel import ChannelError, recv_frame, send_frame, server_handshake
-from colo.interfaces import TensorSpec
+from colo.core.interfaces import TensorSpec
 
 _LOG: Any = None  # a file opened by serve() when the client asked for one
 

@@ -4,7 +4,7 @@ One file per source: ``plain`` (an unsharded module or a name -> tensor
 mapping), ``fsdp`` (FSDP2 ``fully_shard``: DTensor ``full_tensor()``),
 ``megatron`` (tensor-parallel shards in Megatron layout, pipeline and expert
 parameters broadcast from their owner, Megatron names made HF). Each follows
-``colo.interfaces.WeightExtractor``.
+``colo.core.interfaces.WeightExtractor``.
 """
 
 from colo.extractors.fsdp import FSDPExtractor

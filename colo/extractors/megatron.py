@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colo.buckets import spec
+from colo.core.buckets import spec
 from colo.extractors.plain import (DTypeLike, UnknownTensor, check_against_spec, check_request, dtype_name,
                                    engine_dtype_of, resolve_dtype, to_engine)
-from colo.interfaces import TensorSpec
+from colo.core.interfaces import TensorSpec
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from colo.buckets import spec
-from colo.interfaces import TensorSpec
+from colo.core.buckets import spec
+from colo.core.interfaces import TensorSpec
 
 DTypeLike = torch.dtype | str | None
 

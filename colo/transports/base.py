@@ -32,8 +32,8 @@ import anyio
 import anyio.to_thread
 import torch
 
-from colo.buckets import ITEMSIZE, Bucket, itemsize, numel, plan_buckets
-from colo.interfaces import SyncContext, SyncResult
+from colo.core.buckets import ITEMSIZE, Bucket, itemsize, numel, plan_buckets
+from colo.core.interfaces import SyncContext, SyncResult
 
 
 class RequestError(ValueError):

@@ -31,8 +31,8 @@ import anyio
 import anyio.to_thread
 import torch
 
-from colo.buckets import Bucket
-from colo.interfaces import SyncContext
+from colo.core.buckets import Bucket
+from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors,
                                   raise_first_real, views)
 

@@ -40,8 +40,8 @@ import anyio
 import anyio.to_thread
 import torch
 
-from colo.buckets import Bucket, itemsize, numel
-from colo.interfaces import SyncContext
+from colo.core.buckets import Bucket, itemsize, numel
+from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
 
 FORMAT = "colo.checkpoint/1"

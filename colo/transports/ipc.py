@@ -29,9 +29,9 @@ from typing import Any
 import anyio.to_thread
 import torch
 
-from colo.buckets import Bucket
+from colo.core.buckets import Bucket
 from colo.handles import ShmSegment, open_handle
-from colo.interfaces import SyncContext
+from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta, views
 
 

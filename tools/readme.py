@@ -1,10 +1,10 @@
-"""Regenerate the README's phase diagram from the table: ``python -m colo.readme``."""
+"""Regenerate the README's phase diagram from the table: ``python -m tools.readme``."""
 
 import re
 import sys
 from pathlib import Path
 
-from colo.phases import mermaid
+from colo.core.phases import mermaid
 
 
 def main(path: str = "README.md") -> int:

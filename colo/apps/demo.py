@@ -28,15 +28,15 @@ import anyio
 import torch
 
 from colo.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, PLANS, TRANSPORTS, UsageError
-from colo.config import SchedulerConfig
+from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.handles import leftover_segments
-from colo.invariants import InvariantViolation
-from colo.memory import GiB, MiB, MemoryLedger, fmt_bytes
-from colo.phases import IllegalTransition, Phase
+from colo.core.invariants import InvariantViolation
+from colo.core.memory import GiB, MiB, MemoryLedger, fmt_bytes
+from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
-from colo.summary import PhaseSummary
-from colo.trace import TraceWriter
+from colo.offline.summary import PhaseSummary
+from colo.trace.writer import TraceWriter
 
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
@@ -91,7 +91,7 @@ class DemoConfig:
     batch: int = 32
     prompt_len: int = 8
     new_tokens: int = 24
-    #: ``KIND@PHASE`` (see :mod:`colo.faults`): fail that phase once, then recover
+    #: ``KIND@PHASE`` (see :mod:`colo.testing.faults`): fail that phase once, then recover
     fault: str | None = None
     #: the faulted phase's deadline for a ``deadline`` fault
     fault_deadline_s: float = 30.0
@@ -125,7 +125,7 @@ class DemoConfig:
             self.parsed_fault()  # raises ValueError naming the kinds and phases allowed
 
     def parsed_fault(self) -> Any:
-        from colo.faults import Fault
+        from colo.testing.faults import Fault
 
         if self.fault is None:
             return None
@@ -285,7 +285,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True,
 
     from colo.engine.client import EngineClient
     from colo.engine.model import expected_digest
-    from colo.faults import FaultInjector
+    from colo.testing.faults import FaultInjector
     from colo.models import demo_config
     from colo.transports import make_transport
 

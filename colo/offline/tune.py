@@ -37,11 +37,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from colo.memory import GiB, MiB, fmt_bytes
-from colo.phases import PLANS, Phase
-from colo.replay import BadTrace, LoadedTrace, load_trace
-from colo.schema import BUCKET_STAGES, SCHEMA
-from colo.summary import START
+from colo.core.memory import GiB, MiB, fmt_bytes
+from colo.core.phases import PLANS, Phase
+from colo.offline.replay import BadTrace, LoadedTrace, load_trace
+from colo.core.schema import BUCKET_STAGES, SCHEMA
+from colo.offline.summary import START
 
 KV = "engine.kv_cache"
 WEIGHTS = "engine.weights"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from colo.phases import Phase, is_legal, parse_phase
-from colo.schema import BUCKET_STAGES
+from colo.core.phases import Phase, is_legal, parse_phase
+from colo.core.schema import BUCKET_STAGES
 
 _STAGE_INDEX = {s: i for i, s in enumerate(BUCKET_STAGES)}
 

@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import structlog
 
-from colo.schema import BUCKET_STAGES, EVENTS, SCHEMA  # noqa: F401 (re-exported)
+from colo.core.schema import BUCKET_STAGES, EVENTS, SCHEMA  # noqa: F401 (re-exported)
 
 Listener = Callable[[dict], None]
 

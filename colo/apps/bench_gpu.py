@@ -26,8 +26,8 @@ from typing import Any
 import anyio
 import torch
 
-from colo.interfaces import SyncContext
-from colo.memory import GiB, LedgerStaging, MiB, MemoryLedger
+from colo.core.interfaces import SyncContext
+from colo.core.memory import GiB, LedgerStaging, MiB, MemoryLedger
 
 QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
@@ -223,7 +223,7 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
         / (2 * bucket_mib * MiB + 64 * MiB),
     }
     return {
-        "kind": "colo.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "kind": "colo.apps.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "device_total_bytes": total, "torch": torch.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "model": {"shapes": "Qwen2-7B" + ("" if layers is None else f" ({layers} layers)"), **shapes,

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import anyio
 
-from colo.buckets import plan_buckets, spec
-from colo.interfaces import RolloutResult, SyncContext, SyncResult, TensorSpec
-from colo.schema import BUCKET_STAGES
+from colo.core.buckets import plan_buckets, spec
+from colo.core.interfaces import RolloutResult, SyncContext, SyncResult, TensorSpec
+from colo.core.schema import BUCKET_STAGES
 
 
 class FakeTrainer:

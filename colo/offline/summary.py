@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from colo.memory import fmt_bytes
-from colo.phases import Phase
+from colo.core.memory import fmt_bytes
+from colo.core.phases import Phase
 
 #: the label of memory seen before the first phase (the engine's start-up)
 START = "start"

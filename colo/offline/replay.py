@@ -1,6 +1,6 @@
 """``colo replay``: re-run recorded traces through the phase table and invariants 1-6.
 
-The checker is the one the scheduler runs live (:class:`colo.invariants.InvariantChecker`),
+The checker is the one the scheduler runs live (:class:`colo.core.invariants.InvariantChecker`),
 so a trace that replays clean is one the scheduler would have accepted event by
 event. Reading is forgiving in exactly one way: a run that crashed mid-write
 leaves its last line cut, and that line is dropped with a warning. Everything
@@ -17,10 +17,10 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from colo.invariants import InvariantChecker
-from colo.phases import Phase
-from colo.schema import EVENTS, SCHEMA
-from colo.summary import PhaseSummary
+from colo.core.invariants import InvariantChecker
+from colo.core.phases import Phase
+from colo.core.schema import EVENTS, SCHEMA
+from colo.offline.summary import PhaseSummary
 
 EXIT_OK, EXIT_FAILED = 0, 1
 

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from colo.replay import BadTrace, LoadedTrace, load_trace
+from colo.offline.replay import BadTrace, LoadedTrace, load_trace
 
 PHASE_TID = 1
 LANE_TID0 = 10  # sync lane k is thread LANE_TID0 + k

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from colo.phases import PLANS, Phase, parse_phase
+from colo.core.phases import PLANS, Phase, parse_phase
 
 MiB = 1 << 20
 

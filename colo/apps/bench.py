@@ -14,7 +14,7 @@ and a fsynced file write, the ceilings the CPU transports run into.
 
 Pluggable: :data:`MODELS` (``BenchModel``) and :data:`CASES` (``Case``: a
 label, a registered transport, its options) are plain tables; :func:`bench`
-takes any of them. ``--device cuda`` runs ``colo.bench_gpu`` (issue 7's
+takes any of them. ``--device cuda`` runs ``colo.apps.bench_gpu`` (issue 7's
 benchmark) where that module exists.
 """
 
@@ -38,7 +38,7 @@ import torch
 
 from colo.transports.disk import write_durable
 from colo.cli import EXIT_FAILED, EXIT_OK, UsageError
-from colo.interfaces import SyncContext
+from colo.core.interfaces import SyncContext
 
 MiB = 1 << 20
 
@@ -275,7 +275,7 @@ def machine_info() -> dict:
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
                 progress: Any = None) -> dict:
     limits = measure_limits()
-    return {"kind": "colo.bench/cpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    return {"kind": "colo.apps.bench/cpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": device, "machine": machine_info(), "limits": limits,
             "models": [await bench_model(m, cases, device=device, progress=progress) for m in models]}
 
@@ -314,9 +314,9 @@ def _choose(args: Any) -> tuple[list[BenchModel], list[Case]]:
 def run_bench(args: Any) -> int:
     if args.device == "cuda":
         try:
-            from colo.bench_gpu import run_bench_gpu
+            from colo.apps.bench_gpu import run_bench_gpu
         except ModuleNotFoundError:
-            print("colo bench --device cuda: not implemented in this build (no colo.bench_gpu)", file=sys.stderr)
+            print("colo bench --device cuda: not implemented in this build (no colo.apps.bench_gpu)", file=sys.stderr)
             return EXIT_FAILED
         return run_bench_gpu(args.out)
     models, cases = _choose(args)

@@ -16,7 +16,7 @@ named phase really fails the way it would in production:
 - ``oom`` — something else takes every free byte of the device as the phase
   starts (the ledger's resident R grows, as a fragmented allocator cache or a
   neighbour process would make it), so the phase's first allocation raises
-  :class:`~colo.memory.OutOfMemory`; the bytes come back once the failure is
+  :class:`~colo.core.memory.OutOfMemory`; the bytes come back once the failure is
   recorded.
 - ``cancel`` — the scheduler's task scope is cancelled from inside the phase.
 
@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from colo.phases import Phase
+from colo.core.phases import Phase
 
 KINDS = ("kill-engine", "raise", "deadline", "oom", "cancel")
 

@@ -3,7 +3,7 @@
 They follow the seed's split: the trainer side owns extraction (``WeightExtractor``)
 and the sending half of a transfer strategy; the engine side owns receiving and
 loading; a ``Transport`` (the strategy's trainer-side half) moves one sync.
-Tests swap in fakes; ``colo.demo`` and the transports provide the real ones.
+Tests swap in fakes; ``colo.apps.demo`` and the transports provide the real ones.
 Nothing here imports torch: metadata is plain data.
 """
 

@@ -1,0 +1,1 @@
+"""Demo and benchmark applications built on the library (``colo demo``, ``colo bench``)."""

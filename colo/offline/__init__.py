@@ -1,0 +1,1 @@
+"""Offline tools over recorded traces: replay, tune, export, the phase summary."""

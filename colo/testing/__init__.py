@@ -1,0 +1,1 @@
+"""Test support: fakes for scheduler unit tests and fault injection for real runs."""
