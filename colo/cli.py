@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive(int), default=8)
     d.add_argument("--plan", choices=PLANS, default="offload-first")
     d.add_argument("--transport", choices=TRANSPORTS, default="packed")
+    d.add_argument("--trainer", default="hf", help="hf (transformers), megatron (megatron-core), fsdp (FSDP2)")
     d.add_argument("--bucket-mib", type=_positive(float), default=1.0)
     d.add_argument("--mem-fraction-static", type=_fraction, default=0.8)
     d.add_argument("--device-mem-gib", type=_positive(float), default=None,

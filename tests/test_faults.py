@@ -29,7 +29,7 @@ from colo.core.phases import IllegalTransition, Phase
 from colo.offline.replay import replay
 from colo.scheduler import Scheduler
 from colo.trace.writer import TraceWriter, read_trace
-from colo.trainer import ReferenceTrainer
+from colo.trainers.hf import ReferenceTrainer
 from colo.transports import make_transport
 
 CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

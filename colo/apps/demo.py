@@ -78,6 +78,7 @@ class DemoConfig:
     steps: int = 8
     plan: str = "offload-first"
     transport: str = "packed"
+    trainer: str = "hf"
     bucket_mib: float = 1.0
     mem_fraction_static: float = 0.8
     device_mem_gib: float | None = None
@@ -103,6 +104,10 @@ class DemoConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
+        from colo.trainers import BUILDERS
+
+        if self.trainer not in BUILDERS:
+            raise ValueError(f"trainer must be one of {', '.join(BUILDERS)}, got {self.trainer!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         for name in ("steps", "batch", "prompt_len", "new_tokens"):
@@ -192,23 +197,10 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
 
 
 def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
-    """The reference trainer; on a GPU its weights and AdamW state live in memory-saver
-    regions with a pinned host backup, so offload and onload are real pauses."""
-    from colo.models import build_trainer_model
-    from colo.trainer import ReferenceTrainer
+    from colo.trainers import build
 
-    if cfg.device == "cpu":
-        model = build_trainer_model(model_config, cfg.seed)
-        return ReferenceTrainer(model, engine_dtype=cfg.engine_dtype), None
-    from colo.cuda_memory import Saver, TrainerMemory
-
-    saver = Saver()
-    with saver.region("trainer.weights", cpu_backup=True):
-        model = build_trainer_model(model_config, cfg.seed).to("cuda")
-    trainer = ReferenceTrainer(model, engine_dtype=cfg.engine_dtype, memory_backend=TrainerMemory(saver))
-    with saver.region("trainer.optimizer", cpu_backup=True):
-        trainer.init_optimizer_state()
-    return trainer, saver
+    return build(cfg.trainer, model_config=model_config, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
+                 device=cfg.device)
 
 
 def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
@@ -347,7 +339,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True,
                                                   cfg.engine_dtype, cfg.seed),
                 run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
                             "mem_fraction_static": cfg.mem_fraction_static,
-                            "model": {"params": sum(p.numel() for p in trainer.model.parameters()),
+                            "model": {"params": trainer.num_params(),
                                       "engine_dtype": cfg.engine_dtype}})
             if injector:
                 injector.attach(sched)
@@ -465,7 +457,7 @@ def _failed_phase(out: DemoOutcome) -> str:
 
 def config_from_args(args: Any) -> DemoConfig:
     try:
-        return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport,
+        return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport, trainer=getattr(args, "trainer", "hf"),
                           bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
                           fault=args.fault, engine_visible_devices=args.engine_visible_devices)

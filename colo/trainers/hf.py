@@ -118,6 +118,9 @@ class ReferenceTrainer:
         return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
 
     # -- verification ----------------------------------------------------------
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
     def _paused(self) -> bool:
         return self._memory_backend is not None and not self._memory_backend.resident("weights")
 
@@ -139,3 +142,21 @@ class ReferenceTrainer:
         else:
             model, device = self.model, next(self.model.parameters()).device
         return model(torch.tensor(tokens, dtype=torch.long, device=device)).logits.float().cpu()
+
+
+def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[ReferenceTrainer, Any]:
+    """The reference trainer; on a GPU its weights and AdamW state live in memory-saver
+    regions with a pinned host backup, so offload and onload are real pauses."""
+    from colo.models import build_trainer_model
+
+    if device == "cpu":
+        return ReferenceTrainer(build_trainer_model(model_config, seed), engine_dtype=engine_dtype), None
+    from colo.cuda_memory import Saver, TrainerMemory
+
+    saver = Saver()
+    with saver.region("trainer.weights", cpu_backup=True):
+        model = build_trainer_model(model_config, seed).to("cuda")
+    trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver))
+    with saver.region("trainer.optimizer", cpu_backup=True):
+        trainer.init_optimizer_state()
+    return trainer, saver

@@ -1,0 +1,35 @@
+"""Trainers the demo can drive, chosen by name (``colo demo --trainer``).
+
+Every trainer is a :class:`~colo.core.interfaces.TrainerSide` and also offers
+what the demo verifies a sync against:
+
+- ``hf_state()`` — every parameter as one full tensor under its Hugging Face
+  name (sharding undone), the reference the engine's digest must equal;
+- ``logits(tokens)`` — full-vocabulary logits on the CPU for the probe batch;
+- ``steps`` — optimizer steps taken;
+- ``num_params()`` — parameters in the full model.
+
+``build(kind, ...)`` returns ``(trainer, saver)``; ``saver`` is the memory
+saver holding the trainer's regions on a GPU, or ``None``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: name -> "module:function"; a trainer's module (and its framework) is
+#: imported only when chosen: megatron-core is an optional extra.
+BUILDERS = {
+    "hf": "colo.trainers.hf:build",
+}
+
+
+def build(kind: str, *, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[Any, Any]:
+    try:
+        target = BUILDERS[kind]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown trainer {kind!r}; expected one of {', '.join(BUILDERS)}") from None
+    module, fn = target.split(":")
+    return getattr(importlib.import_module(module), fn)(
+        model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device)
