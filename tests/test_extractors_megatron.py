@@ -27,11 +27,11 @@ def hf_reference(experts: int = 0) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in TinyLlama(SEED, experts=experts).named_parameters()}
 
 
-def _param(t: torch.Tensor, tp: bool = False, dim: int = -1) -> nn.Parameter:
+def _param(t: torch.Tensor, tp: bool = False, dim: int = -1, stride: int = 1) -> nn.Parameter:
     p = nn.Parameter(t.clone())
     p.tensor_model_parallel = tp
     p.partition_dim = dim
-    p.partition_stride = 1
+    p.partition_stride = stride
     return p
 
 
@@ -43,8 +43,9 @@ def _row(t: torch.Tensor, rank: int, size: int) -> nn.Parameter:
     return _param(t.chunk(size, dim=1)[rank], True, 1)
 
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int) -> nn.Parameter:
-    return _param(torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]]), True, 0)
+def _glu(gate: torch.Tensor, up: torch.Tensor, rank: int, size: int, stride: int = 2) -> nn.Parameter:
+    # megatron-core >= 0.16 marks a gated linear_fc1 with partition_stride 2 (earlier: 1, same layout)
+    return _param(torch.cat([gate.chunk(size)[rank], up.chunk(size)[rank]]), True, 0, stride)
 
 
 def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -235,11 +236,29 @@ def test_two_parameters_that_become_the_same_hf_name_are_refused():
                            ("decoder.layers.0.pre_mlp_layernorm.weight", _param(torch.ones(2)))])
 
 
-def test_partition_stride_other_than_one_is_refused():
-    p = _param(torch.ones(4, 2), True, 0)
-    p.partition_stride = 2
-    with pytest.raises(ValueError, match=r"'output_layer\.weight' has partition_stride 2; only 1 is supported"):
-        MegatronExtractor([("output_layer.weight", p)])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_glu_weight_with_stride_one_or_two_is_split_into_gate_and_up(stride):
+    # 2: megatron-core >= 0.16 (MLP.__init__ passes stride=2 for a gated linear_fc1); 1: before 0.16
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    ex = MegatronExtractor([("decoder.layers.0.mlp.linear_fc1.weight", _glu(gate, up, 0, 1, stride))])
+    got = dict(ex.extract([s.name for s in ex.specs()]))
+    assert sorted(got) == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+    assert_bit_equal(got["model.layers.0.mlp.gate_proj.weight"], gate)
+    assert_bit_equal(got["model.layers.0.mlp.up_proj.weight"], up)
+
+
+def test_every_parameter_that_cannot_be_mapped_is_named_in_one_error():
+    odd_glu = _glu(torch.ones(2, 2), torch.ones(2, 2), 0, 1, stride=3)
+    strided_head = _param(torch.ones(4, 2), True, 0, stride=2)
+    with pytest.raises(ValueError) as e:
+        MegatronExtractor([("decoder.layers.0.mlp.linear_fc1.weight", odd_glu), ("output_layer.weight", strided_head),
+                           ("decoder.layers.0.mystery.weight", _param(torch.ones(2))),
+                           ("decoder.layers.1.other.bias", _param(torch.ones(2)))])
+    assert str(e.value) == (
+        "megatron extractor: no name rule matches parameter(s) ['decoder.layers.0.mystery.weight', "
+        "'decoder.layers.1.other.bias']; add a NameRule for them; cannot reassemble parameter(s) with this "
+        "tensor-parallel layout: ['decoder.layers.0.mlp.linear_fc1.weight (partition_stride 3, expected 1 or 2)', "
+        "'output_layer.weight (partition_stride 2, expected 1)']")
 
 
 def test_an_odd_glu_weight_is_refused():

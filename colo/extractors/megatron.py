@@ -248,7 +248,8 @@ class MegatronExtractor:
         self._sources: dict[str, _Source] = {}
         self._by_target: dict[str, str] = {}
         self._specs: dict[str, TensorSpec] = {}
-        unmatched = []
+        unmatched: list[str] = []
+        strided: list[str] = []
         for name, by_rank in held.items():
             rule, match = _match(self.rules, name)
             if rule is None:
@@ -260,6 +261,10 @@ class MegatronExtractor:
                 raise ValueError(f"{who}: ranks disagree about {name!r} (shape, dtype or parallel attributes "
                                  f"differ): {detail}")
             meta = metas.pop()
+            if meta.partition_stride not in _strides(rule):
+                want = " or ".join(map(str, _strides(rule)))
+                strided.append(f"{name} (partition_stride {meta.partition_stride}, expected {want})")
+                continue
             src = _Source(name, rule, tuple(match.expand(t) for t in rule.targets), meta,
                           local=self.rank in by_rank)
             self._route(src, set(by_rank), ranks, axes_of)
@@ -269,8 +274,14 @@ class MegatronExtractor:
                 self._by_target[target] = name
                 self._specs[target] = spec(target, shape, dtype_name(self._engine_dtype(meta)))
             self._sources[name] = src
+        problems = []
         if unmatched:
-            raise ValueError(f"{who}: no name rule matches parameter(s) {unmatched}; add a NameRule for them")
+            problems.append(f"no name rule matches parameter(s) {unmatched}; add a NameRule for them")
+        if strided:
+            problems.append(f"cannot reassemble parameter(s) with this tensor-parallel layout: {strided}")
+        if problems:
+            # one error naming every parameter that cannot be mapped, not the first
+            raise ValueError(f"{who}: " + "; ".join(problems))
 
     def _route(self, src: _Source, holders: set[int], ranks: list[int], axes_of: dict) -> None:
         """Decide this rank's broadcasts and gather for ``src``, from metadata every rank shares."""
@@ -293,8 +304,6 @@ class MegatronExtractor:
         if missing:
             raise ValueError(f"{who}: {name!r} (held by ranks {sorted(holders)}) cannot reach rank(s) {missing} "
                              f"through their pipeline{'/expert' if src.rule.expert else ''} groups")
-        if meta.partition_stride != 1:
-            raise ValueError(f"{who}: {name!r} has partition_stride {meta.partition_stride}; only 1 is supported")
         tp_axis = "etp" if src.rule.expert else "tp"
         size = len(axes_of[self.rank][tp_axis])
         if meta.tp and size > 1:
@@ -439,6 +448,23 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.itemsize == 1 and t.dtype != torch.uint8:
         return t.view(torch.uint8)
     return t
+
+
+def _strides(rule: NameRule) -> tuple[int, ...]:
+    """The ``partition_stride`` values whose shards ``_convert`` reassembles correctly.
+
+    A stride s means the full tensor is s blocks along ``partition_dim``, each
+    split over the tensor-parallel ranks; rank r holds ``[block_0[r]; ...;
+    block_{s-1}[r]]`` (megatron-core's ``_initialize_affine_weight_cpu`` and its
+    ``resharding/planner.py``). megatron-core >= 0.16 gives a gated
+    ``linear_fc1`` (weight and bias) stride 2 (``transformer/mlp.py``,
+    ``MLP.__init__``): exactly the ``[gate_i; up_i]`` shard the GLU split
+    re-interleaves. Before 0.16 (and with ``use_kitchen``) the same shard carried
+    stride 1: Megatron's forward chunks the local output into gate and up either
+    way, so the layout is the same. Nothing else in megatron-core 0.16 sets a
+    stride other than 1.
+    """
+    return (1, 2) if rule.split == "glu" else (1,)
 
 
 def _match(rules: Sequence[NameRule], name: str) -> tuple[NameRule | None, re.Match | None]:
