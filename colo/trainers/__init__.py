@@ -22,6 +22,7 @@ from typing import Any
 #: imported only when chosen: megatron-core is an optional extra.
 BUILDERS = {
     "hf": "colo.trainers.hf:build",
+    "megatron": "colo.trainers.megatron:build",
 }
 
 

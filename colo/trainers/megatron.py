@@ -1,0 +1,525 @@
+"""A trainer backed by a real megatron-core ``GPTModel`` in the Qwen2 layout, one rank (TP=1, PP=1).
+
+The model is megatron-core's own: the local layer spec
+(``get_gpt_layer_local_spec``), RMSNorm, SwiGLU (``gated_linear_unit`` with
+silu), grouped-query attention with a bias on the fused ``linear_qkv``,
+rotary positions, and an output layer of its own unless the config ties it.
+The REINFORCE loss is computed from ``GPTModel.forward``; the step is the
+reference trainer's (:class:`colo.trainers.hf.ReferenceTrainer`): same
+advantage, same AdamW, same learning rate and gradient clip.
+
+What leaves the trainer (``hf_state()`` for the digest, ``extractor()`` for
+the sync) goes through :class:`colo.extractors.megatron.MegatronExtractor`,
+the same code a multi-rank Megatron trainer syncs through: fused QKV split per
+query group, ``[gate; up]`` split, Hugging Face names.
+
+The weights start as the reference trainer's do for the same seed (a Hugging
+Face Qwen2 initialisation, written into the Megatron layout): ``--trainer
+megatron`` and ``--trainer hf`` begin from the same policy, and a test checks
+one step of each against the other.
+
+torch.distributed and megatron's ``parallel_state`` are set up here when nobody
+has (a one-rank group over a ``FileStore`` in a temporary directory: no port to
+race for) and torn down by :meth:`MegatronTrainer.close` — which the owner must
+call, or the process group outlives the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import tempfile
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio.to_thread
+import torch
+import torch.distributed as dist
+
+from colo.core.interfaces import RolloutResult, TensorSpec
+from colo.trainers.hf import ReinforceConfig
+
+#: What megatron marks a parameter with; a host view of a paused parameter is a
+#: fresh tensor without them, and the extractor reads them.
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+# -- process groups ---------------------------------------------------------------
+
+
+class SingleRank:
+    """torch.distributed and megatron's ``parallel_state`` for one rank, TP=1, PP=1.
+
+    Each is set up only if it is not already; :meth:`close` tears down only what
+    this object set up, so a caller that initialised them keeps them.
+    ``meta_group`` is a gloo group over this rank: the extractor exchanges its
+    metadata there (with a world on NCCL, a metadata exchange would otherwise
+    create an NCCL communicator and its device buffers for nothing).
+    """
+
+    def __init__(self, device: str, *, seed: int):
+        self.device = device
+        self.owns_dist = False
+        self.owns_parallel = False
+        self.meta_group: Any = None
+        self._tmp: str | None = None
+        self._rng_set = False
+        self._buffer_swapped = False
+        self._prev_buffer: Any = None
+        self._closed = False
+        try:
+            self._start(seed)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, seed: int) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import random as mrandom
+
+        cuda = self.device == "cuda"
+        if not dist.is_initialized():
+            self._tmp = tempfile.mkdtemp(prefix="colo-megatron-")
+            store = dist.FileStore(os.path.join(self._tmp, "store"), 1)
+            dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
+            self.owns_dist = True
+        elif dist.get_world_size() != 1:
+            raise RuntimeError(f"megatron trainer: runs as one rank (TP=1, PP=1), but torch.distributed is "
+                               f"initialised with {dist.get_world_size()} ranks")
+        self.meta_group = dist.new_group([dist.get_rank()], backend="gloo")
+
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+            self.owns_parallel = True
+        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (1, 1):
+            raise RuntimeError("megatron trainer: parallel_state is initialised with TP or PP > 1; "
+                               "this trainer is one rank with TP=1, PP=1")
+
+        self._rng_set = True
+        if cuda:
+            # Megatron's GPU init and its attention (for dropout, on every
+            # forward) fork the CUDA RNG tracker's model-parallel state: seed it.
+            mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+        else:
+            # CPU workaround: the tracker forks *CUDA* RNG states. Dropout is 0
+            # here and the CPU init (use_cpu_initialization) draws from the CPU
+            # generator, so the inference tracker, whose fork does nothing, is exact.
+            mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+            # CPU workaround: DotProductAttention takes its score buffer from the
+            # global memory buffer, which allocates on the current CUDA device.
+            # (It is baddbmm's input with beta=0: its contents are never read.)
+            self._prev_buffer = ps._GLOBAL_MEMORY_BUFFER
+            ps._GLOBAL_MEMORY_BUFFER = _host_memory_buffer()
+            self._buffer_swapped = True
+
+    def close(self) -> None:
+        """Idempotent; safe after a failed start."""
+        if self._closed:
+            return
+        self._closed = True
+        from megatron.core import parallel_state as ps
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.tensor_parallel import random as mrandom
+
+        # RotaryEmbedding.forward is an lru_cache on the method: it keeps every
+        # model it has seen (and its device tensors) alive.
+        cache_clear = getattr(RotaryEmbedding.forward, "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
+        if self._rng_set:
+            mrandom.initialize_rng_tracker(force_reset=True)  # back to a fresh, unseeded tracker
+        if self.owns_parallel:
+            ps.destroy_model_parallel()  # drops the global memory buffer too
+        elif self._buffer_swapped:
+            ps._GLOBAL_MEMORY_BUFFER = self._prev_buffer
+        if dist.is_initialized():
+            if self.owns_dist:
+                dist.destroy_process_group()  # the world and every group in it
+            elif self.meta_group is not None:
+                dist.destroy_process_group(self.meta_group)
+        self.meta_group = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+
+def _host_memory_buffer() -> Any:
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    class HostMemoryBuffer(GlobalMemoryBuffer):
+        """megatron's GlobalMemoryBuffer, on the CPU (CPU workaround, see SingleRank)."""
+
+        def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+            n = math.prod(tensor_shape)
+            buf = self.buffer.get((name, dtype))
+            if buf is None or buf.numel() < n:
+                buf = self.buffer[(name, dtype)] = torch.empty(n, dtype=dtype, requires_grad=False)
+            return buf[:n].view(*tensor_shape)
+
+    return HostMemoryBuffer()
+
+
+# -- the model --------------------------------------------------------------------
+
+
+def qwen2_dims(hf_config: Any) -> dict[str, Any]:
+    """The numbers of a ``Qwen2Config`` megatron needs; refuses what the model here does not implement."""
+    unsupported = []
+    if getattr(hf_config, "use_sliding_window", False):
+        unsupported.append("use_sliding_window=True")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={hf_config.hidden_act!r} (only 'silu')")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        unsupported.append(f"rope_type={rope.get('rope_type')!r} (only 'default')")
+    if unsupported:
+        raise ValueError("megatron trainer does not support " + "; ".join(unsupported))
+    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % groups:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({groups})")
+    return {"heads": heads, "groups": groups,
+            "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            "rope_theta": float(theta), "tied": bool(getattr(hf_config, "tie_word_embeddings", False))}
+
+
+def build_gpt(hf_config: Any, *, device: str) -> Any:
+    """A megatron-core ``GPTModel`` shaped like ``hf_config`` (float32, megatron's own
+    random init), its parameters on ``device``. Needs ``parallel_state`` (see
+    :class:`SingleRank`)."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    d = qwen2_dims(hf_config)
+    config = TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=d["heads"],
+        num_query_groups=d["groups"], kv_channels=d["head_dim"],
+        normalization="RMSNorm", layernorm_epsilon=float(hf_config.rms_norm_eps),
+        gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=True,  # Qwen2: a bias on q, k, v only
+        hidden_dropout=0.0, attention_dropout=0.0,  # as the reference trainer (Qwen2's dropout is 0)
+        params_dtype=torch.float32,
+        # CPU workaround: without it megatron allocates parameters (and rotary
+        # frequencies) on the current CUDA device. On a GPU they are allocated
+        # there directly, inside the caller's memory-saver region.
+        use_cpu_initialization=device == "cpu",
+        # The values are overwritten from the reference initialisation right
+        # after (load_hf), but megatron's init must still run: it is what marks
+        # each weight tensor_model_parallel / partition_dim / partition_stride
+        # (linear_fc1: stride 2), which the extractor plans from.
+        perform_initialization=True,
+        # Unfused paths everywhere: the fused kernels (apex, TE, megatron's
+        # CUDA extensions) are CUDA-only and not installed on a CPU box; the
+        # unfused ones run on both devices, so CPU and GPU compute the same thing.
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+    # megatron's CPU init draws from the global generator: leave the caller's
+    # random state as it was (its GPU init draws from the RNG tracker's own states).
+    with torch.random.fork_rng(devices=[]):
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
+                         pre_process=True, post_process=True, share_embeddings_and_output_weights=d["tied"],
+                         position_embedding_type="rope", rotary_base=d["rope_theta"])
+    if device == "cpu":
+        rope = model.rotary_pos_emb
+        if rope.rotary_interleaved:
+            raise ValueError("megatron trainer: interleaved rotary embeddings are not Qwen2's")
+        # CPU workaround: RotaryEmbedding.get_emb moves its frequencies to the
+        # current CUDA device on first use. The same computation, left on the CPU:
+        rope.get_emb = types.MethodType(_host_rotary_emb, rope)
+    return model
+
+
+def _host_rotary_emb(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # [s, dim/2]
+    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, dim], non-interleaved
+
+
+def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    """HF Qwen2 tensors in the Megatron GPT layout (TP=1): the inverse of the extractor's rules.
+
+    Megatron's ``linear_qkv`` holds, per query group, that group's query heads
+    then its key head then its value head; ``linear_fc1`` holds ``[gate; up]``.
+    """
+    d = qwen2_dims(hf_config)
+    groups, hd = d["groups"], d["head_dim"]
+    per = d["heads"] // groups
+
+    def qkv(kind: str, i: int) -> torch.Tensor:
+        q, k, v = (hf[f"model.layers.{i}.self_attn.{x}_proj.{kind}"] for x in "qkv")
+        rest = q.shape[1:]
+        parts = [q.reshape(groups, per * hd, *rest), k.reshape(groups, hd, *rest), v.reshape(groups, hd, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not d["tied"]:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(hf_config.num_hidden_layers):
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = qkv("weight", i)
+        out[m + "self_attention.linear_qkv.bias"] = qkv("bias", i)
+        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+@torch.no_grad()
+def load_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Write HF Qwen2 tensors into a megatron GPTModel's parameters (in place: a memory
+    region the parameters were allocated in keeps them)."""
+    src = megatron_from_hf(hf, hf_config)
+    params = dict(model.named_parameters())
+    missing, extra = sorted(set(params) - set(src)), sorted(set(src) - set(params))
+    if missing or extra:
+        raise ValueError(f"megatron trainer: the GPTModel's parameters and the Qwen2 layout differ: "
+                         f"not written {missing}, no such parameter {extra}")
+    for name, p in params.items():
+        if tuple(p.shape) != tuple(src[name].shape):
+            raise ValueError(f"megatron trainer: {name} is {tuple(p.shape)}, the Qwen2 layout gives "
+                             f"{tuple(src[name].shape)}")
+        p.copy_(src[name])
+
+
+def _rules() -> tuple[Any, ...]:
+    from colo.extractors.megatron import LLAMA_RULES, NameRule
+
+    # The local layer spec names the pre-attention norm input_layernorm (the
+    # TE spec fuses it into linear_qkv); until the extractor's table has a rule
+    # for it, add one (first match wins, so a rule there takes precedence).
+    probe = "decoder.layers.0.input_layernorm.weight"
+    if any(re.fullmatch(r.pattern, probe) for r in LLAMA_RULES):
+        return LLAMA_RULES
+    return (*LLAMA_RULES, NameRule(r"decoder\.layers\.(\d+)\.input_layernorm\.weight",
+                                   (r"model.layers.\1.input_layernorm.weight",)))
+
+
+# -- the trainer ------------------------------------------------------------------
+
+
+class MegatronTrainer:
+    """A :class:`~colo.core.interfaces.TrainerSide` over a megatron-core GPTModel, plus
+    ``hf_state()``, ``logits()``, ``steps`` and ``num_params()`` (see :mod:`colo.trainers`).
+
+    ``runtime`` (a :class:`SingleRank`) is closed by :meth:`close`.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, hf_config: Any, runtime: SingleRank,
+                 engine_dtype: str = "bfloat16", config: ReinforceConfig | None = None,
+                 memory_backend: Any = None):
+        from colo.extractors.megatron import MegatronExtractor
+
+        self.model = model
+        self.hf_config = hf_config
+        self.runtime = runtime
+        self.config = config or ReinforceConfig()
+        self.engine_dtype = engine_dtype
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
+        self._memory_backend = memory_backend
+        d = qwen2_dims(hf_config)
+        self._extractor_args = {"attention": (d["heads"], d["groups"]), "vocab_size": hf_config.vocab_size,
+                                "group": runtime.meta_group, "rules": _rules()}
+        # Pairs, not a mapping: a Parameter is followed through optimizer steps.
+        live = list(self.model.named_parameters())
+        self._extractor = MegatronExtractor(live, dtype=getattr(torch, engine_dtype), **self._extractor_args)
+        self._hf_extractor = MegatronExtractor(live, dtype=None, **self._extractor_args)
+        self._cpu_twin: torch.nn.Module | None = None
+        self.steps = 0
+
+    # -- TrainerSide -----------------------------------------------------------
+    def tag_bytes(self) -> dict[str, int]:
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # AdamW keeps exp_avg and exp_avg_sq, each the size of the weights.
+        return {"weights": weights, "optimizer": 2 * weights}
+
+    def param_specs(self) -> Sequence[TensorSpec]:
+        return self._extractor.specs()
+
+    def extractor(self) -> Any:
+        if self._paused():
+            # offload-first on a GPU: the weights are paused, their pinned host
+            # backup is the source; shards are uploaded, then converted and split
+            # on the device (a host-side conversion would be pageable memory).
+            from colo.extractors.megatron import MegatronExtractor
+
+            device = next(self.model.parameters()).device
+            return MegatronExtractor(self._host_params(), dtype=getattr(torch, self.engine_dtype), device=device,
+                                     **self._extractor_args)
+        return self._extractor
+
+    def init_optimizer_state(self) -> None:
+        """Allocate AdamW's state now (it is lazy), so that it lands in the caller's
+        memory region (``trainer.optimizer``) rather than wherever the first step runs."""
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                state = self.opt.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    async def onload(self, tags: Sequence[str]) -> None:
+        if self._memory_backend is not None:
+            await self._memory_backend.resume("trainer", tags)
+
+    async def offload(self, tags: Sequence[str]) -> None:
+        if self._memory_backend is not None:
+            await self._memory_backend.pause("trainer", tags)
+
+    async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
+        return await anyio.to_thread.run_sync(self._reinforce, rollout.data)
+
+    def close(self) -> None:
+        """Tear down the process groups and parallel state this trainer set up. Idempotent."""
+        self._cpu_twin = None
+        self.runtime.close()
+
+    # -- the learning ----------------------------------------------------------
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``GPTModel.forward`` on ``[batch, seq]`` token ids: logits ``[batch, seq, vocab]``."""
+        b, s = tokens.shape
+        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        # Causal, given explicitly (True = masked, megatron's convention): with
+        # attention_mask=None the local spec builds the same mask, but on "cuda".
+        mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
+        return self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+
+    def _reinforce(self, data: Any) -> dict[str, float]:
+        """ReferenceTrainer's REINFORCE step (mean baseline over the batch's sequences),
+        the log-probabilities from megatron's forward."""
+        device = next(self.model.parameters()).device
+        prompts = torch.tensor(data.prompts, dtype=torch.long, device=device)
+        completions = torch.tensor(data.completions, dtype=torch.long, device=device)
+        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=device)
+        seq = torch.cat([prompts, completions], dim=1)
+        p = prompts.shape[1]
+        self.model.train()
+        logits = self.forward(seq)[:, p - 1:-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        adv = rewards - rewards.mean()
+        std = rewards.std()
+        if std > 1e-6:
+            adv = adv / std
+        loss = -(adv.unsqueeze(1) * logp).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.opt.step()
+        # The gradients are dead now: dropped here rather than at the next step's
+        # start, their memory goes back with the offload that follows.
+        self.opt.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
+
+    # -- verification ----------------------------------------------------------
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _paused(self) -> bool:
+        return self._memory_backend is not None and not self._memory_backend.resident("weights")
+
+    def _host_params(self) -> dict[str, torch.Tensor]:
+        """The pinned host backup of every (paused) parameter, with megatron's
+        parallel attributes, which the extractor plans from."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            view = self._memory_backend.saver.host_view(p)
+            for attr in _PARALLEL_ATTRS:
+                if hasattr(p, attr):
+                    setattr(view, attr, getattr(p, attr))
+            out[name] = view
+        return out
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter as one full float32 tensor under its HF name, through the
+        extractor the sync uses (so the digest compares like with like)."""
+        if self._paused():
+            # the device pages are unmapped: read the pinned host backup instead
+            from colo.extractors.megatron import MegatronExtractor
+
+            ex = MegatronExtractor(self._host_params(), dtype=None, **self._extractor_args)
+        else:
+            ex = self._hf_extractor
+        return {name: t.detach() for name, t in ex.extract([s.name for s in ex.specs()])}
+
+    @torch.no_grad()
+    def logits(self, tokens: list[list[int]]) -> torch.Tensor:
+        if self._paused():
+            # Touching the paused model would read unmapped device memory; a CPU
+            # GPTModel beside a CUDA one would need the CPU workarounds, which are
+            # process-wide. An HF Qwen2 twin fed the host backup computes the same
+            # function (a test checks the two agree).
+            if self._cpu_twin is None:
+                from transformers import Qwen2ForCausalLM
+
+                self._cpu_twin = Qwen2ForCausalLM(self.hf_config).eval()
+            state = self.hf_state()
+            missing, unexpected = self._cpu_twin.load_state_dict(state, strict=False)
+            tied = {"lm_head.weight"} if qwen2_dims(self.hf_config)["tied"] else set()
+            if set(missing) - tied or unexpected:
+                raise RuntimeError(f"megatron trainer: HF twin state mismatch: missing {missing}, "
+                                   f"unexpected {unexpected}")
+            return self._cpu_twin(torch.tensor(tokens, dtype=torch.long)).logits.float()
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        return self.forward(torch.tensor(tokens, dtype=torch.long, device=device)).float().cpu()
+
+
+def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) -> None:
+    """What the extractor reads back must be exactly what was written: the inverse
+    layout (megatron_from_hf) and the extractor's rules agree, at every build."""
+    got = trainer.hf_state()
+    if set(got) != set(hf):
+        raise RuntimeError(f"megatron trainer: the extractor gives {sorted(set(got) ^ set(hf))} "
+                           f"on one side only of the Qwen2 names")
+    bad = [n for n, t in got.items() if not torch.equal(t.cpu(), hf[n])]
+    if bad:
+        raise RuntimeError(f"megatron trainer: the extractor reads back different values for {bad}")
+
+
+def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[MegatronTrainer, Any]:
+    """The megatron-core trainer, starting from the reference trainer's initial weights for
+    ``seed``. On a GPU its weights and AdamW state live in memory-saver regions with a
+    pinned host backup, so offload and onload are real pauses. Call ``close()`` when done."""
+    from colo.models import build_trainer_model
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    qwen2_dims(model_config)  # refuse an unsupported config before any process group exists
+    # named_parameters, not state_dict: a tied lm_head is listed once, as embed_tokens
+    hf = {n: p.detach() for n, p in build_trainer_model(model_config, seed).named_parameters()}
+    runtime = SingleRank(device, seed=seed)
+    try:
+        if device == "cpu":
+            model = build_gpt(model_config, device="cpu")
+            load_hf(model, hf, model_config)
+            trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype)
+            _check_readback(trainer, hf)
+            return trainer, None
+        from colo.cuda_memory import Saver, TrainerMemory
+
+        saver = Saver()
+        with saver.region("trainer.weights", cpu_backup=True):
+            model = build_gpt(model_config, device="cuda")
+            load_hf(model, hf, model_config)
+        trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype,
+                                  memory_backend=TrainerMemory(saver))
+        with saver.region("trainer.optimizer", cpu_backup=True):
+            trainer.init_optimizer_state()
+        _check_readback(trainer, hf)
+        return trainer, saver
+    except BaseException:
+        runtime.close()
+        raise
