@@ -43,7 +43,10 @@ class NameRule:
     0 -> gate, up), ``"qkv"`` (per query group ``[q; k; v]`` on dim 0 -> q, k,
     v; needs ``attention=``). ``vocab``: rows past ``vocab_size`` are padding.
     ``expert``: an expert's parameter, broadcast along the expert-parallel
-    group and gathered over the expert tensor-parallel group.
+    group and gathered over the expert tensor-parallel group. ``tied_copy``:
+    left out when Megatron marks the parameter ``shared_embedding`` (the last
+    pipeline stage's copy of a tied word embedding: HF ties ``lm_head`` to
+    ``embed_tokens`` and its checkpoint has no ``lm_head.weight``).
     """
 
     pattern: str
@@ -51,6 +54,7 @@ class NameRule:
     split: str = "none"
     vocab: bool = False
     expert: bool = False
+    tied_copy: bool = False
 
     def __post_init__(self) -> None:
         want = {"none": 1, "glu": 2, "qkv": 3}
@@ -65,36 +69,62 @@ class NameRule:
 _L = r"decoder\.layers\.(\d+)\."
 _HL = r"model.layers.\1."
 
-#: Megatron-core GPT (transformer-engine spec) -> HF Llama / Qwen2 / Qwen3 /
-#: Qwen-MoE checkpoint names. First full match wins. Extend or replace it for
-#: other architectures; a parameter no rule matches is refused by name.
+#: Megatron-core GPT -> HF Llama / Qwen2 / Qwen3 / Qwen2-MoE checkpoint names.
+#: First full match wins. Extend or replace it for other architectures; a
+#: parameter no rule matches is refused by name.
+#:
+#: Both of megatron-core's layer specs (``models/gpt/gpt_layer_specs.py``,
+#: 0.16) are covered. The local spec (``get_gpt_layer_local_spec``) has
+#: separate norms, ``input_layernorm`` and ``pre_mlp_layernorm``. The
+#: Transformer-Engine spec fuses them into the next linear, TE's
+#: ``LayerNormLinear`` (``TELayerNormColumnParallelLinear``), as its
+#: ``layer_norm_weight``: the local spec's ``sharded_state_dict_keys_map``
+#: (``"input_layernorm." -> "self_attention.linear_qkv.layer_norm_"``,
+#: ``"pre_mlp_layernorm." -> "mlp.linear_fc1.layer_norm_"``) says these are the
+#: same tensors. With MoE the TE spec keeps a separate ``pre_mlp_layernorm``
+#: (``backend.layer_norm() if num_experts``). Experts are ``SequentialMLP``
+#: (``local_experts.<i>.linear_fc<n>``) or ``TEGroupedMLP`` (``linear_fc<n>.weight<i>``);
+#: shared experts are ``SharedExpertMLP``, an ``MLP`` on the dense
+#: tensor-parallel group, with its sigmoid gate in ``gate_weight``
+#: (``transformer/moe/shared_experts.py``). The HF side is the checkpoint's
+#: per-expert naming (transformers fuses experts only when loading, see its
+#: ``conversion_mapping.py``).
 LLAMA_RULES: tuple[NameRule, ...] = (
     NameRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), vocab=True),
-    NameRule(r"output_layer\.weight", ("lm_head.weight",), vocab=True),
+    NameRule(r"output_layer\.weight", ("lm_head.weight",), vocab=True, tied_copy=True),
     NameRule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",)),
+    # attention; the input norm is separate (local spec) or fused into linear_qkv (TE spec)
+    NameRule(_L + r"input_layernorm\.weight", (_HL + "input_layernorm.weight",)),
     NameRule(_L + r"self_attention\.linear_qkv\.layer_norm_weight", (_HL + "input_layernorm.weight",)),
     NameRule(_L + r"self_attention\.linear_qkv\.(weight|bias)",
              (_HL + r"self_attn.q_proj.\2", _HL + r"self_attn.k_proj.\2", _HL + r"self_attn.v_proj.\2"),
              split="qkv"),
-    NameRule(_L + r"self_attention\.linear_proj\.weight", (_HL + "self_attn.o_proj.weight",)),
+    NameRule(_L + r"self_attention\.linear_proj\.(weight|bias)", (_HL + r"self_attn.o_proj.\2",)),
     NameRule(_L + r"self_attention\.(q|k)_layernorm\.weight", (_HL + r"self_attn.\2_norm.weight",)),
-    NameRule(_L + r"mlp\.linear_fc1\.layer_norm_weight", (_HL + "post_attention_layernorm.weight",)),
+    # the norm before the MLP; separate (local spec, and TE spec with MoE) or fused into linear_fc1
     NameRule(_L + r"pre_mlp_layernorm\.weight", (_HL + "post_attention_layernorm.weight",)),
-    NameRule(_L + r"mlp\.linear_fc1\.weight", (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"),
+    NameRule(_L + r"mlp\.linear_fc1\.layer_norm_weight", (_HL + "post_attention_layernorm.weight",)),
+    # dense SwiGLU MLP
+    NameRule(_L + r"mlp\.linear_fc1\.(weight|bias)", (_HL + r"mlp.gate_proj.\2", _HL + r"mlp.up_proj.\2"),
              split="glu"),
-    NameRule(_L + r"mlp\.linear_fc2\.weight", (_HL + "mlp.down_proj.weight",)),
+    NameRule(_L + r"mlp\.linear_fc2\.(weight|bias)", (_HL + r"mlp.down_proj.\2",)),
+    # MoE: router, routed experts (expert-parallel), shared expert (dense tensor-parallel) and its gate
     NameRule(_L + r"mlp\.router\.weight", (_HL + "mlp.gate.weight",)),
-    NameRule(_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
-             (_HL + r"mlp.experts.\2.gate_proj.weight", _HL + r"mlp.experts.\2.up_proj.weight"),
+    NameRule(_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.(weight|bias)",
+             (_HL + r"mlp.experts.\2.gate_proj.\3", _HL + r"mlp.experts.\2.up_proj.\3"),
              split="glu", expert=True),
-    NameRule(_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
-             (_HL + r"mlp.experts.\2.down_proj.weight",), expert=True),
-    # grouped-GEMM experts name the expert as a suffix
-    NameRule(_L + r"mlp\.experts\.linear_fc1\.weight(\d+)",
-             (_HL + r"mlp.experts.\2.gate_proj.weight", _HL + r"mlp.experts.\2.up_proj.weight"),
+    NameRule(_L + r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.(weight|bias)",
+             (_HL + r"mlp.experts.\2.down_proj.\3",), expert=True),
+    # grouped-GEMM experts (TEGroupedMLP) name the expert as a suffix
+    NameRule(_L + r"mlp\.experts\.linear_fc1\.(weight|bias)(\d+)",
+             (_HL + r"mlp.experts.\3.gate_proj.\2", _HL + r"mlp.experts.\3.up_proj.\2"),
              split="glu", expert=True),
-    NameRule(_L + r"mlp\.experts\.linear_fc2\.weight(\d+)", (_HL + r"mlp.experts.\2.down_proj.weight",),
+    NameRule(_L + r"mlp\.experts\.linear_fc2\.(weight|bias)(\d+)", (_HL + r"mlp.experts.\3.down_proj.\2",),
              expert=True),
+    NameRule(_L + r"mlp\.shared_experts\.linear_fc1\.weight",
+             (_HL + "mlp.shared_expert.gate_proj.weight", _HL + "mlp.shared_expert.up_proj.weight"), split="glu"),
+    NameRule(_L + r"mlp\.shared_experts\.linear_fc2\.weight", (_HL + "mlp.shared_expert.down_proj.weight",)),
+    NameRule(_L + r"mlp\.shared_experts\.gate_weight", (_HL + "mlp.shared_expert_gate.weight",)),
 )
 
 
@@ -119,13 +149,17 @@ class _Meta:
     tp: bool
     partition_dim: int
     partition_stride: int
+    shared_embedding: bool = False
 
     @classmethod
     def of(cls, t: torch.Tensor) -> _Meta:
         # Megatron's set_defaults_if_not_set_tensor_model_parallel_attributes
         # treats a parameter without the attributes as replicated: so do we.
+        # shared_embedding: LanguageModule.setup_embeddings_and_output_layer sets
+        # it on both copies of a word embedding tied across pipeline stages.
         return cls(tuple(t.shape), dtype_name(t.dtype), bool(getattr(t, "tensor_model_parallel", False)),
-                   int(getattr(t, "partition_dim", -1)), int(getattr(t, "partition_stride", 1)))
+                   int(getattr(t, "partition_dim", -1)), int(getattr(t, "partition_stride", 1)),
+                   bool(getattr(t, "shared_embedding", False)))
 
     def __str__(self) -> str:
         return (f"{self.shape} {self.dtype} tensor_model_parallel={self.tp} partition_dim={self.partition_dim} "
@@ -227,7 +261,7 @@ class MegatronExtractor:
         axes = {a: (dist.get_process_group_ranks(g) if g is not None else [self.rank])
                 for a, g in self._groups.items()}
         mine = {"rank": self.rank, "axes": axes,
-                "params": [(n, (m.shape, m.dtype, m.tp, m.partition_dim, m.partition_stride))
+                "params": [(n, (m.shape, m.dtype, m.tp, m.partition_dim, m.partition_stride, m.shared_embedding))
                            for n, m in metas.items()]}
         out: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(out, mine, group=group)
@@ -261,6 +295,8 @@ class MegatronExtractor:
                 raise ValueError(f"{who}: ranks disagree about {name!r} (shape, dtype or parallel attributes "
                                  f"differ): {detail}")
             meta = metas.pop()
+            if rule.tied_copy and meta.shared_embedding:
+                continue  # the embedding itself is sent; HF ties the head to it
             if meta.partition_stride not in _strides(rule):
                 want = " or ".join(map(str, _strides(rule)))
                 strided.append(f"{name} (partition_stride {meta.partition_stride}, expected {want})")
