@@ -24,7 +24,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 2,  # GQA: the engine's qkv_proj has unequal q and kv row blocks
     "intermediate_size": 512,
     "max_position_embeddings": 256,
-    "tie_word_embeddings": False,  # the engine keeps lm_head as its own parameter
+    "tie_word_embeddings": False,  # untied lm_head; the engine takes tied models too
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "hidden_act": "silu",

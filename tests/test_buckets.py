@@ -117,7 +117,7 @@ def test_meta_is_the_flattened_bucket_wire_format():
 
     (m,) = TensorMeta.of_bucket(plan_buckets([spec("x", (2, 3), "torch.bfloat16")], 100)[0])
     assert m.to_json() == {"name": "x", "shape": [2, 3], "dtype": "bfloat16",
-                           "start_idx": 0, "end_idx": 12, "numel": 6}
+                           "start_idx": 0, "end_idx": 12, "numel": 12}
 
 
 def test_no_tensors_means_no_buckets():

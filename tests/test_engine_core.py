@@ -223,8 +223,11 @@ def test_expected_digest_refuses_an_incomplete_state(config, state):
 
 
 def test_unsupported_configs_are_refused_by_name():
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        Dims.from_config(demo_config(**SMALL, tie_word_embeddings=True))
+    # tied word embeddings are supported: tests/test_engine_tied.py
+    with pytest.raises(ValueError, match="use_sliding_window=True"):
+        Dims.from_config(demo_config(**SMALL, use_sliding_window=True))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        Dims.from_config(demo_config(**SMALL, hidden_act="gelu"))
     with pytest.raises(ValueError, match="multiple of num_key_value_heads"):
         Dims.from_config(demo_config(**{**SMALL, "num_key_value_heads": 3}))
 

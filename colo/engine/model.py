@@ -5,6 +5,9 @@ gate/up in one ``gate_up_proj``; the loader maps each trainer (HF) tensor to
 its row block through a table (:data:`LAYER_TABLE`), so a weight sync must
 deliver every HF name exactly once and the engine can say precisely which
 ones it did not get.
+With tied word embeddings (Qwen2/Qwen2.5 0.5B-3B) one parameter,
+``model.embed_tokens.weight``, is both the embedding and lm_head: it is
+loaded, held and hashed once, and a separate ``lm_head.weight`` is refused.
 
 Memory is held in two independently releasable regions, mirroring the
 engine's memory-saver tags: the parameters (``weights``) and one preallocated
@@ -20,7 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
 import torch
@@ -101,6 +104,8 @@ class Dims:
     max_positions: int
     rms_norm_eps: float
     rope_theta: float
+    #: one parameter, ``model.embed_tokens.weight``, is both the embedding and lm_head
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -115,13 +120,13 @@ class Dims:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError(f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, {self.rope_theta}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> Dims:
         """Read a ``transformers.Qwen2Config``, refusing what this engine does not implement."""
         unsupported = []
-        if getattr(config, "tie_word_embeddings", False):
-            unsupported.append("tie_word_embeddings=True (the engine keeps lm_head as its own parameter)")
         if getattr(config, "use_sliding_window", False):
             unsupported.append("use_sliding_window=True")
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -140,7 +145,8 @@ class Dims:
                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
                    intermediate_size=config.intermediate_size,
                    max_positions=config.max_position_embeddings,
-                   rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(theta))
+                   rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(theta),
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
     @property
     def q_rows(self) -> int:
@@ -183,6 +189,9 @@ TAIL_TABLE = (
     ("model.norm.weight", (("model.norm.weight", "hidden_size"),), ()),
     ("lm_head.weight", (("lm_head.weight", "vocab_size"),), ("hidden_size",)),
 )
+#: With tied word embeddings: HF name -> the engine parameter that already holds
+#: its tensor. Such a name has no parameter of its own and is not accepted in a sync.
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 @dataclass(frozen=True)
@@ -201,15 +210,20 @@ class WeightMap:
     params: Mapping[str, tuple[int, ...]]
     #: HF name -> shard, in the engine's order (parts of a fused parameter in row order)
     shards: Mapping[str, Shard]
+    #: HF names that are another parameter under a second name (tied embeddings)
+    tied: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, dims: Dims) -> WeightMap:
         params: dict[str, tuple[int, ...]] = {}
         shards: dict[str, Shard] = {}
+        tied = dict(TIED) if dims.tie_word_embeddings else {}
 
         def add(table, prefix: str) -> None:
             for suffix, parts, trailing in table:
                 name = prefix + suffix
+                if name in tied:
+                    continue
                 tail = tuple(getattr(dims, a) for a in trailing)
                 offset = 0
                 for hf_suffix, rows_attr in parts:
@@ -223,7 +237,21 @@ class WeightMap:
         for layer in range(dims.num_layers):
             add(LAYER_TABLE, f"model.layers.{layer}.")
         add(TAIL_TABLE, "")
-        return cls(params, shards)
+        return cls(params, shards, tied)
+
+    def lm_head(self) -> str:
+        """The engine parameter the logits are computed with."""
+        return self.tied.get("lm_head.weight", "lm_head.weight")
+
+    def unexpected(self, name: str) -> str:
+        """How an HF name the map has no shard for is listed in a ``WeightMismatch``."""
+        if name in self.tied:
+            # Refused rather than compared: preflight sees only names and shapes, and a
+            # trainer that sends a separate lm_head for a tied config has either untied
+            # it (the engine would silently drop its values) or sends the same bytes twice.
+            return (f"{name} (the config ties word embeddings: {self.tied[name]} is also the "
+                    f"{name.split('.')[0]}; send it once, without {name})")
+        return name
 
     def nbytes(self, dtype: DTypeLike) -> int:
         size = itemsize(dtype_name(dtype))
@@ -253,7 +281,7 @@ def _check_specs(wmap: WeightMap, incoming: Iterable[Any], dtype: str | None, co
         seen.add(name)
         shard = wmap.shards.get(name)
         if shard is None:
-            unexpected.append(name)
+            unexpected.append(wmap.unexpected(name))
             continue
         if tuple(shape) != shard.shape:
             wrong_shape.append(f"{name} {tuple(shape)} (expected {shard.shape})")
@@ -620,7 +648,7 @@ class EngineModel:
             seen.add(name)
             shard = self.map.shards.get(name)
             if shard is None:
-                unexpected.append(name)
+                unexpected.append(self.map.unexpected(name))
             elif tuple(tensor.shape) != shard.shape:
                 wrong_shape.append(f"{name} {tuple(tensor.shape)} (expected {shard.shape})")
         if duplicate or unexpected or wrong_shape:
@@ -721,7 +749,7 @@ class EngineModel:
         return pool[layer, 0][slots].transpose(1, 2), pool[layer, 1][slots].transpose(1, 2)
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self._params["lm_head.weight"]).float()
+        return F.linear(h, self._params[self.map.lm_head()]).float()
 
     def _check_tokens(self, tokens: torch.Tensor, what: str) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype != torch.long or tokens.dim() != 2 \

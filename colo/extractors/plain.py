@@ -2,6 +2,8 @@
 
 Every tensor of the module's state dict (parameters and persistent buffers)
 is one engine tensor under the same name, unless ``rename`` maps or drops it.
+A parameter the module holds under two names (tied word embeddings) is one
+tensor, sent once under the name ``named_parameters()`` gives it.
 Floating-point tensors are converted to the engine dtype here, on the
 trainer's side; integer and bool buffers keep their dtype.
 """
@@ -125,7 +127,10 @@ class PlainExtractor:
         self.upload_to = None if upload_to is None else torch.device(upload_to)
         self._engine_to_source: dict[str, str] = {}
         self._specs: dict[str, TensorSpec] = {}
+        aliases = second_names(source) if isinstance(source, torch.nn.Module) else set()
         for src_name, t in self._tensors().items():
+            if src_name in aliases:
+                continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{self.kind} extractor: {src_name!r} is a {type(t).__name__}, not a tensor")
             self._check_tensor(src_name, t)
@@ -170,6 +175,17 @@ class PlainExtractor:
                                f"(it was there when the extractor was built)")
             yield name, check_against_spec(f"{self.kind} extractor", name, self._full(src_name, t),
                                            self._specs[name])
+
+
+def second_names(module: torch.nn.Module) -> set[str]:
+    """State-dict names of parameters the module also holds under an earlier name.
+
+    A tied ``lm_head.weight`` is ``model.embed_tokens.weight``: ``state_dict()``
+    lists both, ``named_parameters()`` only the first. Sending both would move
+    the same bytes twice, and an engine that ties them refuses the second name.
+    """
+    every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return every - {n for n, _ in module.named_parameters()}
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

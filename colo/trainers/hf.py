@@ -137,11 +137,28 @@ class ReferenceTrainer:
             # read unmapped device memory.
             if self._cpu_twin is None:
                 self._cpu_twin = type(self.model)(self.model.config).eval()
-            self._cpu_twin.load_state_dict(self.hf_state(), strict=True)
+            state = self.hf_state()
+            # hf_state lists a tied parameter once (model.embed_tokens.weight); the
+            # twin's state dict also has its second name (lm_head.weight)
+            state.update({alias: state[first] for alias, first in tied_names(self._cpu_twin).items()
+                          if first in state})
+            self._cpu_twin.load_state_dict(state, strict=True)
             model, device = self._cpu_twin, torch.device("cpu")
         else:
             model, device = self.model, next(self.model.parameters()).device
         return model(torch.tensor(tokens, dtype=torch.long, device=device)).logits.float().cpu()
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Second name of each tied parameter -> the name ``named_parameters()`` lists it under."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[ReferenceTrainer, Any]:

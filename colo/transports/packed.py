@@ -25,6 +25,7 @@ from colo.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
                                   check_bucket_tensors, parse_tensors, timed_ack, views)
+from colo.transports.wire import PADDED, relayout
 
 #: attachments the receiver keeps open across buckets: the sender double-buffers,
 #: so two live segments is the steady state; a few more cover a restarted sync.
@@ -123,16 +124,26 @@ class _Slot:
 
 
 class PackedTransport(BucketSender):
+    """``align``: ``PADDED`` (default: each tensor on a 16-byte boundary) or
+    ``UNPADDED`` (SGLang's back-to-back layout); see :mod:`colo.transports.wire`."""
+
     name = "packed"
 
-    def __init__(self, *, pipelined: bool = True):
+    def __init__(self, *, pipelined: bool = True, align: int = PADDED):
         super().__init__(pipelined=pipelined)
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise ValueError(f"align must be a positive power of two, got {align!r}")
+        self.align = align
         self._slots: list[_Slot | None] = [None, None]
+        self._layout: dict[int, Bucket] = {}
         self._cap = 0
         self._cuda = False
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
-        self._cap = max(b.nbytes for b in buckets)
+        # The sender's plan fixes which tensors share a bucket; this transport
+        # decides where they lie in its buffer.
+        self._layout = {b.index: b if self.align == PADDED else relayout(b, align=self.align) for b in buckets}
+        self._cap = max(b.nbytes for b in self._layout.values())
 
     def _slot(self, i: int, ctx: SyncContext, device: Any) -> _Slot:
         if self._slots[i] is None:
@@ -148,11 +159,12 @@ class PackedTransport(BucketSender):
         device = torch.device(target) if target is not None else tensors[0][1].device
         flat = self._slot(slot, ctx, device).tensor
         t0 = time.perf_counter()
-        await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors, self._upload_stream(device))
+        laid = self._layout[bucket.index]
+        await anyio.to_thread.run_sync(pack_and_settle, flat, laid, tensors, self._upload_stream(device))
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
-        req = PackedRequest(self._slots[slot].handle(), tuple(TensorMeta.of_bucket(bucket)))
+        req = PackedRequest(self._slots[slot].handle(), tuple(TensorMeta.of_bucket(self._layout[bucket.index])))
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
         on_ack(await engine.transport_load(self.name, req.to_json(), on_sent=on_sent))
 

@@ -1,0 +1,355 @@
+"""colo's bucket wire format against SGLang's own ``FlattenedTensorBucket``.
+
+SGLang's ``srt/weight_sync/tensor_bucket.py`` is taken from its published
+wheel (downloaded once into the gitignored ``.cache/sglang/``), not from a copy
+kept here: the test checks colo against the code SGLang ships. A failed
+download fails the tests; it never skips them.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from colo.core.buckets import plan_buckets, spec
+from colo.core.interfaces import SyncContext
+from colo.engine.core import EngineCore
+from colo.engine.model import expected_digest
+from colo.extractors.plain import PlainExtractor
+from colo.handles import ShmSegment, leftover_segments
+from colo.models import build_trainer_model, demo_config
+from colo.transports.packed import PackedReceiver, PackedTransport, pack_into
+from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
+
+#: The SGLang release whose tensor_bucket.py was read for this test (its
+#: FlattenedTensorMetadata: name, shape: torch.Size, dtype: torch.dtype,
+#: start_idx, end_idx, numel; it imports only dataclasses, typing and torch).
+SGLANG_VERSION = "0.5.23"
+#: one fixed wheel of that release, whatever machine runs the test: only a
+#: pure-Python file is read from it
+WHEEL_PLATFORM, WHEEL_PYTHON = "manylinux_2_34_x86_64", "3.11"
+MEMBER = "sglang/srt/weight_sync/tensor_bucket.py"
+CACHE = Path(__file__).resolve().parents[1] / ".cache" / "sglang"
+ALLOWED_IMPORTS = {"dataclasses", "typing", "torch"}
+
+
+def _wheel() -> Path:
+    found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    if found:
+        return found[0]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--platform", WHEEL_PLATFORM, "--python-version", WHEEL_PYTHON,
+               f"sglang=={SGLANG_VERSION}", "-d", tmp]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"downloading sglang=={SGLANG_VERSION} from PyPI timed out after 600 s "
+                        f"(command: {' '.join(cmd)})")
+        got = sorted(Path(tmp).glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+        if done.returncode != 0 or not got:
+            pytest.fail(f"could not download SGLang's wheel sglang=={SGLANG_VERSION} from PyPI, which these "
+                        f"tests need (pip exit {done.returncode}; command: {' '.join(cmd)}):\n"
+                        f"{(done.stderr or done.stdout)[-2000:]}")
+        # renamed into place whole: a second run never sees half a wheel
+        target = CACHE / got[0].name
+        shutil.move(str(got[0]), target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def sglang():
+    """SGLang's tensor_bucket module, loaded from the file its wheel ships."""
+    wheel = _wheel()
+    out = CACHE / SGLANG_VERSION / MEMBER
+    if not out.exists():
+        with zipfile.ZipFile(wheel) as z:
+            try:
+                source = z.read(MEMBER)
+            except KeyError:
+                pytest.fail(f"{wheel.name} has no {MEMBER}: SGLang moved the bucket format; "
+                            f"check the new location and update this test")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(source)
+        tmp.replace(out)
+    imported = set()
+    for node in ast.walk(ast.parse(out.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." * node.level + (node.module or ""))
+    extra = sorted(m for m in imported if m.split(".")[0] not in ALLOWED_IMPORTS)
+    if extra:
+        pytest.fail(f"{MEMBER} in sglang=={SGLANG_VERSION} imports {extra}, beyond {sorted(ALLOWED_IMPORTS)}; "
+                    f"load those files from the same wheel too before running it")
+    name = "_sglang_tensor_bucket"
+    mod_spec = importlib.util.spec_from_file_location(name, out)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    try:
+        mod_spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(name, None)
+    return module
+
+
+# -- the tensors --------------------------------------------------------------------
+
+def named_tensors() -> list[tuple[str, torch.Tensor]]:
+    """Mixed dtypes and shapes, a 0-d and 1-element tensors among them, ordered so that
+    SGLang's back-to-back layout puts every tensor at a multiple of its itemsize."""
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("counts", torch.randint(-2**62, 2**62, (2, 3), generator=g, dtype=torch.int64)),
+        ("step", torch.tensor([7], dtype=torch.int64)),
+        ("w", torch.randn(4, 5, generator=g)),
+        ("scale", torch.tensor(0.375)),  # 0-d
+        ("bias", torch.randn(6, generator=g).to(torch.bfloat16)),
+        ("emb", torch.randn(3, 7, generator=g).to(torch.bfloat16)),
+        ("tail", torch.randn(1, generator=g).to(torch.bfloat16)),  # 1 element
+    ]
+
+
+def specs_of(named):
+    return [spec(n, t.shape, str(t.dtype)) for n, t in named]
+
+
+def one_bucket(named, align):
+    (bucket,) = plan_buckets(specs_of(named), 1 << 20, align=align)
+    return bucket
+
+
+def colo_pack(named, align):
+    """colo's sender side: plan, pack into a flat uint8 buffer, metadata as it travels (JSON)."""
+    bucket = one_bucket(named, align)
+    flat = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pack_into(flat, bucket, named)
+    return flat, json.loads(json.dumps([m.to_json() for m in TensorMeta.of_bucket(bucket)]))
+
+
+def field_names(sglang):
+    return [f.name for f in dataclasses.fields(sglang.FlattenedTensorMetadata)]
+
+
+def sglang_meta_from_json(sglang, entry: dict):
+    """colo's JSON entry as SGLang's dataclass: the same fields, shape as torch.Size and
+    dtype as the torch.dtype the name resolves to (SGLang's own getattr(torch, name))."""
+    assert list(entry) == field_names(sglang)
+    return sglang.FlattenedTensorMetadata(**{**entry, "shape": torch.Size(entry["shape"]),
+                                             "dtype": getattr(torch, entry["dtype"])})
+
+
+def json_from_sglang_meta(m) -> dict:
+    return {"name": m.name, "shape": list(m.shape), "dtype": str(m.dtype).removeprefix("torch."),
+            "start_idx": m.start_idx, "end_idx": m.end_idx, "numel": m.numel}
+
+
+def assert_bit_exact(got, want):
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, a), (_, b) in zip(got, want):
+        assert a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape), name
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+# -- SGLang reads colo ------------------------------------------------------------------
+
+@pytest.mark.parametrize("align", [UNPADDED, PADDED], ids=["unpadded", "padded"])
+def test_sglang_reconstructs_a_colo_packed_bucket_bit_exactly(sglang, align):
+    named = named_tensors()
+    flat, entries = colo_pack(named, align)
+    bucket = sglang.FlattenedTensorBucket(flattened_tensor=flat,
+                                          metadata=[sglang_meta_from_json(sglang, e) for e in entries])
+    assert_bit_exact(bucket.reconstruct_tensors(), named)
+
+
+def test_unpadded_metadata_is_field_for_field_what_sglang_writes(sglang):
+    named = named_tensors()
+    flat, entries = colo_pack(named, UNPADDED)
+    ref = sglang.FlattenedTensorBucket(named_tensors=named)
+    theirs = ref.get_metadata()
+    assert [list(e) for e in entries] == [field_names(sglang)] * len(named)
+    assert len(entries) == len(theirs)
+    for ours, m in zip(entries, theirs):
+        assert ours["name"] == m.name
+        assert tuple(ours["shape"]) == tuple(m.shape) and isinstance(ours["shape"], list)
+        assert getattr(torch, ours["dtype"]) == m.dtype and "torch." + ours["dtype"] == str(m.dtype)
+        assert (ours["start_idx"], ours["end_idx"], ours["numel"]) == (m.start_idx, m.end_idx, m.numel)
+        assert all(type(ours[k]) is int for k in ("start_idx", "end_idx", "numel"))
+    # numel is bytes, not elements: the 0-d float32 holds 1 element in 4 bytes
+    scale = next(e for e in entries if e["name"] == "scale")
+    assert scale["shape"] == [] and scale["numel"] == 4 == scale["end_idx"] - scale["start_idx"]
+    assert entries[-1]["end_idx"] == flat.numel() == ref.get_flattened_tensor().numel() == 196
+    # ... and the buffers are byte for byte the same
+    assert torch.equal(flat, ref.get_flattened_tensor())
+
+
+def test_sglang_broadcast_receiver_recomputes_colos_unpadded_offsets(sglang):
+    """SGLang's broadcast receive path sends no offsets: it lays the tensors out back
+    to back from names, dtypes (colo's strings) and shapes, and must land on colo's."""
+    _, entries = colo_pack(named_tensors(), UNPADDED)
+    empty = sglang.FlattenedTensorBucket.empty([e["name"] for e in entries], [e["dtype"] for e in entries],
+                                               [e["shape"] for e in entries], "cpu")
+    assert [json_from_sglang_meta(m) for m in empty.get_metadata()] == entries
+    # the padded layout is not what that path would compute
+    _, padded = colo_pack(named_tensors(), PADDED)
+    assert [e["start_idx"] for e in padded] != [e["start_idx"] for e in entries]
+
+
+def test_where_sglang_cannot_pack_back_to_back_colo_pads_only_to_the_itemsize(sglang):
+    # 6 bytes of bfloat16, then a float32: back to back it would start at byte 6
+    named = [("h", torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)), ("f", torch.tensor([0.1]))]
+    with pytest.raises(ValueError, match="Unaligned received tensor f"):
+        sglang.FlattenedTensorBucket.empty(["h", "f"], ["bfloat16", "float32"], [[3], [1]], "cpu")
+    with pytest.raises(RuntimeError, match="storage_offset"):
+        sglang.FlattenedTensorBucket(named_tensors=named).reconstruct_tensors()
+    flat, entries = colo_pack(named, UNPADDED)
+    assert [(e["start_idx"], e["end_idx"], e["numel"]) for e in entries] == [(0, 6, 6), (8, 12, 4)]
+    bucket = sglang.FlattenedTensorBucket(flattened_tensor=flat,
+                                          metadata=[sglang_meta_from_json(sglang, e) for e in entries])
+    assert_bit_exact(bucket.reconstruct_tensors(), named)
+
+
+# -- colo reads SGLang ------------------------------------------------------------------
+
+def test_colos_packed_receiver_rebuilds_a_bucket_sglang_built(sglang, no_leftover_segments):
+    named = named_tensors()
+    ref = sglang.FlattenedTensorBucket(named_tensors=named)
+    flat = ref.get_flattened_tensor()
+    seg = ShmSegment.create(flat.numel())
+    receiver = PackedReceiver()
+    try:
+        seg.tensor.copy_(flat)
+        request = json.loads(json.dumps({"handle": seg.handle(),
+                                         "tensors": [json_from_sglang_meta(m) for m in ref.get_metadata()]}))
+        with receiver.receive(request) as got:
+            assert_bit_exact([(n, t.clone()) for n, t in got], named)
+    finally:
+        receiver.close()
+        seg.close()
+
+
+def test_an_element_count_in_numel_is_refused_by_name(sglang):
+    _, entries = colo_pack(named_tensors(), UNPADDED)
+    w = next(e for e in entries if e["name"] == "w")
+    assert w["numel"] == 80  # 20 float32 elements
+    with pytest.raises(RequestError, match=r"bucket entry 'w': numel 20 is not the entry's byte count "
+                                           r"end_idx - start_idx = 80"):
+        TensorMeta.from_json({**w, "numel": 20})
+    with pytest.raises(RequestError, match=r"bucket entry 'w': start_idx 54 is not a multiple of float32's 4"):
+        TensorMeta.from_json({**w, "start_idx": 54, "end_idx": 134}, buffer_nbytes=196)
+
+
+# -- the sender's unpadded mode --------------------------------------------------------
+
+def test_relayout_keeps_the_tensors_and_never_grows_a_bucket():
+    specs = specs_of(named_tensors())
+    for padded in plan_buckets(specs, 128):
+        laid = relayout(padded, align=UNPADDED)
+        assert laid.index == padded.index and [e.spec for e in laid.entries] == [e.spec for e in padded.entries]
+        assert laid.nbytes <= padded.nbytes and laid.payload_bytes == padded.payload_bytes
+        assert laid.entries[0].start == 0
+        assert all(a.end == b.start for a, b in zip(laid.entries, laid.entries[1:]))  # back to back
+        assert relayout(laid, align=PADDED) == padded
+
+
+class _Pool:
+    def __init__(self):
+        self.live, self._n = {}, 0
+
+    def alloc(self, nbytes):
+        self._n += 1
+        self.live[self._n] = nbytes
+        return self._n
+
+    def free(self, sid):
+        del self.live[sid]
+
+    @property
+    def held_bytes(self):
+        return sum(self.live.values())
+
+
+class _InProcessEngine:
+    """The engine's side of a packed sync without the process: the real receiver and EngineCore."""
+
+    def __init__(self, core):
+        self.core, self.receiver, self.requests = core, PackedReceiver(), []
+
+    async def preflight(self, specs):
+        self.core.preflight(specs)
+
+    async def begin_load(self):
+        self.core.begin_load()
+
+    async def transport_load(self, name, request, on_sent=None):
+        assert name == "packed"
+        request = json.loads(json.dumps(request))
+        self.requests.append(request)
+        if on_sent is not None:
+            on_sent()
+        with self.receiver.receive(request) as named:
+            return {"tensors": self.core.load_weights(named)}
+
+    async def end_load(self):
+        self.core.end_load()
+
+
+class _Trainer:
+    def __init__(self, state):
+        self._extractor = PlainExtractor(state, dtype=torch.bfloat16)
+
+    def extractor(self):
+        return self._extractor
+
+
+@pytest.mark.parametrize("align", [UNPADDED, PADDED], ids=["unpadded", "padded"])
+async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang, align, no_leftover_segments):
+    # hidden 36 in bfloat16: 72-byte norms, so the padded layout has gaps
+    config = demo_config(vocab_size=96, hidden_size=36, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=40, max_position_embeddings=32)
+    state = {n: p.detach() for n, p in build_trainer_model(config, seed=4).named_parameters()}
+    core = EngineCore(config, dtype=torch.bfloat16, device="cpu", total_bytes=8 << 20, mem_fraction_static=0.5)
+    engine = _InProcessEngine(core)
+    pool = _Pool()
+    ctx = SyncContext(step=0, weight_version=1, bucket_bytes=4 << 10, source="host", staging=pool)
+    transport = PackedTransport(align=align)
+    try:
+        result = await transport.sync(_Trainer(state), engine, ctx)
+    finally:
+        engine.receiver.close()
+        await transport.aclose()
+    assert core.digest() == expected_digest(state, config, torch.bfloat16)
+    assert result.buckets == len(engine.requests) > 2 and result.tensors == len(state) and pool.live == {}
+    entries = [e for r in engine.requests for e in r["tensors"]]
+    assert sorted(e["name"] for e in entries) == sorted(state)
+    assert all(e["numel"] == e["end_idx"] - e["start_idx"] == state[e["name"]].numel() * 2 for e in entries)
+    gaps = [b["start_idx"] - a["end_idx"] for r in engine.requests for a, b in zip(r["tensors"], r["tensors"][1:])]
+    if align == UNPADDED:
+        assert set(gaps) == {0}
+        # each request is exactly what SGLang's broadcast receiver would lay out
+        for r in engine.requests:
+            t = r["tensors"]
+            empty = sglang.FlattenedTensorBucket.empty([e["name"] for e in t], [e["dtype"] for e in t],
+                                                       [e["shape"] for e in t], "cpu")
+            assert [json_from_sglang_meta(m) for m in empty.get_metadata()] == t
+    else:
+        assert max(gaps) > 0 and all(e["start_idx"] % 16 == 0 for e in entries)
+    assert leftover_segments() == []
+
+
+def test_the_packed_sender_refuses_an_alignment_that_is_not_a_power_of_two():
+    with pytest.raises(ValueError, match="align must be a positive power of two, got 3"):
+        PackedTransport(align=3)
