@@ -21,13 +21,10 @@ import os
 import socket
 import struct
 from typing import Any
+from colo.errors import ChannelError
 
 MAX_FRAME = 64 << 20  # metadata only; 64 MiB is far beyond any real bucket's table
 _LEN = struct.Struct(">I")
-
-
-class ChannelError(RuntimeError):
-    """The peer broke the protocol (bad frame, bad auth, closed)."""
 
 
 def encode(msg: dict) -> bytes:

@@ -12,14 +12,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-
-PLANS = ("offload-first", "sync-first", "single-stage")
-TRANSPORTS = ("packed", "ipc", "broadcast", "disk")
-
-
-class UsageError(ValueError):
-    """Bad input: reported on one line, exit 2."""
+from colo.core.phases import PLANS
+from colo.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
+from colo.transports import REGISTRY as TRANSPORTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,16 +108,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     try:
         return int(getattr(module, args.func)(args) or 0)
-    except UsageError as e:
+    except ColoError as e:
+        # every planned refusal carries its exit code; anything else is a bug
+        # and keeps its traceback
         print(f"colo {args.command}: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
 
 
 if __name__ == "__main__":
-    # Run as ``python -m colo.cli``: use the package's module, not this __main__
-    # copy, so that UsageError raised by a subcommand is the class caught here.
-    from colo.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -20,13 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from colo.errors import HandleError
 
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
-
-
-class HandleError(ValueError):
-    """A handle that is malformed or of a kind that is not allowed."""
 
 
 class ShmSegment:

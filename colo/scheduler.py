@@ -7,31 +7,38 @@ One call per phase, or one per cycle; the cycle reads like the phase list::
         for _ in range(steps):
             await s.cycle()
 
-Each phase is checked against the table and invariants 1-3 before it is
-entered (a refused step changes nothing and writes nothing), runs under its
-deadline, and ends in exactly one ``phase.finished`` or ``phase.failed``. Any
-error or cancellation runs shielded cleanup (staging freed, transport aborted,
-engine marked stale) and moves to ``failed``; :meth:`Scheduler.recover` walks
-the recovery path back to a synced engine.
+The trainer and the engine are groups of ranks (one GPU is the group of one,
+see :mod:`colo.groups`); each rank has its memory ledger, its transport and its
+trace. Each phase is looked up in the table and its preconditions checked on
+every rank before it is entered (a refused step changes nothing and writes
+nothing); its effects — the tags it pauses or resumes, from
+:data:`colo.core.phases.EFFECTS` — are applied generically, after the memory of
+every GPU was checked; it runs under its deadline and ends in exactly one
+``phase.finished`` or ``phase.failed`` per rank. Any error or cancellation runs
+shielded cleanup (transports aborted, staging dropped, engine marked stale) and
+moves to ``failed``; :meth:`Scheduler.recover` walks back to a synced engine.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
 
 from colo.core.config import SchedulerConfig
-from colo.core.interfaces import EngineSide, RolloutResult, SyncContext, TrainerSide, Transport
-from colo.core.invariants import InvariantChecker, InvariantViolation, Violation
-from colo.core.memory import LedgerStaging, MemoryLedger, OutOfMemory
-from colo.core.phases import RECOVERY, IllegalTransition, Phase, PhaseMachine, is_legal, trigger_for, validate_plan
+from colo.core.interfaces import PhaseHooks, RolloutResult, SyncContext, SyncResult
+from colo.core.invariants import InvariantChecker, Violation
+from colo.core.memory import MemoryLedger
+from colo.core.phases import (EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, next_phase,
+                              trigger_for, validate_plan)
+from colo.errors import IllegalTransition, InvariantViolation, OutOfMemory
+from colo.groups import EngineGroup, TrainerGroup, together
 from colo.trace.writer import TraceWriter
 
-ENGINE_RELEASE_ORDER = ("kv_cache", "cuda_graph", "weights")
-TRAINER_TAGS = ("weights", "optimizer")
+#: events whose violations are written but never raised: a failure must always be recorded
+_NEVER_RAISE = frozenset({"phase.failed"})
 
 
 def describe(exc: BaseException) -> str:
@@ -40,22 +47,45 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+def _per_rank(value: Any, n: int, what: str) -> list:
+    """One object per rank: a sequence of n, or a single object for one rank."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{what}: {len(value)} given for {n} ranks; expected one per rank")
+        return list(value)
+    if isinstance(value, dict):
+        if sorted(value) != list(range(n)):
+            raise ValueError(f"{what}: ranks {sorted(value)} given; expected ranks 0..{n - 1}")
+        return [value[r] for r in range(n)]
+    if n != 1:
+        raise ValueError(f"{what}: one given for {n} ranks; expected one per rank")
+    return [value]
+
+
 class Scheduler:
-    def __init__(self, trainer: TrainerSide, engine: EngineSide, memory: MemoryLedger,
-                 transport: Transport, *, plan: str | None = None, trace: TraceWriter | None = None,
+    def __init__(self, trainer: Any, engine: Any, memory: MemoryLedger | Sequence[MemoryLedger] | dict,
+                 transport: Any, *, plan: str | None = None, trace: TraceWriter | Sequence[TraceWriter] | None = None,
                  config: SchedulerConfig | None = None, engine_synced: bool = True,
-                 verify: Callable[[str], Awaitable[None]] | None = None,
-                 run_config: dict | None = None, clock: Callable[[], float] = time.monotonic):
+                 verify: Callable[[list[str]], Awaitable[None]] | None = None,
+                 run_config: dict | None = None, clock: Callable[[], float] = time.monotonic,
+                 hooks: Sequence[PhaseHooks] = ()):
         if config is None:
             config = SchedulerConfig(plan=plan or "offload-first")
         elif plan is not None and plan != config.plan:
             raise ValueError(f"plan {plan!r} conflicts with config.plan {config.plan!r}")
         self.config = config
         self.order = validate_plan(config.plan)
-        self.trainer, self.engine, self.memory, self.transport = trainer, engine, memory, transport
-        self.trace = trace if trace is not None else TraceWriter(None)
+        self.trainers, self.engines = TrainerGroup.of(trainer), EngineGroup.of(engine)
+        n = self.world_size = self.trainers.size
+        if self.engines.size != n:
+            raise ValueError(f"the trainer has {n} ranks but the engine has {self.engines.size}; "
+                             "expected one engine rank per trainer rank (one of each per GPU)")
+        self.memories: list[MemoryLedger] = _per_rank(memory, n, "memory ledgers")
+        self.transports = _per_rank(transport, n, "transports")
+        traces = trace if trace is not None else [TraceWriter(None, rank=r, world_size=n) for r in range(n)]
+        self.traces: list[TraceWriter] = _per_rank(traces, n, "traces")
         self.checker = InvariantChecker()
-        self.trace.add_listener(self._watch)
+        self.hooks: list[PhaseHooks] = list(hooks)
         self.machine = PhaseMachine()
         self.step = 0
         self.trainer_version = 0
@@ -69,29 +99,56 @@ class Scheduler:
         self._run_config = run_config or {}
         self._clock = clock
         self._entered_rollout = False
+        #: the work each phase does beyond its memory effects, written out
+        self._work: dict[Phase, Callable[[], Awaitable[Any]]] = {
+            Phase.ROLLOUT: self._rollout, Phase.TRAIN: self._train, Phase.SYNC: self._sync}
+
+    # -- one-rank views ----------------------------------------------------------
+    @property
+    def trainer(self) -> Any:
+        return self.trainers[0]
+
+    @property
+    def engine(self) -> Any:
+        return self.engines[0]
+
+    @property
+    def memory(self) -> MemoryLedger:
+        return self.memories[0]
+
+    @property
+    def trace(self) -> TraceWriter:
+        return self.traces[0]
+
+    @property
+    def transport(self) -> Any:
+        return self.transports[0]
 
     # -- context ---------------------------------------------------------------
     async def __aenter__(self) -> Scheduler:
-        for tag, nbytes in self.engine.tag_bytes().items():
-            if f"engine.{tag}" not in self.memory.regions:
-                self.memory.register("engine", tag, int(nbytes), resident=True)
-        for tag, nbytes in self.trainer.tag_bytes().items():
-            if f"trainer.{tag}" not in self.memory.regions:
-                # Colocated start: the trainer built its state, then offloaded it
-                # so that the engine could start; the host copy is the source.
-                self.memory.register("trainer", tag, int(nbytes), resident=False, host_copy=True)
-        self.trace.start(
-            device={"kind": self.memory.device_kind, "name": self.memory.device_name,
-                    "total_bytes": self.memory.total_bytes},
-            config={**self.config.as_dict(), "transport": self.transport.name, **self._run_config},
-            tags=self.memory.describe_tags(), mem=self.memory.snapshot(),
-            engine_weight_version=self.engine_version, trainer_weight_version=self.trainer_version,
-        )
+        engine_tags = self.engines.first("tag_bytes")
+        trainer_tags = self.trainers.first("tag_bytes")
+        for r, ledger in enumerate(self.memories):
+            for tag, nbytes in engine_tags.items():
+                if f"engine.{tag}" not in ledger.regions:
+                    ledger.register("engine", tag, int(nbytes), resident=True)
+            for tag, nbytes in trainer_tags.items():
+                if f"trainer.{tag}" not in ledger.regions:
+                    # Colocated start: the trainer built its state, then offloaded it
+                    # so that the engine could start; the host copy is the source.
+                    ledger.register("trainer", tag, int(nbytes), resident=False, host_copy=True)
+            started = self.traces[r].start(
+                device={"kind": ledger.device_kind, "name": ledger.device_name, "total_bytes": ledger.total_bytes},
+                config={**self.config.as_dict(), "transport": self.transports[r].name, **self._run_config},
+                tags=ledger.describe_tags(), mem=ledger.snapshot(),
+                engine_weight_version=self.engine_version, trainer_weight_version=self.trainer_version)
+            self.checker.feed(started)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         with anyio.CancelScope(shield=True):
-            self.trace.finish()
+            for trace in self.traces:
+                trace.finish()
 
     # -- state -----------------------------------------------------------------
     @property
@@ -102,16 +159,26 @@ class Scheduler:
     def stale(self) -> bool:
         return self.engine_version != self.trainer_version
 
-    def _watch(self, ev: dict) -> None:
-        bad = self.checker.feed(ev)
-        # A violation in an event the scheduler already wrote is a bug in a
-        # component (a fake that lies, a backend that miscounts): stop loudly,
-        # except while recording a failure, which must always get written.
-        if bad and ev["event"] not in ("phase.failed",):
-            raise InvariantViolation(bad)
+    def _emit(self, rank: int, event: str, *, at: float | None = None, mem: Any = True, **fields: Any) -> dict:
+        """Check one event against the invariants, write it, then refuse it if it broke one.
 
-    def _emit(self, event: str, **fields: Any) -> dict:
-        return self.trace.emit(event, **fields)
+        A violation in an event the scheduler is writing is a bug in a component
+        (a fake that lies, a backend that miscounts): it is written, so replay
+        shows it, and raised, except while recording a failure.
+        """
+        if mem is True:
+            mem = self.memories[rank].snapshot()
+        if mem is not None:
+            fields["mem"] = mem
+        ev = self.traces[rank].record(event, at=at, **fields)
+        bad = self.checker.feed(ev)
+        self.traces[rank].write(ev)
+        if bad and event not in _NEVER_RAISE:
+            raise InvariantViolation(bad)
+        return ev
+
+    def _emit_all(self, event: str, **fields: Any) -> list[dict]:
+        return [self._emit(r, event, **fields) for r in range(self.world_size)]
 
     # -- the cycle -------------------------------------------------------------
     async def cycle(self) -> None:
@@ -121,213 +188,246 @@ class Scheduler:
 
     async def recover(self) -> None:
         """From ``failed`` (or a fresh start with a stale engine) back to a synced engine."""
-        path = RECOVERY[1:-1]  # engine_release .. engine_wake_kv; the next cycle rolls out
         if self.phase not in (Phase.FAILED, None):
-            raise IllegalTransition(self.phase, "recover", Phase.ENGINE_RELEASE)
-        for phase in path:
+            raise IllegalTransition(self.phase, "recover", Phase.ENGINE_RELEASE, allowed_triggers(self.phase))
+        for phase in RECOVERY[1:-1]:  # engine_release .. engine_wake_kv; the next cycle rolls out
             await self.run_phase(phase)
 
-    async def replace_engine(self, engine: EngineSide) -> None:
+    async def replace_engine(self, engine: Any, rank: int = 0) -> None:
         """Swap in a new engine process for one that died; only from ``failed``.
 
-        The ledger keeps describing the same engine regions, so the new
-        process is brought to what the ledger says (it starts with every tag
-        resident: the tags the ledger has paused are released on it) and the
-        table, the invariants and the trace need no new state. It is stale
-        until :meth:`recover` syncs it.
+        The ledger keeps describing the same engine regions, so the new process
+        is brought to what the ledger says (it starts with every tag resident:
+        the tags the ledger has paused are released on it). It is stale until
+        :meth:`recover` syncs it.
         """
         if self.phase is not Phase.FAILED:
-            raise IllegalTransition(self.phase, "replace_engine", Phase.FAILED)
-        old, new = self.engine.tag_bytes(), engine.tag_bytes()
+            raise IllegalTransition(self.phase, "replace_engine", Phase.FAILED, allowed_triggers(self.phase))
+        old, new = self.engines[rank].tag_bytes(), engine.tag_bytes()
         if old != new:
             raise ValueError(f"the new engine's memory tags {new} differ from the old engine's {old}")
-        paused = self._paused("engine", ENGINE_RELEASE_ORDER)
+        release = EFFECTS[Phase.ENGINE_RELEASE]
+        paused = [t for t in release.pause if not self.memories[rank].is_resident(f"engine.{t}")
+                  and f"engine.{t}" in self.memories[rank].regions]
         await engine.set_weight_version(None)
         if paused:
             await engine.flush_cache()
             await engine.release(paused)
-        self.engine = engine
+        self.engines.replace(rank, engine)
         self.engine_version = None
 
     async def run_phase(self, target: Phase) -> Any:
         src = self.machine.phase
         trigger = trigger_for(src, target)
-        if not is_legal(src, target):
-            raise IllegalTransition(src, trigger, target)
-        if target is Phase.ROLLOUT and self._entered_rollout:
-            self.step += 1
-        entered = {"event": "phase.entered", "ts": self.trace.now(), "rank": self.trace.rank,
-                   "step": self.step, "from_phase": src.value if src else None,
-                   "to_phase": target.value, "mem": self.memory.snapshot()}
-        refused = [v for v in self.checker.check(entered) if v.invariant is not None]
+        if next_phase(src, trigger) is not target:
+            raise IllegalTransition(src, trigger, target, allowed_triggers(src))
+        step = self.step + (1 if target is Phase.ROLLOUT and self._entered_rollout else 0)
+        entered = [self.traces[r].record("phase.entered", step=step, from_phase=src.value if src else None,
+                                         to_phase=target.value, mem=self.memories[r].snapshot())
+                   for r in range(self.world_size)]
+        refused = [v for ev in entered for v in self.checker.check(ev) if v.invariant is not None]
         if refused:
-            if target is Phase.ROLLOUT and self._entered_rollout:
-                self.step -= 1
             raise InvariantViolation(refused)
         self.machine.fire(trigger, target)
-        self._emit("phase.entered", **{k: v for k, v in entered.items() if k not in ("event", "ts", "rank")})
-        if target is Phase.ROLLOUT:
-            self._entered_rollout = True
-        body = getattr(self, "_" + target.value)
+        self.step = step
+        for r in range(self.world_size):
+            self._emit(r, "phase.entered", mem=entered[r]["mem"], step=step, from_phase=entered[r]["from_phase"],
+                       to_phase=target.value)
+        self._entered_rollout |= target is Phase.ROLLOUT
+        for hook in self.hooks:
+            hook.entered(target, step)
         t0 = self._clock()
         try:
             with anyio.fail_after(self.config.deadline(target)):
-                result = await body()
+                result = await self._run_effects(target)
         except BaseException as exc:
             await self._fail(target, exc, t0)
             raise
-        self.memory.observe()
-        self._emit("phase.finished", step=self.step, phase=target.value,
-                   duration_s=round(self._clock() - t0, 6), mem=self.memory.snapshot())
+        for ledger in self.memories:
+            ledger.observe()
+        self._emit_all("phase.finished", step=self.step, phase=target.value,
+                       duration_s=round(self._clock() - t0, 6))
         return result
 
+    async def _run_effects(self, phase: Phase) -> Any:
+        effect = EFFECTS[phase]
+        if effect.pause:
+            await self._pause(phase, effect)
+        if effect.resume:
+            await self._resume(phase, effect)
+        work = self._work.get(phase)
+        return await work() if work is not None else None
+
     async def _fail(self, phase: Phase, exc: BaseException, t0: float) -> None:
-        # Shielded: a cancelled scheduler must still free staging, mark the
-        # engine stale and write phase.failed, or the next run trusts a
-        # half-loaded engine and the trace never closes the phase.
+        # Shielded: a cancelled scheduler must still drop staging, mark the engine
+        # stale and write phase.failed, or the next run trusts a half-loaded engine
+        # and the trace never closes the phase.
         self.last_error = exc
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.config.cleanup_deadline_s):
-                try:
-                    await self.transport.abort()
-                except Exception:  # the transport may be what failed; cleanup goes on
-                    pass
-            self.memory.free_all_staging()
-            self.engine_version = None
-            with anyio.move_on_after(self.config.cleanup_deadline_s):
-                try:
-                    await self.engine.set_weight_version(None)
-                except Exception:  # a dead engine is stale by definition
-                    pass
+            await self._cleanup_after_failure()
             error = describe(exc)
             if isinstance(exc, TimeoutError):
                 error = f"deadline of {self.config.deadline(phase)} s exceeded in {phase}"
             fields: dict[str, Any] = {"error_type": "cancelled" if error == "cancelled" else type(exc).__name__}
             if isinstance(exc, OutOfMemory):
                 fields.update(oom_tag=exc.tag, oom_requested=exc.requested, oom_free=exc.free)
-            self._emit("phase.failed", step=self.step, phase=phase.value, error=error,
-                       duration_s=round(self._clock() - t0, 6), mem=self.memory.snapshot(), **fields)
+            rank = getattr(exc, "rank", None)
+            if isinstance(rank, int):
+                fields["failed_rank"] = rank
+            self._emit_all("phase.failed", step=self.step, phase=phase.value, error=error,
+                           duration_s=round(self._clock() - t0, 6), **fields)
+            for hook in self.hooks:
+                hook.failed(phase, self.step)
             self.machine.fire("fail", Phase.FAILED)
             # failed has no work: it is entered and closed at once; the machine
             # stays there until recover().
-            self._emit("phase.entered", step=self.step, from_phase=phase.value,
-                       to_phase=Phase.FAILED.value, mem=self.memory.snapshot())
-            self._emit("phase.finished", step=self.step, phase=Phase.FAILED.value, duration_s=0.0,
-                       mem=self.memory.snapshot())
+            self._emit_all("phase.entered", step=self.step, from_phase=phase.value, to_phase=Phase.FAILED.value)
+            self._emit_all("phase.finished", step=self.step, phase=Phase.FAILED.value, duration_s=0.0)
 
-    # -- memory helpers --------------------------------------------------------
-    def _resident(self, owner: str, tags: tuple[str, ...]) -> list[str]:
-        return [t for t in tags if self.memory.is_resident(f"{owner}.{t}")]
+    async def _cleanup_after_failure(self) -> None:
+        for transport in self.transports:
+            with anyio.move_on_after(self.config.cleanup_deadline_s):
+                try:
+                    await transport.abort()
+                except Exception:  # the transport may be what failed; cleanup goes on
+                    pass
+        for ledger in self.memories:
+            ledger.staging = None
+        self.engine_version = None
+        for engine in self.engines.ranks:
+            with anyio.move_on_after(self.config.cleanup_deadline_s):
+                try:
+                    await engine.set_weight_version(None)
+                except Exception:  # a dead engine is stale by definition
+                    pass
 
-    def _paused(self, owner: str, tags: tuple[str, ...]) -> list[str]:
-        return [t for t in tags if f"{owner}.{t}" in self.memory.regions
-                and not self.memory.is_resident(f"{owner}.{t}")]
+    # -- memory effects ----------------------------------------------------------
+    def _side(self, owner: str) -> Any:
+        return self.engines if owner == "engine" else self.trainers
 
-    def _check_fits(self, owner: str, tags: list[str], phase: Phase) -> None:
-        # All tags of one resume must fit together, before any side effect.
-        need = 0
-        for tag in tags:
-            key = f"{owner}.{tag}"
-            nbytes = self.memory.check_resume(key, phase=phase.value)
-            if need + nbytes > self.memory.free_bytes:
-                raise OutOfMemory(phase=phase.value, tag=key, requested=nbytes,
-                                  free=self.memory.free_bytes - need, total=self.memory.total_bytes,
-                                  in_use=self.memory.by_tag())
+    def _tags(self, effect: Effect, tags: tuple[str, ...], *, resident: bool) -> list[str]:
+        """The tags of ``tags`` that are (resident=True) or are not yet on the device, on every GPU."""
+        per_rank = [[t for t in tags if f"{effect.owner}.{t}" in m.regions
+                     and m.is_resident(f"{effect.owner}.{t}") == resident] for m in self.memories]
+        if any(p != per_rank[0] for p in per_rank):
+            raise RuntimeError(f"ranks disagree on which {effect.owner} tags are resident: {per_rank}")
+        return per_rank[0]
+
+    async def _pause(self, phase: Phase, effect: Effect) -> None:
+        todo = self._tags(effect, effect.pause, resident=True)
+        side = self._side(effect.owner)
+        if todo:
+            if effect.flush_first:
+                # Flush before the pages go: a flush afterwards would walk freed memory.
+                await side.each("flush_cache")
+            await side.each(effect.verb, todo)
+        for r, ledger in enumerate(self.memories):
+            for tag in todo:
+                nbytes = ledger.pause(f"{effect.owner}.{tag}", host_copy=effect.host_copy)
+                self._emit(r, "memory.paused", owner=effect.owner, tag=tag, bytes=nbytes,
+                           host_copy=effect.host_copy)
+
+    async def _resume(self, phase: Phase, effect: Effect) -> None:
+        todo = self._tags(effect, effect.resume, resident=False)
+        for r in range(self.world_size):  # every GPU, before any side effect
+            self._check_fits(r, effect.keys(todo), phase)
+        if todo:
+            await self._side(effect.owner).each(effect.verb, todo)
+        for r, ledger in enumerate(self.memories):
+            for tag in todo:
+                nbytes = ledger.resume(f"{effect.owner}.{tag}")
+                self._emit(r, "memory.resumed", owner=effect.owner, tag=tag, bytes=nbytes)
+
+    def _check_fits(self, rank: int, keys: Sequence[str], phase: Phase) -> None:
+        # All tags of one resume must fit together.
+        ledger, need = self.memories[rank], 0
+        for key in keys:
+            nbytes = ledger.check_resume(key, phase=phase.value)
+            if need + nbytes > ledger.free_bytes:
+                raise OutOfMemory(phase=phase.value, tag=key, requested=nbytes, free=ledger.free_bytes - need,
+                                  total=ledger.total_bytes, in_use=ledger.by_tag(),
+                                  rank=rank if self.world_size > 1 else None)
             need += nbytes
 
-    def _mark(self, owner: str, tags: list[str], *, resume: bool, host_copy: bool = False) -> None:
-        for tag in tags:
-            key = f"{owner}.{tag}"
-            if resume:
-                nbytes = self.memory.resume(key)
-                self._emit("memory.resumed", owner=owner, tag=tag, bytes=nbytes, mem=self.memory.snapshot())
-            else:
-                nbytes = self.memory.pause(key, host_copy=host_copy)
-                self._emit("memory.paused", owner=owner, tag=tag, bytes=nbytes, host_copy=host_copy,
-                           mem=self.memory.snapshot())
-
-    async def _wake(self, owner: str, tags: tuple[str, ...], phase: Phase) -> None:
-        todo = self._paused(owner, tags)
-        self._check_fits(owner, todo, phase)
-        side = self.engine if owner == "engine" else self.trainer
-        if todo:
-            await (side.resume(todo) if owner == "engine" else side.onload(todo))
-        self._mark(owner, todo, resume=True)
-
-    # -- phase bodies ------------------------------------------------------------
+    # -- the work of rollout, train and sync ---------------------------------------
     async def _rollout(self) -> RolloutResult:
-        result = await self.engine.generate(self.step)
-        self.last_rollout = result
-        self._emit("rollout.finished", step=self.step, reward=result.reward, tokens=result.tokens)
-        return result
-
-    async def _engine_release(self) -> None:
-        todo = self._resident("engine", ENGINE_RELEASE_ORDER)
-        if todo:
-            # Flush before the pages go: a flush afterwards would walk freed memory.
-            await self.engine.flush_cache()
-            await self.engine.release(todo)
-        self._mark("engine", todo, resume=False)
-
-    async def _trainer_onload(self) -> None:
-        await self._wake("trainer", TRAINER_TAGS, Phase.TRAINER_ONLOAD)
+        results = await self.engines.each("generate", self.step)
+        self.last_rollout = results[0]
+        for r, res in enumerate(results):
+            self._emit(r, "rollout.finished", mem=None, step=self.step, reward=res.reward, tokens=res.tokens)
+        return results[0]
 
     async def _train(self) -> Any:
         if self.last_rollout is None:
             raise RuntimeError("train needs a rollout first: no rollout result is held")
-        self.last_train = await self.trainer.train_step(self.last_rollout)
+        results = await self.trainers.each("train_step", self.last_rollout)
+        self.last_train = results[0]
         self.trainer_version += 1
         return self.last_train
 
-    async def _trainer_offload(self) -> None:
-        todo = self._resident("trainer", TRAINER_TAGS)
-        if todo:
-            await self.trainer.offload(todo)
-        self._mark("trainer", todo, resume=False, host_copy=True)
-
-    async def _engine_wake_weights(self) -> None:
-        await self._wake("engine", ("weights",), Phase.ENGINE_WAKE_WEIGHTS)
-
     async def _sync(self) -> dict:
-        version = self.trainer_version
+        version, step = self.trainer_version, self.step
         # Stale before the first byte moves: if anything below fails the engine
         # must not be trusted, whatever it already loaded.
         self.engine_version = None
-        await self.engine.set_weight_version(None)
+        await self.engines.each("set_weight_version", None)
         source = "device" if self.memory.is_resident("trainer.weights") else "host"
-        step = self.step
-
-        def record(bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
-            self._emit("bucket.finished", step=step, bucket=bucket, stage=stage, bytes=int(nbytes),
-                       tensors=int(tensors), duration_s=round(duration_s, 6), mem=self.memory.snapshot())
-
-        ctx = SyncContext(step=step, weight_version=version, bucket_bytes=self.config.bucket_bytes,
-                          source=source, staging=LedgerStaging(self.memory), record=record)
+        ctxs = [SyncContext(step=step, weight_version=version, bucket_bytes=self.config.bucket_bytes,
+                            source=source, staging=m.staging_budget(rank=r if self.world_size > 1 else None),
+                            clock=self._clock) for r, m in enumerate(self.memories)]
         t0 = self._clock()
-        result = await self.transport.sync(self.trainer, self.engine, ctx)
-        if self.memory.staging_bytes:
-            raise RuntimeError(f"transport {self.transport.name} left {self.memory.staging_bytes} "
-                               "staging bytes allocated after sync")
+        results = await self._transfer(ctxs)
         # The prefix cache holds KV computed with the old weights: flush after the
         # last load, so nothing computed before the change survives into rollout.
-        await self.engine.flush_cache()
-        digest = await self.engine.digest()
+        await self.engines.each("flush_cache")
+        digests = await self.engines.each("digest")
         if self._verify is not None:
-            await self._verify(digest)
-        await self.engine.set_weight_version(version)
+            await self._verify(list(digests))
+        await self.engines.each("set_weight_version", version)
         self.engine_version = version
-        self.last_sync = self._emit(
-            "sync.finished", step=step, bytes=result.bytes, buckets=result.buckets,
-            tensors=result.tensors, params=len(self.trainer.param_specs()),
-            duration_s=round(self._clock() - t0, 6), weight_version=version, digest=digest,
-            cache_flushed=True, source=source, mem=self.memory.snapshot())
+        params = len(self.trainers.first("param_specs"))
+        events = [self._emit(r, "sync.finished", step=step, bytes=res.bytes, buckets=res.buckets,
+                             tensors=res.tensors, params=params, duration_s=round(self._clock() - t0, 6),
+                             weight_version=version, digest=digests[r], cache_flushed=True, source=source)
+                  for r, res in enumerate(results)]
+        self.last_sync = events[0]
         return self.last_sync
 
-    async def _engine_wake_kv(self) -> None:
-        await self._wake("engine", ("kv_cache", "cuda_graph"), Phase.ENGINE_WAKE_KV)
+    async def _transfer(self, ctxs: list[SyncContext]) -> list[SyncResult]:
+        """Every rank's transport moves its sync at once; their stage records come
+        back as data and are written here, also those of a sync that failed."""
+        for ledger, ctx in zip(self.memories, ctxs):
+            ledger.staging = ctx.staging  # live view for snapshots taken meanwhile
+        calls = [(lambda r=r: self.transports[r].sync(self.trainers[r], self.engines[r], ctxs[r]))
+                 for r in range(self.world_size)]
+        failed = True
+        try:
+            results, _ = await together(calls, "sync", "transport.sync")
+            failed = False
+            for ctx, res in zip(ctxs, results):
+                if res.stages:  # a sender elsewhere (an actor) reports its stages in its result
+                    ctx.stages[:] = res.stages
+        finally:
+            with anyio.CancelScope(shield=True):
+                self._write_stages(ctxs, raise_violations=not failed)
+        for r, (ledger, ctx) in enumerate(zip(self.memories, ctxs)):
+            ledger.staging = None
+            if ctx.staging.held_bytes:
+                raise RuntimeError(f"transport {self.transports[r].name} left {ctx.staging.held_bytes} "
+                                   "staging bytes allocated after sync")
+        return results
 
-    async def _failed(self) -> None:  # pragma: no cover - failed is entered only by _fail
-        raise IllegalTransition(self.phase, "fail", Phase.FAILED)
+    def _write_stages(self, ctxs: list[SyncContext], *, raise_violations: bool) -> None:
+        for r, (ledger, ctx) in enumerate(zip(self.memories, ctxs)):
+            for rec in ctx.stages:
+                try:
+                    self._emit(r, "bucket.finished", at=rec.at, mem=ledger.snapshot(staging=rec.staging_bytes),
+                               step=self.step, bucket=rec.bucket, stage=rec.stage, bytes=rec.bytes,
+                               tensors=rec.tensors, duration_s=round(rec.duration_s, 6))
+                except InvariantViolation:
+                    if raise_violations:
+                        raise
+            ledger.note_staging_peak(getattr(ctx.staging, "peak_bytes", 0))
 
 
 __all__ = ["Scheduler", "InvariantViolation", "Violation", "describe"]

@@ -32,7 +32,8 @@ def test_double_pause_and_double_resume_are_refused_and_change_nothing():
 
 def test_oom_names_phase_tag_asked_and_free_and_changes_nothing():
     m = ledger()
-    m.alloc_staging(100, phase="sync")
+    m.staging = m.staging_budget()
+    m.staging.alloc(100)
     with pytest.raises(OutOfMemory) as ei:
         m.resume("trainer.weights", phase="trainer_onload")
     e = ei.value
@@ -43,15 +44,20 @@ def test_oom_names_phase_tag_asked_and_free_and_changes_nothing():
 
 def test_staging_is_budgeted_and_freed_once():
     m = ledger()
-    a = m.alloc_staging(100)
-    b = m.alloc_staging(100)
+    budget = m.staging_budget()  # every free byte of the device, as plain data
+    m.staging = budget
+    a = budget.alloc(100)
+    budget.alloc(100)
+    assert m.staging_bytes == 200 and m.snapshot()["by_tag"]["staging"] == 200
     with pytest.raises(OutOfMemory, match="staging asks 100 B, 50 B free"):
-        m.alloc_staging(100, phase="sync")
-    assert m.free_staging(a) == 100
+        budget.alloc(100)
+    assert budget.free(a) == 100
     with pytest.raises(TagStateError, match="freed twice"):
-        m.free_staging(a)
-    assert m.free_all_staging() == 100 and m.staging_bytes == 0
-    del b
+        budget.free(a)
+    assert budget.free_all() == 100 and m.staging_bytes == 0 and budget.peak_bytes == 200
+    m.staging = None
+    m.note_staging_peak(budget.peak_bytes)
+    assert m.peak_bytes >= m.used_bytes + 200
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -39,7 +39,7 @@ def test_every_transport_is_registered_with_a_strategy():
         assert s.name == name == make_transport(name).name
         assert all(hasattr(s, a) for a in ("create_init_info", "create_sender", "create_receiver",
                                            "request_type", "init_info_type"))
-    with pytest.raises(ValueError, match="unknown transport 'pickle'; expected one of ipc, packed"):
+    with pytest.raises(ValueError, match="unknown transport 'pickle'; expected one of packed, ipc"):
         make_transport("pickle")
 
 
@@ -160,6 +160,10 @@ class Pool:
     def free(self, sid):
         del self.live[sid]
 
+    @property
+    def held_bytes(self):
+        return sum(self.live.values())
+
 
 class CountingEngine:
     """The real client, with a count of per-request loads."""
@@ -182,9 +186,8 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
         options = {"root": str(tmp_path / "ckpt")} if name == "disk" else {}
         transport = make_transport(name, **options)
         engine = CountingEngine(client)
-        pool, recorded = Pool(), []
-        ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=64 << 10, source="host", staging=pool,
-                          record=lambda *a: recorded.append(a))
+        pool = Pool()
+        ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=64 << 10, source="host", staging=pool)
         try:
             result = await transport.sync(Trainer(state), engine, ctx)
             again = await transport.sync(Trainer(state), engine, ctx) if name == "broadcast" else None
@@ -199,14 +202,14 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
         assert engine.loads == per_sync * (2 if again else 1), name
         assert await client.digest() == expected_digest(state, config, torch.float32), name
         assert pool.live == {} and pool.peak > 0 and leftover_segments() == []
-        stages = {(b, s) for b, s, *_ in recorded}
+        stages = {(r.bucket, r.stage) for r in ctx.stages}
         assert stages == {(b.index, s) for b in buckets for s in ("gather", "pack", "handoff", "load")}
         if name == "broadcast":
             assert group is not None and again is not None  # the second sync reused the group
             with pytest.raises(EngineError, match="'broadcast' is not initialised on the engine"):
                 await client.transport_load("broadcast", {"nbytes": 8, "tensors": []})
     # the engine builds receivers only for registered transports
-    with pytest.raises(EngineError, match="unknown transport 'os:system'; expected one of ipc, packed"):
+    with pytest.raises(EngineError, match="unknown transport 'os:system'; expected one of packed, ipc"):
         await client.transport_load("os:system", {})
     assert leftover_segments() == []
 
@@ -259,7 +262,7 @@ async def test_a_mismatched_trainer_fails_the_sync_phase_before_any_byte_for_eve
     sched = Scheduler(trainer, client, memory, make_transport("ipc"), trace=trace, engine_synced=False)
     async with sched:
         for name in TRANSPORTS:
-            sched.transport = make_transport(name, **({"root": str(root)} if name == "disk" else {}))
+            sched.transports[0] = make_transport(name, **({"root": str(root)} if name == "disk" else {}))
             for phase in (Phase.ENGINE_RELEASE, Phase.TRAINER_OFFLOAD, Phase.ENGINE_WAKE_WEIGHTS):
                 await sched.run_phase(phase)
             before = await client.digest()

@@ -151,6 +151,7 @@ KILLED_WRITER = textwrap.dedent("""
             return {"tensors": len(request["tensors"])}
 
     class Pool:
+        held_bytes = 0
         def alloc(self, n): return 1
         def free(self, sid): pass
 
@@ -165,7 +166,7 @@ KILLED_WRITER = textwrap.dedent("""
         t = disk.DiskTransport(root=root)
         for version in (1, 2):
             ctx = SyncContext(step=version, weight_version=version, bucket_bytes=8000, source="host",
-                              staging=Pool(), record=lambda *a: None)
+                              staging=Pool())
             await t.sync(Trainer(version), Engine(), ctx)
 
     anyio.run(main)
@@ -212,6 +213,7 @@ def test_keep_retires_old_checkpoints_out_of_the_step_namespace(tmp_path):
             return {"tensors": len(request["tensors"])}
 
     class Pool:
+        held_bytes = 0
         def alloc(self, n): return 1
         def free(self, sid): pass
 
@@ -221,7 +223,7 @@ def test_keep_retires_old_checkpoints_out_of_the_step_namespace(tmp_path):
         t = DiskTransport(root=tmp_path, keep=2)
         for v in (3, 4, 5, 5):  # the last one re-syncs version 5 (after a recovery)
             ctx = SyncContext(step=v, weight_version=v, bucket_bytes=1 << 20, source="host", staging=Pool(),
-                              record=lambda *a: None)
+                              )
             await t.sync(Trainer(state), Engine(), ctx)
         return t.last_checkpoint
 

@@ -37,10 +37,11 @@ import anyio
 import torch
 
 from colo.transports.disk import write_durable
-from colo.cli import EXIT_FAILED, EXIT_OK, UsageError
+from colo.errors import EXIT_FAILED, EXIT_OK, UsageError
+from colo.core.memory import StagingBudget
 from colo.core.interfaces import SyncContext
 
-MiB = 1 << 20
+from colo.core.units import MiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,24 +84,6 @@ MODELS: dict[str, BenchModel] = {
 #: ``ipc`` first: verl's per-tensor handles are the baseline row.
 CASES: list[Case] = [Case("ipc", "ipc"), Case("packed", "packed"), Case("broadcast", "broadcast"),
                      Case("disk", "disk", {"keep": 1})]
-
-
-class PeakStaging:
-    """A staging pool that only counts: live bytes and their peak."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.peak = 0
-        self._next = 0
-
-    def alloc(self, nbytes: int) -> int:
-        self._next += 1
-        self.live[self._next] = nbytes
-        self.peak = max(self.peak, sum(self.live.values()))
-        return self._next
-
-    def free(self, sid: int) -> None:
-        del self.live[sid]
 
 
 class SourceTrainer:
@@ -176,23 +159,20 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
     result = None
     try:
         for i in range(warmup + repeat):
-            pool = PeakStaging()
-            stages: dict[str, float] = {}
-
-            def record(bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
-                stages[stage] = stages.get(stage, 0.0) + duration_s
-
-            ctx = SyncContext(step=i, weight_version=i, bucket_bytes=bucket_bytes, source="host", staging=pool,
-                              record=record)
+            pool = StagingBudget(None)  # counts only: the benchmark measures the peak
+            ctx = SyncContext(step=i, weight_version=i, bucket_bytes=bucket_bytes, source="host", staging=pool)
             counting.requests = 0
             t0 = time.perf_counter()
             result = await transport.sync(trainer, counting, ctx)
             elapsed = time.perf_counter() - t0
-            if pool.live:
-                raise RuntimeError(f"{case.label}: {sum(pool.live.values())} staging bytes left after a sync")
+            if pool.held_bytes:
+                raise RuntimeError(f"{case.label}: {pool.held_bytes} staging bytes left after a sync")
+            stages: dict[str, float] = {}
+            for rec in ctx.stages:
+                stages[rec.stage] = stages.get(rec.stage, 0.0) + rec.duration_s
             if i >= warmup:
                 times.append(elapsed)
-                peaks.append(pool.peak)
+                peaks.append(pool.peak_bytes)
                 requests.append(counting.requests)
                 for stage, s in stages.items():
                     stage_sums.setdefault(stage, []).append(s)

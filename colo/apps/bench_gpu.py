@@ -27,7 +27,7 @@ import anyio
 import torch
 
 from colo.core.interfaces import SyncContext
-from colo.core.memory import GiB, LedgerStaging, MiB, MemoryLedger
+from colo.core.memory import GiB, MiB, StagingBudget
 
 QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
@@ -104,13 +104,12 @@ class BenchTrainer:
 
 async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, bucket_bytes: int,
                     reps: int) -> dict:
-    ledger = MemoryLedger(total_bytes=1 << 50)
-    stages: list[tuple] = []
+    stages: list = []
     times, peaks = [], []
     result = None
     for i in range(reps + 1):  # the first is a warm-up
         ctx = SyncContext(step=i, weight_version=1, bucket_bytes=bucket_bytes, source=source,
-                          staging=LedgerStaging(ledger), record=lambda *a: stages.append(a))
+                          staging=StagingBudget(None))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -123,11 +122,12 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
         if i:
             times.append(elapsed)
             peaks.append(torch.cuda.max_memory_allocated() - base)
+            stages.extend(ctx.stages)
     sec = statistics.median(times)
     # where the time goes: each stage's total over the timed syncs, per sync
     by_stage: dict[str, float] = {}
-    for _bucket, stage, _n, _t, dur in stages[len(stages) // (reps + 1):]:
-        by_stage[stage] = by_stage.get(stage, 0.0) + dur / reps
+    for rec in stages:
+        by_stage[rec.stage] = by_stage.get(rec.stage, 0.0) + rec.duration_s / reps
     return {"sync_s": sec, "stage_s_per_sync": by_stage, "sync_s_all": times, "bytes": result.bytes, "buckets": result.buckets,
             "tensors": result.tensors, "GBps": result.bytes / sec / 1e9, "peak_extra_bytes": max(peaks)}
 
@@ -166,12 +166,47 @@ async def time_phases(trainer: BenchTrainer, engine: Any, cycles: int = 3) -> li
     return out
 
 
+async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float, reps: int) -> list[dict]:
+    """Every transport variant under both plans; each row printed as it is measured."""
+    from colo.transports import make_transport
+
+    rows = []
+    for plan, source in (("sync-first", "device"), ("offload-first", "host")):
+        if source == "host" and "trainer.weights" not in saver.paused:
+            saver.pause("trainer.weights")
+        for label, name, opts in VARIANTS:
+            transport = make_transport(name, **opts)
+            try:
+                r = await time_sync(transport, trainer, engine, source=source,
+                                    bucket_bytes=int(bucket_mib * MiB), reps=reps)
+            finally:
+                if hasattr(transport, "aclose"):
+                    await transport.aclose()
+            r.update(plan=plan, transport=label, bucket_mib=bucket_mib)
+            rows.append(r)
+            print(json.dumps({"row": r}), flush=True)  # in the log even if the run is cut short
+    return rows
+
+
+def target_ratios(rows: list[dict], limits: dict, bucket_mib: float) -> dict:
+    d2d_model_limit = limits["d2d_copy_GBps_read_plus_write"] / 2
+    by = {(r["plan"], r["transport"]): r for r in rows}
+    pipe_of, pipe_sf = by[("offload-first", "packed-pipelined")], by[("sync-first", "packed-pipelined")]
+    return {
+        "offload_first_vs_pinned_h2d": pipe_of["GBps"] / limits["pinned_h2d_GBps"],
+        "offload_first_vs_slime_style": pipe_of["GBps"] / by[("offload-first", "packed-serial")]["GBps"],
+        "offload_first_vs_per_tensor": pipe_of["GBps"] / by[("offload-first", "ipc")]["GBps"],
+        "sync_first_vs_d2d_limit": pipe_sf["GBps"] / d2d_model_limit,
+        "peak_extra_vs_bound": max(r["peak_extra_bytes"] for r in rows if "packed" in r["transport"])
+        / (2 * bucket_mib * MiB + 64 * MiB),
+    }
+
+
 async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None) -> dict:
     from colo.cuda_memory import Saver
     from colo.engine.client import EngineClient
     from colo.engine.model import expected_digest
     from colo.models import demo_config
-    from colo.transports import make_transport
 
     shapes = dict(QWEN2_7B)
     if layers is not None:
@@ -187,22 +222,8 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
     build = {"config": config.to_dict(), "dtype": "bfloat16", "device": "cuda", "total_bytes": total,
              "mem_fraction_static": (trainer.weight_bytes + kv) / total, "checkpoint": None, "memory": "saver"}
     engine = await EngineClient.spawn(build)
-    rows = []
     try:
-        for plan, source in (("sync-first", "device"), ("offload-first", "host")):
-            if source == "host" and "trainer.weights" not in saver.paused:
-                saver.pause("trainer.weights")
-            for label, name, opts in VARIANTS:
-                transport = make_transport(name, **opts)
-                try:
-                    r = await time_sync(transport, trainer, engine, source=source,
-                                        bucket_bytes=int(bucket_mib * MiB), reps=reps)
-                finally:
-                    if hasattr(transport, "aclose"):
-                        await transport.aclose()
-                r.update(plan=plan, transport=label, bucket_mib=bucket_mib)
-                rows.append(r)
-                print(json.dumps({"row": r}), flush=True)  # in the log even if the run is cut short
+        rows = await time_variants(trainer, engine, saver, bucket_mib, reps)
         # the last sync (offload-first, pipelined) must have delivered the trainer's weights
         digest_ok = await engine.digest() == expected_digest(trainer.host_state(), config, torch.bfloat16)
         print(json.dumps({"digest_verified": digest_ok}), flush=True)
@@ -212,16 +233,7 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
         await engine.aclose()
     model_bytes = trainer.weight_bytes
     d2d_model_limit = limits["d2d_copy_GBps_read_plus_write"] / 2
-    by = {(r["plan"], r["transport"]): r for r in rows}
-    pipe_of, pipe_sf = by[("offload-first", "packed-pipelined")], by[("sync-first", "packed-pipelined")]
-    ratios = {
-        "offload_first_vs_pinned_h2d": pipe_of["GBps"] / limits["pinned_h2d_GBps"],
-        "offload_first_vs_slime_style": pipe_of["GBps"] / by[("offload-first", "packed-serial")]["GBps"],
-        "offload_first_vs_per_tensor": pipe_of["GBps"] / by[("offload-first", "ipc")]["GBps"],
-        "sync_first_vs_d2d_limit": pipe_sf["GBps"] / d2d_model_limit,
-        "peak_extra_vs_bound": max(r["peak_extra_bytes"] for r in rows if "packed" in r["transport"])
-        / (2 * bucket_mib * MiB + 64 * MiB),
-    }
+    ratios = target_ratios(rows, limits, bucket_mib)
     return {
         "kind": "colo.apps.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "device_total_bytes": total, "torch": torch.__version__,

@@ -27,7 +27,9 @@ from typing import Any
 import anyio
 import torch
 
-from colo.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, PLANS, TRANSPORTS, UsageError
+from colo.core.phases import PLANS
+from colo.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
+from colo.transports import REGISTRY as TRANSPORTS
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.handles import leftover_segments
@@ -37,6 +39,7 @@ from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
 from colo.offline.summary import PhaseSummary
 from colo.trace.writer import TraceWriter
+from colo.errors import VerificationError
 
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
@@ -66,10 +69,6 @@ class SimulatedDevice(MemoryLedger):
     def observe(self) -> None:
         self.reserved_bytes = self.base_reserved + self.leftover()
         self._bump_peak()
-
-
-class VerificationError(RuntimeError):
-    """The engine's weights after a sync are not the trainer's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,10 +180,12 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
     probe = probe_batch(model_config.vocab_size, seed)
     current = engine if callable(engine) else (lambda: engine)
 
-    async def verify(digest: str) -> None:
+    async def verify(digests: list[str]) -> None:
         want = expected_digest(trainer.hf_state(), model_config, getattr(torch, dtype))
-        if digest != want:
-            raise VerificationError(f"engine digest {digest[:16]} != trainer digest {want[:16]} after sync")
+        for rank, digest in enumerate(digests):
+            if digest != want:
+                raise VerificationError(f"engine rank {rank} digest {digest[:16]} != trainer digest {want[:16]} "
+                                        "after sync")
         got = torch.tensor(await current().logits(probe))
         ref = trainer.logits(probe)
         err = float((got - ref).abs().max())
@@ -272,160 +273,230 @@ def _refusal(exc: BaseException) -> str:
 
 async def run(cfg: DemoConfig, *, progress: bool = True,
               on_cycle: Callable[[int], None] | None = None) -> DemoOutcome:
-    """``on_cycle(n)`` is called after the n-th completed cycle (the soak measures there)."""
-    from safetensors.torch import save_file
+    """The loop, as the phase list reads: set up, one cycle per step, report.
 
-    from colo.engine.client import EngineClient
-    from colo.engine.model import expected_digest
-    from colo.testing.faults import FaultInjector
-    from colo.models import demo_config
-    from colo.transports import make_transport
-
-    torch.manual_seed(cfg.seed)
-    model_config = demo_config()
-    trainer, saver = build_trainer(cfg, model_config)
-    total, reserved, name = device_budget(cfg)
-    task = ReinforceTask(model_config.vocab_size, batch=cfg.batch, prompt_len=cfg.prompt_len,
-                         new_tokens=cfg.new_tokens, seed=cfg.seed)
-    workdir = tempfile.mkdtemp(prefix="colo-demo-")
-    summary = PhaseSummary()
-    rewards: list[float] = []
-    recoveries: list[Recovery] = []
-    error: BaseException | None = None
-    fault = cfg.parsed_fault()
-
-    def trainer_digest() -> str:
-        return expected_digest(trainer.hf_state(), model_config, getattr(torch, cfg.engine_dtype))
-
-    at_fault: list[str] = []
-    injector = FaultInjector(fault, on_fire=lambda: at_fault.append(trainer_digest())) if fault else None
-    engines: list[Any] = []  # every engine process this run started, closed at the end
+    ``on_cycle(n)`` is called after the n-th completed cycle (the soak measures there).
+    """
+    demo = DemoRun(cfg)
     try:
-        # The engine starts from the trainer's initial checkpoint (version 0),
-        # as SGLang starts from a model path.
-        ckpt = os.path.join(workdir, "init.safetensors")
-        save_file({k: v.contiguous().cpu() for k, v in trainer.hf_state().items()}, ckpt)
-        if saver is not None:
+        await demo.start()
+        bar = _progress(cfg.steps, progress)
+        try:
+            async with demo.sched:
+                while len(demo.rewards) < cfg.steps:
+                    await demo.cycle()  # rollout ... engine_wake_kv; an injected fault is recovered
+                    bar.set_postfix(reward=f"{demo.rewards[-1]:.3f}")
+                    bar.update(1)
+                    if on_cycle is not None:
+                        on_cycle(len(demo.rewards))
+                demo.check_fault_fired()
+        except Exception as e:  # in the trace as phase.failed (or before it: at start-up)
+            demo.error = e
+        finally:
+            bar.close()
+    finally:
+        await demo.close()
+    return demo.outcome()
+
+
+class DemoRun:
+    """Everything one demo run holds: trainer, engine processes, transport, ledger,
+    trace, scheduler, and the audit of an injected fault."""
+
+    def __init__(self, cfg: DemoConfig):
+        from colo.models import demo_config
+
+        self.cfg = cfg
+        self.model_config = demo_config()
+        self.fault = cfg.parsed_fault()
+        self.summary = PhaseSummary()
+        self.rewards: list[float] = []
+        self.recoveries: list[Recovery] = []
+        self.error: BaseException | None = None
+        self.engines: list[Any] = []  # every engine process this run started, closed at the end
+        self.trainer: Any = None
+        self.saver: Any = None
+        self.transport: Any = None
+        self.workdir = tempfile.mkdtemp(prefix="colo-demo-")
+        self._at_fault: list[str] = []
+        self.injector: Any = None
+
+    # -- set-up ------------------------------------------------------------------
+    async def start(self) -> None:
+        from colo.transports import make_transport
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.trainer, self.saver = build_trainer(cfg, self.model_config)
+        if self.fault is not None:
+            from colo.testing.faults import FaultInjector
+
+            self.injector = FaultInjector(self.fault, on_fire=lambda: self._at_fault.append(self.trainer_digest()))
+        self.task = ReinforceTask(self.model_config.vocab_size, batch=cfg.batch, prompt_len=cfg.prompt_len,
+                                  new_tokens=cfg.new_tokens, seed=cfg.seed)
+        self.total, self.reserved, self.device_name = device_budget(cfg)
+        self.build = await self._engine_build()
+        self.env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
+        await self._spawn_engine(self.build)
+        self.transport = make_transport(cfg.transport)
+        self.sched = self._scheduler(self._ledger())
+
+    async def _engine_build(self) -> dict:
+        """The engine starts from the trainer's initial checkpoint (version 0), as
+        SGLang starts from a model path."""
+        from safetensors.torch import save_file
+
+        ckpt = os.path.join(self.workdir, "init.safetensors")
+        save_file({k: v.contiguous().cpu() for k, v in self.trainer.hf_state().items()}, ckpt)
+        if self.saver is not None:
             # Colocated start: the trainer offloads before the engine starts, as
             # slime does, so the engine's KV pool can take its fraction.
-            await trainer.offload(["weights", "optimizer"])
-        build = {"config": model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
-                 "total_bytes": total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
-                 "memory": "saver" if saver is not None else "free"}
-        env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
-        engines.append(await EngineClient.spawn(build, task=task, env=env))
-        transport = make_transport(cfg.transport)
-        try:
-            if cfg.device == "cuda":
-                from colo.cuda_memory import cuda_ledger
+            await self.trainer.offload(["weights", "optimizer"])
+        cfg = self.cfg
+        return {"config": self.model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
+                "total_bytes": self.total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
+                "memory": "saver" if self.saver is not None else "free"}
 
-                # R is what the device holds now beyond the engine's regions:
-                # both CUDA contexts, the allocator caches.
-                memory = cuda_ledger(accounted_bytes=sum(engines[0].tag_bytes().values()), device_name=name)
-            else:
-                leftover = int(cfg.trainer_leftover_mib * MiB)
-                memory = SimulatedDevice(total_bytes=total, reserved_bytes=reserved, device_kind="cpu",
-                                         device_name=name,
-                                         leftover=lambda: leftover if trainer.steps else 0)
-            trace = TraceWriter(cfg.trace_path)
-            trace.add_listener(summary.feed)
-            wrap_engine = injector.wrap_engine if injector else (lambda e: e)
-            sched = Scheduler(
-                injector.wrap_trainer(trainer) if injector else trainer, wrap_engine(engines[0]), memory,
-                transport,
-                config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
-                                       deadlines=fault.deadlines() if fault else {}),
-                trace=trace, verify=make_verifier(trainer, lambda: sched.engine, model_config,
-                                                  cfg.engine_dtype, cfg.seed),
-                run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
-                            "mem_fraction_static": cfg.mem_fraction_static,
-                            "model": {"params": trainer.num_params(),
-                                      "engine_dtype": cfg.engine_dtype}})
-            if injector:
-                injector.attach(sched)
+    async def _spawn_engine(self, build: dict) -> Any:
+        from colo.engine.client import EngineClient
 
-            async def recover() -> Recovery:
-                """Fail safe, then back to a synced engine: check what a failure must
-                leave behind, replace a dead engine, re-sync from the trainer's copy."""
-                failed = summary.errors[-1] if summary.errors else {}
-                rec = Recovery(fault=str(fault), phase=failed.get("phase", "?"), step=sched.step,
-                               cause=failed.get("error", "?"), trainer_digest_at_fault=at_fault[-1],
-                               staging_bytes_after_failure=memory.staging_bytes,
-                               segments_after_failure=leftover_segments(),
-                               trainer_digest_after_failure=trainer_digest())
-                recoveries.append(rec)
-                try:  # a stale engine must never roll out: the scheduler refuses, writing nothing
-                    await sched.run_phase(Phase.ROLLOUT)
-                    raise RuntimeError("the scheduler allowed rollout after a failure")
-                except (IllegalTransition, InvariantViolation) as e:
-                    rec.rollout_refused_by_scheduler = _refusal(e)
-                old = engines[-1]
-                if not old.process.is_alive():
-                    # The trainer's copy is the truth: a new engine starts empty and stale
-                    # and the recovery sync fills it.
-                    new = await EngineClient.spawn({**build, "checkpoint": None}, task=task, env=env)
-                    engines.append(new)
-                    await sched.replace_engine(wrap_engine(new))
-                    rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.process.pid, new.process.pid
-                    await old.aclose()
-                try:  # and the engine itself refuses too
-                    await engines[-1].generate(sched.step)
-                    raise RuntimeError("the engine generated with stale weights after a failure")
-                except EngineError as e:
-                    rec.rollout_refused_by_engine = _refusal(e)
-                rec.engine_weight_version_after_failure = (await engines[-1].call("hello"))["weight_version"]
-                await sched.recover()
-                rec.engine_digest_after_recovery = sched.last_sync["digest"]
-                rec.recovered = rec.engine_digest_after_recovery == trainer_digest()
-                return rec
+        engine = await EngineClient.spawn(build, task=self.task, env=self.env)
+        self.engines.append(engine)
+        return engine
 
-            bar = _progress(cfg.steps, progress)
+    def _ledger(self) -> MemoryLedger:
+        if self.cfg.device == "cuda":
+            from colo.cuda_memory import cuda_ledger
+
+            # R is what the device holds now beyond the engine's regions: both
+            # CUDA contexts, the allocator caches.
+            return cuda_ledger(accounted_bytes=sum(self.engines[0].tag_bytes().values()),
+                               device_name=self.device_name)
+        leftover = int(self.cfg.trainer_leftover_mib * MiB)
+        return SimulatedDevice(total_bytes=self.total, reserved_bytes=self.reserved, device_kind="cpu",
+                               device_name=self.device_name,
+                               leftover=lambda: leftover if self.trainer.steps else 0)
+
+    def _wrap_engine(self, engine: Any) -> Any:
+        return self.injector.wrap_engine(engine) if self.injector else engine
+
+    def _scheduler(self, memory: MemoryLedger) -> Scheduler:
+        cfg = self.cfg
+        trace = TraceWriter(cfg.trace_path)
+        trace.add_listener(self.summary.feed)
+        trainer = self.injector.wrap_trainer(self.trainer) if self.injector else self.trainer
+        sched = Scheduler(
+            trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
+            config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
+                                   deadlines=self.fault.deadlines() if self.fault else {}),
+            trace=trace, verify=make_verifier(self.trainer, lambda: sched.engine, self.model_config,
+                                              cfg.engine_dtype, cfg.seed),
+            run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
+                        "mem_fraction_static": cfg.mem_fraction_static,
+                        "model": {"params": self.trainer.num_params(), "engine_dtype": cfg.engine_dtype}})
+        if self.injector:
+            self.injector.attach(sched)
+        return sched
+
+    def trainer_digest(self) -> str:
+        from colo.engine.model import expected_digest
+
+        return expected_digest(self.trainer.hf_state(), self.model_config, getattr(torch, self.cfg.engine_dtype))
+
+    # -- the cycle ---------------------------------------------------------------
+    async def cycle(self) -> None:
+        """One cycle of the plan; a cycle that failed on an injected fault is
+        recovered from and run again."""
+        while True:
+            with anyio.CancelScope() as scope:  # a cancel fault cancels this scope
+                if self.injector:
+                    self.injector.scope = scope
+                try:
+                    await self.sched.cycle()
+                except Exception:
+                    if self.sched.phase is not Phase.FAILED:
+                        raise  # refused before any phase started: nothing to recover
+            if self.sched.phase is not Phase.FAILED:
+                self.rewards.append(self.sched.last_rollout.reward)
+                return
+            # Only an injected fault is recovered from: a failure nobody injected
+            # (a plan that does not fit) would recur every cycle.
+            if self.injector is None or not self.injector.fired or len(self.recoveries) == 1:
+                err = self.sched.last_error
+                raise err if isinstance(err, Exception) else RuntimeError(describe(err))
+            if not (await self.recover()).recovered:
+                raise VerificationError("recovery did not restore the trainer's weights")
+
+    def check_fault_fired(self) -> None:
+        if self.injector is not None and not self.injector.fired:
+            f = self.fault
+            raise RuntimeError(f"fault {f} was never injected: no {f.phase} at step >= {f.step} in "
+                               f"{self.cfg.steps} steps")
+
+    # -- recovery and its audit ------------------------------------------------------
+    async def recover(self) -> Recovery:
+        """Fail safe, then back to a synced engine: check what a failure must leave
+        behind, replace a dead engine, re-sync from the trainer's copy."""
+        rec = self._audit_failure()
+        self.recoveries.append(rec)
+        try:  # a stale engine must never roll out: the scheduler refuses, writing nothing
+            await self.sched.run_phase(Phase.ROLLOUT)
+            raise RuntimeError("the scheduler allowed rollout after a failure")
+        except (IllegalTransition, InvariantViolation) as e:
+            rec.rollout_refused_by_scheduler = _refusal(e)
+        await self._replace_dead_engine(rec)
+        try:  # and the engine itself refuses too
+            await self.engines[-1].generate(self.sched.step)
+            raise RuntimeError("the engine generated with stale weights after a failure")
+        except EngineError as e:
+            rec.rollout_refused_by_engine = _refusal(e)
+        rec.engine_weight_version_after_failure = (await self.engines[-1].call("hello"))["weight_version"]
+        await self.sched.recover()
+        rec.engine_digest_after_recovery = self.sched.last_sync["digest"]
+        rec.recovered = rec.engine_digest_after_recovery == self.trainer_digest()
+        return rec
+
+    def _audit_failure(self) -> Recovery:
+        failed = self.summary.errors[-1] if self.summary.errors else {}
+        return Recovery(fault=str(self.fault), phase=failed.get("phase", "?"), step=self.sched.step,
+                        cause=failed.get("error", "?"), trainer_digest_at_fault=self._at_fault[-1],
+                        staging_bytes_after_failure=self.sched.memory.staging_bytes,
+                        segments_after_failure=leftover_segments(),
+                        trainer_digest_after_failure=self.trainer_digest())
+
+    async def _replace_dead_engine(self, rec: Recovery) -> None:
+        old = self.engines[-1]
+        if old.process.is_alive():
+            return
+        # The trainer's copy is the truth: a new engine starts empty and stale and
+        # the recovery sync fills it.
+        new = await self._spawn_engine({**self.build, "checkpoint": None})
+        await self.sched.replace_engine(self._wrap_engine(new))
+        rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.process.pid, new.process.pid
+        await old.aclose()
+
+    # -- the end -------------------------------------------------------------------
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
             try:
-                async with sched:
-                    while len(rewards) < cfg.steps:
-                        with anyio.CancelScope() as scope:  # a cancel fault cancels this scope
-                            if injector:
-                                injector.scope = scope
-                            try:
-                                await sched.cycle()
-                            except Exception:
-                                if sched.phase is not Phase.FAILED:
-                                    raise  # refused before any phase started: nothing to recover
-                        if sched.phase is Phase.FAILED:
-                            # Only an injected fault is recovered from: a failure nobody
-                            # injected (a plan that does not fit) would recur every cycle.
-                            if injector is None or not injector.fired or len(recoveries) == 1:
-                                err = sched.last_error
-                                raise err if isinstance(err, Exception) else RuntimeError(describe(err))
-                            rec = await recover()
-                            if not rec.recovered:
-                                raise VerificationError("recovery did not restore the trainer's weights")
-                            continue
-                        rewards.append(sched.last_rollout.reward)
-                        bar.set_postfix(reward=f"{rewards[-1]:.3f}")
-                        bar.update(1)
-                        if on_cycle is not None:
-                            on_cycle(len(rewards))
-                    if injector is not None and not injector.fired:
-                        raise RuntimeError(f"fault {fault} was never injected: no {fault.phase} at step "
-                                           f">= {fault.step} in {cfg.steps} steps")
-            except Exception as e:  # in the trace as phase.failed (or before it: at start-up)
-                error = e
+                if self.transport is not None:
+                    # the transport first: a broadcast group's other end is the engine
+                    await self.transport.aclose()
+                for engine in self.engines:
+                    await engine.aclose()
+                if self.saver is not None:
+                    # Leave the process with its regions resident: the memory saver
+                    # must not meet paused regions at teardown.
+                    for key in sorted(self.saver.paused):
+                        self.saver.resume(key)
+                close = getattr(self.trainer, "close", None)
+                if close is not None:
+                    close()  # a trainer's process group (megatron, fsdp)
             finally:
-                bar.close()
-        finally:
-            # the transport first: a broadcast group's other end is the engine
-            await transport.aclose()
-            for engine in engines:
-                await engine.aclose()
-            if saver is not None:
-                # Leave the process with its regions resident: the memory saver
-                # must not meet paused regions at teardown.
-                for key in sorted(saver.paused):
-                    saver.resume(key)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return DemoOutcome(rewards, summary, cfg.trace_path, error, recoveries)
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def outcome(self) -> DemoOutcome:
+        return DemoOutcome(self.rewards, self.summary, self.cfg.trace_path, self.error, self.recoveries)
 
 
 def _progress(steps: int, enabled: bool) -> Any:

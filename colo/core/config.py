@@ -8,7 +8,7 @@ from types import MappingProxyType
 
 from colo.core.phases import PLANS, Phase, parse_phase
 
-MiB = 1 << 20
+from colo.core.units import MiB
 
 
 @dataclass(frozen=True, kw_only=True)

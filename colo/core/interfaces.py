@@ -10,7 +10,8 @@ Nothing here imports torch: metadata is plain data.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -32,25 +33,50 @@ class RolloutResult:
 
 
 @dataclass(frozen=True)
+class StageRecord:
+    """One stage of one bucket, as data: what a sender reports and the scheduler
+    writes as ``bucket.finished``. ``at`` is the sender's clock when the stage
+    ended; ``staging_bytes`` what the sender held then."""
+
+    bucket: int
+    stage: str
+    bytes: int
+    tensors: int
+    duration_s: float
+    at: float
+    staging_bytes: int
+
+
+@dataclass(frozen=True)
 class SyncResult:
     bytes: int
     buckets: int
     tensors: int
-
-
-class StageRecorder(Protocol):
-    def __call__(self, bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None: ...
+    #: every stage of every bucket, in the order they ended
+    stages: tuple[StageRecord, ...] = ()
+    #: the most staging memory held at once
+    staging_peak: int = 0
 
 
 class StagingPool(Protocol):
-    """Staging memory for sync buffers, counted against the device budget."""
+    """Staging memory for sync buffers, counted against the device budget before it exists."""
 
     def alloc(self, nbytes: int) -> int: ...
     def free(self, sid: int) -> None: ...
 
+    @property
+    def held_bytes(self) -> int: ...
+
 
 @dataclass
 class SyncContext:
+    """What one sync needs to know, and what it reports back, as plain data.
+
+    Nothing here points into the scheduler: a context can be built inside
+    another process (a Ray actor) from its fields, and its ``stages`` travel
+    back as data.
+    """
+
     step: int
     weight_version: int
     bucket_bytes: int
@@ -58,7 +84,17 @@ class SyncContext:
     #: when the pinned host copy is the source (offload-first, single-stage).
     source: str
     staging: StagingPool
-    record: StageRecorder
+    clock: Callable[[], float] = time.perf_counter
+    stages: list[StageRecord] = field(default_factory=list)
+
+    def record(self, bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
+        self.stages.append(StageRecord(int(bucket), stage, int(nbytes), int(tensors), float(duration_s),
+                                       self.clock(), self.staging.held_bytes))
+
+    def result(self, *, bytes: int, buckets: int, tensors: int) -> SyncResult:
+        peak = getattr(self.staging, "peak_bytes", self.staging.held_bytes)
+        return SyncResult(bytes=bytes, buckets=buckets, tensors=tensors, stages=tuple(self.stages),
+                          staging_peak=peak)
 
 
 @runtime_checkable
@@ -111,6 +147,39 @@ class EngineSide(Protocol):
     async def set_weight_version(self, version: int | None) -> None:
         """The engine's own record of what it holds; ``None`` marks it stale."""
         ...
+
+
+class PhaseHooks(Protocol):
+    """Told when a phase is entered (after ``phase.entered`` is written, before
+    its effects) and when it failed (after ``phase.failed`` is written). Test
+    tooling (the fault injector) acts here, never inside the trace writer."""
+
+    def entered(self, phase: Any, step: int) -> None: ...
+    def failed(self, phase: Any, step: int) -> None: ...
+
+
+@runtime_checkable
+class EngineReceiver(Protocol):
+    """The engine's receiving half of every transport (the seed's
+    ``WeightTransferReceiver`` + ``WeightLoader``): what a sender may call.
+
+    A sync is ``preflight`` (every name, shape and dtype checked before the
+    first byte moves), ``begin_load``, any number of ``transport_load`` (one
+    request of transport ``transport``, plain JSON; the reply names the
+    tensors loaded), ``end_load`` (the engine accepts the whole sync or
+    raises). ``transport_init``/``transport_close`` set up and tear down what a
+    transport keeps across syncs (a process group, a checkpoint root).
+    ``drop_handles`` lets go of every buffer a failed sync left mapped.
+    """
+
+    async def preflight(self, specs: Sequence[TensorSpec]) -> None: ...
+    async def begin_load(self) -> None: ...
+    async def transport_init(self, transport: str, init_info: dict) -> None: ...
+    async def transport_load(self, transport: str, request: dict, on_sent: Callable[[], None] | None = None
+                             ) -> dict: ...
+    async def transport_close(self, transport: str) -> None: ...
+    async def end_load(self) -> None: ...
+    async def drop_handles(self) -> None: ...
 
 
 @runtime_checkable

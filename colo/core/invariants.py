@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from colo.core.phases import Phase, is_legal, parse_phase
+from colo.core.phases import EFFECTS, Need, Phase, is_legal, parse_phase
 from colo.core.schema import BUCKET_STAGES
+from colo.errors import InvariantViolation
 
 _STAGE_INDEX = {s: i for i, s in enumerate(BUCKET_STAGES)}
 
@@ -28,14 +29,6 @@ class Violation:
         where = f"line {self.line}: " if self.line is not None else ""
         tag = f"invariant {self.invariant}: " if self.invariant else ""
         return f"{where}{tag}{self.message}"
-
-
-class InvariantViolation(RuntimeError):
-    """A step the scheduler refused because it would break an invariant."""
-
-    def __init__(self, violations: list[Violation]):
-        self.violations = violations
-        super().__init__("; ".join(str(v) for v in violations))
 
 
 @dataclass
@@ -56,6 +49,9 @@ class RankState:
     flushed: bool = True
     sync: _Sync | None = None
     total: int | None = None
+    #: (phase, where) of every phase entered, for the cross-rank lockstep check
+    entered: list[tuple[str, str | None]] = field(default_factory=list)
+    diverged: bool = False
 
 
 def _mem_violation(ev: dict) -> Violation | None:
@@ -68,17 +64,40 @@ def _mem_violation(ev: dict) -> Violation | None:
     return None
 
 
+def _unmet(st: RankState, dst: Phase, need: Need) -> Violation | None:
+    res, n = st.resident, need.invariant
+    if need.kind == "resident" and not res.get(need.key):
+        return Violation(f"{dst} refused: {need.key} is not resident", n)
+    if need.kind == "source" and not (res.get(need.key) or st.host_copy.get(need.key)):
+        return Violation(f"{dst} refused: no trainer source ({need.key} is neither resident nor kept on "
+                         "the host)", n)
+    if need.kind == "current" and st.engine_version is None:
+        return Violation(f"{dst} refused: the engine's weights are stale (expected a complete sync since "
+                         "the last failure)", n)
+    if need.kind == "current" and st.engine_version != st.trainer_version:
+        return Violation(f"{dst} refused: engine weight version {st.engine_version} != trainer version "
+                         f"{st.trainer_version} (expected a complete sync since the last train)", n)
+    if need.kind == "flushed" and not st.flushed:
+        return Violation(f"{dst} refused: the prefix cache was not flushed after the last weight change", n)
+    return None
+
+
 class InvariantChecker:
     def __init__(self) -> None:
         self.ranks: dict[int, RankState] = {}
+        #: where the event being applied came from ("file line N"), for messages
+        #: that point at another rank's event
+        self.where: str | None = None
 
     def state(self, rank: int = 0) -> RankState:
         return self.ranks.setdefault(rank, RankState())
 
     # -- public ----------------------------------------------------------------
-    def feed(self, ev: dict, line: int | None = None) -> list[Violation]:
+    def feed(self, ev: dict, line: int | None = None, where: str | None = None) -> list[Violation]:
         found = [Violation(v.message, v.invariant, line) for v in self.check(ev)]
+        self.where = where
         self.apply(ev)
+        self.where = None
         return found
 
     def check(self, ev: dict) -> list[Violation]:
@@ -130,42 +149,34 @@ class InvariantChecker:
         if not is_legal(st.phase, dst):
             out.append(Violation(f"transition {st.phase or 'start'} -> {dst} is not in the phase table"))
         out.extend(self.preconditions(st, dst))
+        out.extend(self._lockstep(ev.get("rank", 0), st, dst, None))
         return out
 
     def preconditions(self, st: RankState, dst: Phase) -> list[Violation]:
-        """Invariants 1-3: what must hold to enter ``dst``."""
-        out = []
-        res = st.resident
-        if dst is Phase.ROLLOUT:
-            if st.engine_version is None:
-                out.append(Violation("rollout refused: the engine's weights are stale "
-                                     "(expected a complete sync since the last failure)", 1))
-            elif st.engine_version != st.trainer_version:
-                out.append(Violation(f"rollout refused: engine weight version {st.engine_version} "
-                                     f"!= trainer version {st.trainer_version} (expected a complete "
-                                     "sync since the last train)", 1))
-            if not res.get("engine.kv_cache"):
-                out.append(Violation("rollout refused: engine.kv_cache is not resident", 1))
-            if not st.flushed:
-                out.append(Violation("rollout refused: the prefix cache was not flushed after "
-                                     "the last weight change", 1))
-        elif dst is Phase.TRAIN:
-            for key in ("trainer.weights", "trainer.optimizer"):
-                if not res.get(key):
-                    out.append(Violation(f"train refused: {key} is not resident", 2))
-        elif dst is Phase.SYNC:
-            if not res.get("engine.weights"):
-                out.append(Violation("sync refused: engine.weights is not resident", 3))
-            if not (res.get("trainer.weights") or st.host_copy.get("trainer.weights")):
-                out.append(Violation("sync refused: no trainer source (trainer.weights is neither "
-                                     "resident nor kept on the host)", 3))
-        return out
+        """Invariants 1-3: the ``needs`` that ``EFFECTS`` declares for ``dst``."""
+        return [v for need in EFFECTS[dst].needs if (v := _unmet(st, dst, need)) is not None]
+
+    def _lockstep(self, rank: int, st: RankState, dst: Phase, where: str | None) -> list[Violation]:
+        """Ranks of one job move through the same phases in the same order."""
+        k = len(st.entered)
+        for other, ost in sorted(self.ranks.items()):
+            if other == rank or st.diverged or len(ost.entered) <= k:
+                continue
+            theirs, their_where = ost.entered[k]
+            if theirs != dst.value:
+                at = f" ({their_where})" if their_where else ""
+                return [Violation(f"rank {rank} entered {dst} as its phase #{k + 1} but rank {other} entered "
+                                  f"{theirs}{at}; expected the same phases in the same order")]
+        return []
 
     def _apply_phase_entered(self, st: RankState, ev: dict) -> None:
         try:
             st.phase = parse_phase(ev.get("to_phase"))
         except ValueError:
             return
+        if self._lockstep(ev.get("rank", 0), st, st.phase, None):
+            st.diverged = True  # said once: every later phase of this rank differs too
+        st.entered.append((st.phase.value, self.where))
         st.open = True
         if st.phase is Phase.SYNC:
             st.sync = _Sync()

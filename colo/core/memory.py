@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from colo.core.units import GiB, MiB, fmt_bytes  # noqa: F401 (re-exported)
+from colo.errors import OutOfMemory, TagStateError
 
 OWNERS_TAGS: dict[str, tuple[str, ...]] = {
     "engine": ("weights", "kv_cache", "cuda_graph"),
@@ -24,41 +26,11 @@ KNOWN_KEYS: tuple[str, ...] = tuple(
     f"{owner}.{tag}" for owner, tags in OWNERS_TAGS.items() for tag in tags
 ) + (STAGING,)
 
-GiB = 1 << 30
-MiB = 1 << 20
-
-
-def fmt_bytes(n: int | float, exact: bool = False) -> str:
-    """Human units; with ``exact``, the byte count too where rounding hides it."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" + (f" ({int(n)} B)" if exact else "")
-    return f"{int(n)} B"
-
-
 def key_of(owner: str, tag: str) -> str:
     if tag not in OWNERS_TAGS.get(owner, ()):
         expected = ", ".join(KNOWN_KEYS[:-1])
         raise ValueError(f"unknown memory tag {owner}.{tag}; expected one of {expected}")
     return f"{owner}.{tag}"
-
-
-class OutOfMemory(MemoryError):
-    """An allocation or resume that would exceed the device budget."""
-
-    def __init__(self, *, phase: str | None, tag: str, requested: int, free: int, total: int,
-                 in_use: dict[str, int]):
-        self.phase, self.tag, self.requested, self.free, self.total = phase, tag, requested, free, total
-        self.in_use = dict(in_use)
-        held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in in_use.items() if v) or "nothing"
-        super().__init__(
-            f"out of memory in phase {phase or '-'}: {tag} asks {fmt_bytes(requested, True)}, "
-            f"{fmt_bytes(free, True)} free of {fmt_bytes(total)}; in use: {held}"
-        )
-
-
-class TagStateError(RuntimeError):
-    """Pausing a paused tag or resuming a resident one."""
 
 
 @dataclass
@@ -77,8 +49,8 @@ class MemoryLedger:
     device_kind: str = "cpu"
     device_name: str = "simulated"
     regions: dict[str, Region] = field(default_factory=dict)
-    _staging: dict[int, int] = field(default_factory=dict)
-    _ids: itertools.count = field(default_factory=itertools.count)
+    #: the running sync's staging budget, while one runs (see ``StagingBudget``)
+    staging: StagingBudget | None = None
     peak_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -93,7 +65,7 @@ class MemoryLedger:
     # -- reading -------------------------------------------------------------
     @property
     def staging_bytes(self) -> int:
-        return sum(self._staging.values())
+        return self.staging.held_bytes if self.staging is not None else 0
 
     @property
     def used_bytes(self) -> int:
@@ -114,8 +86,15 @@ class MemoryLedger:
         out[STAGING] = self.staging_bytes
         return out
 
-    def snapshot(self) -> dict:
-        return {"used": self.used_bytes, "total": self.total_bytes, "by_tag": self.by_tag()}
+    def snapshot(self, *, staging: int | None = None) -> dict:
+        """Memory now; ``staging`` replaces the staging count (a stage record's
+        own, when records are written after the stage ended)."""
+        by_tag = self.by_tag()
+        used = self.used_bytes
+        if staging is not None:
+            used += staging - by_tag[STAGING]
+            by_tag[STAGING] = staging
+        return {"used": used, "total": self.total_bytes, "by_tag": by_tag}
 
     def describe_tags(self) -> dict[str, dict]:
         """Residency of every region, for ``trace.started`` (replay starts from it)."""
@@ -186,20 +165,13 @@ class MemoryLedger:
         r.nbytes = nbytes
         self._bump_peak()
 
-    def alloc_staging(self, nbytes: int, *, phase: str | None = None) -> int:
-        if nbytes <= 0:
-            raise ValueError(f"staging buffer size must be > 0, got {nbytes}")
-        self._need(STAGING, nbytes, phase)
-        sid = next(self._ids)
-        self._staging[sid] = nbytes
-        self._bump_peak()
-        return sid
+    def staging_budget(self, phase: str = "sync", rank: int | None = None) -> StagingBudget:
+        """A budget of every byte free now, for one sync's staging buffers."""
+        return StagingBudget(self.free_bytes, phase=phase, total=self.total_bytes, in_use=self.by_tag(),
+                             rank=rank)
 
-    def free_staging(self, sid: int) -> int:
-        try:
-            return self._staging.pop(sid)
-        except KeyError:
-            raise TagStateError(f"staging buffer {sid} is not allocated (freed twice?)") from None
+    def note_staging_peak(self, peak: int) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes - self.staging_bytes + peak)
 
     def observe(self) -> None:
         """Refresh what the ledger cannot count itself (R) from the device.
@@ -209,20 +181,50 @@ class MemoryLedger:
         adds what the trainer left behind.
         """
 
-    def free_all_staging(self) -> int:
-        freed = self.staging_bytes
-        self._staging.clear()
-        return freed
 
+class StagingBudget:
+    """Staging memory one sync may hold, counted before the memory exists.
 
-class LedgerStaging:
-    """A ledger's staging allocations seen as a sync's ``StagingPool`` (alloc/free)."""
+    Plain data (a limit and what is held): a sender in another process can be
+    handed one. An allocation that would pass the limit raises
+    :class:`OutOfMemory` before anything is allocated; ``free`` of an unknown
+    id is an error (a double free is a bug in the sender).
+    """
 
-    def __init__(self, ledger: MemoryLedger, phase: str = "sync"):
-        self._ledger, self._phase = ledger, phase
+    def __init__(self, limit: int | None, *, phase: str = "sync", total: int | None = None,
+                 in_use: dict[str, int] | None = None, rank: int | None = None):
+        if limit is not None and limit < 0:
+            raise ValueError(f"staging limit must be >= 0 bytes, got {limit}")
+        self.limit, self.phase, self.rank = limit, phase, rank
+        self.total = total if total is not None else (limit or 0)
+        self.in_use = dict(in_use or {})
+        self._held: dict[int, int] = {}
+        self._ids = itertools.count()
+        self.peak_bytes = 0
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(self._held.values())
 
     def alloc(self, nbytes: int) -> int:
-        return self._ledger.alloc_staging(nbytes, phase=self._phase)
+        if nbytes <= 0:
+            raise ValueError(f"staging buffer size must be > 0, got {nbytes}")
+        held = self.held_bytes
+        if self.limit is not None and held + nbytes > self.limit:
+            raise OutOfMemory(phase=self.phase, tag=STAGING, requested=nbytes, free=self.limit - held,
+                              total=self.total, in_use={**self.in_use, STAGING: held}, rank=self.rank)
+        sid = next(self._ids)
+        self._held[sid] = nbytes
+        self.peak_bytes = max(self.peak_bytes, held + nbytes)
+        return sid
 
-    def free(self, sid: int) -> None:
-        self._ledger.free_staging(sid)
+    def free(self, sid: int) -> int:
+        try:
+            return self._held.pop(sid)
+        except KeyError:
+            raise TagStateError(f"staging buffer {sid} is not allocated (freed twice?)") from None
+
+    def free_all(self) -> int:
+        freed = self.held_bytes
+        self._held.clear()
+        return freed

@@ -1,10 +1,19 @@
 """The phase table: the one file that decides everything about phases.
 
-Transitions are data. ``TRANSITIONS`` maps a phase and a trigger to the next
-phase; the three named plans of the design card and the recovery path are
-sequences of phases that must walk only edges of that table. Nothing here does
-I/O or imports torch, anyio or the memory saver: replay and tuning reuse it
-offline.
+Three things are written out here as data, side by side, and nothing else in
+colo restates them:
+
+- ``TRANSITIONS``: phase x trigger -> phase (h11's ``_state.py`` is the model);
+- ``EFFECTS``: what each phase does to memory (tags paused and resumed, per
+  owner, in order), which side's verb does its work, and what must hold before
+  it is entered (invariants 1-3);
+- ``PLANS`` and ``RECOVERY``: the accepted orders, which must walk only edges of
+  the table (checked at import).
+
+The scheduler applies ``EFFECTS`` generically, the invariant checker evaluates
+their ``needs``, ``colo tune``'s what-if replays them, and the fault injector
+reads where each kind of fault can happen from them. Nothing here does I/O or
+imports torch, anyio or the memory saver.
 """
 
 from __future__ import annotations
@@ -12,6 +21,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from colo.errors import IllegalTransition
 
 
 class Phase(str, enum.Enum):
@@ -31,17 +42,82 @@ class Phase(str, enum.Enum):
 
 P = Phase
 
-# The trigger that enters each phase in normal operation. ``fail`` and
-# ``recover`` are the two triggers that do not simply name their target.
-_ENTER = {
-    P.ROLLOUT: "rollout",
-    P.ENGINE_RELEASE: "release_engine",
-    P.TRAINER_ONLOAD: "onload_trainer",
-    P.TRAIN: "train",
-    P.TRAINER_OFFLOAD: "offload_trainer",
-    P.ENGINE_WAKE_WEIGHTS: "wake_weights",
-    P.SYNC: "sync",
-    P.ENGINE_WAKE_KV: "wake_kv",
+#: phase -> {trigger: next phase}. The single source of truth; every phase but
+#: ``failed`` can ``fail``, and ``failed`` leaves only by ``recover``.
+TRANSITIONS: dict[Phase, dict[str, Phase]] = {
+    P.ROLLOUT: {"release_engine": P.ENGINE_RELEASE, "fail": P.FAILED},
+    P.ENGINE_RELEASE: {"onload_trainer": P.TRAINER_ONLOAD, "offload_trainer": P.TRAINER_OFFLOAD,
+                       "fail": P.FAILED},
+    P.TRAINER_ONLOAD: {"train": P.TRAIN, "fail": P.FAILED},
+    P.TRAIN: {"offload_trainer": P.TRAINER_OFFLOAD, "wake_weights": P.ENGINE_WAKE_WEIGHTS, "fail": P.FAILED},
+    P.TRAINER_OFFLOAD: {"wake_weights": P.ENGINE_WAKE_WEIGHTS, "wake_kv": P.ENGINE_WAKE_KV, "fail": P.FAILED},
+    P.ENGINE_WAKE_WEIGHTS: {"sync": P.SYNC, "wake_kv": P.ENGINE_WAKE_KV, "fail": P.FAILED},
+    P.SYNC: {"wake_kv": P.ENGINE_WAKE_KV, "offload_trainer": P.TRAINER_OFFLOAD, "rollout": P.ROLLOUT,
+             "fail": P.FAILED},
+    P.ENGINE_WAKE_KV: {"rollout": P.ROLLOUT, "sync": P.SYNC, "fail": P.FAILED},
+    P.FAILED: {"recover": P.ENGINE_RELEASE},
+}
+
+#: The triggers a fresh scheduler may start with: rollout when the engine was
+#: started from the trainer's checkpoint, or the recovery path's release.
+START: dict[str, Phase] = {"rollout": P.ROLLOUT, "release_engine": P.ENGINE_RELEASE}
+INITIAL: frozenset[Phase] = frozenset(START.values())
+
+
+@dataclass(frozen=True)
+class Need:
+    """One precondition of entering a phase (invariants 1-3).
+
+    ``kind``: ``resident`` (tag ``key`` is on the device), ``source`` (tag
+    ``key`` is on the device or kept on the host), ``current`` (the engine's
+    weight version equals the trainer's), ``flushed`` (the prefix cache was
+    flushed after the last weight change).
+    """
+
+    invariant: int
+    kind: str
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What one phase does. ``owner.verb`` does its work; ``pause``/``resume``
+    are that owner's tags, in the order they change."""
+
+    owner: str | None = None
+    verb: str | None = None
+    pause: tuple[str, ...] = ()
+    resume: tuple[str, ...] = ()
+    #: paused tags keep their contents on the host (the sync's source)
+    host_copy: bool = False
+    #: flush the prefix cache before pausing: a flush afterwards would walk freed pages
+    flush_first: bool = False
+    #: the phase allocates device memory of its own (sync's staging buffers)
+    allocates: bool = False
+    #: the phase produces a new trainer weight version
+    new_version: bool = False
+    needs: tuple[Need, ...] = ()
+
+    def keys(self, tags: Iterable[str]) -> tuple[str, ...]:
+        return tuple(f"{self.owner}.{t}" for t in tags)
+
+
+#: phase -> its effect. The only place a phase's memory behaviour is written.
+EFFECTS: dict[Phase, Effect] = {
+    P.ROLLOUT: Effect(owner="engine", verb="generate", needs=(
+        Need(1, "current"), Need(1, "resident", "engine.kv_cache"), Need(1, "flushed"))),
+    P.ENGINE_RELEASE: Effect(owner="engine", verb="release", pause=("kv_cache", "cuda_graph", "weights"),
+                             flush_first=True),
+    P.TRAINER_ONLOAD: Effect(owner="trainer", verb="onload", resume=("weights", "optimizer")),
+    P.TRAIN: Effect(owner="trainer", verb="train_step", new_version=True, needs=(
+        Need(2, "resident", "trainer.weights"), Need(2, "resident", "trainer.optimizer"))),
+    P.TRAINER_OFFLOAD: Effect(owner="trainer", verb="offload", pause=("weights", "optimizer"), host_copy=True),
+    P.ENGINE_WAKE_WEIGHTS: Effect(owner="engine", verb="resume", resume=("weights",)),
+    # the engine's receiving half does the work: one transport_load per bucket
+    P.SYNC: Effect(owner="engine", verb="transport_load", allocates=True, needs=(
+        Need(3, "resident", "engine.weights"), Need(3, "source", "trainer.weights"))),
+    P.ENGINE_WAKE_KV: Effect(owner="engine", verb="resume", resume=("kv_cache", "cuda_graph")),
+    P.FAILED: Effect(),
 }
 
 # Plans: the order of one cycle, starting at rollout. Each must walk only
@@ -75,38 +151,13 @@ RECOVERY: tuple[Phase, ...] = (
 )
 
 
-def _build_table() -> dict[Phase, dict[str, Phase]]:
-    table: dict[Phase, dict[str, Phase]] = {p: {} for p in Phase}
-    for order in PLANS.values():
-        cycle = order + order[:1]
-        for a, b in zip(cycle, cycle[1:]):
-            table[a][_ENTER[b]] = b
-    for a, b in zip(RECOVERY, RECOVERY[1:]):
-        table[a]["recover" if a is P.FAILED else _ENTER[b]] = b
-    for p in Phase:
-        if p is not P.FAILED:
-            table[p]["fail"] = P.FAILED
-    return table
+def allowed_triggers(current: Phase | None) -> tuple[str, ...]:
+    return tuple(sorted(START if current is None else TRANSITIONS[current]))
 
 
-#: phase -> {trigger: next phase}. The single source of truth.
-TRANSITIONS: dict[Phase, dict[str, Phase]] = _build_table()
-
-#: Phases a fresh scheduler may enter first: rollout when the engine was
-#: started from the trainer's checkpoint, or the recovery path's release.
-INITIAL: frozenset[Phase] = frozenset({P.ROLLOUT, P.ENGINE_RELEASE})
-
-
-class IllegalTransition(ValueError):
-    """A transition the table does not allow; the machine did not move."""
-
-    def __init__(self, current: Phase | None, trigger: str, target: Phase | None):
-        self.current, self.trigger, self.target = current, trigger, target
-        allowed = sorted(TRANSITIONS[current]) if current is not None else sorted(_ENTER[p] for p in INITIAL)
-        super().__init__(
-            f"illegal transition from phase {current or 'start'!s} on trigger {trigger!r} "
-            f"to {target or '?'!s}; allowed triggers from {current or 'start'!s}: {', '.join(allowed)}"
-        )
+def next_phase(current: Phase | None, trigger: str) -> Phase | None:
+    """The table lookup: the phase ``trigger`` leads to from ``current``, or None."""
+    return (START if current is None else TRANSITIONS[current]).get(trigger)
 
 
 def parse_phase(name: str) -> Phase:
@@ -119,18 +170,20 @@ def parse_phase(name: str) -> Phase:
 
 
 def is_legal(current: Phase | None, target: Phase) -> bool:
-    if current is None:
-        return target in INITIAL
-    return target in TRANSITIONS[current].values()
+    return target in (START if current is None else TRANSITIONS[current]).values()
+
+
+#: the trigger that enters each phase, for messages about an edge the table lacks
+_NAMED = {dst: trig for row in (START, *TRANSITIONS.values()) for trig, dst in row.items()
+          if trig not in ("fail", "recover")}
 
 
 def trigger_for(current: Phase | None, target: Phase) -> str:
     """The trigger that moves ``current`` to ``target`` (for messages and the machine)."""
-    if current is not None:
-        for trig, dst in TRANSITIONS[current].items():
-            if dst is target:
-                return trig
-    return "fail" if target is P.FAILED else _ENTER.get(target, "recover")
+    for trig, dst in (START if current is None else TRANSITIONS[current]).items():
+        if dst is target:
+            return trig
+    return "fail" if target is P.FAILED else _NAMED.get(target, "recover")
 
 
 def validate_plan(plan: str | Sequence[Phase | str]) -> tuple[Phase, ...]:
@@ -171,17 +224,26 @@ class PhaseMachine:
     phase: Phase | None = None
 
     def fire(self, trigger: str, target: Phase | None = None) -> Phase:
-        if self.phase is None:
-            dst = next((p for p in INITIAL if _ENTER[p] == trigger), None)
-        else:
-            dst = TRANSITIONS[self.phase].get(trigger)
+        dst = next_phase(self.phase, trigger)
         if dst is None or (target is not None and dst is not target):
-            raise IllegalTransition(self.phase, trigger, target or dst)
+            raise IllegalTransition(self.phase, trigger, target or dst, allowed_triggers(self.phase))
         self.phase = dst
         return dst
 
     def go(self, target: Phase) -> Phase:
         return self.fire(trigger_for(self.phase, target), target)
+
+
+def _check_orders() -> None:
+    # The plans and recovery are data too; a typo there must not wait for a run.
+    for name, order in {**PLANS, "recovery": RECOVERY}.items():
+        walk = order + order[:1] if name != "recovery" else order
+        for a, b in zip(walk, walk[1:]):
+            if not is_legal(a, b):
+                raise AssertionError(f"{name}: {a} -> {b} is not an edge of TRANSITIONS")
+
+
+_check_orders()
 
 
 def edges() -> Iterable[tuple[Phase, str, Phase]]:

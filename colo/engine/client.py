@@ -19,16 +19,7 @@ import anyio
 
 from colo.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import RolloutResult, TensorSpec
-
-
-class EngineError(RuntimeError):
-    def __init__(self, op: str, error_type: str, message: str):
-        self.op, self.error_type = op, error_type
-        super().__init__(f"engine {op} failed: {error_type}: {message}")
-
-
-class EngineDied(RuntimeError):
-    pass
+from colo.errors import EngineDied, EngineError
 
 
 class RolloutTask(Protocol):

@@ -17,15 +17,9 @@ import torch
 
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
+from colo.errors import UnknownTensor
 
 DTypeLike = torch.dtype | str | None
-
-
-class UnknownTensor(KeyError):
-    """A name the extractor does not have; printed as a sentence, not a quoted key."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 def resolve_dtype(dtype: DTypeLike) -> torch.dtype | None:

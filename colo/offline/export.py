@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from colo.errors import UsageError
 from colo.offline.replay import BadTrace, LoadedTrace, load_trace
 
 PHASE_TID = 1
@@ -89,97 +90,112 @@ def _bucket_slices(pid: int, stages: list[dict]) -> list[dict]:
     return out
 
 
-def chrome_events(trace: LoadedTrace) -> list[dict]:
-    pid = trace.rank
-    header = trace.header
-    device = header.get("device") or {}
-    out: list[dict] = [
-        _meta(pid, None, "process_name", f"rank {pid} ({device.get('kind', '?')} {device.get('name', '')})".strip()),
-        _meta(pid, None, "process_sort_index", pid),
-        _meta(pid, PHASE_TID, "thread_name", "phases"),
-        _meta(pid, PHASE_TID, "thread_sort_index", 0),
-    ]
-    open_phase: tuple[str, float, dict] | None = None
-    stages: list[dict] = []
-    last_counters: tuple | None = None
-    lanes_seen = 0
+_FAILURE_KEYS = ("error", "error_type", "oom_tag", "oom_requested", "oom_free")
 
-    def flush_stages() -> None:
-        nonlocal stages, lanes_seen
-        if stages:
-            slices = _bucket_slices(pid, stages)
-            out.extend(slices)
-            lanes_seen = max([lanes_seen] + [s["tid"] - LANE_TID0 + 1 for s in slices])
-        stages = []
 
-    def close_phase(ts: float, ev: dict | None, failed: bool) -> None:
-        nonlocal open_phase
-        name, start, entered = open_phase
+class _Chrome:
+    """One rank's trace as Chrome trace events: phases as slices on one track,
+    bucket stages on sync lanes beneath, markers, and memory counters."""
+
+    def __init__(self, trace: LoadedTrace):
+        self.pid = pid = trace.rank
+        device = trace.header.get("device") or {}
+        self.out: list[dict] = [
+            _meta(pid, None, "process_name", f"rank {pid} ({device.get('kind', '?')} {device.get('name', '')})".strip()),
+            _meta(pid, None, "process_sort_index", pid),
+            _meta(pid, PHASE_TID, "thread_name", "phases"),
+            _meta(pid, PHASE_TID, "thread_sort_index", 0),
+        ]
+        self.open_phase: tuple[str, float, dict] | None = None
+        self.stages: list[dict] = []
+        self.last_counters: tuple | None = None
+        self.lanes_seen = 0
+
+    def flush_stages(self) -> None:
+        if self.stages:
+            slices = _bucket_slices(self.pid, self.stages)
+            self.out.extend(slices)
+            self.lanes_seen = max([self.lanes_seen] + [s["tid"] - LANE_TID0 + 1 for s in slices])
+        self.stages = []
+
+    def close_phase(self, ts: float, ev: dict | None, failed: bool) -> None:
+        name, start, entered = self.open_phase
         args = {"step": entered.get("step"), "from_phase": entered.get("from_phase")}
         if "mem" in entered:
             args["mem_at_entry"] = _mem_args(entered["mem"])
-        if ev is not None:
+        if ev is None:
+            args["unfinished"] = "the trace ends inside this phase"
+        else:
             if "duration_s" in ev:
                 args["duration_s"] = ev["duration_s"]
             if "mem" in ev:
                 args["mem_at_end"] = _mem_args(ev["mem"])
             if failed:
-                args.update({k: ev[k] for k in ("error", "error_type", "oom_tag", "oom_requested", "oom_free")
-                             if k in ev})
-        else:
-            args["unfinished"] = "the trace ends inside this phase"
-        out.append({"ph": "X", "pid": pid, "tid": PHASE_TID, "cat": "phase", "name": name,
-                    "ts": _us(start), "dur": _us(max(0.0, ts - start)), "args": args})
-        open_phase = None
+                args.update({k: ev[k] for k in _FAILURE_KEYS if k in ev})
+        self.out.append({"ph": "X", "pid": self.pid, "tid": PHASE_TID, "cat": "phase", "name": name,
+                         "ts": _us(start), "dur": _us(max(0.0, ts - start)), "args": args})
+        self.open_phase = None
 
-    for ev in trace.events:
+    def marker(self, name: str, ts: float, args: dict, scope: str = "t") -> None:
+        self.out.append({"ph": "i", "s": scope, "pid": self.pid, "tid": PHASE_TID, "name": name, "ts": _us(ts),
+                         "args": args})
+
+    def event(self, ev: dict) -> None:
         name, ts = ev["event"], float(ev["ts"])
         if name == "phase.entered":
-            if open_phase is not None:  # a broken trace: still draw what is there
-                close_phase(ts, None, False)
-            open_phase = (ev["to_phase"], ts, ev)
+            if self.open_phase is not None:  # a broken trace: still draw what is there
+                self.close_phase(ts, None, False)
+            self.open_phase = (ev["to_phase"], ts, ev)
         elif name in ("phase.finished", "phase.failed"):
-            flush_stages()
-            if open_phase is not None and open_phase[0] == ev["phase"]:
-                close_phase(ts, ev, name == "phase.failed")
+            self.flush_stages()
+            if self.open_phase is not None and self.open_phase[0] == ev["phase"]:
+                self.close_phase(ts, ev, name == "phase.failed")
             if name == "phase.failed":
-                out.append({"ph": "i", "s": "p", "pid": pid, "tid": PHASE_TID, "name": "failed",
-                            "ts": _us(ts), "args": {k: ev[k] for k in ("phase", "error", "error_type",
-                                                                      "oom_tag", "oom_requested", "oom_free")
-                                                    if k in ev}})
+                self.marker("failed", ts, {k: ev[k] for k in ("phase", *_FAILURE_KEYS) if k in ev}, scope="p")
         elif name == "bucket.finished":
-            stages.append(ev)
+            self.stages.append(ev)
         elif name == "sync.finished":
-            flush_stages()
-            d = ev.get("duration_s")
-            rate = ev["bytes"] / d / 1e9 if isinstance(d, (int, float)) and d > 0 and isinstance(ev.get("bytes"), int) \
-                else None
-            out.append({"ph": "i", "s": "t", "pid": pid, "tid": PHASE_TID, "name": "sync.finished",
-                        "ts": _us(ts), "args": {**{k: ev[k] for k in ("step", "bytes", "buckets", "tensors",
-                                                                       "duration_s", "weight_version",
-                                                                       "digest", "source") if k in ev},
-                                                "gb_per_s": rate}})
+            self.flush_stages()
+            self.sync_finished(ev, ts)
         elif name == "rollout.finished":
-            out.append({"ph": "i", "s": "t", "pid": pid, "tid": PHASE_TID, "name": "rollout.finished",
-                        "ts": _us(ts), "args": {k: ev[k] for k in ("step", "reward", "tokens") if k in ev}})
-        mem = ev.get("mem")
-        if mem is not None:
-            by_tag = dict(mem.get("by_tag") or {})
-            key = (tuple(sorted(by_tag.items())), mem["used"], mem["total"])
-            if key != last_counters:  # unchanged snapshots would only bloat the file
-                last_counters = key
-                # Perfetto names each counter track "<name> <arg>": "memory engine.kv_cache"
-                out.append({"ph": "C", "pid": pid, "name": "memory", "ts": _us(ts), "args": by_tag})
-                out.append({"ph": "C", "pid": pid, "name": "device", "ts": _us(ts),
-                            "args": {"used": mem["used"], "total": mem["total"],
-                                     "reserved": mem["used"] - sum(by_tag.values())}})
-    flush_stages()
-    if open_phase is not None:
-        close_phase(float(trace.events[-1]["ts"]), None, False)
-    for lane in range(lanes_seen):
-        out.append(_meta(pid, LANE_TID0 + lane, "thread_name", f"sync lane {lane}"))
-        out.append(_meta(pid, LANE_TID0 + lane, "thread_sort_index", 1 + lane))
-    return out
+            self.marker("rollout.finished", ts, {k: ev[k] for k in ("step", "reward", "tokens") if k in ev})
+        if ev.get("mem") is not None:
+            self.counters(ev["mem"], ts)
+
+    def sync_finished(self, ev: dict, ts: float) -> None:
+        d = ev.get("duration_s")
+        rate = ev["bytes"] / d / 1e9 if isinstance(d, (int, float)) and d > 0 and isinstance(ev.get("bytes"), int) \
+            else None
+        keys = ("step", "bytes", "buckets", "tensors", "duration_s", "weight_version", "digest", "source")
+        self.marker("sync.finished", ts, {**{k: ev[k] for k in keys if k in ev}, "gb_per_s": rate})
+
+    def counters(self, mem: dict, ts: float) -> None:
+        by_tag = dict(mem.get("by_tag") or {})
+        key = (tuple(sorted(by_tag.items())), mem["used"], mem["total"])
+        if key == self.last_counters:  # unchanged snapshots would only bloat the file
+            return
+        self.last_counters = key
+        # Perfetto names each counter track "<name> <arg>": "memory engine.kv_cache"
+        self.out.append({"ph": "C", "pid": self.pid, "name": "memory", "ts": _us(ts), "args": by_tag})
+        self.out.append({"ph": "C", "pid": self.pid, "name": "device", "ts": _us(ts),
+                         "args": {"used": mem["used"], "total": mem["total"],
+                                  "reserved": mem["used"] - sum(by_tag.values())}})
+
+    def finish(self, last_ts: float) -> list[dict]:
+        self.flush_stages()
+        if self.open_phase is not None:
+            self.close_phase(last_ts, None, False)
+        for lane in range(self.lanes_seen):
+            self.out.append(_meta(self.pid, LANE_TID0 + lane, "thread_name", f"sync lane {lane}"))
+            self.out.append(_meta(self.pid, LANE_TID0 + lane, "thread_sort_index", 1 + lane))
+        return self.out
+
+
+def chrome_events(trace: LoadedTrace) -> list[dict]:
+    chrome = _Chrome(trace)
+    for ev in trace.events:
+        chrome.event(ev)
+    return chrome.finish(float(trace.events[-1]["ts"]))
 
 
 def export(traces: list[LoadedTrace]) -> dict:
@@ -195,7 +211,6 @@ def export(traces: list[LoadedTrace]) -> dict:
 
 
 def run_export(args) -> int:
-    from colo.cli import UsageError  # argparse only: still pure
 
     try:
         trace = load_trace(args.trace)

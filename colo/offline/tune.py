@@ -38,10 +38,11 @@ import sys
 from dataclasses import dataclass, field
 
 from colo.core.memory import GiB, MiB, fmt_bytes
-from colo.core.phases import PLANS, Phase
+from colo.core.phases import EFFECTS, PLANS, Effect, Phase
 from colo.offline.replay import BadTrace, LoadedTrace, load_trace
 from colo.core.schema import BUCKET_STAGES, SCHEMA
 from colo.offline.summary import START
+from colo.errors import TuneError, UsageError
 
 KV = "engine.kv_cache"
 WEIGHTS = "engine.weights"
@@ -57,10 +58,6 @@ BUCKET_CAP = 512 * MiB
 #: Bucket budgets in flight when a trace shows no staging: a pipelined sender
 #: keeps one bucket in flight while it fills the next.
 DEFAULT_LIVE_BUCKETS = 2.0
-
-
-class TuneError(ValueError):
-    """Bad input to the tuner (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +219,40 @@ class DeviceResult:
     tied: list[str] = field(default_factory=list)  # later phases that meet the same peak
 
 
+def _bucket(dev: Device, mfs: float | None, limit: int, margin: int, infeasible: list[str],
+            notes: list[str]) -> tuple:
+    """The largest power-of-two bucket that fits beside what the sync holds, with
+    the KV pool at the recommended fraction where it is resident."""
+    T, Wr = dev.total, dev.engine_weights
+    budget = dev.bucket_bytes or dev.max_bucket or None
+    staged = [p for p in dev.points if p.staging > 0]
+    peak_staging = max((p.staging for p in staged), default=0)
+    live = peak_staging / budget if budget and peak_staging else DEFAULT_LIVE_BUCKETS
+    sync_points = [p for p in dev.points if p.staging > 0 or p.phase == Phase.SYNC.value]
+    bucket_point, bucket_limit, bucket = None, None, None
+    kv_new = (mfs * T - Wr) if mfs is not None else None
+    worst = None
+    for p in sync_points:
+        base = p.used - p.staging
+        if p.kv_resident:
+            if kv_new is None:
+                continue
+            base += kv_new - p.kv
+        if worst is None or base > worst:
+            worst, bucket_point = base, p
+    if worst is not None:
+        bucket_limit = (limit - worst) / live
+        cap = min(BUCKET_CAP, _pow2_ceil(max(1, Wr)))
+        bucket = _pow2_floor(min(bucket_limit, cap))
+        if bucket < 1:
+            infeasible.append(f"{bucket_point.where()}: the sync holds {fmt_bytes(worst)} besides staging; "
+                              f"with the {fmt_bytes(margin)} margin no bucket fits on {fmt_bytes(T)}")
+            bucket = None
+    else:
+        notes.append("no sync in the trace: no bucket size recommended")
+    return bucket, bucket_limit, bucket_point, worst, live, peak_staging, budget
+
+
 def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
     T, Wr = dev.total, dev.engine_weights
     margin = default_margin(T) if margin is None else margin
@@ -270,32 +301,8 @@ def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
                 "for a KV pool")
             mfs = None
     # -- bucket: what the sync holds besides staging, at the recommended fraction
-    budget = dev.bucket_bytes or dev.max_bucket or None
-    staged = [p for p in dev.points if p.staging > 0]
-    peak_staging = max((p.staging for p in staged), default=0)
-    live = peak_staging / budget if budget and peak_staging else DEFAULT_LIVE_BUCKETS
-    sync_points = [p for p in dev.points if p.staging > 0 or p.phase == Phase.SYNC.value]
-    bucket_point, bucket_limit, bucket = None, None, None
-    kv_new = (mfs * T - Wr) if mfs is not None else None
-    worst = None
-    for p in sync_points:
-        base = p.used - p.staging
-        if p.kv_resident:
-            if kv_new is None:
-                continue
-            base += kv_new - p.kv
-        if worst is None or base > worst:
-            worst, bucket_point = base, p
-    if worst is not None:
-        bucket_limit = (limit - worst) / live
-        cap = min(BUCKET_CAP, _pow2_ceil(max(1, Wr)))
-        bucket = _pow2_floor(min(bucket_limit, cap))
-        if bucket < 1:
-            infeasible.append(f"{bucket_point.where()}: the sync holds {fmt_bytes(worst)} besides staging; "
-                              f"with the {fmt_bytes(margin)} margin no bucket fits on {fmt_bytes(T)}")
-            bucket = None
-    else:
-        notes.append("no sync in the trace: no bucket size recommended")
+    bucket, bucket_limit, bucket_point, worst, live, peak_staging, budget = _bucket(
+        dev, mfs, limit, margin, infeasible, notes)
     res = DeviceResult(dev, margin, max_fraction, binding, mfs, bucket, bucket_limit, bucket_point, live,
                        by_phase, infeasible, notes, tied=tied)
     res.arithmetic = _arithmetic(res, worst, peak_staging, budget)
@@ -477,82 +484,90 @@ class WhatIf:
                 "trainer_weights_gib": self.trainer_weights, "optimizer_gib": self.optimizer}
 
 
+class _Synth:
+    """One cycle of a plan written as the scheduler would record it, from sizes
+    alone: the phase table's own ``EFFECTS`` decide what each phase pauses and
+    resumes, so the what-if cannot drift from the scheduler."""
+
+    def __init__(self, w: WhatIf):
+        self.w, self.T, self.R = w, int(w.gpu_gib * GiB), int(w.reserved_gib * GiB)
+        self.size = {"engine.weights": int(w.model_gib * GiB), KV: 0,
+                     "engine.cuda_graph": int(w.cuda_graph_gib * GiB),
+                     "trainer.weights": int(w.trainer_weights * GiB), "trainer.optimizer": int(w.optimizer * GiB)}
+        self.resident = {k: k.startswith("engine.") for k in self.size}
+        self.host = {k: k.startswith("trainer.") for k in self.size}
+        self.B = max(1, int(w.bucket_mib * MiB))
+        self.staging, self.clock, self.out = 0, 0.0, []
+
+    def mem(self) -> dict:
+        by_tag = {k: (v if self.resident[k] else 0) for k, v in self.size.items()}
+        by_tag[STAGING] = self.staging
+        return {"used": self.R + sum(by_tag.values()), "total": self.T, "by_tag": by_tag}
+
+    def emit(self, event: str, **fields) -> None:
+        self.clock = round(self.clock + 0.001, 6)
+        self.out.append({"event": event, "ts": self.clock, "rank": 0, **fields})
+
+    def flip(self, eff: Effect, tags: tuple[str, ...], on: bool) -> None:
+        for tag in tags:
+            key = f"{eff.owner}.{tag}"
+            if self.resident[key] == on:
+                continue
+            self.resident[key] = on
+            if on:
+                self.emit("memory.resumed", owner=eff.owner, tag=tag, bytes=self.size[key], mem=self.mem())
+            else:
+                self.host[key] = eff.host_copy
+                self.emit("memory.paused", owner=eff.owner, tag=tag, bytes=self.size[key],
+                          host_copy=eff.host_copy, mem=self.mem())
+
+    def sync(self) -> None:
+        # two buckets in flight at the peak, as the pipelined transports do
+        n, B = 2, self.B
+        for b in range(n):
+            self.staging += B
+            stages = BUCKET_STAGES if not self.resident["trainer.weights"] else BUCKET_STAGES[1:]
+            for s in stages:
+                self.emit("bucket.finished", step=0, bucket=b, stage=s, bytes=B, tensors=1, duration_s=0.0,
+                          mem=self.mem())
+        self.staging = 0
+        self.emit("sync.finished", step=0, bytes=n * B, buckets=n, tensors=n, params=n, duration_s=0.0,
+                  weight_version=1, digest="what-if", cache_flushed=True,
+                  source="device" if self.resident["trainer.weights"] else "host", mem=self.mem())
+
+    def header(self) -> dict:
+        return {"event": "trace.started", "ts": 0.0, "rank": 0, "schema": SCHEMA, "world_size": 1,
+                "device": {"kind": "what-if", "name": f"{self.w.gpu_gib:g} GiB", "total_bytes": self.T},
+                "config": {"plan": self.w.plan, "bucket_bytes": self.B, "transport": "what-if"},
+                "tags": {k: {"bytes": v, "resident": self.resident[k], "host_copy": self.host[k]}
+                         for k, v in self.size.items()},
+                "mem": self.mem(), "engine_weight_version": 0, "trainer_weight_version": 0}
+
+    def cycle(self) -> list[dict]:
+        self.out = [self.header()]
+        prev = None
+        for phase in PLANS[self.w.plan]:
+            eff = EFFECTS[phase]
+            self.emit("phase.entered", step=0, from_phase=prev, to_phase=phase.value, mem=self.mem())
+            self.flip(eff, eff.pause, False)
+            self.flip(eff, eff.resume, True)
+            if phase is Phase.ROLLOUT:
+                self.emit("rollout.finished", step=0, reward=0.0, tokens=0)
+            if eff.allocates:
+                self.sync()
+            self.emit("phase.finished", step=0, phase=phase.value, duration_s=0.0, mem=self.mem())
+            prev = phase.value
+        self.emit("trace.finished")
+        return self.out
+
+
 def synthesize(w: WhatIf) -> list[dict]:
     """One cycle of ``w.plan`` as the scheduler would record it, from sizes alone.
 
     The KV pool is recorded resident with 0 bytes: the analysis replaces it by
     ``T × mfs − Wr`` wherever it is resident, so its recorded size never matters.
     """
-    T = int(w.gpu_gib * GiB)
-    R = int(w.reserved_gib * GiB)
-    size = {"engine.weights": int(w.model_gib * GiB), KV: 0, "engine.cuda_graph": int(w.cuda_graph_gib * GiB),
-            "trainer.weights": int(w.trainer_weights * GiB), "trainer.optimizer": int(w.optimizer * GiB)}
-    resident = {k: k.startswith("engine.") for k in size}
-    host = {k: k.startswith("trainer.") for k in size}
-    B = max(1, int(w.bucket_mib * MiB))
-    staging = 0
-    out: list[dict] = []
-    clock = [0.0]
-    step = 0
-
-    def mem() -> dict:
-        by_tag = {k: (v if resident[k] else 0) for k, v in size.items()}
-        by_tag[STAGING] = staging
-        return {"used": R + sum(by_tag.values()), "total": T, "by_tag": by_tag}
-
-    def emit(event: str, **fields) -> None:
-        clock[0] = round(clock[0] + 0.001, 6)
-        out.append({"event": event, "ts": clock[0], "rank": 0, **fields})
-
-    def flip(owner: str, tags: tuple[str, ...], on: bool) -> None:
-        for tag in tags:
-            key = f"{owner}.{tag}"
-            if resident[key] == on:
-                continue
-            resident[key] = on
-            if on:
-                emit("memory.resumed", owner=owner, tag=tag, bytes=size[key], mem=mem())
-            else:
-                host[key] = owner == "trainer"
-                emit("memory.paused", owner=owner, tag=tag, bytes=size[key], host_copy=host[key], mem=mem())
-
-    out.append({"event": "trace.started", "ts": 0.0, "rank": 0, "schema": SCHEMA, "world_size": 1,
-                "device": {"kind": "what-if", "name": f"{w.gpu_gib:g} GiB", "total_bytes": T},
-                "config": {"plan": w.plan, "bucket_bytes": B, "transport": "what-if"},
-                "tags": {k: {"bytes": v, "resident": resident[k], "host_copy": host[k]} for k, v in size.items()},
-                "mem": mem(), "engine_weight_version": 0, "trainer_weight_version": 0})
-    prev = None
-    for phase in PLANS[w.plan]:
-        emit("phase.entered", step=step, from_phase=prev, to_phase=phase.value, mem=mem())
-        if phase is Phase.ROLLOUT:
-            emit("rollout.finished", step=step, reward=0.0, tokens=0)
-        elif phase is Phase.ENGINE_RELEASE:
-            flip("engine", ("kv_cache", "cuda_graph", "weights"), False)
-        elif phase is Phase.TRAINER_ONLOAD:
-            flip("trainer", ("weights", "optimizer"), True)
-        elif phase is Phase.TRAINER_OFFLOAD:
-            flip("trainer", ("weights", "optimizer"), False)
-        elif phase is Phase.ENGINE_WAKE_WEIGHTS:
-            flip("engine", ("weights",), True)
-        elif phase is Phase.ENGINE_WAKE_KV:
-            flip("engine", ("kv_cache", "cuda_graph"), True)
-        elif phase is Phase.SYNC:
-            # two buckets in flight at the peak, as the pipelined transports do
-            n = 2
-            for b in range(n):
-                staging += B
-                stages = BUCKET_STAGES if not resident["trainer.weights"] else BUCKET_STAGES[1:]
-                for s in stages:
-                    emit("bucket.finished", step=step, bucket=b, stage=s, bytes=B, tensors=1, duration_s=0.0,
-                         mem=mem())
-            staging = 0
-            emit("sync.finished", step=step, bytes=n * B, buckets=n, tensors=n, params=n, duration_s=0.0,
-                 weight_version=1, digest="what-if", cache_flushed=True,
-                 source="device" if resident["trainer.weights"] else "host", mem=mem())
-        emit("phase.finished", step=step, phase=phase.value, duration_s=0.0, mem=mem())
-        prev = phase.value
-    emit("trace.finished")
-    return out
+    return _Synth(w).cycle()
 
 
 def what_if(w: WhatIf, margin_bytes: int | None = None) -> Recommendation:
@@ -565,7 +580,6 @@ def what_if(w: WhatIf, margin_bytes: int | None = None) -> Recommendation:
 # -- the command ---------------------------------------------------------------------------
 
 def run_tune(args) -> int:
-    from colo.cli import UsageError  # argparse only: still pure
 
     margin = None
     warnings: list[str] = []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
+import anyio.to_thread
 
 from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import RolloutResult, SyncContext, SyncResult, TensorSpec
@@ -107,7 +109,123 @@ class FakeTransport:
                 ctx.staging.free(live.pop(0))
         for sid in live:
             ctx.staging.free(sid)
-        return SyncResult(bytes=total, buckets=len(buckets), tensors=sum(len(b.entries) for b in buckets))
+        return ctx.result(bytes=total, buckets=len(buckets), tensors=sum(len(b.entries) for b in buckets))
 
     async def abort(self):
         self.aborted += 1
+
+
+class ProtocolEngine:
+    """An in-process engine that holds real tensors and implements exactly the
+    declared engine protocols (``EngineSide`` and ``EngineReceiver``), nothing
+    more: a transport that works against it works against any engine that
+    satisfies them.
+
+    Receivers are built from the transport's own strategy, as the engine
+    process does; receiving runs in a worker thread, because a receiver may
+    join a collective that the sender in this same process joins at once.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], *, kv_cache: int = 64, cuda_graph: int = 0):
+        import torch
+
+        self._specs = {s.name: s for s in specs}
+        self.params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        self._sizes = {"weights": sum(s.nbytes for s in specs), "kv_cache": kv_cache, "cuda_graph": cuda_graph}
+        self._resident = set(self._sizes)
+        self._receivers: dict[str, Any] = {}
+        self._version: int | None = 0
+        self._loading: set[str] | None = None
+
+    # -- EngineSide --------------------------------------------------------------
+    def tag_bytes(self):
+        return dict(self._sizes)
+
+    async def release(self, tags):
+        self._resident -= set(tags)
+
+    async def resume(self, tags):
+        self._resident |= set(tags)
+
+    async def flush_cache(self):
+        pass
+
+    async def generate(self, step):
+        if "kv_cache" not in self._resident or self._version is None:
+            raise RuntimeError("protocol engine: refused to generate (KV cache released or weights stale)")
+        return RolloutResult(reward=0.0, tokens=0)
+
+    async def digest(self):
+        import hashlib
+
+        import torch
+
+        h = hashlib.sha256()
+        for name in sorted(self.params):
+            h.update(name.encode())
+            h.update(self.params[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    async def set_weight_version(self, version):
+        self._version = version
+
+    # -- EngineReceiver ----------------------------------------------------------
+    async def preflight(self, specs):
+        got = {(s.name, tuple(s.shape), s.dtype) for s in specs}
+        want = {(s.name, tuple(s.shape), s.dtype) for s in self._specs.values()}
+        if got != want:
+            raise ValueError(f"protocol engine: preflight mismatch: {sorted(got ^ want)[:4]}")
+
+    async def begin_load(self):
+        self._loading = set()
+
+    async def transport_init(self, transport, init_info):
+        from colo.transports import get_strategy
+
+        strategy = get_strategy(transport)
+        info = strategy.init_info_type.from_json(init_info)
+        old = self._receivers.pop(transport, None)
+        if old is not None:
+            old.close()
+        self._receivers[transport] = await anyio.to_thread.run_sync(
+            lambda: strategy.create_receiver(info, device="cpu"))
+
+    async def transport_load(self, transport, request, on_sent=None):
+        from colo.transports import get_strategy
+        from colo.transports.wire import EmptyInitInfo
+
+        if transport not in self._receivers:
+            strategy = get_strategy(transport)
+            if strategy.init_info_type is not EmptyInitInfo:
+                raise ValueError(f"transport {transport!r} is not initialised: call transport_init first")
+            self._receivers[transport] = strategy.create_receiver(EmptyInitInfo(), device="cpu")
+        receiver = self._receivers[transport]
+        if on_sent is not None:
+            on_sent()
+
+        def receive() -> int:
+            with receiver.receive(request) as named:
+                for name, tensor in named:
+                    self.params[name].copy_(tensor.view(self.params[name].shape))
+                    self._loading.add(name)
+                return len(named)
+
+        return {"tensors": await anyio.to_thread.run_sync(receive)}
+
+    async def transport_close(self, transport):
+        receiver = self._receivers.pop(transport, None)
+        if receiver is not None:
+            receiver.close()
+
+    async def end_load(self):
+        missing = set(self.params) - (self._loading or set())
+        self._loading = None
+        if missing:
+            raise ValueError(f"protocol engine: the sync did not cover {sorted(missing)}")
+        for receiver in self._receivers.values():
+            receiver.release()
+
+    async def drop_handles(self):
+        for receiver in self._receivers.values():
+            receiver.release()
+

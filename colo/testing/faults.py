@@ -36,39 +36,29 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 
-from colo.core.phases import Phase
+from colo.core.phases import EFFECTS, Phase
+from colo.errors import InjectedFault
 
 KINDS = ("kill-engine", "raise", "deadline", "oom", "cancel")
 
 _ALL = tuple(p.value for p in Phase if p is not Phase.FAILED)
-#: where each kind can happen: the engine can only be seen dying where the
-#: phase calls it; memory can only run out where the phase allocates.
+#: the call that does each phase's work (what a fault makes fail): the table's own
+CALLEE: dict[str, tuple[str, str]] = {p.value: (EFFECTS[p].owner, EFFECTS[p].verb) for p in Phase
+                                      if p is not Phase.FAILED}
+#: where each kind can happen, read off the table: the engine can only be seen
+#: dying where the phase calls it; memory can only run out where the phase
+#: brings something onto the device.
 POSSIBLE: dict[str, tuple[str, ...]] = {
-    "kill-engine": ("rollout", "engine_release", "engine_wake_weights", "sync", "engine_wake_kv"),
+    "kill-engine": tuple(p for p in _ALL if EFFECTS[Phase(p)].owner == "engine"),
     "raise": _ALL,
     "deadline": _ALL,
-    "oom": ("trainer_onload", "engine_wake_weights", "sync", "engine_wake_kv"),
+    "oom": tuple(p for p in _ALL if EFFECTS[Phase(p)].resume or EFFECTS[Phase(p)].allocates),
     "cancel": _ALL,
 }
 
-#: the call that does each phase's work (what a fault makes fail)
-CALLEE: dict[str, tuple[str, str]] = {
-    "rollout": ("engine", "generate"),
-    "engine_release": ("engine", "release"),
-    "trainer_onload": ("trainer", "onload"),
-    "train": ("trainer", "train_step"),
-    "trainer_offload": ("trainer", "offload"),
-    "engine_wake_weights": ("engine", "resume"),
-    "sync": ("engine", "transport_load"),
-    "engine_wake_kv": ("engine", "resume"),
-}
 #: in sync the fault waits for this many bucket loads first: the engine is
 #: then really half-updated (``end_load`` is the fallback for one-bucket syncs)
 SYNC_LOADS_FIRST = 1
-
-
-class InjectedFault(RuntimeError):
-    """The error a ``raise`` fault raises."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,25 +130,27 @@ class FaultInjector:
 
     def attach(self, sched: Any) -> None:
         self._sched = sched
-        sched.trace.add_listener(self._watch)
+        sched.hooks.append(self)
 
     def _armed(self) -> bool:
         s = self._sched
         return (not self.fired and s is not None and s.phase is not None
                 and s.phase.value == self.fault.phase and s.step >= self.fault.step)
 
-    def _watch(self, ev: dict) -> None:
-        # Listeners run inside emit: never raise here.
-        name = ev.get("event")
-        if name == "phase.entered" and ev.get("to_phase") == self.fault.phase:
-            self._sync_loads = 0
-            if self.fault.kind == "oom" and self._armed():
-                mem = self._sched.memory
-                # a neighbour takes every free byte: the phase's first allocation fails
-                self._squat = mem.free_bytes
-                mem.reserved_bytes += self._squat
-                self._fire()
-        elif name == "phase.failed" and self._squat:
+    # -- PhaseHooks: called by the scheduler, outside the trace writer -------------
+    def entered(self, phase: Phase, step: int) -> None:
+        if phase.value != self.fault.phase:
+            return
+        self._sync_loads = 0
+        if self.fault.kind == "oom" and self._armed():
+            mem = self._sched.memory
+            # a neighbour takes every free byte: the phase's first allocation fails
+            self._squat = mem.free_bytes
+            mem.reserved_bytes += self._squat
+            self._fire()
+
+    def failed(self, phase: Phase, step: int) -> None:
+        if self._squat:
             self._sched.memory.reserved_bytes -= self._squat
             self._squat = 0
 

@@ -1,8 +1,10 @@
 """Recording ``colo.trace/1``: one JSON line per event, written through structlog.
 
 Every line is flushed as it is written, so a run that crashes leaves a trace
-whose complete lines replay; at most the last line is cut. Listeners (the live
-invariant checker, the phase summary) see each event as it is written.
+whose complete lines replay; at most the last line is cut. The writer only
+writes: the scheduler checks each record against the invariants before it asks
+for it to be written. Listeners are passive sinks (the demo's phase summary)
+that see each event after it is written; they must not raise or change state.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class TraceWriter:
         self._listeners: list[Listener] = []
         self.events: list[dict] | None = [] if keep_events else None
         self.closed = False
+        self._last_ts = 0.0
 
     def add_listener(self, fn: Listener) -> None:
         self._listeners.append(fn)
@@ -76,14 +79,22 @@ class TraceWriter:
         return self.emit("trace.started", schema=SCHEMA, world_size=self.world_size,
                          device=device, config=config, **extra)
 
-    def emit(self, event: str, **fields: Any) -> dict:
+    def record(self, event: str, *, at: float | None = None, **fields: Any) -> dict:
+        """The event as it would be written, stamped now (or at clock reading ``at``,
+        for a stage that ended earlier); nothing is written."""
         if event not in EVENTS:
             raise ValueError(f"unknown trace event {event!r}; expected one of {', '.join(sorted(EVENTS))}")
         if self._t0 is None:
             raise RuntimeError(f"trace not started: cannot write {event}")
         if self.closed:
             raise RuntimeError(f"trace already finished: cannot write {event}")
-        record = {"event": event, "ts": self.now(), "rank": self.rank, **fields}
+        ts = self.now() if at is None else round(at - self._t0, 6)
+        # ts is monotonic in the file even when a record arrives after a later one was stamped
+        ts = max(ts, self._last_ts)
+        return {"event": event, "ts": ts, "rank": self.rank, **fields}
+
+    def write(self, record: dict) -> dict:
+        self._last_ts = record["ts"]
         if self._log is not None:
             body = dict(record)
             self._log.msg(body.pop("event"), **body)
@@ -92,6 +103,9 @@ class TraceWriter:
         for fn in self._listeners:
             fn(record)
         return record
+
+    def emit(self, event: str, *, at: float | None = None, **fields: Any) -> dict:
+        return self.write(self.record(event, at=at, **fields))
 
     def finish(self) -> None:
         if self._t0 is None or self.closed:

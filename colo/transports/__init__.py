@@ -13,8 +13,8 @@ from typing import Any
 
 #: name -> "module:class"; a transport's module is imported only when chosen.
 REGISTRY = {
-    "ipc": "colo.transports.ipc:IpcTransport",
     "packed": "colo.transports.packed:PackedTransport",
+    "ipc": "colo.transports.ipc:IpcTransport",
     "broadcast": "colo.transports.broadcast:BroadcastTransport",
     "disk": "colo.transports.disk:DiskTransport",
 }

@@ -33,7 +33,7 @@ import anyio.to_thread
 import torch
 
 from colo.core.buckets import Bucket, plan_buckets
-from colo.core.interfaces import SyncContext, SyncResult
+from colo.core.interfaces import SyncContext, SyncResult  # noqa: F401
 from colo.transports.wire import (EmptyInitInfo, RequestError, TensorMeta, get_field, parse_tensors,  # noqa: F401
                                   views)
 
@@ -162,8 +162,7 @@ class BucketSender:
         finally:
             with anyio.CancelScope(shield=True):
                 self._cleanup()
-        return SyncResult(bytes=sum(b.payload_bytes for b in buckets), buckets=len(buckets),
-                          tensors=len(specs))
+        return ctx.result(bytes=sum(b.payload_bytes for b in buckets), buckets=len(buckets), tensors=len(specs))
 
     async def _prepare(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
         self._extractor = extractor

@@ -43,16 +43,13 @@ import torch
 from colo.core.buckets import Bucket, itemsize, numel
 from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
+from colo.errors import IncompleteCheckpoint
 
 FORMAT = "colo.checkpoint/1"
 MANIFEST = "manifest.json"
 _TMP = re.compile(r"^\.tmp-[0-9a-f]{32}$")
 _SHARD = re.compile(r"^shard-[0-9]{5}\.safetensors$")
 _STEP = re.compile(r"^step-([0-9]+)$")
-
-
-class IncompleteCheckpoint(ValueError):
-    """A directory that is not a complete, committed checkpoint."""
 
 
 @dataclass(frozen=True)

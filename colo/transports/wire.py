@@ -12,10 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colo.core.buckets import ALIGN, ITEMSIZE, Bucket, itemsize, numel, plan_buckets
-
-
-class RequestError(ValueError):
-    """A request or init info that does not have the fields its transport expects."""
+from colo.errors import RequestError
 
 
 def get_field(d: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:

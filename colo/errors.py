@@ -1,0 +1,183 @@
+"""Every refusal colo raises, under one base, with the exit code each maps to.
+
+A caller that embeds colo catches :class:`ColoError` and reads ``exit_code``:
+0 success, 1 a failed check or run, 2 bad input or usage. The command line
+maps exceptions to exit codes through this module and nothing else; no module
+imports the command line.
+
+Each class keeps the builtin base it had before (``ValueError``,
+``RuntimeError``, ``MemoryError``, ``KeyError``) so that code written against
+those still catches it. Pure: no torch, anyio or structlog.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from colo.core.units import fmt_bytes
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class ColoError(Exception):
+    """The base of every error colo raises on purpose."""
+
+    exit_code = EXIT_FAILED
+
+
+class BadInput(ColoError):
+    """Input that is wrong before any work starts: exit 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+# -- bad input (exit 2, except where a class says otherwise) ----------------------------
+
+class UsageError(BadInput, ValueError):
+    """A flag or argument that is wrong: reported on one line, exit 2."""
+
+
+class BadTrace(BadInput, ValueError):
+    """Input that cannot be read as ``colo.trace/1`` (exit 2)."""
+
+
+class TuneError(BadInput, ValueError):
+    """Bad input to the tuner (exit 2)."""
+
+
+class RequestError(ColoError, ValueError):
+    """A request or init info that does not have the fields its transport expects."""
+
+
+class HandleError(ColoError, ValueError):
+    """A handle that is malformed or of a kind that is not allowed."""
+
+
+class IncompleteCheckpoint(ColoError, ValueError):
+    """A directory that is not a complete, committed checkpoint."""
+
+
+class UnknownTensor(ColoError, KeyError):
+    """A name the extractor does not have; printed as a sentence, not a quoted key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class WeightMismatch(ColoError, ValueError):
+    """Incoming weights do not match what the engine expects.
+
+    Raised once per check with every problem found, never one at a time: a
+    sync that is wrong in ten places should say so in one message.
+    """
+
+    def __init__(self, context: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
+                 duplicate: Sequence[str] = (), wrong_shape: Sequence[str] = (),
+                 wrong_dtype: Sequence[str] = ()) -> None:
+        self.missing, self.unexpected, self.duplicate = tuple(missing), tuple(unexpected), tuple(duplicate)
+        self.wrong_shape, self.wrong_dtype = tuple(wrong_shape), tuple(wrong_dtype)
+        lines = [f"{context}:"]
+        for label, items in (("missing", self.missing), ("unexpected", self.unexpected),
+                             ("duplicate", self.duplicate), ("wrong shape", self.wrong_shape),
+                             ("wrong dtype", self.wrong_dtype)):
+            if items:
+                lines.append(f"  {label} ({len(items)}): " + ", ".join(items))
+        super().__init__("\n".join(lines))
+
+    @property
+    def empty(self) -> bool:
+        return not (self.missing or self.unexpected or self.duplicate or self.wrong_shape or self.wrong_dtype)
+
+
+class KVPoolTooSmall(BadInput, ValueError):
+    """``mem_fraction_static`` leaves too little room for the KV pool."""
+
+
+# -- refusals and failures (exit 1) ---------------------------------------------------
+
+class IllegalTransition(ColoError, ValueError):
+    """A transition the table does not allow; the machine did not move."""
+
+    def __init__(self, current: Any, trigger: str, target: Any, allowed: Iterable[str] = ()):
+        self.current, self.trigger, self.target = current, trigger, target
+        here = current or "start"
+        super().__init__(
+            f"illegal transition from phase {here!s} on trigger {trigger!r} to {target or '?'!s}; "
+            f"allowed triggers from {here!s}: {', '.join(sorted(allowed)) or 'none'}")
+
+
+class InvariantViolation(ColoError, RuntimeError):
+    """A step the scheduler refused because it would break an invariant."""
+
+    def __init__(self, violations: list[Any]):
+        self.violations = violations
+        super().__init__("; ".join(str(v) for v in violations))
+
+
+class OutOfMemory(ColoError, MemoryError):
+    """An allocation or resume that would exceed the device budget."""
+
+    def __init__(self, *, phase: str | None, tag: str, requested: int, free: int, total: int,
+                 in_use: dict[str, int], rank: int | None = None):
+        self.phase, self.tag, self.requested, self.free, self.total = phase, tag, requested, free, total
+        self.in_use, self.rank = dict(in_use), rank
+        held = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in in_use.items() if v) or "nothing"
+        where = f" on rank {rank}" if rank is not None else ""
+        super().__init__(
+            f"out of memory in phase {phase or '-'}{where}: {tag} asks {fmt_bytes(requested, True)}, "
+            f"{fmt_bytes(free, True)} free of {fmt_bytes(total)}; in use: {held}")
+
+
+class TagStateError(ColoError, RuntimeError):
+    """Pausing a paused tag or resuming a resident one."""
+
+
+# -- a side failing (exit 1) -------------------------------------------------------
+
+class EngineStateError(ColoError, RuntimeError):
+    """An operation the engine's current state does not allow (released tag, stale weights)."""
+
+
+class EngineError(ColoError, RuntimeError):
+    """The engine process answered an operation with an error."""
+
+    def __init__(self, op: str, error_type: str, message: str):
+        self.op, self.error_type = op, error_type
+        super().__init__(f"engine {op} failed: {error_type}: {message}")
+
+
+class EngineDied(ColoError, RuntimeError):
+    """The engine process is gone."""
+
+
+class ChannelError(ColoError, RuntimeError):
+    """The peer broke the protocol (bad frame, bad auth, closed)."""
+
+
+class VerificationError(ColoError, RuntimeError):
+    """The engine's weights after a sync are not the trainer's."""
+
+
+class RankFailed(ColoError, RuntimeError):
+    """One rank of a group failed a verb; the other ranks' outcomes are kept."""
+
+    def __init__(self, side: str, verb: str, rank: int, cause: BaseException, outcomes: dict[int, str]):
+        self.side, self.verb, self.rank, self.cause, self.outcomes = side, verb, rank, cause, dict(outcomes)
+        super().__init__(f"{side} rank {rank} failed {verb}: {type(cause).__name__}: {cause}")
+
+
+class InjectedFault(ColoError, RuntimeError):
+    """The error a ``raise`` fault raises (colo.testing.faults)."""
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code an exception maps to: its own, or 1 for anything unplanned."""
+    return getattr(exc, "exit_code", EXIT_FAILED) if isinstance(exc, ColoError) else EXIT_FAILED
+
+
+__all__ = ["BadInput", "BadTrace", "ChannelError", "ColoError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK",
+           "EngineDied", "EngineError", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
+           "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "RankFailed", "RequestError",
+           "TagStateError", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
+           "exit_code"]
