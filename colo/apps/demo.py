@@ -34,7 +34,7 @@ from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.handles import leftover_segments
 from colo.core.invariants import InvariantViolation
-from colo.core.memory import GiB, MiB, MemoryLedger, fmt_bytes
+from colo.core.memory import OWNERS_TAGS, GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
 from colo.offline.summary import PhaseSummary
@@ -351,7 +351,7 @@ class DemoRun:
         if self.saver is not None:
             # Colocated start: the trainer offloads before the engine starts, as
             # slime does, so the engine's KV pool can take its fraction.
-            await self.trainer.offload(["weights", "optimizer"])
+            await self.trainer.offload(list(OWNERS_TAGS["trainer"]))
         cfg = self.cfg
         return {"config": self.model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
                 "total_bytes": self.total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,

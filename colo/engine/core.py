@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from colo.core.memory import OWNERS_TAGS
 from colo.engine.model import (DTypeLike, EngineModel, EngineStateError, WeightMismatch,  # noqa: F401
                                dtype_name)
 from colo.core.interfaces import TensorSpec
 
-TAGS = ("weights", "kv_cache", "cuda_graph")
+TAGS = OWNERS_TAGS["engine"]  # the one vocabulary of tags (colo.core.memory)
 
 
 class EngineCore:

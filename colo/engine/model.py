@@ -31,42 +31,7 @@ import torch.nn.functional as F
 
 from colo.core.buckets import itemsize, numel, spec
 from colo.core.interfaces import TensorSpec
-
-
-class WeightMismatch(ValueError):
-    """Incoming weights do not match what the engine expects.
-
-    Raised once per check with every problem found, never one at a time: a
-    sync that is wrong in ten places should say so in one message.
-    """
-
-    def __init__(self, context: str, *, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
-                 duplicate: Sequence[str] = (), wrong_shape: Sequence[str] = (),
-                 wrong_dtype: Sequence[str] = ()) -> None:
-        self.missing = tuple(missing)
-        self.unexpected = tuple(unexpected)
-        self.duplicate = tuple(duplicate)
-        self.wrong_shape = tuple(wrong_shape)
-        self.wrong_dtype = tuple(wrong_dtype)
-        lines = [f"{context}:"]
-        for label, items in (("missing", self.missing), ("unexpected", self.unexpected),
-                             ("duplicate", self.duplicate), ("wrong shape", self.wrong_shape),
-                             ("wrong dtype", self.wrong_dtype)):
-            if items:
-                lines.append(f"  {label} ({len(items)}): " + ", ".join(items))
-        super().__init__("\n".join(lines))
-
-    @property
-    def empty(self) -> bool:
-        return not (self.missing or self.unexpected or self.duplicate or self.wrong_shape or self.wrong_dtype)
-
-
-class EngineStateError(RuntimeError):
-    """An operation the engine's current state does not allow (released tag, stale weights)."""
-
-
-class KVPoolTooSmall(ValueError):
-    """``mem_fraction_static`` leaves too little room for the KV pool."""
+from colo.errors import EngineStateError, KVPoolTooSmall, WeightMismatch  # noqa: F401 (re-exported)
 
 
 DTypeLike = Union[torch.dtype, str]
