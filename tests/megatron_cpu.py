@@ -13,6 +13,9 @@ that works):
   pipeline send/recv allocates its receive buffers there.
 - ``torch.cuda.synchronize`` does nothing: the batched pipeline send/recv and the
   distributed checkpoint saver call it; work on the CPU is done when the call returns.
+- ``Tensor.cuda()`` returns the tensor: with tied embeddings and PP > 1,
+  ``LanguageModule.setup_embeddings_and_output_layer`` moves the last stage's
+  copy of the embedding with ``.cuda()`` before all-reducing it from the first stage.
 - An RNG tracker whose ``fork()`` does nothing: DotProductAttention wraps its
   dropout in ``get_cuda_rng_tracker().fork()``, which reads and sets the CUDA
   RNG state. Dropout is 0 and the models are in eval mode, so no random number
@@ -76,6 +79,7 @@ def cpu_workarounds() -> None:
     warnings.filterwarnings("ignore")  # "Transformer Engine and Apex are not installed" and the like
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None  # CPU work is done when the call returns
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     from megatron.core.tensor_parallel import random as mrandom
 
     class _NoForkTracker(mrandom.CudaRNGStatesTracker):
@@ -139,6 +143,10 @@ def build(case: Case):
                      share_embeddings_and_output_weights=case.tied, position_embedding_type="rope",
                      rotary_base=int(ROPE_THETA))
     randomize(model)
+    if case.tied and case.pp > 1:
+        # megatron-core's own tying across stages, again: zero the last stage's copy of the
+        # embedding and all-reduce it from the first stage's
+        model.setup_embeddings_and_output_layer()
     return model.eval()
 
 

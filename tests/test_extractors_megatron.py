@@ -261,6 +261,31 @@ def test_every_parameter_that_cannot_be_mapped_is_named_in_one_error():
         "'output_layer.weight (partition_stride 2, expected 1)']")
 
 
+def test_the_last_stages_copy_of_a_tied_embedding_is_left_out():
+    # megatron-core marks both copies of an embedding tied across pipeline stages shared_embedding
+    # (LanguageModule.setup_embeddings_and_output_layer); HF ties lm_head to embed_tokens
+    embed, head = _param(torch.randn(40, 8), True, 0), _param(torch.randn(40, 8), True, 0)
+    embed.shared_embedding = head.shared_embedding = True
+    ex = MegatronExtractor([("embedding.word_embeddings.weight", embed), ("output_layer.weight", head)])
+    assert [s.name for s in ex.specs()] == ["model.embed_tokens.weight"]
+    del head.shared_embedding  # untied: the head is a weight of its own
+    ex = MegatronExtractor([("embedding.word_embeddings.weight", embed), ("output_layer.weight", head)])
+    assert [s.name for s in ex.specs()] == ["model.embed_tokens.weight", "lm_head.weight"]
+
+
+def test_linear_biases_map_like_their_weights():
+    gate_b, up_b = torch.randn(6), torch.randn(6)
+    fc1_bias = _param(torch.cat([gate_b, up_b]), True, 0, stride=2)  # megatron-core marks the bias stride 2 too
+    ex = MegatronExtractor([("decoder.layers.2.mlp.linear_fc1.bias", fc1_bias),
+                            ("decoder.layers.2.mlp.linear_fc2.bias", _param(torch.ones(4))),
+                            ("decoder.layers.2.self_attention.linear_proj.bias", _param(torch.ones(4)))])
+    got = dict(ex.extract([s.name for s in ex.specs()]))
+    assert sorted(got) == ["model.layers.2.mlp.down_proj.bias", "model.layers.2.mlp.gate_proj.bias",
+                           "model.layers.2.mlp.up_proj.bias", "model.layers.2.self_attn.o_proj.bias"]
+    assert_bit_equal(got["model.layers.2.mlp.gate_proj.bias"], gate_b)
+    assert_bit_equal(got["model.layers.2.mlp.up_proj.bias"], up_b)
+
+
 def test_an_odd_glu_weight_is_refused():
     with pytest.raises(ValueError, match=r"GLU weight 'decoder\.layers\.0\.mlp\.linear_fc1\.weight' has an odd "
                                          r"first dimension 5"):

@@ -6,10 +6,17 @@ all-gather over its tensor-parallel group and a ``cat`` on ``partition_dim``
 (slime's ``all_gather_param``); a parameter that lives on one pipeline stage
 or one expert-parallel rank only is first broadcast from that rank along its
 pipeline (then expert) group. Only then is the name converted: a GLU
-``linear_fc1`` shard holds ``[gate_i; up_i]``, so the gathered halves are
-re-interleaved into ``gate_proj`` and ``up_proj``; a fused ``linear_qkv``
-holds ``[q; k; v]`` per query group and is split into ``q_proj``, ``k_proj``
-and ``v_proj``; vocabulary padding is cut off.
+``linear_fc1`` shard holds ``[gate_i; up_i]`` (megatron-core >= 0.16 says so
+with ``partition_stride = 2``), so the gathered halves are re-interleaved into
+``gate_proj`` and ``up_proj``; a fused ``linear_qkv`` holds ``[q; k; v]`` per
+query group and is split into ``q_proj``, ``k_proj`` and ``v_proj``;
+vocabulary padding is cut off. A parameter the rules cannot map, or whose
+layout (``partition_stride``) they cannot undo, is refused at construction, all
+of them named in one error.
+
+``tests/test_megatron_core.py`` checks all of it against the real megatron-core
+(TP, PP, EP, its own checkpoint resharding): transformers' Qwen2 / Qwen2-MoE
+loaded from the extracted tensors reproduces megatron-core's logits.
 
 Who holds what is exchanged once, at construction, with ``all_gather_object``
 of plain metadata (names, shapes, dtypes, attributes, group ranks), so every
