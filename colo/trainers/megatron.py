@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import shutil
 import tempfile
 import types
@@ -293,19 +292,6 @@ def load_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], hf_config: A
         p.copy_(src[name])
 
 
-def _rules() -> tuple[Any, ...]:
-    from colo.extractors.megatron import LLAMA_RULES, NameRule
-
-    # The local layer spec names the pre-attention norm input_layernorm (the
-    # TE spec fuses it into linear_qkv); until the extractor's table has a rule
-    # for it, add one (first match wins, so a rule there takes precedence).
-    probe = "decoder.layers.0.input_layernorm.weight"
-    if any(re.fullmatch(r.pattern, probe) for r in LLAMA_RULES):
-        return LLAMA_RULES
-    return (*LLAMA_RULES, NameRule(r"decoder\.layers\.(\d+)\.input_layernorm\.weight",
-                                   (r"model.layers.\1.input_layernorm.weight",)))
-
-
 # -- the trainer ------------------------------------------------------------------
 
 
@@ -330,7 +316,7 @@ class MegatronTrainer:
         self._memory_backend = memory_backend
         d = qwen2_dims(hf_config)
         self._extractor_args = {"attention": (d["heads"], d["groups"]), "vocab_size": hf_config.vocab_size,
-                                "group": runtime.meta_group, "rules": _rules()}
+                                "group": runtime.meta_group}
         # Pairs, not a mapping: a Parameter is followed through optimizer steps.
         live = list(self.model.named_parameters())
         self._extractor = MegatronExtractor(live, dtype=getattr(torch, engine_dtype), **self._extractor_args)
