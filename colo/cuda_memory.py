@@ -108,9 +108,12 @@ class TrainerMemory:
 class CudaLedger(MemoryLedger):
     """The ledger's budget, with ``used`` read from the device at every event."""
 
-    def snapshot(self) -> dict:
+    def snapshot(self, *, staging: int | None = None) -> dict:
         free, total = torch.cuda.mem_get_info()
-        return {"used": total - free, "total": total, "by_tag": self.by_tag()}
+        by_tag = self.by_tag()
+        if staging is not None:  # a stage record's own count (see MemoryLedger.snapshot)
+            by_tag["staging"] = staging
+        return {"used": total - free, "total": total, "by_tag": by_tag}
 
     def observe(self) -> None:
         # What the trainer's allocator cache, NCCL buffers and both contexts

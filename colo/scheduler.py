@@ -29,7 +29,7 @@ import anyio
 
 from colo.core.config import SchedulerConfig
 from colo.core.interfaces import PhaseHooks, RolloutResult, SyncContext, SyncResult
-from colo.core.invariants import InvariantChecker, Violation
+from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-exported)
 from colo.core.memory import MemoryLedger
 from colo.core.phases import (EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, next_phase,
                               trigger_for, validate_plan)
@@ -375,6 +375,10 @@ class Scheduler:
         ctxs = [SyncContext(step=step, weight_version=version, bucket_bytes=self.config.bucket_bytes,
                             source=source, staging=m.staging_budget(rank=r if self.world_size > 1 else None),
                             clock=self._clock) for r, m in enumerate(self.memories)]
+        self._stages_written = [0] * self.world_size
+        for r, ctx in enumerate(ctxs):
+            # a sender in this process: its records are written as they happen
+            ctx.on_stage = lambda rec, r=r: self._write_stage(r, rec, live=True)
         t0 = self._clock()
         results = await self._transfer(ctxs)
         # The prefix cache holds KV computed with the old weights: flush after the
@@ -404,8 +408,8 @@ class Scheduler:
         try:
             results, _ = await together(calls, "sync", "transport.sync")
             failed = False
-            for ctx, res in zip(ctxs, results):
-                if res.stages:  # a sender elsewhere (an actor) reports its stages in its result
+            for r, (ctx, res) in enumerate(zip(ctxs, results)):
+                if res.stages and not ctx.stages:  # a sender elsewhere (an actor): its stages came back as data
                     ctx.stages[:] = res.stages
         finally:
             with anyio.CancelScope(shield=True):
@@ -417,17 +421,23 @@ class Scheduler:
                                    "staging bytes allocated after sync")
         return results
 
+    def _write_stage(self, rank: int, rec: Any, *, live: bool) -> None:
+        # live: the ledger's staging is the budget the record was taken from, so
+        # the snapshot is what the device holds now; else the record's own count
+        mem = self.memories[rank].snapshot() if live else self.memories[rank].snapshot(staging=rec.staging_bytes)
+        self._stages_written[rank] += 1
+        self._emit(rank, "bucket.finished", at=None if live else rec.at, mem=mem, step=self.step,
+                   bucket=rec.bucket, stage=rec.stage, bytes=rec.bytes, tensors=rec.tensors,
+                   duration_s=round(rec.duration_s, 6))
+
     def _write_stages(self, ctxs: list[SyncContext], *, raise_violations: bool) -> None:
+        """The records no one wrote as they happened (a remote sender's)."""
         for r, (ledger, ctx) in enumerate(zip(self.memories, ctxs)):
-            for rec in ctx.stages:
+            ctx.on_stage = None
+            for rec in ctx.stages[self._stages_written[r]:]:
                 try:
-                    self._emit(r, "bucket.finished", at=rec.at, mem=ledger.snapshot(staging=rec.staging_bytes),
-                               step=self.step, bucket=rec.bucket, stage=rec.stage, bytes=rec.bytes,
-                               tensors=rec.tensors, duration_s=round(rec.duration_s, 6))
+                    self._write_stage(r, rec, live=False)
                 except InvariantViolation:
                     if raise_violations:
                         raise
             ledger.note_staging_peak(getattr(ctx.staging, "peak_bytes", 0))
-
-
-__all__ = ["Scheduler", "InvariantViolation", "Violation", "describe"]

@@ -217,3 +217,34 @@ async def test_out_of_memory_on_wake_names_phase_and_tag_and_changes_nothing():
             await s.run_phase(Phase.ENGINE_WAKE_KV)
     assert not memory.is_resident("engine.kv_cache") and not memory.is_resident("engine.cuda_graph")
     assert ("resume", ("kv_cache", "cuda_graph")) not in engine.calls
+
+
+class RemoteStyleTransport(FakeTransport):
+    """A sender that, like a Ray actor, gets only the context's data (the staging
+    limit, step, version) and hands its stage records back in its result."""
+
+    async def sync(self, trainer, engine, ctx):
+        from colo.core.interfaces import SyncContext
+        from colo.core.memory import StagingBudget
+
+        elsewhere = SyncContext(step=ctx.step, weight_version=ctx.weight_version, bucket_bytes=ctx.bucket_bytes,
+                                source=ctx.source, staging=StagingBudget(ctx.staging.limit))
+        return await super().sync(trainer, engine, elsewhere)
+
+
+async def test_stage_records_that_come_back_as_data_are_written_like_live_ones(tmp_path):
+    live, *_ , live_trace = make(path=tmp_path / "live.jsonl")
+    remote, *_, remote_trace = make(path=tmp_path / "remote.jsonl", transport=RemoteStyleTransport())
+    for s in (live, remote):
+        async with s:
+            await s.cycle()
+    from colo.offline.replay import replay
+
+    assert replay([tmp_path / "remote.jsonl"]).valid
+    stages = [[(e["bucket"], e["stage"], e["mem"]["by_tag"]["staging"]) for e in t.events
+               if e["event"] == "bucket.finished"] for t in (live_trace, remote_trace)]
+    assert stages[0] == stages[1] and len(stages[1]) == 4 * 5
+    # the staging peak the remote sender reported reached the ledger, as the live one did
+    assert max(s for *_, s in stages[1]) > 0 and remote.memory.peak_bytes == live.memory.peak_bytes
+    ts = [e["ts"] for e in remote_trace.events]
+    assert ts == sorted(ts)

@@ -86,10 +86,17 @@ class SyncContext:
     staging: StagingPool
     clock: Callable[[], float] = time.perf_counter
     stages: list[StageRecord] = field(default_factory=list)
+    #: optional, in-process only: told of each record as it is made, so a local
+    #: scheduler writes it while the device still holds what the stage held. A
+    #: context rebuilt in another process has none; its records come back as data.
+    on_stage: Callable[[StageRecord], None] | None = None
 
     def record(self, bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
-        self.stages.append(StageRecord(int(bucket), stage, int(nbytes), int(tensors), float(duration_s),
-                                       self.clock(), self.staging.held_bytes))
+        rec = StageRecord(int(bucket), stage, int(nbytes), int(tensors), float(duration_s), self.clock(),
+                          self.staging.held_bytes)
+        self.stages.append(rec)
+        if self.on_stage is not None:
+            self.on_stage(rec)
 
     def result(self, *, bytes: int, buckets: int, tensors: int) -> SyncResult:
         peak = getattr(self.staging, "peak_bytes", self.staging.held_bytes)
