@@ -19,7 +19,8 @@ that works):
 - An RNG tracker whose ``fork()`` does nothing: DotProductAttention wraps its
   dropout in ``get_cuda_rng_tracker().fork()``, which reads and sets the CUDA
   RNG state. Dropout is 0 and the models are in eval mode, so no random number
-  is drawn inside it; ``model_parallel_cuda_manual_seed`` itself needs CUDA.
+  is drawn inside it. (``model_parallel_cuda_manual_seed``, which would set the
+  tracker up, reads ``torch.cuda.get_rng_state()``: CUDA only.)
 - An explicit causal ``attention_mask``: without one the unfused softmax builds
   its default mask with ``device="cuda"``.
 - The local layer spec (Transformer Engine needs CUDA), ``attention_backend``
@@ -302,5 +303,6 @@ def run_workers(fn: Callable, tmp_path: Path, *args: Any, world_size: int = 2) -
               for r in range(world_size) if (tmp_path / f"error{r}.txt").exists()]
     codes = [p.exitcode for p in procs]
     if errors or any(c != 0 for c in codes):
-        raise AssertionError(f"worker processes failed, exit codes {codes}:\n" + "\n".join(errors))
+        hung = " (hang guard hit)" if time.monotonic() > deadline else ""
+        raise AssertionError(f"worker processes failed{hung}, exit codes {codes}:\n" + "\n".join(errors))
     return [torch.load(tmp_path / f"result{r}.pt", weights_only=True) for r in range(world_size)]

@@ -88,14 +88,22 @@ _HL = r"model.layers.\1."
 #: ``layer_norm_weight``: the local spec's ``sharded_state_dict_keys_map``
 #: (``"input_layernorm." -> "self_attention.linear_qkv.layer_norm_"``,
 #: ``"pre_mlp_layernorm." -> "mlp.linear_fc1.layer_norm_"``) says these are the
-#: same tensors. With MoE the TE spec keeps a separate ``pre_mlp_layernorm``
+#: same tensors, and so do megatron-core's own name maps between the specs
+#: (``post_training/modelopt/gpt/state_dict_hooks.py``: ``linear_qkv.layer_norm_weight``
+#: -> ``input_layernorm.weight``, ``mlp.linear_fc1.layer_norm_weight`` ->
+#: ``pre_mlp_layernorm.weight``; ``export/trtllm/model_to_trllm_mapping/
+#: default_conversion_dict.py`` maps both names of each norm to one TensorRT-LLM
+#: weight). With MoE the TE spec keeps a separate ``pre_mlp_layernorm``
 #: (``backend.layer_norm() if num_experts``). Experts are ``SequentialMLP``
 #: (``local_experts.<i>.linear_fc<n>``) or ``TEGroupedMLP`` (``linear_fc<n>.weight<i>``);
 #: shared experts are ``SharedExpertMLP``, an ``MLP`` on the dense
 #: tensor-parallel group, with its sigmoid gate in ``gate_weight``
 #: (``transformer/moe/shared_experts.py``). The HF side is the checkpoint's
 #: per-expert naming (transformers fuses experts only when loading, see its
-#: ``conversion_mapping.py``).
+#: ``conversion_mapping.py``). Not mapped, so refused: norm biases (LayerNorm),
+#: the legacy ``GroupedMLP`` (``experts.weight1``/``weight2``, all experts in one
+#: tensor), the TE op-fuser MLP (``mlp.<i>.basic_ops...``), multi-latent attention,
+#: the router's ``expert_bias``.
 LLAMA_RULES: tuple[NameRule, ...] = (
     NameRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), vocab=True),
     NameRule(r"output_layer\.weight", ("lm_head.weight",), vocab=True, tied_copy=True),
