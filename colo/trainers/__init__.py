@@ -23,6 +23,7 @@ from typing import Any
 BUILDERS = {
     "hf": "colo.trainers.hf:build",
     "megatron": "colo.trainers.megatron:build",
+    "fsdp": "colo.trainers.fsdp:build",
 }
 
 

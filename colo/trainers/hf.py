@@ -35,16 +35,25 @@ class ReinforceConfig:
 class ReferenceTrainer:
     def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
                  config: ReinforceConfig | None = None, memory_backend: Any = None):
-        from colo.extractors.plain import PlainExtractor
-
         self.model = model
         self.config = config or ReinforceConfig()
         self.engine_dtype = engine_dtype
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
-        self._extractor = PlainExtractor(self.model, dtype=getattr(torch, engine_dtype))
+        self._extractor = self._live_extractor()
         self._memory_backend = memory_backend
         self._cpu_twin: torch.nn.Module | None = None
         self.steps = 0
+
+    def _live_extractor(self) -> Any:
+        """Full tensors of the resident model in the engine dtype (a trainer whose
+        parameters are sharded returns an extractor that gathers them)."""
+        from colo.extractors.plain import PlainExtractor
+
+        return PlainExtractor(self.model, dtype=getattr(torch, self.engine_dtype))
+
+    def _new_cpu_twin(self) -> torch.nn.Module:
+        """An unsharded CPU model of the same architecture, for logits while paused."""
+        return type(self.model)(self.model.config).eval()
 
     # -- TrainerSide -----------------------------------------------------------
     def tag_bytes(self) -> dict[str, int]:
@@ -136,7 +145,7 @@ class ReferenceTrainer:
             # A CPU twin fed the host backup: touching the paused model would
             # read unmapped device memory.
             if self._cpu_twin is None:
-                self._cpu_twin = type(self.model)(self.model.config).eval()
+                self._cpu_twin = self._new_cpu_twin()
             state = self.hf_state()
             # hf_state lists a tied parameter once (model.embed_tokens.weight); the
             # twin's state dict also has its second name (lm_head.weight)

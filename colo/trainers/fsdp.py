@@ -1,0 +1,264 @@
+"""The FSDP2 trainer: the reference trainer's model, optimizer and step, with ``fully_shard``.
+
+Every decoder layer and then the root of the demo's ``Qwen2ForCausalLM`` are
+wrapped with ``torch.distributed.fsdp.fully_shard``: each parameter becomes a
+DTensor sharded on dim 0 over the data-parallel mesh, the forward and backward
+all-gather and reduce-scatter, and AdamW steps the local shards. The REINFORCE
+step and the AdamW configuration are :class:`~colo.trainers.hf.ReferenceTrainer`'s.
+
+The sync goes through :class:`~colo.extractors.fsdp.FSDPExtractor`, so what the
+engine receives is the DTensor gather (``full_tensor()``) of the live shards.
+Gathering is a collective: on more than one rank, every rank calls
+``extractor().extract``, ``hf_state()`` and ``logits()`` with the same arguments.
+
+In ``colo demo`` the trainer is one rank (world size 1) in the demo's process:
+:func:`build` starts the default process group (gloo on the CPU, NCCL on a GPU)
+unless one exists, and :meth:`FSDPTrainer.close` ends the group it started.
+On a GPU the shards and AdamW's state live in memory-saver regions with a
+pinned host backup, as the reference trainer's weights do.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from colo.extractors.fsdp import FSDPExtractor
+from colo.trainers.hf import ReferenceTrainer, ReinforceConfig
+
+
+def shard(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root (embeddings, final norm, ``lm_head``).
+
+    One parameter group per layer is what lets FSDP2 free a layer's gathered
+    weights as soon as its forward (and backward) is done. Parameters on the
+    CPU are moved to the mesh's device group by group, so a GPU never holds
+    more than one layer's unsharded copy beside the shards.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free every gathered (unsharded) parameter: the root keeps its own after a
+    forward until the backward, and a forward without backward (``logits``) has none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _unsharded_class(model: torch.nn.Module) -> type:
+    """The model's own class: ``fully_shard`` swaps in a subclass with ``FSDPModule`` mixed in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__
+                if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
+
+
+def _shard_from_host(t: torch.Tensor, host_view: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The DTensor ``t`` rebuilt from its local shard's host backup, uploaded to ``t``'s device.
+
+    The paused shard's device pages are unmapped; its pinned host backup holds
+    the same bytes. Uploading the shard and gathering it on the device is the
+    same collective as gathering the live shard, on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local()
+    if local.numel() == 0:
+        # a rank whose shard of a short dim 0 is empty has no backup to view
+        dev = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+    else:
+        host = host_view(local)
+        dev = host.to(local.device, non_blocking=host.is_pinned())
+    return DTensor.from_local(dev, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+class _HostShardExtractor(FSDPExtractor):
+    """``FSDPExtractor`` over paused shards: each tensor is uploaded from its host
+    backup when its bucket is built, then gathered with ``full_tensor()``."""
+
+    def __init__(self, module: torch.nn.Module, host_view: Callable[[torch.Tensor], torch.Tensor], *,
+                 dtype: Any, device: torch.device):
+        # ``device`` tells the transport where this source's tensors are built
+        # (it uploads and packs them on its own stream there).
+        super().__init__(module, dtype=dtype, device=device)
+        self._host_view = host_view
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            t = _shard_from_host(t, self._host_view)
+        return super()._full(name, t)
+
+
+class FSDPTrainer(ReferenceTrainer):
+    """The reference trainer over a ``fully_shard``-ed model (see :func:`shard`).
+
+    ``memory_backend`` is as for :class:`ReferenceTrainer` (``None`` on the CPU).
+    ``group`` is the process group this trainer started and must end in
+    :meth:`close` (``None``: the caller owns the process group).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
+                 config: ReinforceConfig | None = None, memory_backend: Any = None,
+                 group: _OwnedProcessGroup | None = None):
+        from torch.distributed.tensor import DTensor
+
+        if not any(isinstance(p, DTensor) for p in model.parameters()):
+            raise TypeError("FSDPTrainer: the model has no sharded parameters; apply shard(model, mesh) first")
+        super().__init__(model, engine_dtype=engine_dtype, config=config, memory_backend=memory_backend)
+        self._group = group
+
+    def _live_extractor(self) -> Any:
+        return FSDPExtractor(self.model, dtype=getattr(torch, self.engine_dtype))
+
+    def _new_cpu_twin(self) -> torch.nn.Module:
+        return _unsharded_class(self.model)(self.model.config).eval()
+
+    @property
+    def world_size(self) -> int:
+        return next(iter(self.model.parameters())).device_mesh.size()
+
+    # -- TrainerSide -----------------------------------------------------------
+    def tag_bytes(self) -> dict[str, int]:
+        # What this rank keeps resident: its shard of each parameter, padded to
+        # an even split of dim 0 as FSDP2 stores it.
+        world = self.world_size
+        weights = sum(math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) * p.element_size()
+                      for p in self.model.parameters())
+        return {"weights": weights, "optimizer": 2 * weights}
+
+    def extractor(self) -> Any:
+        if self._paused():
+            # offload-first on a GPU: the shards are paused; upload each from its
+            # pinned host backup as its bucket is built, then gather it.
+            device = next(iter(self.model.parameters())).device
+            return _HostShardExtractor(self.model, self._memory_backend.saver.host_view,
+                                       dtype=getattr(torch, self.engine_dtype), device=device)
+        return self._extractor
+
+    def _reinforce(self, data: Any) -> dict[str, float]:
+        try:
+            return super()._reinforce(data)
+        finally:
+            _reshard(self.model)
+
+    # -- verification ----------------------------------------------------------
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter as one full tensor under its HF name, in the trainer's dtype.
+
+        A collective on more than one rank. While paused with one rank, the
+        shard is the whole tensor and its pinned host backup is read in place
+        (no device memory); with more ranks each tensor is uploaded, gathered
+        and copied back to the host in turn.
+        """
+        if self._paused():
+            params = {n: p.detach() for n, p in self.model.named_parameters()}
+            host_view = self._memory_backend.saver.host_view
+            if self.world_size == 1:
+                return {n: host_view(p.to_local()) for n, p in params.items()}
+            return {n: _shard_from_host(p, host_view).full_tensor().cpu() for n, p in params.items()}
+        # A parameter group left gathered holds plain tensors in place of its DTensors.
+        _reshard(self.model)
+        # With one rank full_tensor() is the shard itself (no copy), as the
+        # reference trainer's hf_state aliases its parameters.
+        return {n: p.detach().full_tensor() for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def logits(self, tokens: list[list[int]]) -> torch.Tensor:
+        try:
+            return super().logits(tokens)
+        finally:
+            if not self._paused():
+                _reshard(self.model)
+
+    # -- teardown --------------------------------------------------------------
+    def close(self) -> None:
+        """End the process group :func:`build` started (idempotent). The trainer's
+        collectives (training, ``hf_state``, the sync) cannot run afterwards."""
+        group, self._group = self._group, None
+        if group is not None:
+            group.close()
+
+
+class _OwnedProcessGroup:
+    """A one-rank default process group rendezvousing through a FileStore in a
+    private temporary directory (no port to pick, nothing left behind)."""
+
+    def __init__(self, device: str):
+        self._dir = tempfile.mkdtemp(prefix="colo-fsdp-")
+        try:
+            store = dist.FileStore(os.path.join(self._dir, "store"), 1)
+            if device == "cuda":
+                dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                                        device_id=torch.device("cuda", torch.cuda.current_device()))
+            else:
+                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[FSDPTrainer, Any]:
+    """The FSDP2 trainer over the default process group (started here, one rank, if
+    none exists: the caller must then call ``trainer.close()``).
+
+    On a GPU the shards and AdamW's state live in memory-saver regions with a
+    pinned host backup, so offload and onload are real pauses (as in
+    :func:`colo.trainers.hf.build`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from colo.models import build_trainer_model
+
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    saver = None
+    if device == "cuda":
+        from colo.cuda_memory import Saver
+
+        saver = Saver()  # first: it refuses expandable segments before anything is allocated
+    group = None if dist.is_initialized() else _OwnedProcessGroup(device)
+    try:
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        if saver is None:
+            model = shard(build_trainer_model(model_config, seed), mesh)
+            return FSDPTrainer(model, engine_dtype=engine_dtype, group=group), None
+        from colo.cuda_memory import TrainerMemory
+
+        # fully_shard moves each group's parameters to the GPU and copies them
+        # into their shards here: the shards are the region's allocations.
+        with saver.region("trainer.weights", cpu_backup=True):
+            model = shard(build_trainer_model(model_config, seed), mesh)
+        trainer = FSDPTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver), group=group)
+        with saver.region("trainer.optimizer", cpu_backup=True):
+            trainer.init_optimizer_state()
+        return trainer, saver
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+__all__ = ["FSDPTrainer", "build", "shard"]
