@@ -21,9 +21,6 @@ pinned host backup, as the reference trainer's weights do.
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -198,26 +195,20 @@ class FSDPTrainer(ReferenceTrainer):
 
 
 class _OwnedProcessGroup:
-    """A one-rank default process group rendezvousing through a FileStore in a
-    private temporary directory (no port to pick, nothing left behind)."""
+    """A one-rank default process group. Its store is a TCPStore on 127.0.0.1 at a
+    port the kernel picks (no port to guess, no file left behind if nobody closes it)."""
 
     def __init__(self, device: str):
-        self._dir = tempfile.mkdtemp(prefix="colo-fsdp-")
-        try:
-            store = dist.FileStore(os.path.join(self._dir, "store"), 1)
-            if device == "cuda":
-                dist.init_process_group("nccl", store=store, rank=0, world_size=1,
-                                        device_id=torch.device("cuda", torch.cuda.current_device()))
-            else:
-                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
+        store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+        if device == "cuda":
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1,
+                                    device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[FSDPTrainer, Any]:
