@@ -1,22 +1,42 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|bench|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|demos|bench|all   (OUT must name a writable folder)
+# The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
+# torch-memory-saver 0.0.10, megatron-core 0.16.1; see the README).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'pytest', pytest.__version__)"
+
+demo() {  # demo NAME ARGS...: one run of the demo on CUDA, its trace replayed
+  local name=$1; shift
+  # one log for every demo: the device returns at most 8 files
+  python3 -m colo.cli demo --device cuda --quiet --trace "$OUT/$name.jsonl" "$@" > /tmp/demo.log 2>&1
+  local code=$?
+  { echo "== demo $name ($*): exit $code"; cat /tmp/demo.log; } >> "$OUT/demos.log"
+  echo "demo $name: exit $code; $(grep -c '"sync.finished"' "$OUT/$name.jsonl") verified syncs; $(grep -E 'FAILED|mean reward' /tmp/demo.log | tail -1)"
+  python3 -m colo.cli replay "$OUT/$name.jsonl" | tail -1
+}
+
 case "${1:-tests}" in
   all)
     bash "$0" tests
+    bash "$0" demos
     bash "$0" bench
     ;;
   tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cuda_memory.py 2>&1 | tee "$OUT/gpu-tests.log"
-    python3 -m colo.cli demo --device cuda --steps 8 --quiet --trace "$OUT/gpu-demo.jsonl" 2>&1 | tee "$OUT/gpu-demo.log"
-    python3 -m colo.cli replay "$OUT/gpu-demo.jsonl" | tail -5
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cuda_memory.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    ;;
+  demos)
+    demo gpu-demo --steps 8
+    for trainer in megatron fsdp; do
+      for plan in offload-first sync-first; do
+        demo "gpu-$trainer-$plan" --trainer "$trainer" --plan "$plan" --steps 3 --mem-fraction-static 0.5
+      done
+    done
     ;;
   bench)
-    python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log"
+    python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log" | tail -30
     ;;
 esac
