@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,38 @@ import anyio
 from colo.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import RolloutResult, TensorSpec
 from colo.errors import EngineDied, EngineError
+
+#: what the engine binds, inside its socket directory
+SOCKET_NAME = "engine.sock"
+#: bytes of an AF_UNIX path, without its NUL: sun_path is 108 bytes on Linux, 104 on macOS
+_SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107
+#: where to put the socket when $TMPDIR is too long for one: short, and present on any POSIX system
+_SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def socket_dir() -> str:
+    """A new private (0700) directory whose ``engine.sock.tmp`` fits in an AF_UNIX path.
+
+    ``$TMPDIR`` first; a long one (a CI runner's, a notebook's) does not fit
+    the 107 bytes Linux allows, so then ``$XDG_RUNTIME_DIR`` (per user, 0700),
+    then the usual short system directories. The directory is made by
+    ``mkdtemp``: 0700 and ours, wherever it is.
+    """
+    suffix = "/colo-engine-XXXXXXXX/" + SOCKET_NAME + ".tmp"  # mkdtemp's name is 8 characters
+    tried = []
+    for base in (tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"), *_SHORT_DIRS):
+        if not base or base in tried:
+            continue
+        tried.append(base)
+        if len(os.fsencode(os.path.abspath(base) + suffix)) > _SUN_PATH_MAX:
+            continue
+        try:
+            return tempfile.mkdtemp(prefix="colo-engine-", dir=os.path.abspath(base))
+        except OSError:
+            continue
+    raise ChannelError(f"no directory for the engine's socket: an AF_UNIX path is at most {_SUN_PATH_MAX} "
+                       f"bytes and none of {', '.join(tried)} is short enough and writable; "
+                       "set TMPDIR to a short directory")
 
 
 class RolloutTask(Protocol):
@@ -57,14 +90,15 @@ class EngineClient:
         from colo.engine.server import serve
 
         key = new_key()
-        sockdir = tempfile.mkdtemp(prefix="colo-engine-")
+        sockdir = socket_dir()
         proc: Any = None
+        ch: AsyncChannel | None = None
         # Everything after mkdtemp is inside the try: a failed start (a bad
         # environment, an engine that dies or refuses hello) must not leave the
         # socket directory or a process behind.
         try:
             os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
-            path = os.path.join(sockdir, "engine.sock")
+            path = os.path.join(sockdir, SOCKET_NAME)
             proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True,
                                                    name="colo-engine")
             saved = {k: os.environ.get(k) for k in (env or {})}
@@ -78,18 +112,32 @@ class EngineClient:
                         os.environ.pop(k, None)
                     else:
                         os.environ[k] = v
-            with anyio.fail_after(start_timeout_s):
-                while not os.path.exists(path):
-                    if not proc.is_alive():
-                        raise EngineDied(f"engine process exited with code {proc.exitcode} while starting")
-                    await anyio.sleep(0.05)
-                ch = await AsyncChannel.connect(path, key)
-                reply = await ch.request("hello")
+            try:
+                with anyio.fail_after(start_timeout_s):
+                    while not os.path.exists(path):
+                        if not proc.is_alive():
+                            raise EngineDied(f"engine process exited with code {proc.exitcode} while starting")
+                        await anyio.sleep(0.05)
+                    ch = await AsyncChannel.connect(path, key)
+                    reply = await ch.request("hello")
+            except TimeoutError:
+                log = build.get("log_path")
+                raise EngineDied(f"engine did not answer within {start_timeout_s:g} s of starting "
+                                 f"(process {proc.pid}, {'alive' if proc.is_alive() else 'exited'}; killed it)"
+                                 + (f"; its log: {log}" if log else "")) from None
+            except ChannelError as e:
+                if proc.is_alive():
+                    raise
+                raise EngineDied(f"engine process exited with code {proc.exitcode} while starting") from e
             if not reply.get("ok"):
-                await ch.aclose()
                 raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
         except BaseException:
             with anyio.CancelScope(shield=True):
+                if ch is not None:
+                    try:
+                        await ch.aclose()
+                    except Exception:
+                        pass
                 if proc is not None and proc.pid is not None:
                     proc.kill()
                     await anyio.to_thread.run_sync(proc.join, 5)
@@ -99,7 +147,7 @@ class EngineClient:
 
     @property
     def socket_path(self) -> str:
-        return os.path.join(self._sockdir, "engine.sock")
+        return os.path.join(self._sockdir, SOCKET_NAME)
 
     async def reconnect(self) -> None:
         """A fresh authenticated connection to the same engine (after a broken channel)."""

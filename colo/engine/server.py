@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from colo.core.buckets import ITEMSIZE, itemsize, numel
-from colo.channel import ChannelError, recv_frame, send_frame, server_handshake
+from colo.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
 from colo.core.interfaces import TensorSpec
 
 _LOG: Any = None  # a file opened by serve() when the client asked for one
@@ -191,24 +191,40 @@ class EngineServer:
             return {"id": rid, "ok": False, "error_type": type(e).__name__, "error": str(e),
                     "trace": traceback.format_exc(limit=3)}
 
-    def serve_connection(self, conn: socket.socket, key: bytes) -> None:
+    def reply_bytes(self, msg: dict) -> bytes:
+        """The encoded answer to ``msg``; an answer that cannot be encoded (a NaN
+        in the logits, say) becomes an error answer instead of ending the engine."""
+        reply = self.handle(msg)
         try:
-            server_handshake(conn, key)
-        except (ChannelError, OSError) as e:
-            log("channel.refused", reason=str(e))
-            return
+            return encode(reply)
+        except (ChannelError, TypeError, ValueError) as e:
+            log("engine.reply_refused", op=str(msg.get("op"))[:64], error=str(e))
+            rid = reply.get("id")
+            return encode({"id": rid if type(rid) in (int, str) else None, "ok": False,
+                           "error_type": "ChannelError", "error": f"the reply could not be sent: {e}"})
+
+    def serve_connection(self, conn: socket.socket) -> None:
+        """Serve one authenticated connection until it closes, is out of step, or shutdown."""
         while self.running:
             try:
                 msg = recv_frame(conn)
-            except ChannelError as e:
-                if "closed" in str(e):
-                    return
-                # A frame we will not decode (not JSON: e.g. a pickle) is refused,
-                # logged, and the engine reads the next one.
+            except FrameRefused as e:
+                # A frame we will not decode (not JSON, a pickle, nested 100,000
+                # deep, a 5,000-digit number) is refused, logged and answered;
+                # the engine reads the next one.
                 log("channel.rejected_frame", reason=str(e))
                 send_frame(conn, {"id": None, "ok": False, "error_type": "ChannelError", "error": str(e)})
                 continue
-            send_frame(conn, self.handle(msg))
+            except ChannelError as e:
+                if "closed" in str(e):
+                    return
+                # the stream is out of step (a length beyond the limit): say why,
+                # then drop this connection; the client can connect again
+                log("channel.rejected_frame", reason=str(e))
+                send_frame(conn, {"id": None, "ok": False, "error_type": "ChannelError",
+                                  "error": f"{e}; closing the connection"})
+                return
+            conn.sendall(self.reply_bytes(msg))
 
 
 def build_core(build: dict) -> Any:
@@ -252,19 +268,25 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(sock_path + ".tmp")
     os.chmod(sock_path + ".tmp", 0o600)
-    listener.listen(4)
+    listener.listen(16)
     # Rename after listen: the client never connects to a socket that is not ready.
     os.replace(sock_path + ".tmp", sock_path)
+    gate = Gate(listener, key, timeout_s=float(build.get("handshake_timeout_s", HANDSHAKE_S)),
+                on_refused=lambda reason: log("channel.refused", reason=reason))
     log("engine.ready", socket=sock_path)
     try:
         while server.running:
-            conn, _ = listener.accept()
+            conn = gate.accept()
             with conn:
                 try:
-                    server.serve_connection(conn, key)
+                    server.serve_connection(conn)
                 except (OSError, ChannelError) as e:
                     log("channel.dropped", reason=str(e))
+                except Exception as e:  # a bug in one connection must not end the engine
+                    log("channel.dropped", reason=f"{type(e).__name__}: {e}",
+                        trace=traceback.format_exc(limit=5))
     finally:
+        gate.close()
         listener.close()
         server._detach_all()
         server._close_receivers()
