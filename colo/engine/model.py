@@ -436,12 +436,18 @@ class EngineModel:
         # keeps the tensors' virtual addresses; without one it drops them.
         self.saver = saver
         self._held: dict[str, Any] = {}
-        self.dims = Dims.from_config(config)
+        # a ``Dims`` is taken as is: a tensor-parallel rank (colo.engine.tp) builds
+        # this model on its shard's numbers (its heads, its slice of the vocabulary)
+        self.dims = config if isinstance(config, Dims) else Dims.from_config(config)
         self.dtype = as_dtype(dtype)
         if not self.dtype.is_floating_point:
             raise ValueError(f"engine dtype must be a floating point dtype, got {dtype_name(self.dtype)}")
         self.device = torch.device(device)
         self.map = WeightMap.build(self.dims)
+        # What a sync delivers (HF names and full shapes) and the token ids accepted:
+        # the same as the parameters here; a tensor-parallel rank holds a slice of each.
+        self.sync_map = self.map
+        self.vocab_size = self.dims.vocab_size
         self.weight_bytes = self.map.nbytes(self.dtype)
         self.pool_plan = KVPoolPlan(total_bytes=total_bytes, mem_fraction_static=mem_fraction_static,
                                     weight_bytes=self.weight_bytes, slot_bytes=self.dims.slot_bytes(self.dtype),
@@ -574,7 +580,7 @@ class EngineModel:
     # -- loading -------------------------------------------------------------
 
     def expected_specs(self) -> list[TensorSpec]:
-        return self.map.hf_specs(self.dtype)
+        return self.sync_map.hf_specs(self.dtype)
 
     def preflight(self, specs: Iterable[TensorSpec | tuple[str, Sequence[int], DTypeLike]]) -> None:
         """Check a whole sync's (name, shape, dtype) list before any byte is written.
@@ -582,7 +588,7 @@ class EngineModel:
         Raises one ``WeightMismatch`` listing every missing, unexpected,
         duplicate, wrongly shaped or wrongly typed tensor; touches nothing.
         """
-        _check_specs(self.map, _spec_triples(specs), dtype_name(self.dtype),
+        _check_specs(self.sync_map, _spec_triples(specs), dtype_name(self.dtype),
                      "sync does not match the engine's parameters")
 
     def begin_load(self) -> None:
@@ -611,9 +617,9 @@ class EngineModel:
                 duplicate.append(name)
                 continue
             seen.add(name)
-            shard = self.map.shards.get(name)
+            shard = self.sync_map.shards.get(name)
             if shard is None:
-                unexpected.append(self.map.unexpected(name))
+                unexpected.append(self.sync_map.unexpected(name))
             elif tuple(tensor.shape) != shard.shape:
                 wrong_shape.append(f"{name} {tuple(tensor.shape)} (expected {shard.shape})")
         if duplicate or unexpected or wrong_shape:
@@ -624,10 +630,14 @@ class EngineModel:
                                  duplicate=duplicate, unexpected=unexpected, wrong_shape=wrong_shape)
         with torch.no_grad():
             for name, tensor in items:
-                shard = self.map.shards[name]
-                params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]].copy_(tensor)
+                self._write(params, name, tensor)
                 session.loaded.add(name)
         return len(items)
+
+    def _write(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+        """Copy one checked HF tensor into its row block (a TP rank copies out its slice)."""
+        shard = self.map.shards[name]
+        params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]].copy_(tensor)
 
     def end_load(self) -> int:
         """Close the load; raise one ``WeightMismatch`` unless every expected name came exactly once."""
@@ -635,7 +645,7 @@ class EngineModel:
         if session is None:
             raise EngineStateError("end_load called without begin_load()")
         self._load = None
-        missing = [n for n in self.map.shards if n not in session.loaded]
+        missing = [n for n in self.sync_map.shards if n not in session.loaded]
         err = WeightMismatch("weight sync incomplete", missing=missing, unexpected=session.unexpected,
                              duplicate=session.duplicate, wrong_shape=session.wrong_shape)
         if not err.empty:
@@ -674,7 +684,7 @@ class EngineModel:
         p = self._params
         d = self.dims
         b, t = tokens.shape
-        h = F.embedding(tokens, p["model.embed_tokens.weight"])
+        h = self._embed(tokens)
         cos, sin = self._rope(start, t)
         mask = None
         if t > 1:
@@ -699,11 +709,18 @@ class EngineModel:
             v = v.repeat_interleave(groups, dim=1)
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.head_dim ** -0.5)
             attn = attn.transpose(1, 2).reshape(b, t, d.q_rows)
-            h = h + F.linear(attn, p[pre + "self_attn.o_proj.weight"])
+            h = h + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
             x = self._rmsnorm(h, p[pre + "post_attention_layernorm.weight"])
             gate, up = F.linear(x, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+            h = h + self._reduce(F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"]))
         return self._rmsnorm(h, p["model.norm.weight"])
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self._params["model.embed_tokens.weight"])
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output of a row-parallel layer (o_proj, down_proj): whole here; a TP rank all-reduces."""
+        return partial
 
     def _store_and_gather(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                           start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -721,8 +738,8 @@ class EngineModel:
                 or tokens.shape[0] == 0 or tokens.shape[1] == 0:
             raise ValueError(f"{what} must be a non-empty LongTensor [B, T], got "
                              f"{getattr(tokens, 'dtype', type(tokens))} {tuple(getattr(tokens, 'shape', ()))}")
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.dims.vocab_size):
-            raise ValueError(f"{what} holds token ids outside [0, {self.dims.vocab_size})")
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"{what} holds token ids outside [0, {self.vocab_size})")
 
     @torch.inference_mode()
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -766,8 +783,7 @@ class EngineModel:
                              f"max_position_embeddings {self.dims.max_positions}")
         seq_slots = plen + max_new_tokens - 1
         rows = self.slots.num_slots // seq_slots  # >= 1: the plan guarantees max_positions slots
-        uniforms = torch.rand((batch, max_new_tokens), generator=generator, device=generator.device,
-                              dtype=torch.float32).to(self.device)
+        uniforms = self._uniforms(batch, max_new_tokens, generator)
         tokens = prompts.to(self.device)
         outs, lps = [], []
         for lo in range(0, batch, rows):
@@ -776,6 +792,10 @@ class EngineModel:
             outs.append(out)
             lps.append(lp)
         return torch.cat(outs).to(prompts.device), torch.cat(lps).to(prompts.device)
+
+    def _uniforms(self, batch: int, steps: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.rand((batch, steps), generator=generator, device=generator.device,
+                          dtype=torch.float32).to(self.device)
 
     def _generate_chunk(self, prompts: torch.Tensor, steps: int, temperature: float, uniforms: torch.Tensor,
                         seq_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
