@@ -148,7 +148,11 @@ class FSDPTrainer(ReferenceTrainer):
             device = next(iter(self.model.parameters())).device
             return _HostShardExtractor(self.model, self._memory_backend.saver.host_view,
                                        dtype=getattr(torch, self.engine_dtype), device=device)
-        return self._extractor
+        # A new extractor per sync: FSDP2's lazy init (first forward) may rebind
+        # a parameter's local shard to new storage; an extractor built before it
+        # would read the initial weights. Seen on an H100: sync-first sent the
+        # step-0 weights while hf_state() had the trained ones.
+        return self._live_extractor()
 
     def _reinforce(self, data: Any) -> dict[str, float]:
         try:

@@ -498,7 +498,10 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
 
         saver = Saver()
         with saver.region("trainer.weights", cpu_backup=True):
-            model = build_gpt(model_config, device="cuda")
+            # The local spec's RMSNorm is torch's own, built on the CPU whatever
+            # use_cpu_initialization says (megatron's scripts call .cuda() after):
+            # move everything onto the GPU inside the region.
+            model = build_gpt(model_config, device="cuda").cuda(torch.cuda.current_device())
             load_hf(model, hf, model_config)
         trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype,
                                   memory_backend=TrainerMemory(saver))
