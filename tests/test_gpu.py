@@ -72,6 +72,19 @@ def test_demo_on_cuda_runs_each_plan_with_verified_syncs(plan, tmp_path):
     assert train[0]["mem"]["used"] < rollout[0]["mem"]["used"] - kv + 512 * MiB
 
 
+@pytest.mark.parametrize("trainer", ["megatron", "fsdp"])
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first"])
+def test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync(trainer, plan, tmp_path):
+    # sync-first packs straight from the trainer's device memory after a step:
+    # the allocator then cuts both staging slots from one cached segment
+    if trainer == "megatron":
+        pytest.importorskip("megatron.core")
+    events = demo(tmp_path, "--trainer", trainer, "--plan", plan, "--steps", "2", "--mem-fraction-static", "0.5")
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert [s["weight_version"] for s in syncs] == [1, 2] and len({s["digest"] for s in syncs}) == 2
+    assert all(s["tensors"] == s["params"] for s in syncs)
+
+
 def test_engine_with_a_different_cuda_visible_devices_loads_over_ipc(tmp_path):
     # The engine sees the GPU through its UUID, the trainer through its index:
     # handles keyed by index would name the wrong (or no) device.

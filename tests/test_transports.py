@@ -353,3 +353,31 @@ async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_
         assert leftover_segments() == []
     # disk: only the recovery's checkpoint exists
     assert sorted(p.name for p in root.iterdir()) == ["step-0"]
+
+
+def test_packed_receiver_keeps_two_buffers_of_one_segment_apart():
+    # A CUDA IPC handle names the allocator's segment; two staging buffers cut
+    # from one segment differ only by offset. The receiver's cache must not
+    # hand bucket i+1 the attachment of bucket i (found on an H100, sync-first).
+    from colo.handles import REBUILDERS, register_rebuilder
+    from colo.transports.packed import PackedReceiver
+
+    opened = []
+
+    class Seg:
+        def __init__(self, handle):
+            self.nbytes, self.offset = handle["nbytes"], handle["storage_offset"]
+            opened.append(self)
+
+        def close(self):
+            pass
+
+    register_rebuilder("test_segment", Seg)
+    try:
+        rx = PackedReceiver()
+        one = {"kind": "test_segment", "handle": "SEG", "storage_offset": 0, "tensor_offset": 0, "nbytes": 64}
+        two = {**one, "storage_offset": 1 << 20}
+        a, b, a_again = rx._attach(one), rx._attach(two), rx._attach(dict(one))
+        assert (a.offset, b.offset) == (0, 1 << 20) and a_again is a and len(opened) == 2
+    finally:
+        REBUILDERS.pop("test_segment")

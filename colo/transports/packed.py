@@ -186,14 +186,27 @@ class PackedReceiver:
     def __init__(self) -> None:
         self._attached: dict[str, Any] = {}
 
-    def _attach(self, handle: dict) -> Any:
+    @staticmethod
+    def _key(handle: dict) -> str | None:
+        """What names one buffer. A CUDA IPC handle names the allocator's whole
+        segment: two staging buffers carved from one cached segment share it and
+        differ only in their offsets, so the offsets belong to the key. (Seen on
+        an H100: after a training step the allocator put both slots in one
+        segment, and a cache keyed by the handle alone read bucket i+1 from
+        bucket i's buffer.)"""
         name = handle.get("name") or handle.get("handle")
-        seg = self._attached.get(name) if isinstance(name, str) else None
+        if not isinstance(name, str):
+            return None
+        return "|".join(str(handle.get(k)) for k in ("kind", "storage_offset", "tensor_offset", "nbytes")) + "|" + name
+
+    def _attach(self, handle: dict) -> Any:
+        name = self._key(handle)
+        seg = self._attached.get(name) if name is not None else None
         if seg is None or getattr(seg, "nbytes", None) != handle.get("nbytes"):
             if seg is not None:
                 seg.close()
             seg = open_handle(handle)
-            if isinstance(name, str):
+            if name is not None:
                 self._attached[name] = seg
                 while len(self._attached) > MAX_ATTACHED:
                     self._attached.pop(next(iter(self._attached))).close()
