@@ -61,7 +61,7 @@ def test_bench_reports_every_transport_with_measured_values(tmp_path, monkeypatc
 
 @pytest.mark.parametrize("argv,msg", [
     (["--model", "gpt5"], "unknown model gpt5; expected one of demo, qwen2-1b"),
-    (["--transports", "packed", "carrier-pigeon"], "unknown transport carrier-pigeon; expected some of ipc"),
+    (["--transports", "packed", "carrier-pigeon"], "unknown transport carrier-pigeon; expected some of packed, ipc"),
 ])
 def test_bench_bad_input_exits_two_naming_the_choice(argv, msg, capsys, tmp_path):
     assert main(["bench", "--out", str(tmp_path / "x.json"), *argv]) == 2
