@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from collections.abc import Sequence
 
@@ -24,24 +25,52 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+#: the largest amount a flag takes: 1 PiB in its unit (GiB flags) or 1 TiB (MiB flags);
+#: beyond that a value is a typo, and 1e308 GiB overflows every byte count
+MAX_GIB, MAX_MIB = float(1 << 20), float(1 << 20)
+
+
+def _show(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0.0 < value < 1.0:
+    if not 0.0 < value < 1.0:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text}")
     return value
 
 
-def _positive(kind):
+def _positive(kind, most=None):
+    """A number > 0 (and <= ``most``): a float flag also refuses inf and nan."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:  # also int("9" * 5000): Python's digit limit
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:  # nan > 0 is False
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
+        if (kind is float and not math.isfinite(value)) or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(
+                f"expected a positive {kind.__name__} of at most {_show(most)}, got {text}" if most is not None
+                else f"expected a finite positive {kind.__name__}, got {text}")
+        return value
+    return parse
+
+
+def _bounded(kind, least, most):
+    """A number in [least, most]; the range check of a flag whose sign its command
+    reports itself (``--margin-gib``) keeps only the absurd out."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if (kind is float and not math.isfinite(value)) or not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"expected a number in [{_show(least)}, {_show(most)}], got {text}")
         return value
     return parse
 
@@ -52,16 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run a real colocated RL loop on a built-in small model")
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    d.add_argument("--steps", type=_positive(int), default=8)
+    d.add_argument("--steps", type=_positive(int, 10**6), default=8)
     d.add_argument("--plan", choices=PLANS, default="offload-first")
     d.add_argument("--transport", choices=TRANSPORTS, default="packed")
     d.add_argument("--trainer", default="hf", help="hf (transformers), megatron (megatron-core), fsdp (FSDP2)")
-    d.add_argument("--bucket-mib", type=_positive(float), default=1.0)
+    d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=1.0)
     d.add_argument("--mem-fraction-static", type=_fraction, default=0.8)
-    d.add_argument("--device-mem-gib", type=_positive(float), default=None,
+    d.add_argument("--device-mem-gib", type=_positive(float, MAX_GIB), default=None,
                    help="simulated device size on the CPU (default: sized for the demo model)")
     d.add_argument("--trace", default=None, help="trace path (default: traces/demo-<plan>.jsonl)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_bounded(int, 0, 2**32 - 1), default=0)
     d.add_argument("--fault", default=None, metavar="KIND@PHASE")
     d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
                    help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
@@ -80,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tune", help="recommend mem_fraction_static and a bucket size")
     t.add_argument("traces", nargs="*")
-    t.add_argument("--margin-gib", type=float, default=None)
+    t.add_argument("--margin-gib", type=_bounded(float, -MAX_GIB, MAX_GIB), default=None)
     t.add_argument("--json", action="store_true")
-    t.add_argument("--gpu-gib", type=_positive(float), default=None)
-    t.add_argument("--model-gib", type=_positive(float), default=None)
-    t.add_argument("--bucket-mib", type=_positive(float), default=None)
+    t.add_argument("--gpu-gib", type=_positive(float, MAX_GIB), default=None)
+    t.add_argument("--model-gib", type=_positive(float, MAX_GIB), default=None)
+    t.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=None)
     t.add_argument("--plan", choices=PLANS, default=None)
     t.set_defaults(module="colo.offline.tune", func="run_tune")
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import sys
+import tempfile
 
 from colo.errors import UsageError
 from colo.offline.replay import BadTrace, LoadedTrace, load_trace
@@ -210,8 +212,48 @@ def export(traces: list[LoadedTrace]) -> dict:
     }
 
 
-def run_export(args) -> int:
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # the output does not exist yet
+        return os.path.realpath(a) == os.path.realpath(b)
 
+
+def _mode_of(out: str) -> int:
+    try:
+        return stat.S_IMODE(os.stat(out).st_mode)  # replacing a file keeps its mode
+    except OSError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def write_json(doc: dict, out: str) -> None:
+    """Write ``doc`` as strict JSON (no NaN or Infinity: Perfetto and every other
+    reader refuse them) to a temporary file beside ``out``, then rename it into
+    place: a failed export leaves the previous ``out`` as it was."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+    try:
+        # mkstemp makes it 0600; give it the mode open() would have
+        os.fchmod(fd, _mode_of(out))
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, separators=(",", ":"), allow_nan=False)
+        os.replace(tmp, out)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def run_export(args) -> int:
+    out = os.fspath(args.output)
+    if _same_file(args.trace, out):
+        raise UsageError(f"-o {out} is the input trace {args.trace}; exporting would replace the trace "
+                         "with its export: choose another output path")
     try:
         trace = load_trace(args.trace)
     except BadTrace as e:
@@ -219,13 +261,10 @@ def run_export(args) -> int:
     for w in trace.warnings:
         print(f"warning: {w}", file=sys.stderr)
     doc = export([trace])
-    out = os.fspath(args.output)
     try:
-        parent = os.path.dirname(out)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        with open(out, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, separators=(",", ":"))
+        write_json(doc, out)
+    except ValueError as e:  # a value JSON cannot hold: refused, and nothing was replaced
+        raise UsageError(f"cannot export {args.trace}: {e}; {out} was left as it was") from None
     except OSError as e:
         raise UsageError(f"cannot write {out}: {e.strerror or e}") from None
     n = {k: sum(1 for e in doc["traceEvents"] if e.get("cat") == k) for k in ("phase", "bucket", "stage")}

@@ -5,7 +5,12 @@ so a trace that replays clean is one the scheduler would have accepted event by
 event. Reading is forgiving in exactly one way: a run that crashed mid-write
 leaves its last line cut, and that line is dropped with a warning. Everything
 else that cannot be read (not JSON, binary, a wrong or missing schema, an
-unknown event or phase name, an empty file) is bad input: exit 2.
+unknown event or phase name, a mistyped field, a non-finite number, an empty
+file, a FIFO) is bad input: exit 2.
+
+Traces are streamed: one event of each file is held at a time, so memory does
+not grow with the length of a trace (the checker keeps one small record per
+phase entered, for the cross-rank lockstep check).
 
 Pure: no torch, no anyio, no structlog.
 """
@@ -15,12 +20,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from colo.core.invariants import InvariantChecker
 from colo.errors import EXIT_FAILED, EXIT_OK, BadTrace, UsageError
 from colo.offline.summary import PhaseSummary
-from colo.trace.reader import LoadedTrace, load_trace  # noqa: F401 (re-exported)
+from colo.trace.reader import LoadedTrace, TraceStream, load_trace  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -46,31 +54,62 @@ class Finding:
 
 # -- checking ------------------------------------------------------------------------
 
+class PhaseLog(Sequence):
+    """The (phase, line) of every phase entered, in 16 bytes each rather than a
+    tuple's ~100: a million-event trace enters a few hundred thousand phases."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._lines = array("q")
+        self._canon: dict[str, str] = {}  # one string object per phase name
+
+    def append(self, name: Any, line: int) -> None:
+        name = str(name)
+        self._names.append(self._canon.setdefault(name, name))
+        self._lines.append(line)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return list(zip(self._names[i], self._lines[i]))
+        return self._names[i], self._lines[i]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return zip(self._names, self._lines)
+
+
 @dataclass
 class FileResult:
-    trace: LoadedTrace
+    trace: LoadedTrace | TraceStream
     findings: list[Finding]
     summary: PhaseSummary
-    phases: list[tuple[str, int]]  # (phase entered, line), in order
+    phases: PhaseLog  # (phase entered, line), in order
 
     def as_dict(self) -> dict:
         t = self.trace
-        return {"path": t.path, "rank": t.rank, "world_size": t.world_size, "events": len(t.events),
+        return {"path": t.path, "rank": t.rank, "world_size": t.world_size, "events": t.count,
                 "truncated": t.truncated, "finished": t.finished,
                 "plan": (t.header.get("config") or {}).get("plan")}
 
 
-def check_trace(trace: LoadedTrace, checker: InvariantChecker | None = None) -> FileResult:
+def check_trace(trace: LoadedTrace | TraceStream, checker: InvariantChecker | None = None, *,
+                locate: bool = True) -> FileResult:
     """One file through the checker; ranks of one run share a checker, which
-    then also holds them in lockstep (the same phases in the same order)."""
+    then also holds them in lockstep (the same phases in the same order).
+    ``locate=False`` leaves out the file and line the checker keeps per phase for
+    naming another rank's position: for a run of one rank there is none."""
     checker = checker if checker is not None else InvariantChecker()
     summary = PhaseSummary()
     findings: list[Finding] = []
-    phases: list[tuple[str, int]] = []
+    phases = PhaseLog()
     path, rank = trace.path, trace.rank
     finished_line: int | None = None
-    first = trace.lines[0]
-    for ev, n in zip(trace.events, trace.lines):
+    first: int | None = None
+    for ev, n in trace.iter_events():
+        if first is None:
+            first = n
         name = ev["event"]
         if finished_line is not None:
             findings.append(Finding(path, n, f"{name} after trace.finished on line {finished_line} "
@@ -86,8 +125,8 @@ def check_trace(trace: LoadedTrace, checker: InvariantChecker | None = None) -> 
                                         f"(expected phase.finished or phase.failed for {st.phase} first)",
                                         None, rank))
         elif name == "phase.entered":
-            phases.append((ev["to_phase"], n))
-        for v in checker.feed(ev, n, where=f"{path} line {n}"):
+            phases.append(ev["to_phase"], n)
+        for v in checker.feed(ev, n, where=f"{path} line {n}" if locate else None):
             findings.append(Finding(path, n, v.message, v.invariant, rank))
         summary.feed(ev)
     return FileResult(trace, findings, summary, phases)
@@ -117,7 +156,7 @@ def _cross_rank(results: list[FileResult]) -> tuple[list[Finding], list[str]]:
             warnings.append(f"{short.trace.path}: {text}; its trace ends early, so only the common "
                             "prefix was compared")
         else:
-            findings.append(Finding(short.trace.path, short.trace.lines[-1],
+            findings.append(Finding(short.trace.path, short.trace.last_line,
                                     text + "; expected the same phases in the same order", None,
                                     short.trace.rank))
     return findings, warnings
@@ -143,26 +182,45 @@ class ReplayReport:
         }
 
 
+def _missing_ranks(world_size: int, given: set[int], shown: int = 8) -> str:
+    # never range(world_size) in full: a corrupt header may claim a million ranks
+    out: list[int] = []
+    r = 0
+    while len(out) < shown and r < world_size:
+        if r not in given:
+            out.append(r)
+        r += 1
+    more = world_size - len(given) - len(out)
+    return ", ".join(map(str, out)) + (f" and {more} more" if more > 0 else "")
+
+
 def replay(paths: list[str | os.PathLike]) -> ReplayReport:
     """Load and check every file; raise :class:`BadTrace` for unreadable input."""
     if not paths:
         raise BadTrace("no trace given; expected one or more trace files")
-    traces = [load_trace(p) for p in paths]
-    if len(traces) > 1:
-        seen: dict[int, str] = {}
+    traces: list[TraceStream] = []
+    try:
+        for p in paths:  # headers only: the events are read as they are checked
+            traces.append(TraceStream(p))
+        if len(traces) > 1:
+            seen: dict[int, str] = {}
+            for t in traces:
+                if t.rank in seen:
+                    raise BadTrace(f"{t.path} and {seen[t.rank]} are both rank {t.rank}; "
+                                   "expected one file per rank")
+                seen[t.rank] = t.path
+            sizes = {t.world_size for t in traces}
+            if len(sizes) > 1:
+                raise BadTrace("the files disagree on world_size (" + ", ".join(
+                    f"{t.path}: {t.world_size}" for t in traces) + "); expected the ranks of one run")
+        # checked in rank order (the lockstep check compares with lower ranks),
+        # reported in the order given
+        checker = InvariantChecker()
+        many = len(traces) > 1
+        by_rank = {id(t): check_trace(t, checker, locate=many) for t in sorted(traces, key=lambda t: t.rank)}
+    finally:
         for t in traces:
-            if t.rank in seen:
-                raise BadTrace(f"{t.path} and {seen[t.rank]} are both rank {t.rank}; "
-                               "expected one file per rank")
-            seen[t.rank] = t.path
-        sizes = {t.world_size for t in traces}
-        if len(sizes) > 1:
-            raise BadTrace("the files disagree on world_size (" + ", ".join(
-                f"{t.path}: {t.world_size}" for t in traces) + "); expected the ranks of one run")
-    # checked in rank order (the lockstep check compares with lower ranks),
-    # reported in the order given
-    checker = InvariantChecker()
-    by_rank = {id(t): check_trace(t, checker) for t in sorted(traces, key=lambda t: t.rank)}
+            t.close()
     results = [by_rank[id(t)] for t in traces]
     findings = [f for r in results for f in r.findings]
     warnings = [w for t in traces for w in t.warnings]
@@ -170,9 +228,9 @@ def replay(paths: list[str | os.PathLike]) -> ReplayReport:
         more, notes = _cross_rank(results)
         findings += more
         warnings += notes
-        missing = sorted(set(range(traces[0].world_size)) - {t.rank for t in traces})
-        if missing:
-            warnings.append(f"ranks {', '.join(map(str, missing))} of world_size "
+        given = {t.rank for t in traces}
+        if len(given) < traces[0].world_size:
+            warnings.append(f"ranks {_missing_ranks(traces[0].world_size, given)} of world_size "
                             f"{traces[0].world_size} were not given")
     return ReplayReport(results, findings, warnings)
 
@@ -205,7 +263,7 @@ def run_replay(args) -> int:
     for r in report.results:
         t = r.trace
         plan = (t.header.get("config") or {}).get("plan")
-        print(f"{t.path}: valid: {len(t.events)} events, rank {t.rank} of {t.world_size}"
+        print(f"{t.path}: valid: {t.count} events, rank {t.rank} of {t.world_size}"
               + (f", plan {plan}" if plan else "") + f", steps: {r.summary.steps}"
               + (" (cut off at the end)" if t.truncated else ""))
         print(r.summary.table())
