@@ -236,7 +236,7 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
     ratios = target_ratios(rows, limits, bucket_mib)
     return {
         "kind": "colo.apps.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "device_total_bytes": total, "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(), "device_total_bytes": total, "torch": torch.__version__,
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "model": {"shapes": "Qwen2-7B" + ("" if layers is None else f" ({layers} layers)"), **shapes,
                   "dtype": "bfloat16", "bytes": model_bytes, "tensors": len(trainer.specs),
