@@ -21,7 +21,7 @@ pinned host backup, as the reference trainer's weights do.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch

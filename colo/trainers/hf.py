@@ -10,29 +10,14 @@ memory backend pauses and resumes the trainer's regions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import anyio.to_thread
 import torch
 
-from colo.core.interfaces import RolloutResult, TensorSpec
+from colo.trainers.base import PolicyTrainer, ReinforceConfig  # noqa: F401 (re-exported)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReinforceConfig:
-    lr: float = 2e-3
-    grad_clip: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0, got {self.grad_clip}")
-
-
-class ReferenceTrainer:
+class ReferenceTrainer(PolicyTrainer):
     def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
                  config: ReinforceConfig | None = None, memory_backend: Any = None):
         self.model = model
@@ -51,19 +36,14 @@ class ReferenceTrainer:
 
         return PlainExtractor(self.model, dtype=getattr(torch, self.engine_dtype))
 
+    def _sequence_logits(self, seq: torch.Tensor) -> torch.Tensor:
+        return self.model(seq).logits
+
     def _new_cpu_twin(self) -> torch.nn.Module:
         """An unsharded CPU model of the same architecture, for logits while paused."""
         return type(self.model)(self.model.config).eval()
 
     # -- TrainerSide -----------------------------------------------------------
-    def tag_bytes(self) -> dict[str, int]:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # AdamW keeps exp_avg and exp_avg_sq, each the size of the weights.
-        return {"weights": weights, "optimizer": 2 * weights}
-
-    def param_specs(self) -> Sequence[TensorSpec]:
-        return self._extractor.specs()
-
     def extractor(self) -> Any:
         if self._paused():
             # offload-first on a GPU: the weights are paused, their pinned host
@@ -81,58 +61,7 @@ class ReferenceTrainer:
             return PlainExtractor(host, dtype=dtype, device=device)
         return self._extractor
 
-    def init_optimizer_state(self) -> None:
-        """Allocate AdamW's state now (it is lazy), so that it lands in the caller's
-        memory region (``trainer.optimizer``) rather than wherever the first step runs."""
-        for group in self.opt.param_groups:
-            for p in group["params"]:
-                state = self.opt.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    async def onload(self, tags: Sequence[str]) -> None:
-        if self._memory_backend is not None:
-            await self._memory_backend.resume("trainer", tags)
-
-    async def offload(self, tags: Sequence[str]) -> None:
-        if self._memory_backend is not None:
-            await self._memory_backend.pause("trainer", tags)
-
-    async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
-        return await anyio.to_thread.run_sync(self._reinforce, rollout.data)
-
-    # -- the learning ----------------------------------------------------------
-    def _reinforce(self, data: Any) -> dict[str, float]:
-        """One REINFORCE step with a mean baseline over the batch's sequences."""
-        device = next(self.model.parameters()).device
-        prompts = torch.tensor(data.prompts, dtype=torch.long, device=device)
-        completions = torch.tensor(data.completions, dtype=torch.long, device=device)
-        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=device)
-        seq = torch.cat([prompts, completions], dim=1)
-        p = prompts.shape[1]
-        logits = self.model(seq).logits[:, p - 1:-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-        adv = rewards - rewards.mean()
-        std = rewards.std()
-        if std > 1e-6:
-            adv = adv / std
-        loss = -(adv.unsqueeze(1) * logp).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.opt.step()
-        self.steps += 1
-        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
-
     # -- verification ----------------------------------------------------------
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    def _paused(self) -> bool:
-        return self._memory_backend is not None and not self._memory_backend.resident("weights")
-
     def hf_state(self) -> dict[str, torch.Tensor]:
         if self._paused():
             # the device pages are unmapped: read the pinned host backup instead

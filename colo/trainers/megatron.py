@@ -31,15 +31,13 @@ import os
 import shutil
 import tempfile
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from colo.core.interfaces import RolloutResult, TensorSpec
-from colo.trainers.hf import ReinforceConfig
+from colo.trainers.base import PolicyTrainer, ReinforceConfig
 
 #: What megatron marks a parameter with; a host view of a paused parameter is a
 #: fresh tensor without them, and the extractor reads them.
@@ -295,7 +293,7 @@ def load_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], hf_config: A
 # -- the trainer ------------------------------------------------------------------
 
 
-class MegatronTrainer:
+class MegatronTrainer(PolicyTrainer):
     """A :class:`~colo.core.interfaces.TrainerSide` over a megatron-core GPTModel, plus
     ``hf_state()``, ``logits()``, ``steps`` and ``num_params()`` (see :mod:`colo.trainers`).
 
@@ -325,14 +323,6 @@ class MegatronTrainer:
         self.steps = 0
 
     # -- TrainerSide -----------------------------------------------------------
-    def tag_bytes(self) -> dict[str, int]:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # AdamW keeps exp_avg and exp_avg_sq, each the size of the weights.
-        return {"weights": weights, "optimizer": 2 * weights}
-
-    def param_specs(self) -> Sequence[TensorSpec]:
-        return self._extractor.specs()
-
     def extractor(self) -> Any:
         if self._paused():
             # offload-first on a GPU: the weights are paused, their pinned host
@@ -345,34 +335,16 @@ class MegatronTrainer:
                                      **self._extractor_args)
         return self._extractor
 
-    def init_optimizer_state(self) -> None:
-        """Allocate AdamW's state now (it is lazy), so that it lands in the caller's
-        memory region (``trainer.optimizer``) rather than wherever the first step runs."""
-        for group in self.opt.param_groups:
-            for p in group["params"]:
-                state = self.opt.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-    async def onload(self, tags: Sequence[str]) -> None:
-        if self._memory_backend is not None:
-            await self._memory_backend.resume("trainer", tags)
-
-    async def offload(self, tags: Sequence[str]) -> None:
-        if self._memory_backend is not None:
-            await self._memory_backend.pause("trainer", tags)
-
-    async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
-        return await anyio.to_thread.run_sync(self._reinforce, rollout.data)
-
     def close(self) -> None:
         """Tear down the process groups and parallel state this trainer set up. Idempotent."""
         self._cpu_twin = None
         self.runtime.close()
 
     # -- the learning ----------------------------------------------------------
+    def _sequence_logits(self, seq: torch.Tensor) -> torch.Tensor:
+        self.model.train()
+        return self.forward(seq)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``GPTModel.forward`` on ``[batch, seq]`` token ids: logits ``[batch, seq, vocab]``."""
         b, s = tokens.shape
@@ -382,40 +354,7 @@ class MegatronTrainer:
         mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
         return self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
 
-    def _reinforce(self, data: Any) -> dict[str, float]:
-        """ReferenceTrainer's REINFORCE step (mean baseline over the batch's sequences),
-        the log-probabilities from megatron's forward."""
-        device = next(self.model.parameters()).device
-        prompts = torch.tensor(data.prompts, dtype=torch.long, device=device)
-        completions = torch.tensor(data.completions, dtype=torch.long, device=device)
-        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=device)
-        seq = torch.cat([prompts, completions], dim=1)
-        p = prompts.shape[1]
-        self.model.train()
-        logits = self.forward(seq)[:, p - 1:-1].float()
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-        adv = rewards - rewards.mean()
-        std = rewards.std()
-        if std > 1e-6:
-            adv = adv / std
-        loss = -(adv.unsqueeze(1) * logp).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-        self.opt.step()
-        # The gradients are dead now: dropped here rather than at the next step's
-        # start, their memory goes back with the offload that follows.
-        self.opt.zero_grad(set_to_none=True)
-        self.steps += 1
-        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
-
     # -- verification ----------------------------------------------------------
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    def _paused(self) -> bool:
-        return self._memory_backend is not None and not self._memory_backend.resident("weights")
-
     def _host_params(self) -> dict[str, torch.Tensor]:
         """The pinned host backup of every (paused) parameter, with megatron's
         parallel attributes, which the extractor plans from."""
