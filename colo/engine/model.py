@@ -24,31 +24,15 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from colo.core.buckets import itemsize, numel, spec
 from colo.core.interfaces import TensorSpec
+from colo.dtypes import DTypeLike, as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.errors import EngineStateError, KVPoolTooSmall, WeightMismatch  # noqa: F401 (re-exported)
-
-
-DTypeLike = Union[torch.dtype, str]
-
-
-def as_dtype(dtype: DTypeLike) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; expected a torch dtype name such as 'bfloat16'")
-    return value
-
-
-def dtype_name(dtype: DTypeLike) -> str:
-    return str(as_dtype(dtype)).removeprefix("torch.")
 
 
 # ---------------------------------------------------------------------------

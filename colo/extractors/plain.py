@@ -17,6 +17,7 @@ import torch
 
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
+from colo.dtypes import as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.errors import UnknownTensor
 
 DTypeLike = torch.dtype | str | None
@@ -24,17 +25,7 @@ DTypeLike = torch.dtype | str | None
 
 def resolve_dtype(dtype: DTypeLike) -> torch.dtype | None:
     """``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"``; ``None`` keeps each tensor's dtype."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, str):
-        found = getattr(torch, dtype.removeprefix("torch."), None)
-        if isinstance(found, torch.dtype):
-            return found
-    raise ValueError(f"engine dtype {dtype!r} is not a torch dtype (expected e.g. torch.bfloat16 or 'bfloat16')")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return as_dtype(dtype, allow_none=True, what="engine dtype")
 
 
 def engine_dtype_of(dtype: torch.dtype, engine: torch.dtype | None) -> torch.dtype:

@@ -1,0 +1,28 @@
+"""Torch dtypes by name, spelled once: ``torch.bfloat16``, ``"bfloat16"`` and
+``"torch.bfloat16"`` all name the same dtype."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+DTypeLike = Union[torch.dtype, str]
+
+
+def as_dtype(dtype: DTypeLike | None, *, allow_none: bool = False, what: str = "dtype") -> torch.dtype | None:
+    """The torch dtype ``dtype`` names; ``None`` passes through where allowed
+    (an extractor that keeps each tensor's own dtype)."""
+    if dtype is None and allow_none:
+        return None
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise ValueError(f"{what} {dtype!r} is not a torch dtype (expected e.g. torch.bfloat16 or 'bfloat16')")
+
+
+def dtype_name(dtype: DTypeLike) -> str:
+    return str(as_dtype(dtype)).removeprefix("torch.")
