@@ -73,6 +73,52 @@ class RolloutData:
     rewards: list[float]
 
 
+def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str, str] | None) -> Any:
+    proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True, name="colo-engine")
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    try:
+        # a spawned child copies os.environ at start(): set it for that moment only
+        os.environ.update(env or {})
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return proc
+
+
+async def _await_hello(proc: Any, path: str, key: bytes, start_timeout_s: float, build: dict) -> tuple:
+    """The engine's socket, the authenticated channel, its hello; a process that
+    dies or stays silent is :class:`EngineDied` (the caller kills and cleans up)."""
+    try:
+        with anyio.fail_after(start_timeout_s):
+            while not os.path.exists(path):
+                if not proc.is_alive():
+                    raise EngineDied(f"engine process exited with code {proc.exitcode} while starting")
+                await anyio.sleep(0.05)
+            ch = await AsyncChannel.connect(path, key)
+            try:
+                return ch, await ch.request("hello")
+            except BaseException:
+                with anyio.CancelScope(shield=True):  # the caller never sees this channel
+                    try:
+                        await ch.aclose()
+                    except Exception:
+                        pass
+                raise
+    except TimeoutError:
+        log = build.get("log_path")
+        raise EngineDied(f"engine did not answer within {start_timeout_s:g} s of starting "
+                         f"(process {proc.pid}, {'alive' if proc.is_alive() else 'exited'}; killed it)"
+                         + (f"; its log: {log}" if log else "")) from None
+    except ChannelError as e:
+        if proc.is_alive():
+            raise
+        raise EngineDied(f"engine process exited with code {proc.exitcode} while starting") from e
+
+
 class EngineClient:
     def __init__(self, channel: AsyncChannel, process: Any, sockdir: str, key: bytes, hello: dict,
                  task: RolloutTask | None):
@@ -99,36 +145,8 @@ class EngineClient:
         try:
             os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
             path = os.path.join(sockdir, SOCKET_NAME)
-            proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True,
-                                                   name="colo-engine")
-            saved = {k: os.environ.get(k) for k in (env or {})}
-            try:
-                # a spawned child copies os.environ at start(): set it for that moment only
-                os.environ.update(env or {})
-                proc.start()
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-            try:
-                with anyio.fail_after(start_timeout_s):
-                    while not os.path.exists(path):
-                        if not proc.is_alive():
-                            raise EngineDied(f"engine process exited with code {proc.exitcode} while starting")
-                        await anyio.sleep(0.05)
-                    ch = await AsyncChannel.connect(path, key)
-                    reply = await ch.request("hello")
-            except TimeoutError:
-                log = build.get("log_path")
-                raise EngineDied(f"engine did not answer within {start_timeout_s:g} s of starting "
-                                 f"(process {proc.pid}, {'alive' if proc.is_alive() else 'exited'}; killed it)"
-                                 + (f"; its log: {log}" if log else "")) from None
-            except ChannelError as e:
-                if proc.is_alive():
-                    raise
-                raise EngineDied(f"engine process exited with code {proc.exitcode} while starting") from e
+            proc = _start_process(serve, path, key, build, env)
+            ch, reply = await _await_hello(proc, path, key, start_timeout_s, build)
             if not reply.get("ok"):
                 raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
         except BaseException:
