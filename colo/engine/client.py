@@ -55,6 +55,15 @@ def socket_dir() -> str:
                        "set TMPDIR to a short directory")
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process-group rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class RolloutTask(Protocol):
     """What to generate and how to score it (the demo's task is one)."""
 
@@ -162,6 +171,58 @@ class EngineClient:
                 shutil.rmtree(sockdir, ignore_errors=True)
             raise
         return cls(ch, proc, sockdir, key, reply, task)
+
+    @classmethod
+    async def spawn_tp(cls, build: dict, n: int, *, backend: str = "gloo", init_method: str | None = None,
+                       task: RolloutTask | None = None, start_timeout_s: float = 180.0,
+                       envs: Sequence[dict[str, str] | None] | None = None) -> list[EngineClient]:
+        """Start a tensor-parallel engine as ``n`` processes, one per rank; the clients in rank order.
+
+        Each rank gets ``build`` plus ``"tp": {"rank", "size", "init_method", "backend"}``
+        and joins the engine's TP group inside its own process (a TCP rendezvous
+        on a free local port unless ``init_method`` is given); ``envs[r]`` is added
+        to rank r's environment only (its ``CUDA_VISIBLE_DEVICES``, say). The ranks
+        start together (building a rank waits for every other in a collective); if
+        any fails to start, every rank is killed and cleaned up and the first
+        failure is raised.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"n must be a positive number of TP ranks, got {n!r}")
+        if envs is not None and len(envs) != n:
+            raise ValueError(f"envs names {len(envs)} environments for {n} ranks")
+        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        clients: list[EngineClient | None] = [None] * n
+        errors: list[BaseException] = []
+
+        def rank_build(r: int) -> dict:
+            out = {**build, "tp": {**build.get("tp", {}), "rank": r, "size": n, "init_method": init_method,
+                                   "backend": backend}}
+            if build.get("log_path"):
+                out["log_path"] = f"{build['log_path']}.rank{r}"
+            return out
+
+        async def one(r: int, scope: anyio.CancelScope) -> None:
+            try:
+                clients[r] = await cls.spawn(rank_build(r), task=task, start_timeout_s=start_timeout_s,
+                                             env=envs[r] if envs is not None else None)
+            except Exception as e:  # the others are waiting on this rank in a collective: stop them
+                errors.append(e)
+                scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for r in range(n):
+                    tg.start_soon(one, r, tg.cancel_scope)
+            if errors:
+                raise errors[0]
+        except BaseException:
+            # spawn() cleaned up every rank it did not finish starting; close the ones it did
+            with anyio.CancelScope(shield=True):
+                for c in clients:
+                    if c is not None:
+                        await c.aclose()
+            raise
+        return [c for c in clients if c is not None]
 
     @property
     def socket_path(self) -> str:

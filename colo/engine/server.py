@@ -252,10 +252,61 @@ def build_core(build: dict) -> Any:
         saver = Saver()
     if str(build["device"]).startswith("cuda"):
         import colo.cuda_ipc  # noqa: F401  (registers the cuda_ipc handle kind)
+    if build.get("tp") is not None:
+        return _build_tp_core(build, init_state, saver)
     return EngineCore(Qwen2Config(**build["config"]), dtype=torch_dtype(build["dtype"]),
                       device=build["device"], total_bytes=int(build["total_bytes"]),
                       mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
                       saver=saver)
+
+
+def _init_tp_group(tp: dict) -> tuple[int, int]:
+    """Join the engine's TP process group; ``tp`` is ``{"rank", "size", "init_method", "backend"}``.
+
+    This is the *default* group of this process, and that is deliberate: the
+    engine rank is a process of its own (spawned by ``EngineClient.spawn_tp``),
+    so its default group holds exactly the engine's TP ranks and never a
+    trainer's. Code that may share a process with a trainer must not do this.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, size = int(tp["rank"]), int(tp["size"])
+    if not 0 <= rank < size:
+        raise ValueError(f"tp rank {rank} is not in [0, {size})")
+    backend = str(tp.get("backend", "gloo"))
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"tp backend {backend!r} is not allowed; expected gloo or nccl")
+    if size == 1:
+        return rank, size  # nothing to talk to: TPEngineCore needs no group at tp_size 1
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a default process group: an engine TP rank "
+                           "must run in a process of its own")
+    # a dead peer must not hang this rank's collectives forever
+    timeout = datetime.timedelta(seconds=float(tp.get("timeout_s", 600)))
+    dist.init_process_group(backend, init_method=str(tp["init_method"]), rank=rank, world_size=size,
+                            timeout=timeout)
+    return rank, size
+
+
+def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
+    """One rank of a tensor-parallel engine (``build["tp"]``), after joining its group."""
+    from transformers import Qwen2Config
+
+    from colo.engine.tp import TPEngineCore
+
+    device = str(build["device"])
+    if device.startswith("cuda"):
+        # NCCL uses the current device: make it this rank's (with one GPU per rank through
+        # the client's CUDA_VISIBLE_DEVICES, that is "cuda" = index 0)
+        torch.cuda.set_device(torch.device(device).index or 0)
+    rank, size = _init_tp_group(build["tp"])
+    # group=None: the default group, which in this process is the engine's TP group
+    return TPEngineCore(Qwen2Config(**build["config"]), tp_rank=rank, tp_size=size, group=None,
+                        dtype=torch_dtype(build["dtype"]), device=device, total_bytes=int(build["total_bytes"]),
+                        mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
+                        saver=saver)
 
 
 def serve(sock_path: str, key: bytes, build: dict) -> None:
@@ -290,3 +341,8 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
         listener.close()
         server._detach_all()
         server._close_receivers()
+        if build.get("tp") is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
