@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fault", default=None, metavar="KIND@PHASE")
     d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
                    help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
+    d.add_argument("--phase-deadline", type=_positive(float), default=600.0, metavar="SECONDS",
+                   help="fail any phase that runs longer than this (default 600)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(module="colo.apps.demo", func="run_demo")
 

@@ -15,7 +15,9 @@ drawn from a fixed eighth of the vocabulary, so the mean reward starts near
 from __future__ import annotations
 
 import functools
+import math
 import os
+import signal
 import shutil
 import sys
 import tempfile
@@ -97,6 +99,8 @@ class DemoConfig:
     fault_deadline_s: float = 30.0
     #: inject at the first occurrence of the phase at this step or later
     fault_step: int = 0
+    #: every phase's deadline (``SchedulerConfig.phase_deadline_s``): a hung phase fails after it
+    phase_deadline_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -125,6 +129,9 @@ class DemoConfig:
             raise ValueError(f"reserved memory must be >= 0 MiB, got {self.reserved_mib}")
         if not self.trainer_leftover_mib >= 0:
             raise ValueError(f"trainer leftover must be >= 0 MiB, got {self.trainer_leftover_mib}")
+        d = self.phase_deadline_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (d > 0 and math.isfinite(d)):
+            raise ValueError(f"--phase-deadline must be a finite number of seconds > 0, got {d!r}")
         if self.fault is not None:
             self.parsed_fault()  # raises ValueError naming the kinds and phases allowed
 
@@ -388,6 +395,7 @@ class DemoRun:
         sched = Scheduler(
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
+                                   phase_deadline_s=cfg.phase_deadline_s,
                                    deadlines=self.fault.deadlines() if self.fault else {}),
             trace=trace, verify=make_verifier(self.trainer, lambda: sched.engine, self.model_config,
                                               cfg.engine_dtype, cfg.seed),
@@ -531,9 +539,16 @@ def config_from_args(args: Any) -> DemoConfig:
         return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport, trainer=getattr(args, "trainer", "hf"),
                           bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
-                          fault=args.fault, engine_visible_devices=args.engine_visible_devices)
+                          fault=args.fault, engine_visible_devices=args.engine_visible_devices,
+                          phase_deadline_s=getattr(args, "phase_deadline", 600.0))
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _sigterm_as_sigint(signum: int, frame: Any) -> None:
+    # the event loop's own SIGINT handling cancels the run; a KeyboardInterrupt
+    # raised here instead could land outside any cleanup
+    signal.raise_signal(signal.SIGINT)
 
 
 def run_demo(args: Any) -> int:
@@ -547,7 +562,14 @@ def run_demo(args: Any) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
         return EXIT_BAD_INPUT
-    out = anyio.run(functools.partial(run, cfg, progress=not args.quiet))
+    # SIGTERM (a job scheduler, ``kill``) ends the run as Ctrl-C does: the running
+    # phase is cancelled, phase.failed and trace.finished are written, the shielded
+    # cleanup closes the engine; the command exits 130
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_sigint)
+    try:
+        out = anyio.run(functools.partial(run, cfg, progress=not args.quiet))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(report(cfg, out))
     code = EXIT_FAILED if out.error is not None else EXIT_OK
     if cfg.device == "cuda":

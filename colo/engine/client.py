@@ -28,6 +28,8 @@ SOCKET_NAME = "engine.sock"
 _SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107
 #: where to put the socket when $TMPDIR is too long for one: short, and present on any POSIX system
 _SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+#: after a broken channel, how long to wait for the engine process to be seen dead
+DEATH_WAIT_S = 1.0
 
 
 def socket_dir() -> str:
@@ -154,7 +156,8 @@ class EngineClient:
         try:
             os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
             path = os.path.join(sockdir, SOCKET_NAME)
-            proc = _start_process(serve, path, key, build, env)
+            # the engine watches this pid and ends itself when it changes (we died)
+            proc = _start_process(serve, path, key, {**build, "parent_pid": os.getpid()}, env)
             ch, reply = await _await_hello(proc, path, key, start_timeout_s, build)
             if not reply.get("ok"):
                 raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
@@ -242,12 +245,25 @@ class EngineClient:
         try:
             reply = await self._ch.request(op, on_sent=on_sent, **fields)
         except ChannelError as e:
-            if not self.process.is_alive():
-                raise EngineDied(f"engine process died (exit code {self.process.exitcode}) during {op}") from e
-            raise
+            if not await self._died(DEATH_WAIT_S):
+                raise
+            raise EngineDied(f"engine process died (exit code {self.process.exitcode}) during {op} "
+                             f"(process {self.process.pid}; {e})") from e
         if not reply.get("ok"):
             raise EngineError(op, reply.get("error_type", "?"), reply.get("error", ""))
         return reply
+
+    async def _died(self, wait_s: float) -> bool:
+        """Whether the engine process has ended, waiting up to ``wait_s`` for it.
+
+        A killed process closes its end of the channel a moment before the
+        kernel lets its parent reap it: ``is_alive()`` right after the broken
+        channel can still say True for a process that is already gone."""
+        if not self.process.is_alive():
+            return True
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.process.join, wait_s)
+        return not self.process.is_alive()
 
     # -- EngineSide ------------------------------------------------------------
     def tag_bytes(self) -> dict[str, int]:

@@ -9,10 +9,14 @@ serving. Bucket handles are opened by the transports' receivers, through
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -309,8 +313,75 @@ def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
                         saver=saver)
 
 
+#: how often the engine checks that the process that started it is still there
+PARENT_POLL_S = 0.2
+#: after asking itself to stop (the parent is gone), how long the engine waits for its
+#: own cleanup before leaving without it
+ORPHAN_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir
+    raise SystemExit(128 + signum)
+
+
+def _remove_sockdir(sock_path: str) -> None:
+    d = os.path.dirname(os.path.abspath(sock_path))
+    if os.path.basename(d).startswith("colo-engine-"):  # only the directory made for this engine
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def die_with_parent(parent_pid: int | None, sock_path: str) -> None:
+    """End this engine when the process that started it ends, however it ends.
+
+    Linux's parent-death signal (SIGTERM, handled as a clean exit) fires when the
+    *thread* that forked this process ends, not the process, and only on Linux;
+    so a watchdog thread also compares the parent pid with the one the client
+    passed, and stops the engine when it changed (re-parented to init or a
+    subreaper). If the clean exit does not come within ``ORPHAN_GRACE_S`` (the
+    main thread stuck in a native call), the watchdog removes the socket
+    directory itself and leaves.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still covers it
+    if parent_pid is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log("engine.orphaned", parent_pid=parent_pid, new_parent_pid=os.getppid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        _remove_sockdir(sock_path)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="colo-engine-parent-watch", daemon=True).start()
+
+
 def serve(sock_path: str, key: bytes, build: dict) -> None:
-    """Process entry point: build the engine, listen, serve until shutdown."""
+    """Process entry point: build the engine, listen, serve until shutdown.
+
+    The engine dies with the process that started it (``build["parent_pid"]``)
+    and removes its own socket directory on the way out."""
+    die_with_parent(build.get("parent_pid"), sock_path)
+    try:
+        _serve(sock_path, key, build)
+    finally:
+        _remove_sockdir(sock_path)
+        if threading.current_thread() is threading.main_thread():
+            # cleaned up: a parent-death signal during interpreter exit just ends the process
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _serve(sock_path: str, key: bytes, build: dict) -> None:
     global _LOG
     if build.get("log_path"):
         _LOG = open(build["log_path"], "a", encoding="utf-8")

@@ -1,0 +1,156 @@
+"""Issue 16, items 1 and 9: the engine process dies with the demo that started it,
+whatever kills the demo, and a real engine death is EngineDied, not a ChannelError."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+from colo.channel import ChannelError
+from colo.cli import main as cli_main
+from colo.apps.demo import DemoConfig
+from colo.engine.client import EngineClient
+from colo.errors import EngineDied
+from colo.models import demo_config
+
+from tests.conftest import SMALL_CFG
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def short_tmp():
+    # our own short TMPDIR: the demo's colo-demo-* and the engine's colo-engine-* land here
+    d = tempfile.mkdtemp(prefix="crp-", dir="/tmp")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _engine_ready(stderr_path: Path) -> dict | None:
+    for line in stderr_path.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"engine.ready"' in line:
+            return json.loads(line)
+    return None
+
+
+def _start_demo_until_sync(tmp: Path, *extra: str, then: str | None = None):
+    trace, err = tmp / "t.jsonl", tmp / "stderr"
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
+    with open(err, "wb") as ferr:
+        proc = subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--steps", "50", "--quiet",
+                                 "--trace", str(trace), *extra], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=ferr)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        text = trace.read_text(errors="replace") if trace.exists() else ""
+        if '"to_phase":"sync"' in text and (then is None or f'"to_phase":"{then}"' in text.split('"to_phase":"sync"', 1)[1]):
+            break
+        if proc.poll() is not None:
+            pytest.fail(f"demo exited {proc.returncode} before a sync: {err.read_text()[-2000:]}")
+        time.sleep(0.1)
+    else:
+        proc.kill()
+        proc.wait()
+        pytest.fail("no sync phase in the trace within 120 s")
+    ready = _engine_ready(err)
+    assert ready is not None, err.read_text()[-2000:]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    return proc, trace, ready, children
+
+
+def _assert_engine_gone(ready: dict, children: list, tmp: Path) -> None:
+    engine_pid, sockdir = ready["pid"], Path(ready["socket"]).parent
+    assert engine_pid in [c.pid for c in children]
+    assert sockdir.parent == tmp and sockdir.name.startswith("colo-engine-")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(_gone(c) for c in children) and not sockdir.exists():
+            break
+        time.sleep(0.1)
+    alive = [c.pid for c in children if not _gone(c)]
+    assert alive == [], f"children of the demo still alive 10 s after it died: {alive}"
+    assert not sockdir.exists(), f"engine socket dir {sockdir} left behind"
+
+
+def test_sigkill_of_the_demo_ends_its_engine_and_removes_the_socket_dir(short_tmp):
+    proc, _, ready, children = _start_demo_until_sync(short_tmp)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+    _assert_engine_gone(ready, children, short_tmp)
+
+
+def test_sigterm_of_the_demo_fails_the_phase_finishes_the_trace_and_ends_the_engine(short_tmp):
+    # after a sync, in the next train: SIGTERM during a packed sync segfaults the demo
+    # (the cancelled sync frees the buffer a worker thread is still packing into; not this item)
+    proc, trace, ready, children = _start_demo_until_sync(short_tmp, "--phase-deadline", "120", then="train")
+    os.kill(proc.pid, signal.SIGTERM)
+    code = proc.wait(30)
+    assert code in (130, 143), (code, (short_tmp / "stderr").read_text(errors="replace")[-3000:])
+    _assert_engine_gone(ready, children, short_tmp)
+    events = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    assert events[0]["config"]["phase_deadline_s"] == 120.0
+    assert events[-1]["event"] == "trace.finished"
+    names = [e["event"] for e in events]
+    assert "phase.failed" in names and names.index("phase.failed") < len(names) - 1
+    # the shielded cleanup ran: the demo's own work dir is gone too
+    assert [p.name for p in short_tmp.iterdir() if p.name.startswith("colo-")] == []
+
+
+def _build(tmp_path):
+    config = demo_config(**SMALL_CFG)
+    return {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
+            "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
+
+
+def test_engine_killed_from_outside_is_engine_died_not_channel_error(tmp_path):
+    async def main():
+        outcomes = []
+        for _ in range(3):  # a killed engine closes the channel before it can be reaped: every time
+            client = await EngineClient.spawn(_build(tmp_path), start_timeout_s=60)
+            try:
+                assert (await client.call("hello"))["ok"]
+                os.kill(client.process.pid, signal.SIGKILL)
+                try:
+                    await client.call("digest")
+                    outcomes.append("answered")
+                except EngineDied as e:
+                    outcomes.append("EngineDied")
+                    assert str(client.process.pid) in str(e)
+                except ChannelError as e:
+                    outcomes.append(f"ChannelError: {e}")
+            finally:
+                await client.aclose()
+        return outcomes
+
+    assert anyio.run(main) == ["EngineDied"] * 3
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan"])
+def test_phase_deadline_flag_refuses_non_positive_or_infinite(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["demo", "--phase-deadline", value])
+    assert exc.value.code == 2
+    assert "colo: error: argument --phase-deadline: expected a" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True])
+def test_demo_config_refuses_a_bad_phase_deadline(value):
+    with pytest.raises(ValueError, match="phase-deadline"):
+        DemoConfig(phase_deadline_s=value)
+    assert DemoConfig(phase_deadline_s=2.5).phase_deadline_s == 2.5
