@@ -1,6 +1,6 @@
 """Soak: N cycles of the CPU demo loop; resident memory, fds and /dev/shm entries.
 
-    python bench/soak.py --cycles 500 [--warmup 50] [--out bench/results/soak-cpu-<date>.json]
+    python bench/soak.py --cycles 500 [--warmup 50] [--out PATH]  (default: bench/results/soak-cpu-<date>[-N].json)
 
 Every sync is verified by the demo itself (digest and probe logits against the
 trainer); the run fails otherwise. RSS is this process's (the trainer's side)
@@ -20,8 +20,13 @@ import anyio
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from colo.apps.bench import write_result  # noqa: E402
 from colo.apps.demo import DemoConfig, run  # noqa: E402
 from colo.trace.writer import read_trace  # noqa: E402
+
+
+#: where results go when no --out is given (the committed results live here)
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def rss_bytes(pid: int) -> int:
@@ -75,12 +80,14 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--cycles", type=int, default=500)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--out", default=f"bench/results/soak-cpu-{datetime.date.today().isoformat()}.json")
+    # default: bench/results/soak-cpu-<date>.json, or -2, -3 ... if that exists (never overwritten)
+    p.add_argument("--out", default=None)
     p.add_argument("--trace", default="/tmp/colo-soak.jsonl")
     a = p.parse_args()
     res = soak(a.cycles, a.warmup, a.trace)
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+    out = write_result(json.dumps(res, indent=1), out=a.out, directory=RESULTS_DIR,
+                       stem=f"soak-cpu-{datetime.date.today().isoformat()}")
+    print(f"results: {out}", file=sys.stderr)
     print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1))
     ok = (res["error"] is None and res["cycles_verified"] >= a.cycles and res["rss_growth_pct"] < 5
           and res["fds_end"] == res["fds_after_warmup"] and res["shm_end"] == res["shm_after_warmup"])

@@ -61,13 +61,33 @@ def warm_spawn(tmp_path_factory):
     anyio.run(once)
 
 
+def engine_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 @pytest.fixture
-def no_leaks(warm_spawn):
-    """Open fds, engine socket dirs and /dev/shm segments are the same after the test."""
+def no_leaks(warm_spawn, monkeypatch):
+    """Open fds, engine socket dirs and /dev/shm segments are the same after the test.
+
+    Only what this test made is counted: segments named after this process or an
+    engine process the test spawned (``colo-<pid>-...``), not all of /dev/shm,
+    which other tests and runs on the machine share. Yields the engine pids."""
     fds, dirs = open_fds(), engine_dirs()
-    yield
-    assert leftover_segments() == []
-    assert engine_dirs() == dirs
+    pids: list[int] = []
+    real = EngineClient.spawn.__func__
+
+    async def spawn(cls, *a, **kw):
+        client = await real(cls, *a, **kw)
+        pids.append(client.process.pid)
+        return client
+
+    monkeypatch.setattr(EngineClient, "spawn", classmethod(spawn))
+    yield pids
+    assert pids  # the test did start an engine: its segments were looked for
+    for pid in (os.getpid(), *pids):
+        assert leftover_segments(pid) == [], pid
+    # nothing this test made is left; another run's dirs may come and go meanwhile
+    assert not engine_dirs() - dirs
     assert open_fds() == fds
 
 
@@ -115,6 +135,7 @@ async def fault_matrix(kind, tmp_path):
     task = ReinforceTask(config.vocab_size, batch=4, prompt_len=4, new_tokens=4, seed=0)
     trainer = ReferenceTrainer(build_trainer_model(config, seed=0), engine_dtype="float32")
     engines = [(await spawn(tmp_path, task, 0))[0]]
+    engine_fd_counts: dict[int, int] = {}
     try:
         for n, phase in enumerate(POSSIBLE[kind]):
             # 0.5 s: a hundred times what any phase of this small model takes
@@ -164,10 +185,14 @@ async def fault_matrix(kind, tmp_path):
                     assert sched.last_sync["digest"] == expected_digest(at_fault, config, torch.float32), where
                     await sched.cycle()  # the run continues
                     assert sched.last_sync["digest"] == expected_digest(trainer.hf_state(), config, torch.float32)
+                    # the engine process's fds: the same after each fault it lived through
+                    pid = engines[-1].process.pid
+                    assert engine_fds(pid) == engine_fd_counts.setdefault(pid, engine_fds(pid)), where
             finally:
                 await transport.aclose()
             assert replay([path]).valid, where
-            assert leftover_segments() == []
+            for pid in (os.getpid(), *(e.process.pid for e in engines)):
+                assert leftover_segments(pid) == [], (where, pid)
     finally:
         for e in engines:
             await e.aclose()
@@ -195,8 +220,9 @@ async def test_the_demo_recovers_from_a_fault_and_completes_every_step(fault, tm
     assert report.valid
     events = read_trace(out.trace_path)
     syncs = [e for e in events if e["event"] == "sync.finished"]
-    # the recovery sync (version 1: the failed cycle had trained), then one per completed cycle
-    assert [s["weight_version"] for s in syncs] == [1, 2, 3]
+    # the recovery sync (version 1: the failed cycle had trained, so it counts as done),
+    # then the second cycle's: two steps, two trains
+    assert [s["weight_version"] for s in syncs] == [1, 2]
     assert syncs[0]["digest"] == rec.engine_digest_after_recovery
     assert [e["error"] for e in events if e["event"] == "phase.failed"] == [rec.cause]
     assert rec.cause.startswith(CAUSE[fault.split("@")[0]])

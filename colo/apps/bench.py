@@ -291,6 +291,44 @@ def _choose(args: Any) -> tuple[list[BenchModel], list[Case]]:
     return [MODELS[n] for n in names], [by_label.get(t, Case(t, t)) for t in wanted]
 
 
+#: where results go when no --out is given (the committed results live here)
+RESULTS_DIR = Path("bench/results")
+
+
+def write_result(text: str, *, out: str | os.PathLike | None, directory: str | os.PathLike, stem: str) -> Path:
+    """Write ``text`` to ``out``, or to ``<directory>/<stem>.json`` when no path was given.
+
+    The text goes to a temporary file in the destination's directory first and
+    is moved into place whole, so a reader never sees half a result. A default
+    path never replaces a file that exists (a committed result): the next free
+    ``<stem>-2.json``, ``<stem>-3.json`` ... is taken, by a hard link, which
+    fails rather than replaces if the name was taken meanwhile. An explicit
+    ``out`` is replaced, as asked.
+    """
+    target = Path(out) if out is not None else Path(directory) / f"{stem}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if out is not None:
+            os.replace(tmp, target)
+            return target
+        n = 1
+        while True:
+            try:
+                os.link(tmp, target)
+                return target
+            except FileExistsError:
+                n += 1
+                target = target.with_name(f"{stem}-{n}.json")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def run_bench(args: Any) -> int:
     if args.device == "cuda":
         try:
@@ -300,19 +338,17 @@ def run_bench(args: Any) -> int:
             return EXIT_FAILED
         return run_bench_gpu(args.out)
     models, cases = _choose(args)
-    out = Path(args.out) if args.out else Path("bench/results") / f"cpu-sync-{dt.date.today().isoformat()}.json"
-
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     result = anyio.run(lambda: bench(models, cases, device="cpu", progress=say))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    out = write_result(json.dumps(result, indent=2) + "\n", out=args.out or None, directory=RESULTS_DIR,
+                       stem=f"cpu-sync-{dt.date.today().isoformat()}")
     print(table(result))
     print(f"results: {out}")
     ok = all(r["digest_ok"] for m in result["models"] for r in m["rows"])
     return EXIT_OK if ok else EXIT_FAILED
 
 
-__all__ = ["BenchModel", "CASES", "Case", "MODELS", "PeakStaging", "bench", "bench_model", "machine_info",
+__all__ = ["RESULTS_DIR", "write_result", "BenchModel", "CASES", "Case", "MODELS", "PeakStaging", "bench", "bench_model", "machine_info",
            "measure_limits", "run_bench", "table", "time_case"]

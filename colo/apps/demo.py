@@ -272,6 +272,8 @@ class DemoOutcome:
     trace_path: Path
     error: BaseException | None = None
     recoveries: list[Recovery] = field(default_factory=list)
+    #: expected_digest of the trainer's weights at the end of the run (None if it had none)
+    trainer_digest: str | None = None
 
 
 def _refusal(exc: BaseException) -> str:
@@ -306,6 +308,24 @@ async def run(cfg: DemoConfig, *, progress: bool = True,
     return demo.outcome()
 
 
+class _CycleSeeded:
+    """The engine, rolling out by completed-cycle count rather than scheduler step.
+
+    The scheduler's step also counts a cycle that failed and is run again; the
+    rollout of the rerun must be the one the failed attempt drew, so that a run
+    with a recovered fault trains on the same data as a run without one.
+    """
+
+    def __init__(self, engine: Any, cycle: Callable[[], int]):
+        self._engine, self._cycle = engine, cycle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, step: int) -> Any:
+        return await self._engine.generate(self._cycle())
+
+
 class DemoRun:
     """Everything one demo run holds: trainer, engine processes, transport, ledger,
     trace, scheduler, and the audit of an injected fault."""
@@ -327,6 +347,7 @@ class DemoRun:
         self.workdir = tempfile.mkdtemp(prefix="colo-demo-")
         self._at_fault: list[str] = []
         self.injector: Any = None
+        self.final_digest: str | None = None
 
     # -- set-up ------------------------------------------------------------------
     async def start(self) -> None:
@@ -385,6 +406,7 @@ class DemoRun:
                                leftover=lambda: leftover if self.trainer.steps else 0)
 
     def _wrap_engine(self, engine: Any) -> Any:
+        engine = _CycleSeeded(engine, lambda: len(self.rewards))
         return self.injector.wrap_engine(engine) if self.injector else engine
 
     def _scheduler(self, memory: MemoryLedger) -> Scheduler:
@@ -414,8 +436,11 @@ class DemoRun:
     # -- the cycle ---------------------------------------------------------------
     async def cycle(self) -> None:
         """One cycle of the plan; a cycle that failed on an injected fault is
-        recovered from and run again."""
+        recovered from; it is run again (from rollout, with the same rollout
+        seed) only if its train did not complete. A train that failed half-way
+        left the trainer as it was before the step (PolicyTrainer._reinforce)."""
         while True:
+            version = self.sched.trainer_version
             with anyio.CancelScope() as scope:  # a cancel fault cancels this scope
                 if self.injector:
                     self.injector.scope = scope
@@ -432,8 +457,16 @@ class DemoRun:
             if self.injector is None or not self.injector.fired or len(self.recoveries) == 1:
                 err = self.sched.last_error
                 raise err if isinstance(err, Exception) else RuntimeError(describe(err))
+            trained = self.sched.trainer_version > version
+            reward = self.sched.last_rollout.reward if trained else None
             if not (await self.recover()).recovered:
                 raise VerificationError("recovery did not restore the trainer's weights")
+            if trained:
+                # This cycle's train completed before the failure and the recovery
+                # sync brought the engine to its weights: the cycle is done. Running
+                # it again would train a second time, so --steps N would not mean N.
+                self.rewards.append(reward)
+                return
 
     def check_fault_fired(self) -> None:
         if self.injector is not None and not self.injector.fired:
@@ -497,6 +530,8 @@ class DemoRun:
                     # must not meet paused regions at teardown.
                     for key in sorted(self.saver.paused):
                         self.saver.resume(key)
+                if self.trainer is not None:
+                    self.final_digest = self.trainer_digest()
                 close = getattr(self.trainer, "close", None)
                 if close is not None:
                     close()  # a trainer's process group (megatron, fsdp)
@@ -504,7 +539,8 @@ class DemoRun:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
     def outcome(self) -> DemoOutcome:
-        return DemoOutcome(self.rewards, self.summary, self.cfg.trace_path, self.error, self.recoveries)
+        return DemoOutcome(self.rewards, self.summary, self.cfg.trace_path, self.error, self.recoveries,
+                           self.final_digest)
 
 
 def _progress(steps: int, enabled: bool) -> Any:

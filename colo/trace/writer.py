@@ -9,6 +9,7 @@ that see each event after it is written; they must not raise or change state.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -18,6 +19,7 @@ from typing import IO, Any
 
 import structlog
 
+from colo.errors import UsageError
 from colo.core.schema import BUCKET_STAGES, EVENTS, SCHEMA  # noqa: F401 (re-exported)
 
 Listener = Callable[[dict], None]
@@ -53,13 +55,52 @@ class TraceWriter:
         self.events: list[dict] | None = [] if keep_events else None
         self.closed = False
         self._last_ts = 0.0
+        self._lock_fd: int | None = None
+        self._lock_path: Path | None = None
 
     def add_listener(self, fn: Listener) -> None:
         self._listeners.append(fn)
 
+    def _lock(self) -> None:
+        """Own the trace file before truncating it: an exclusive ``flock`` on the
+        sibling ``<name>.lock``, holding this process's pid. A second writer of the
+        same path (another run, or another writer in this process) is refused and
+        told who holds it. The lock file is removed when the trace is finished; a
+        run that crashed leaves it, unlocked, and the next run takes it over."""
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        while True:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                os.close(fd)
+                raise UsageError(f"trace {self.path} is being written by another run (pid {holder}); "
+                                 f"give this run its own --trace path") from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)  # its holder removed the file as we opened it: take the new one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd, self._lock_path = fd, lock_path
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.unlink(self._lock_path)  # while still held: a waiter re-checks the inode
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def _open(self) -> None:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._lock()
             self._fh = open(self.path, "w", encoding="utf-8")
             # structlog's WriteLogger writes and flushes each line under a lock.
             self._log = structlog.wrap_logger(
@@ -74,8 +115,8 @@ class TraceWriter:
     def start(self, *, device: dict, config: dict, **extra: Any) -> dict:
         if self._t0 is not None:
             raise RuntimeError("trace already started")
+        self._open()  # refused before anything is stamped if another writer owns the path
         self._t0 = self._clock()
-        self._open()
         return self.emit("trace.started", schema=SCHEMA, world_size=self.world_size,
                          device=device, config=config, **extra)
 
@@ -114,6 +155,7 @@ class TraceWriter:
         self.closed = True
         if self._fh is not None:
             self._fh.close()
+        self._unlock()
 
 
 def read_trace(path: str | os.PathLike) -> list[dict]:

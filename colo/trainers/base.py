@@ -7,6 +7,7 @@ A trainer subclasses :class:`PolicyTrainer` and supplies ``_sequence_logits``
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,9 @@ class PolicyTrainer:
             await self._memory_backend.pause("trainer", tags)
 
     async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
+        if getattr(self, "dirty", False):
+            raise RuntimeError("the trainer is dirty: an earlier step failed half-way on a device where its "
+                               "state could not be restored; its weights are not a consistent step")
         return await anyio.to_thread.run_sync(self._reinforce, rollout.data)
 
     def num_params(self) -> int:
@@ -83,6 +87,46 @@ class PolicyTrainer:
         raise NotImplementedError
 
     def _reinforce(self, data: Any) -> dict[str, float]:
+        """One REINFORCE step; a step that raises leaves the trainer as it was before it.
+
+        On the CPU the step's state (parameters and AdamW's exp_avg, exp_avg_sq and
+        step) is cloned first: three copies of the weights' bytes in host memory and
+        one memcpy of each per step, small next to the forward and backward. On a
+        GPU that clone would double the trainer's device memory, and the memory
+        saver's pinned host backup is not known to be current once the regions are
+        resumed, so nothing is cloned there: a failed step marks the trainer
+        ``dirty`` and :meth:`train_step` refuses to train on from it.
+        """
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        saved = self._snapshot() if on_cpu else None
+        try:
+            return self._reinforce_step(data)
+        except BaseException:
+            self.opt.zero_grad(set_to_none=True)
+            if saved is not None:
+                self._restore(saved)
+            else:
+                self.dirty = True
+            raise
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]:
+        params = [p.detach().clone() for p in self.model.parameters()]
+        state = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in st.items()}
+                 for p, st in self.opt.state.items()}
+        return params, state
+
+    @torch.no_grad()
+    def _restore(self, saved: tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]) -> None:
+        params, state = saved
+        for p, old in zip(self.model.parameters(), params):
+            p.copy_(old)
+        for p in list(self.opt.state):
+            if p not in state:
+                del self.opt.state[p]  # lazily created by the failed step
+        for p, old in state.items():
+            self.opt.state[p] = old
+
+    def _reinforce_step(self, data: Any) -> dict[str, float]:
         """One REINFORCE step with a mean baseline over the batch's sequences."""
         device = next(self.model.parameters()).device
         prompts = torch.tensor(data.prompts, dtype=torch.long, device=device)
