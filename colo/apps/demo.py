@@ -30,7 +30,7 @@ import anyio
 import torch
 
 from colo.core.phases import PLANS
-from colo.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, UsageError
+from colo.errors import EXIT_BAD_INPUT, EXIT_OK, UsageError, exit_code
 from colo.transports import REGISTRY as TRANSPORTS
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
@@ -607,7 +607,8 @@ def run_demo(args: Any) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(report(cfg, out))
-    code = EXIT_FAILED if out.error is not None else EXIT_OK
+    # a refusal carries its exit code (a trace another run holds is bad input: 2)
+    code = exit_code(out.error) if out.error is not None else EXIT_OK
     if cfg.device == "cuda":
         # The run is over and written down; torch_memory_saver's pools, torn
         # down at interpreter exit, end the process with status 1 ("only support
