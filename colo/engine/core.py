@@ -37,8 +37,13 @@ class EngineCore:
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float,
                  init_state: Mapping[str, torch.Tensor] | None = None, saver: Any = None) -> None:
-        self.model = EngineModel(config, dtype=dtype, device=device, total_bytes=total_bytes,
-                                 mem_fraction_static=mem_fraction_static, saver=saver)
+        self._start(EngineModel(config, dtype=dtype, device=device, total_bytes=total_bytes,
+                                mem_fraction_static=mem_fraction_static, saver=saver), init_state)
+
+    def _start(self, model: Any, init_state: Mapping[str, torch.Tensor] | None) -> None:
+        """The core's state around ``model`` (a whole model, or one tensor-parallel
+        rank's); loads ``init_state`` as weight version 0 when given."""
+        self.model = model
         self._paused: set[str] = set()
         self._version: int | None = None
         # the weights hold a complete load since their storage was last allocated

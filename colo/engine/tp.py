@@ -381,18 +381,10 @@ class TPEngineCore(EngineCore):
                  dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu", total_bytes: int,
                  mem_fraction_static: float, init_state: Mapping[str, torch.Tensor] | None = None,
                  saver: Any = None) -> None:
-        # EngineCore's state, around a TP model (EngineCore.__init__ builds the whole model)
-        self.model = TPEngineModel(config, tp_rank=tp_rank, tp_size=tp_size, group=group, dtype=dtype,
-                                   device=device, total_bytes=total_bytes,
-                                   mem_fraction_static=mem_fraction_static, saver=saver)
-        self._paused: set[str] = set()
-        self._version: int | None = None
-        self._complete = False
-        if init_state is not None:
-            self.begin_load()
-            self.load_weights(init_state)
-            self.end_load()
-            self._version = 0
+        # EngineCore's state around one rank's model (EngineCore.__init__ builds the whole model)
+        self._start(TPEngineModel(config, tp_rank=tp_rank, tp_size=tp_size, group=group, dtype=dtype,
+                                  device=device, total_bytes=total_bytes,
+                                  mem_fraction_static=mem_fraction_static, saver=saver), init_state)
 
     @property
     def layout(self) -> TPLayout:
