@@ -14,6 +14,8 @@ and the allocator's expandable segments cannot coexist.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -105,11 +107,17 @@ class TrainerMemory:
             await anyio.to_thread.run_sync(self.saver.resume, f"{owner}.{tag}")
 
 
+@dataclass
 class CudaLedger(MemoryLedger):
-    """The ledger's budget, with ``used`` read from the device at every event."""
+    """The ledger's budget, with ``used`` read from the device at every event.
+
+    ``device_index``: which of this process's GPUs (a driver of many ranks keeps
+    one ledger per GPU); ``None`` is the current device."""
+
+    device_index: int | None = None
 
     def snapshot(self, *, staging: int | None = None) -> dict:
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info(self.device_index)
         by_tag = self.by_tag()
         if staging is not None:  # a stage record's own count (see MemoryLedger.snapshot)
             by_tag["staging"] = staging
@@ -124,13 +132,15 @@ class CudaLedger(MemoryLedger):
         self.reserved_bytes = max(0, min(total - 1, (total - free) - accounted))
 
 
-def cuda_ledger(*, accounted_bytes: int = 0, device_name: str | None = None) -> CudaLedger:
+def cuda_ledger(*, accounted_bytes: int = 0, device_name: str | None = None,
+                device_index: int | None = None) -> CudaLedger:
     """A ledger for the whole GPU.
 
     R (reserved) is what is in use now less ``accounted_bytes``, the resident
     regions the scheduler will register (the engine's weights and KV pool):
     CUDA contexts of both processes, communicator buffers, allocator caches.
     """
-    free, total = torch.cuda.mem_get_info()
+    free, total = torch.cuda.mem_get_info(device_index)
     return CudaLedger(total_bytes=total, reserved_bytes=max(0, total - free - accounted_bytes),
-                      device_kind="cuda", device_name=device_name or torch.cuda.get_device_name())
+                      device_kind="cuda", device_name=device_name or torch.cuda.get_device_name(device_index),
+                      device_index=device_index)

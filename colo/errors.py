@@ -167,6 +167,18 @@ class RankFailed(ColoError, RuntimeError):
         super().__init__(f"{side} rank {rank} failed {verb}: {type(cause).__name__}: {cause}")
 
 
+class RankError(ColoError, RuntimeError):
+    """A rank's worker process answered a verb with an error colo has no class for."""
+
+    def __init__(self, rank: int, op: str, error_type: str, message: str):
+        self.rank, self.op, self.error_type = rank, op, error_type
+        super().__init__(f"rank {rank} {op} failed: {error_type}: {message}")
+
+
+class RankDied(ColoError, RuntimeError):
+    """A rank's worker process is gone (and its trainer rank and engine rank with it)."""
+
+
 class InjectedFault(ColoError, RuntimeError):
     """The error a ``raise`` fault raises (colo.testing.faults)."""
 
@@ -178,6 +190,6 @@ def exit_code(exc: BaseException) -> int:
 
 __all__ = ["BadInput", "BadTrace", "ChannelError", "ColoError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK",
            "EngineDied", "EngineError", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
-           "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "RankFailed", "RequestError",
+           "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "RankDied", "RankError", "RankFailed", "RequestError",
            "TagStateError", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
            "exit_code"]

@@ -70,8 +70,11 @@ class Group:
 
     @classmethod
     def of(cls, side: Any) -> Group:
-        """``side`` itself if it is a group already, else the group of one."""
-        return side if isinstance(side, Group) else cls([side])
+        """``side`` itself if it is a group already, the group of a list of ranks,
+        else the group of one."""
+        if isinstance(side, Group):
+            return side
+        return cls(list(side)) if isinstance(side, (list, tuple)) else cls([side])
 
     @property
     def size(self) -> int:

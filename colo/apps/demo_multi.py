@@ -1,0 +1,270 @@
+"""``colo demo --gpus N``: the demo's RL loop over N ranks, one process per GPU.
+
+Rank r is a worker process (:mod:`colo.ranks.worker`) on GPU r holding
+trainer rank r (Megatron TP=N, FSDP2 over N, or data parallel for ``hf``) and,
+as its child, engine rank r of a TP=N engine. This process is the driver: it
+holds only the scheduler, one memory ledger per GPU and one trace per rank
+(``run.jsonl`` -> ``run.rank0.jsonl`` ...). Each sync runs inside the workers,
+every rank from its own trainer rank straight to its own engine rank.
+
+After every sync each engine rank's shard digest must equal the digest of
+that rank's shard of the trainer's weights, and the TP engine's logits on the
+probe batch must match the trainer's: a mismatch fails the run. On the CPU
+the ranks join gloo groups and the devices are simulated, as in the one-rank
+demo; on CUDA they join NCCL groups.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+import torch
+
+from colo.core.config import SchedulerConfig
+from colo.core.memory import MiB, MemoryLedger
+from colo.core.phases import IllegalTransition, Phase
+from colo.errors import InvariantViolation, VerificationError
+from colo.groups import together
+from colo.offline.summary import PhaseSummary
+from colo.scheduler import Scheduler, describe
+from colo.trace.writer import TraceWriter, rank_path
+
+#: the one fault a multi-rank demo injects (more kinds need injection inside the workers)
+MULTI_FAULTS = ("kill-engine@sync",)
+
+
+def visible_gpus(n: int) -> list[str]:
+    """The first ``n`` GPUs of this machine by UUID; a clear error when there are fewer."""
+    from colo.errors import UsageError
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n > have:
+        raise UsageError(f"--gpus {n}: this machine has {have} visible CUDA device(s)")
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
+
+
+class MultiDemoRun:
+    """What one N-rank demo run holds: the workers, the proxies, the ledgers, the
+    traces, the scheduler; the same surface as :class:`colo.apps.demo.DemoRun`."""
+
+    def __init__(self, cfg: Any, gpus: int):
+        from colo.models import demo_config
+
+        if cfg.fault is not None and cfg.fault not in MULTI_FAULTS:
+            raise ValueError(f"--gpus {gpus} supports the fault(s) {', '.join(MULTI_FAULTS)}, got {cfg.fault!r}")
+        self.cfg, self.n = cfg, gpus
+        self.model_config = demo_config()
+        self.summary = PhaseSummary()
+        self.rewards: list[float] = []
+        self.recoveries: list[Any] = []
+        self.error: BaseException | None = None
+        self.workers: list[Any] = []
+        self.trainers: list[Any] = []
+        self.engines: list[Any] = []
+        self.transports: list[Any] = []
+        self.workdir = tempfile.mkdtemp(prefix="colo-demo-")
+        self.final_digest: str | None = None
+        self._fault_armed = cfg.fault is not None
+        self.sched: Scheduler = None  # type: ignore[assignment]
+
+    # -- set-up ------------------------------------------------------------------
+    async def start(self) -> None:
+        from colo.engine.client import free_port
+
+        cfg = self.cfg
+        self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
+        self.budgets = [self._budget(r) for r in range(self.n)]
+        trainer_init = f"tcp://127.0.0.1:{free_port()}"
+        engine_init = f"tcp://127.0.0.1:{free_port()}"
+        specs = [self._spec(r, trainer_init, engine_init) for r in range(self.n)]
+        await self._spawn_workers(specs)
+        hellos = await self._each_worker("start")
+        self._proxies(hellos)
+        self.sched = self._scheduler()
+
+    def _budget(self, r: int) -> tuple[int, int, str]:
+        from colo.apps.demo import device_budget
+
+        if self.cfg.device != "cuda":
+            return device_budget(self.cfg)
+        free, total = torch.cuda.mem_get_info(r)
+        return total, total - free, torch.cuda.get_device_name(r)
+
+    def _spec(self, r: int, trainer_init: str, engine_init: str) -> Any:
+        from colo.ranks.host import RankSpec
+
+        cfg = self.cfg
+        return RankSpec(
+            rank=r, world_size=self.n, device=cfg.device, trainer=cfg.trainer,
+            model_config=self.model_config.to_dict(), seed=cfg.seed, engine_dtype=cfg.engine_dtype,
+            transport=cfg.transport, trainer_init=trainer_init, engine_init=engine_init,
+            engine_build={"total_bytes": self.budgets[r][0], "mem_fraction_static": cfg.mem_fraction_static,
+                          "memory": "saver" if cfg.device == "cuda" else "free"},
+            task={"vocab_size": self.model_config.vocab_size, "batch": cfg.batch, "prompt_len": cfg.prompt_len,
+                  "new_tokens": cfg.new_tokens, "seed": cfg.seed},
+            workdir=self.workdir)
+
+    async def _spawn_workers(self, specs: list[Any]) -> None:
+        from colo.ranks.proxy import Worker
+
+        for spec in specs:
+            env = {"CUDA_VISIBLE_DEVICES": self.uuids[spec.rank]} if self.uuids[spec.rank] else None
+            self.workers.append(await Worker.spawn(spec, env=env))
+
+    async def _each_worker(self, op: str, **fields: Any) -> list[dict]:
+        """``op`` on every worker at once (a verb with collectives needs them all)."""
+        calls = [(lambda w=w: w.call(op, **fields)) for w in self.workers]
+        results, _ = await together(calls, "rank", op)
+        return results
+
+    def _proxies(self, hellos: list[dict]) -> None:
+        from colo.apps.demo import _CycleSeeded
+        from colo.ranks.proxy import RemoteEngine, RemoteTrainer, RemoteTransport
+
+        self.hellos = hellos
+        self.trainers = [RemoteTrainer(w, h) for w, h in zip(self.workers, hellos)]
+        self.engines = [RemoteEngine(w, h) for w, h in zip(self.workers, hellos)]
+        self.transports = [RemoteTransport(w, self.cfg.transport) for w in self.workers]
+        self._seeded = [_CycleSeeded(e, lambda: len(self.rewards)) for e in self.engines]
+
+    def _ledger(self, r: int) -> MemoryLedger:
+        total, reserved, name = self.budgets[r]
+        if self.cfg.device == "cuda":
+            from colo.cuda_memory import cuda_ledger
+
+            return cuda_ledger(accounted_bytes=sum(self.engines[r].tag_bytes().values()), device_name=name,
+                               device_index=r)
+        from colo.apps.demo import SimulatedDevice
+
+        leftover = int(self.cfg.trainer_leftover_mib * MiB)
+        trainer = self.trainers[r]
+        return SimulatedDevice(total_bytes=total, reserved_bytes=reserved, device_kind="cpu", device_name=name,
+                               leftover=lambda: leftover if trainer.steps else 0)
+
+    def _scheduler(self) -> Scheduler:
+        cfg = self.cfg
+        traces = [TraceWriter(rank_path(cfg.trace_path, r, self.n), rank=r, world_size=self.n)
+                  for r in range(self.n)]
+        traces[0].add_listener(self.summary.feed)
+        return Scheduler(
+            self.trainers, self._seeded, [self._ledger(r) for r in range(self.n)], self.transports,
+            config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
+                                   phase_deadline_s=cfg.phase_deadline_s),
+            trace=traces, verify=self.verify,
+            run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"}, "gpus": self.n,
+                        "gpu_uuids": self.uuids, "mem_fraction_static": cfg.mem_fraction_static,
+                        "model": {"params": self.trainers[0].num_params(), "engine_dtype": cfg.engine_dtype}})
+
+    # -- verification ------------------------------------------------------------
+    async def verify(self, digests: list[str]) -> None:
+        """Every engine rank holds its shard of the trainer's weights, and the TP
+        engine computes the trainer's logits on the probe batch."""
+        from colo.apps.demo import LOGIT_TOLERANCE, probe_batch
+
+        wants = [r["digest"] for r in await self._each_worker("expected_digest")]
+        for rank, (got, want) in enumerate(zip(digests, wants)):
+            if got != want:
+                raise VerificationError(f"engine rank {rank} shard digest {got[:16]} != the trainer's shard "
+                                        f"digest {want[:16]} after sync")
+        probe = probe_batch(self.model_config.vocab_size, self.cfg.seed)
+        calls = [(lambda e=e: e.logits(probe)) for e in self.engines]
+        got = torch.tensor((await together(calls, "engine", "logits"))[0][0])
+        ref = torch.tensor((await self._each_worker("trainer_logits", tokens=probe))[0]["logits"])
+        err, bound = float((got - ref).abs().max()), LOGIT_TOLERANCE * float(ref.abs().max())
+        if not err <= bound:
+            raise VerificationError(f"TP engine logits differ from the trainer's by {err:.4g} on the probe "
+                                    f"batch (bound {bound:.4g})")
+
+    async def trainer_digest(self) -> str:
+        return (await self._each_worker("full_digest"))[0]["digest"]
+
+    # -- the cycle ---------------------------------------------------------------
+    async def cycle(self) -> None:
+        """One cycle; an injected engine-rank death in sync is recovered from (the
+        cycle's train completed, so it counts as done once the engine is re-synced)."""
+        self._arm_fault()
+        try:
+            await self.sched.cycle()
+        except Exception:
+            if self.sched.phase is not Phase.FAILED or not self.fault_fired or self.recoveries:
+                raise
+            reward = self.sched.last_rollout.reward
+            await self.recover()
+            self.rewards.append(reward)
+            return
+        self.rewards.append(self.sched.last_rollout.reward)
+
+    def _arm_fault(self) -> None:
+        if not self._fault_armed or len(self.rewards) < self.cfg.fault_step:
+            return
+        # the last rank's engine dies after its first bucket is loaded: half-updated
+        self.transports[-1].kill_engine_after = 1
+        self._fault_armed = False
+
+    @property
+    def fault_fired(self) -> bool:
+        return bool(self.transports) and self.transports[-1].kills_sent > 0
+
+    def check_fault_fired(self) -> None:
+        if self.cfg.fault is not None and not self.fault_fired:
+            raise RuntimeError(f"fault {self.cfg.fault} was never injected in {self.cfg.steps} steps")
+
+    async def recover(self) -> dict:
+        """Fail safe, then back to a synced engine: every engine rank stale (rollout
+        refused), the whole TP group restarted when a rank died, re-synced."""
+        rec: dict[str, Any] = {"fault": self.cfg.fault, "step": self.sched.step,
+                               "cause": describe(self.sched.last_error)}
+        self.recoveries.append(rec)
+        try:
+            await self.sched.run_phase(Phase.ROLLOUT)
+            raise RuntimeError("the scheduler allowed rollout after a failure")
+        except (IllegalTransition, InvariantViolation) as e:
+            rec["rollout_refused_by_scheduler"] = f"{type(e).__name__}: {e}"
+        alive = [r["alive"] for r in await self._each_worker("engine_alive")]
+        rec["engine_ranks_alive"] = alive
+        rec["versions_after_failure"] = [await e.own_weight_version() if a else None
+                                         for e, a in zip(self.engines, alive)]
+        if not all(alive):
+            await self._restart_engines(rec)
+        await self.sched.recover()
+        rec["recovered"] = True
+        return rec
+
+    async def _restart_engines(self, rec: dict) -> None:
+        """A TP group cannot take one new member: every rank starts a new engine rank
+        in a new group, empty and stale; the recovery sync fills all of them."""
+        from colo.engine.client import free_port
+
+        init = f"tcp://127.0.0.1:{free_port()}"
+        replies = await self._each_worker("replace_engine", init_method=init)
+        rec["engine_pids"] = [(r["old_engine_pid"], r["engine_pid"]) for r in replies]
+        for r, engine in enumerate(self.engines):
+            engine.pid = replies[r]["engine_pid"]
+            await self.sched.replace_engine(self._seeded[r], r)
+
+    # -- the end -------------------------------------------------------------------
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.workers and all(not w.closed for w in self.workers) and self.sched is not None:
+                    with anyio.move_on_after(60):
+                        try:
+                            self.final_digest = await self.trainer_digest()
+                        except Exception:
+                            pass
+                for w in self.workers:
+                    await w.aclose()
+            finally:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def outcome(self) -> Any:
+        from colo.apps.demo import DemoOutcome
+
+        return DemoOutcome(self.rewards, self.summary, self.cfg.trace_path, self.error, [], self.final_digest)
+
+
+__all__ = ["MULTI_FAULTS", "MultiDemoRun", "visible_gpus"]

@@ -1,0 +1,416 @@
+"""What one rank does: its trainer rank, its engine rank on the same GPU, and the sync between them.
+
+A :class:`RankHost` lives in one process per GPU (a worker of
+:mod:`colo.ranks.worker`, or a Ray actor). At start it joins the trainer's
+process group and builds its trainer rank (``colo.trainers.build`` sees an
+N-rank world: Megatron TP=N, FSDP2 over N, or data parallel), writes the
+initial checkpoint once (rank 0), and starts its engine rank as a child
+process on the same GPU, in the engine's TP group. A sync runs here, from this
+trainer rank straight to this engine rank: every rank takes part in the
+extractor's collectives; the bucket is packed on this GPU and its handle goes
+only to the engine rank on this GPU (keyed by the GPU's UUID). Nothing of the
+tensors, and no handle, passes through the driver or through rank 0.
+
+Every verb is plain data in and out (:meth:`handle`), so the same host serves
+a channel or a Ray actor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import torch
+
+from colo.core.buckets import plan_buckets
+from colo.core.interfaces import RolloutResult, SyncContext
+from colo.core.memory import StagingBudget
+from colo.errors import OutOfMemory
+
+#: how long a trainer collective may wait for a rank that stopped issuing them
+#: (the last resort: a failing rank keeps issuing its collectives, see _Drain)
+TRAINER_PG_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSpec:
+    """Everything one rank needs, as plain data (it crosses a process boundary)."""
+
+    rank: int
+    world_size: int
+    device: str
+    trainer: str
+    model_config: dict
+    seed: int
+    engine_dtype: str
+    transport: str
+    #: rendezvous of the trainer's process group (``tcp://host:port`` or ``file://``)
+    trainer_init: str
+    #: rendezvous of the engine's TP group
+    engine_init: str
+    #: the engine build every rank shares (total_bytes, mem_fraction_static, memory)
+    engine_build: dict
+    #: the rollout task: vocab_size, batch, prompt_len, new_tokens, seed
+    task: dict
+    #: where rank 0 writes the initial checkpoint the engine ranks start from
+    workdir: str
+    engine_log: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"rank spec {name} must be an integer, got {v!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"rank spec device must be cpu or cuda, got {self.device!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+
+def rollout_to_json(r: RolloutResult) -> dict:
+    d = r.data
+    return {"reward": r.reward, "tokens": r.tokens,
+            "data": None if d is None else {"prompts": d.prompts, "completions": d.completions, "rewards": d.rewards}}
+
+
+def rollout_from_json(d: dict) -> RolloutResult:
+    from colo.engine.client import RolloutData
+
+    data = d.get("data")
+    return RolloutResult(reward=float(d["reward"]), tokens=int(d["tokens"]),
+                         data=None if data is None else RolloutData(data["prompts"], data["completions"],
+                                                                    data["rewards"]))
+
+
+class _Drain:
+    """The trainer as the transport sees it, counting the extractor's calls.
+
+    Every rank must issue the same collectives in the same order. A rank whose
+    sync fails on its own side (its engine rank died, its staging ran out)
+    stops handing off, but the other ranks are still gathering: it must go on
+    gathering with them to the last bucket, or they wait in an ``all_gather``
+    that never completes. :meth:`finish` extracts (and drops) the buckets this
+    rank did not reach.
+    """
+
+    def __init__(self, trainer: Any):
+        self._trainer = trainer
+        self.extracted = 0
+        self._extractor: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._trainer, name)
+
+    def extractor(self) -> Any:
+        inner = self._trainer.extractor()
+        self._extractor = inner
+        drain = self
+
+        class Counting:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            def specs(self) -> Any:
+                return inner.specs()
+
+            def extract(self, names: Sequence[str]) -> Any:
+                out = list(inner.extract(names))
+                drain.extracted += 1
+                return iter(out)
+
+        return Counting()
+
+    def finish(self, bucket_bytes: int) -> int:
+        """Extract the buckets not reached; how many that was."""
+        ex = self._extractor or self._trainer.extractor()
+        buckets = plan_buckets(list(ex.specs()), bucket_bytes)
+        todo = buckets[self.extracted:]
+        for b in todo:
+            for _ in ex.extract([e.spec.name for e in b.entries]):
+                pass
+        return len(todo)
+
+
+class _KillAfter:
+    """Fault injection (``colo demo --gpus N --fault kill-engine@sync``): the engine
+    rank's process is killed (SIGKILL) after ``n`` bucket loads, so it dies holding
+    half-updated weights, as a crashed engine would."""
+
+    def __init__(self, engine: Any, n: int):
+        self._engine, self._left = engine, int(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def transport_load(self, *args: Any, **kwargs: Any) -> dict:
+        reply = await self._engine.transport_load(*args, **kwargs)
+        self._left -= 1
+        if self._left == 0:
+            self._engine.kill()
+        return reply
+
+
+class RankHost:
+    """One rank: a trainer rank, an engine rank (a child process on the same GPU), a transport."""
+
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.trainer: Any = None
+        self.saver: Any = None
+        self.engine: Any = None
+        self.transport: Any = None
+        self.task: Any = None
+        self.model_config: Any = None
+        self._owns_pg = False
+        self._build: dict = {}
+
+    # -- start ---------------------------------------------------------------------
+    async def start(self) -> dict:
+        from transformers import Qwen2Config
+
+        from colo.apps.demo import ReinforceTask
+        from colo.transports import make_transport
+
+        s = self.spec
+        self.model_config = Qwen2Config(**s.model_config)
+        self._join_trainer_group()
+        self.trainer, self.saver = self._build_trainer()
+        t = s.task
+        self.task = ReinforceTask(t["vocab_size"], batch=t["batch"], prompt_len=t["prompt_len"],
+                                  new_tokens=t["new_tokens"], seed=t["seed"])
+        ckpt = await anyio.to_thread.run_sync(self._initial_checkpoint)
+        if self.saver is not None:
+            # colocated start: the trainer offloads so the engine can size its pool
+            await self.trainer.offload(["weights", "optimizer"])
+        self._build = {**s.engine_build, "config": s.model_config, "dtype": s.engine_dtype,
+                       "device": s.device, "checkpoint": ckpt}
+        self.engine = await self._spawn_engine(s.engine_init, ckpt)
+        self.transport = make_transport(s.transport)
+        return self.hello()
+
+    def _join_trainer_group(self) -> None:
+        import torch.distributed as dist
+
+        s = self.spec
+        if s.device == "cuda":
+            torch.cuda.set_device(0)  # this process sees one GPU: its own (CUDA_VISIBLE_DEVICES)
+        else:
+            torch.set_num_threads(1)  # N ranks and N engine ranks share the host's cores
+        kwargs: dict[str, Any] = {}
+        if s.device == "cuda":
+            kwargs["device_id"] = torch.device("cuda", 0)
+        dist.init_process_group(s.backend, init_method=s.trainer_init, rank=s.rank, world_size=s.world_size,
+                                timeout=datetime.timedelta(seconds=TRAINER_PG_TIMEOUT_S), **kwargs)
+        self._owns_pg = True
+
+    def _build_trainer(self) -> tuple[Any, Any]:
+        from colo.trainers import build
+
+        s = self.spec
+        torch.manual_seed(s.seed)
+        return build(s.trainer, model_config=self.model_config, seed=s.seed, engine_dtype=s.engine_dtype,
+                     device=s.device)
+
+    def _initial_checkpoint(self) -> str:
+        """Rank 0 writes the trainer's weights once; every engine rank loads its shard from it
+        (as SGLang's TP ranks each load their shard from one model path)."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        state = self.trainer.hf_state()  # a collective: every rank calls it
+        path = os.path.join(self.spec.workdir, "init.safetensors")
+        if self.spec.rank == 0:
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        dist.barrier()
+        return path
+
+    async def _spawn_engine(self, init_method: str, checkpoint: str | None) -> Any:
+        from colo.engine.client import EngineClient
+
+        s = self.spec
+        build = {**self._build, "checkpoint": checkpoint,
+                 "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
+        if s.engine_log:
+            build["log_path"] = s.engine_log
+        return await EngineClient.spawn(build, task=self.task)
+
+    def hello(self) -> dict:
+        t, e = self.trainer, self.engine
+        return {"rank": self.spec.rank, "pid": os.getpid(), "engine_pid": e.process.pid,
+                "trainer_tag_bytes": dict(t.tag_bytes()), "engine_tag_bytes": e.tag_bytes(),
+                "param_specs": [[p.name, list(p.shape), p.dtype, p.nbytes] for p in t.param_specs()],
+                "num_params": int(t.num_params()), "gpu_uuid": self._gpu_uuid()}
+
+    def _gpu_uuid(self) -> str | None:
+        if self.spec.device != "cuda":
+            return None
+        from colo.cuda_ipc import gpu_uuid
+
+        return gpu_uuid(0)
+
+    # -- the verbs ---------------------------------------------------------------------
+    async def handle(self, op: str, args: dict) -> dict:
+        fn = _OPS.get(op)
+        if fn is None:
+            raise ValueError(f"unknown rank op {op!r}; expected one of {', '.join(sorted(_OPS))}")
+        return await fn(self, **args)
+
+    async def op_onload(self, tags: list[str]) -> dict:
+        await self.trainer.onload(tags)
+        return {}
+
+    async def op_offload(self, tags: list[str]) -> dict:
+        await self.trainer.offload(tags)
+        return {}
+
+    async def op_train_step(self, rollout: dict) -> dict:
+        out = await self.trainer.train_step(rollout_from_json(rollout))
+        return {"result": {k: float(v) for k, v in out.items()}, "steps": int(self.trainer.steps)}
+
+    async def op_engine(self, verb: str, args: dict) -> dict:
+        """One EngineSide verb on this rank's engine rank."""
+        if verb not in _ENGINE_VERBS:
+            raise ValueError(f"unknown engine verb {verb!r}; expected one of {', '.join(_ENGINE_VERBS)}")
+        if verb == "hello":  # the engine's own record of its weight version
+            return {"weight_version": (await self.engine.call("hello"))["weight_version"]}
+        out = await getattr(self.engine, verb)(**args)
+        if verb == "generate":
+            return {"rollout": rollout_to_json(out)}
+        return {"value": out}
+
+    async def op_sync(self, step: int, weight_version: int, bucket_bytes: int, source: str,
+                      staging: dict, kill_engine_after: int | None = None) -> dict:
+        """One sync from this trainer rank to this engine rank; the stage records come back as data
+        (their ``at`` as seconds since the sync began here, for the driver's clock)."""
+        budget = StagingBudget(staging["limit"], phase="sync", total=staging["total"], in_use=staging["in_use"],
+                               rank=staging["rank"])
+        ctx = SyncContext(step=step, weight_version=weight_version, bucket_bytes=bucket_bytes, source=source,
+                          staging=budget)
+        t0 = ctx.clock()
+        trainer = _Drain(self.trainer)
+        engine = self.engine if kill_engine_after is None else _KillAfter(self.engine, kill_engine_after)
+        try:
+            res = await self.transport.sync(trainer, engine, ctx)
+        except Exception as exc:
+            with anyio.CancelScope(shield=True):
+                drained = await anyio.to_thread.run_sync(trainer.finish, bucket_bytes)
+            err = describe_error(exc)
+            err["drained_buckets"] = drained
+            err["stages"] = _stages_json(ctx.stages, t0)
+            return {"failed": err}
+        return {"bytes": res.bytes, "buckets": res.buckets, "tensors": res.tensors,
+                "staging_peak": res.staging_peak, "stages": _stages_json(res.stages, t0)}
+
+    async def op_abort(self) -> dict:
+        await self.transport.abort()
+        return {}
+
+    async def op_expected_digest(self) -> dict:
+        """The digest this rank's engine shard must have after a sync of the trainer's weights (a collective)."""
+        from colo.engine.tp import expected_shard_digest
+
+        def compute() -> str:
+            state = self.trainer.hf_state()
+            return expected_shard_digest(state, self.model_config, getattr(torch, self.spec.engine_dtype),
+                                         self.spec.rank, self.spec.world_size)
+
+        return {"digest": await anyio.to_thread.run_sync(compute)}
+
+    async def op_full_digest(self) -> dict:
+        """The TP=1 engine digest of the trainer's full weights (a collective): equal on every rank."""
+        from colo.engine.model import expected_digest
+
+        def compute() -> str:
+            return expected_digest(self.trainer.hf_state(), self.model_config,
+                                   getattr(torch, self.spec.engine_dtype))
+
+        return {"digest": await anyio.to_thread.run_sync(compute)}
+
+    async def op_trainer_logits(self, tokens: list[list[int]]) -> dict:
+        logits = await anyio.to_thread.run_sync(self.trainer.logits, tokens)
+        return {"logits": logits.float().tolist()}
+
+    async def op_replace_engine(self, init_method: str) -> dict:
+        """A new engine rank in a new TP group (a TP group cannot take one new member:
+        every rank restarts together), empty and stale until the recovery sync."""
+        old, self.engine = self.engine, None
+        await old.aclose()
+        self.engine = await self._spawn_engine(init_method, None)
+        return {"engine_pid": self.engine.process.pid, "old_engine_pid": old.process.pid}
+
+    async def op_kill_engine(self) -> dict:
+        """Kill the engine rank outright (a crash, from outside the run's code)."""
+        pid = self.engine.process.pid
+        self.engine.kill()
+        return {"engine_pid": pid}
+
+    async def op_engine_alive(self) -> dict:
+        return {"alive": bool(self.engine is not None and self.engine.process.is_alive())}
+
+    async def op_shutdown(self) -> dict:
+        await self.aclose()
+        return {}
+
+    async def aclose(self) -> None:
+        """Shielded: the engine rank, the transport, the trainer's regions and groups."""
+        with anyio.CancelScope(shield=True):
+            if self.transport is not None:
+                await self.transport.aclose()
+                self.transport = None
+            if self.engine is not None:
+                await self.engine.aclose()
+                self.engine = None
+            if self.saver is not None:
+                # the memory saver must not meet paused regions at teardown
+                for key in sorted(self.saver.paused):
+                    self.saver.resume(key)
+            if self.trainer is not None and hasattr(self.trainer, "close"):
+                self.trainer.close()
+                self.trainer = None
+            self._leave_group()
+
+    def _leave_group(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_pg = False
+
+
+_ENGINE_VERBS = ("release", "resume", "flush_cache", "set_weight_version", "digest", "generate", "logits",
+                 "drop_handles", "hello")
+_OPS = {name.removeprefix("op_"): fn for name, fn in vars(RankHost).items() if name.startswith("op_")}
+
+
+def _stages_json(stages: Sequence[Any], t0: float) -> list[list]:
+    return [[s.bucket, s.stage, s.bytes, s.tensors, s.duration_s, s.at - t0, s.staging_bytes] for s in stages]
+
+
+def describe_error(exc: BaseException) -> dict:
+    """An error as data: its class name, message, and the fields the driver rebuilds it from."""
+    from colo.errors import RankFailed
+
+    cause = exc.cause if isinstance(exc, RankFailed) else exc
+    out: dict[str, Any] = {"error_type": type(cause).__name__, "error": str(cause) or type(cause).__name__}
+    if isinstance(cause, anyio.get_cancelled_exc_class()):
+        out["error_type"] = "cancelled"
+    if isinstance(cause, OutOfMemory):
+        out["oom"] = {"phase": cause.phase, "tag": cause.tag, "requested": cause.requested, "free": cause.free,
+                      "total": cause.total, "in_use": cause.in_use, "rank": cause.rank}
+    return out
+
+
+__all__ = ["RankHost", "RankSpec", "describe_error", "rollout_from_json", "rollout_to_json"]
