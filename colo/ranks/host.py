@@ -59,6 +59,11 @@ class RankSpec:
     #: where rank 0 writes the initial checkpoint the engine ranks start from
     workdir: str
     engine_log: str | None = None
+    #: ``"module:function"`` building the trainer rank instead of ``colo.trainers.build(trainer)``
+    #: (same keywords; the benchmark's synthetic Megatron-layout trainer is one)
+    trainer_builder: str | None = None
+    #: ``"module:Class"``, a RankHost subclass the worker serves (with more ``op_`` verbs)
+    host_class: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -220,8 +225,10 @@ class RankHost:
 
         s = self.spec
         torch.manual_seed(s.seed)
-        return build(s.trainer, model_config=self.model_config, seed=s.seed, engine_dtype=s.engine_dtype,
-                     device=s.device)
+        kw = dict(model_config=self.model_config, seed=s.seed, engine_dtype=s.engine_dtype, device=s.device)
+        if s.trainer_builder:
+            return load_object(s.trainer_builder)(**kw)
+        return build(s.trainer, **kw)
 
     def _initial_checkpoint(self) -> str:
         """Rank 0 writes the trainer's weights once; every engine rank loads its shard from it
@@ -263,10 +270,11 @@ class RankHost:
 
     # -- the verbs ---------------------------------------------------------------------
     async def handle(self, op: str, args: dict) -> dict:
-        fn = _OPS.get(op)
+        fn = getattr(self, f"op_{op}", None) if op.isidentifier() else None
         if fn is None:
-            raise ValueError(f"unknown rank op {op!r}; expected one of {', '.join(sorted(_OPS))}")
-        return await fn(self, **args)
+            ops = sorted(n.removeprefix("op_") for n in dir(self) if n.startswith("op_"))
+            raise ValueError(f"unknown rank op {op!r}; expected one of {', '.join(ops)}")
+        return await fn(**args)
 
     async def op_onload(self, tags: list[str]) -> dict:
         await self.trainer.onload(tags)
@@ -392,7 +400,16 @@ class RankHost:
 
 _ENGINE_VERBS = ("release", "resume", "flush_cache", "set_weight_version", "digest", "generate", "logits",
                  "drop_handles", "hello")
-_OPS = {name.removeprefix("op_"): fn for name, fn in vars(RankHost).items() if name.startswith("op_")}
+
+
+def load_object(target: str) -> Any:
+    """``"module:name"`` -> the object (a builder, a host class)."""
+    import importlib
+
+    module, sep, name = str(target).partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"expected 'module:name', got {target!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 def _stages_json(stages: Sequence[Any], t0: float) -> list[list]:

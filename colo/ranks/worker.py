@@ -47,9 +47,10 @@ def _listen(sock_path: str) -> socket.socket:
 
 
 async def _serve(sock_path: str, key: bytes, spec: dict) -> None:
-    from colo.ranks.host import RankHost, RankSpec
+    from colo.ranks.host import RankHost, RankSpec, load_object
 
-    host = RankHost(RankSpec(**spec))
+    rank_spec = RankSpec(**spec)
+    host = (load_object(rank_spec.host_class) if rank_spec.host_class else RankHost)(rank_spec)
     listener = _listen(sock_path)
     gate = Gate(listener, key)
     try:
