@@ -124,12 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="demo")
     b.add_argument("--transports", nargs="+", default=None)
     b.add_argument("--out", default=None)
+    b.add_argument("--gpus", type=_positive(int, 8), default=None, metavar="N",
+                   help="trainer TP=N and engine TP=N, one rank per GPU (colo.apps.bench_multi; "
+                        "--model qwen2-7b|tiny)")
+    b.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=512.0)
+    b.add_argument("--reps", type=_positive(int, 100), default=3)
     b.set_defaults(module="colo.apps.bench", func="run_bench")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.gpus is not None:  # many ranks: its own benchmark
+        args.module, args.func = "colo.apps.bench_multi", "run_bench_multi_cli"
     try:
         module = importlib.import_module(args.module)
     except ModuleNotFoundError as e:
