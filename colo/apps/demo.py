@@ -42,10 +42,13 @@ from colo.scheduler import Scheduler, describe
 from colo.offline.summary import PhaseSummary
 from colo.trace.writer import TraceWriter
 from colo.errors import VerificationError
+from colo.apps.demo_multi import MULTI_FAULTS, MultiDemoRun
 
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
 #: simulation, not a measurement.
+#: the most ranks ``--gpus`` starts (8 GPUs of one host)
+MAX_GPUS = 8
 CPU_RESERVED_MIB = 32
 CPU_DEFAULT_GIB = 0.25
 #: What the simulated trainer leaves on the device after its first step (a real
@@ -101,6 +104,8 @@ class DemoConfig:
     fault_step: int = 0
     #: every phase's deadline (``SchedulerConfig.phase_deadline_s``): a hung phase fails after it
     phase_deadline_s: float = 600.0
+    #: ranks, one process per GPU (``colo.apps.demo_multi``); 1 is the one-process demo
+    gpus: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -134,6 +139,22 @@ class DemoConfig:
             raise ValueError(f"--phase-deadline must be a finite number of seconds > 0, got {d!r}")
         if self.fault is not None:
             self.parsed_fault()  # raises ValueError naming the kinds and phases allowed
+        self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        g = self.gpus
+        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GPUS:
+            raise ValueError(f"--gpus must be an integer in [1, {MAX_GPUS}], got {g!r}")
+        if g > 1 and self.engine_visible_devices is not None:
+            raise ValueError("--engine-visible-devices is for one GPU; with --gpus N rank r runs on GPU r")
+        if g > 1 and self.fault is not None and self.fault not in MULTI_FAULTS:
+            raise ValueError(f"--gpus {g} injects only {', '.join(MULTI_FAULTS)}, got --fault {self.fault}")
+        if g > 1:
+            from colo.engine.tp import TPLayout
+            from colo.models import demo_config
+
+            # a TP=g engine must split the heads evenly: refused before any process starts
+            TPLayout.from_config(demo_config(), tp_rank=0, tp_size=g)
 
     def parsed_fault(self) -> Any:
         from colo.testing.faults import Fault
@@ -286,7 +307,7 @@ async def run(cfg: DemoConfig, *, progress: bool = True,
 
     ``on_cycle(n)`` is called after the n-th completed cycle (the soak measures there).
     """
-    demo = DemoRun(cfg)
+    demo: Any = DemoRun(cfg) if cfg.gpus == 1 else MultiDemoRun(cfg, cfg.gpus)
     try:
         await demo.start()
         bar = _progress(cfg.steps, progress)
@@ -576,15 +597,46 @@ def config_from_args(args: Any) -> DemoConfig:
                           bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
                           fault=args.fault, engine_visible_devices=args.engine_visible_devices,
-                          phase_deadline_s=getattr(args, "phase_deadline", 600.0))
+                          phase_deadline_s=getattr(args, "phase_deadline", 600.0),
+                          gpus=getattr(args, "gpus", 1))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def _sigterm_as_sigint(signum: int, frame: Any) -> None:
-    # the event loop's own SIGINT handling cancels the run; a KeyboardInterrupt
-    # raised here instead could land outside any cleanup
-    signal.raise_signal(signal.SIGINT)
+#: the exit status of a run ended by SIGINT or SIGTERM (as a shell reports Ctrl-C)
+EXIT_INTERRUPTED = 130
+
+
+async def run_until_signalled(cfg: DemoConfig, *, progress: bool = True) -> tuple[DemoOutcome | None, list[int]]:
+    """:func:`run`, ended by SIGINT or SIGTERM as a cancellation: ``(None, signals)``
+    if a signal ended it, ``(outcome, [])`` otherwise.
+
+    Neither signal may raise in the driver: a KeyboardInterrupt lands between
+    any two bytecodes, also past an ``await`` on a worker thread that is still
+    packing into a shared-memory buffer the unwinding then frees (a segfault),
+    and asyncio's own Ctrl-C handling cancels the task past anyio's shields.
+    Here a signal cancels the run's scope: the running phase is cancelled at
+    an await, its shielded cleanup runs (phase.failed "cancelled",
+    trace.finished, engines closed, dirs and segments removed). The receiver
+    stays open until the cleanup is done, so a second signal meanwhile is
+    received and changes nothing.
+    """
+    got: list[int] = []
+    outcome: DemoOutcome | None = None
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            run_scope = anyio.CancelScope()
+
+            async def watch() -> None:
+                async for signum in signals:
+                    got.append(signum)
+                    run_scope.cancel()
+
+            tg.start_soon(watch)
+            with run_scope:
+                outcome = await run(cfg, progress=progress)
+            tg.cancel_scope.cancel()
+    return (None, got) if outcome is None else (outcome, [])
 
 
 def run_demo(args: Any) -> int:
@@ -598,17 +650,16 @@ def run_demo(args: Any) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
         return EXIT_BAD_INPUT
-    # SIGTERM (a job scheduler, ``kill``) ends the run as Ctrl-C does: the running
-    # phase is cancelled, phase.failed and trace.finished are written, the shielded
-    # cleanup closes the engine; the command exits 130
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_sigint)
-    try:
-        out = anyio.run(functools.partial(run, cfg, progress=not args.quiet))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    print(report(cfg, out))
-    # a refusal carries its exit code (a trace another run holds is bad input: 2)
-    code = exit_code(out.error) if out.error is not None else EXIT_OK
+    out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
+    if out is None:
+        names = ", ".join(signal.Signals(s).name for s in signals)
+        print(f"colo demo: interrupted ({names}); the running phase was cancelled and cleaned up; "
+              f"trace: {cfg.trace_path}", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    else:
+        print(report(cfg, out))
+        # a refusal carries its exit code (a trace another run holds is bad input: 2)
+        code = exit_code(out.error) if out.error is not None else EXIT_OK
     if cfg.device == "cuda":
         # The run is over and written down; torch_memory_saver's pools, torn
         # down at interpreter exit, end the process with status 1 ("only support
@@ -619,4 +670,4 @@ def run_demo(args: Any) -> int:
     return code
 
 
-__all__ = ["DemoConfig", "DemoOutcome", "ReinforceTask", "run", "run_demo"]
+__all__ = ["DemoConfig", "DemoOutcome", "ReinforceTask", "run", "run_demo", "run_until_signalled"]
