@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
     d.add_argument("--phase-deadline", type=_positive(float), default=600.0, metavar="SECONDS",
                    help="fail any phase that runs longer than this (default 600)")
+    d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",
+                   help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "
+                        "(with --device cpu, gloo and simulated devices)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(module="colo.apps.demo", func="run_demo")
 

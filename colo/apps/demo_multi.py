@@ -74,8 +74,11 @@ class MultiDemoRun:
     # -- set-up ------------------------------------------------------------------
     async def start(self) -> None:
         from colo.engine.client import free_port
+        from colo.engine.tp import TPLayout
 
         cfg = self.cfg
+        # refused before any process starts: a TP size that does not divide the heads
+        TPLayout.from_config(self.model_config, tp_rank=0, tp_size=self.n)
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
         self.budgets = [self._budget(r) for r in range(self.n)]
         trainer_init = f"tcp://127.0.0.1:{free_port()}"
@@ -109,11 +112,22 @@ class MultiDemoRun:
             workdir=self.workdir)
 
     async def _spawn_workers(self, specs: list[Any]) -> None:
+        """Every worker at once (each imports torch before it listens); all or none."""
         from colo.ranks.proxy import Worker
 
-        for spec in specs:
+        started: list[Any] = [None] * len(specs)
+
+        async def one(spec: Any) -> None:
             env = {"CUDA_VISIBLE_DEVICES": self.uuids[spec.rank]} if self.uuids[spec.rank] else None
-            self.workers.append(await Worker.spawn(spec, env=env))
+            started[spec.rank] = await Worker.spawn(spec, env=env)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for spec in specs:
+                    tg.start_soon(one, spec)
+        finally:
+            # the ones that started are closed by close(), also when another failed
+            self.workers = [w for w in started if w is not None]
 
     async def _each_worker(self, op: str, **fields: Any) -> list[dict]:
         """``op`` on every worker at once (a verb with collectives needs them all)."""
@@ -256,15 +270,18 @@ class MultiDemoRun:
                             self.final_digest = await self.trainer_digest()
                         except Exception:
                             pass
-                for w in self.workers:
-                    await w.aclose()
+                async with anyio.create_task_group() as tg:
+                    for w in self.workers:
+                        tg.start_soon(w.aclose)
             finally:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
     def outcome(self) -> Any:
         from colo.apps.demo import DemoOutcome
 
-        return DemoOutcome(self.rewards, self.summary, self.cfg.trace_path, self.error, [], self.final_digest)
+        # the summary is rank 0's; every rank's trace sits beside it (run.rank1.jsonl ...)
+        return DemoOutcome(self.rewards, self.summary, rank_path(self.cfg.trace_path, 0, self.n), self.error, [],
+                           self.final_digest)
 
 
 __all__ = ["MULTI_FAULTS", "MultiDemoRun", "visible_gpus"]
