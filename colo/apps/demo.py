@@ -149,6 +149,8 @@ class DemoConfig:
             raise ValueError("--engine-visible-devices is for one GPU; with --gpus N rank r runs on GPU r")
         if g > 1 and self.fault is not None and self.fault not in MULTI_FAULTS:
             raise ValueError(f"--gpus {g} injects only {', '.join(MULTI_FAULTS)}, got --fault {self.fault}")
+        if g > 1 and self.device == "cuda" and g > torch.cuda.device_count():
+            raise ValueError(f"--gpus {g}: this machine has {torch.cuda.device_count()} visible CUDA device(s)")
         if g > 1:
             from colo.engine.tp import TPLayout
             from colo.models import demo_config
