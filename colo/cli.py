@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",
                    help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "
                         "(with --device cpu, gloo and simulated devices)")
+    d.add_argument("--launcher", choices=("process", "ray"), default="process",
+                   help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo[ray])")
+    d.add_argument("--address", default=None, help="the Ray cluster to join (default: start a local one)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(module="colo.apps.demo", func="run_demo")
 

@@ -35,6 +35,8 @@ from colo.trace.writer import TraceWriter, rank_path
 
 #: the one fault a multi-rank demo injects (more kinds need injection inside the workers)
 MULTI_FAULTS = ("kill-engine@sync",)
+#: who starts the ranks: local worker processes, or Ray actors (``colo.ranks.ray_launcher``)
+LAUNCHERS = ("process", "ray")
 
 
 def visible_gpus(n: int) -> list[str]:
@@ -114,6 +116,13 @@ class MultiDemoRun:
     async def _spawn_workers(self, specs: list[Any]) -> None:
         """Every worker at once (each imports torch before it listens); all or none."""
         from colo.ranks.proxy import Worker
+
+        if self.cfg.launcher == "ray":
+            from colo.ranks.ray_launcher import spawn_workers
+
+            envs = [{"CUDA_VISIBLE_DEVICES": u} if u else None for u in self.uuids]
+            self.workers = await spawn_workers(specs, envs=envs, address=self.cfg.address)
+            return
 
         started: list[Any] = [None] * len(specs)
 
@@ -284,4 +293,4 @@ class MultiDemoRun:
                            self.final_digest)
 
 
-__all__ = ["MULTI_FAULTS", "MultiDemoRun", "visible_gpus"]
+__all__ = ["LAUNCHERS", "MULTI_FAULTS", "MultiDemoRun", "visible_gpus"]
