@@ -42,7 +42,7 @@ from colo.scheduler import Scheduler, describe
 from colo.offline.summary import PhaseSummary
 from colo.trace.writer import TraceWriter
 from colo.errors import VerificationError
-from colo.apps.demo_multi import MULTI_FAULTS, MultiDemoRun
+from colo.apps.demo_multi import LAUNCHERS, MULTI_FAULTS, MultiDemoRun
 
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
@@ -106,6 +106,11 @@ class DemoConfig:
     phase_deadline_s: float = 600.0
     #: ranks, one process per GPU (``colo.apps.demo_multi``); 1 is the one-process demo
     gpus: int = 1
+    #: who starts the ranks of ``--gpus N``: ``process`` (local worker processes) or ``ray``
+    #: (actors in a placement group, one bundle per GPU)
+    launcher: str = "process"
+    #: the Ray cluster to join (``ray start --head`` prints it); ``None``: a local one
+    address: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -145,6 +150,12 @@ class DemoConfig:
         g = self.gpus
         if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_GPUS:
             raise ValueError(f"--gpus must be an integer in [1, {MAX_GPUS}], got {g!r}")
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {self.launcher!r}")
+        if self.launcher != "process" and g == 1:
+            raise ValueError(f"--launcher {self.launcher} starts ranks: give --gpus N with N >= 2")
+        if self.address is not None and self.launcher != "ray":
+            raise ValueError("--address names a Ray cluster: it needs --launcher ray")
         if g > 1 and self.engine_visible_devices is not None:
             raise ValueError("--engine-visible-devices is for one GPU; with --gpus N rank r runs on GPU r")
         if g > 1 and self.fault is not None and self.fault not in MULTI_FAULTS:
@@ -600,7 +611,8 @@ def config_from_args(args: Any) -> DemoConfig:
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
                           fault=args.fault, engine_visible_devices=args.engine_visible_devices,
                           phase_deadline_s=getattr(args, "phase_deadline", 600.0),
-                          gpus=getattr(args, "gpus", 1))
+                          gpus=getattr(args, "gpus", 1), launcher=getattr(args, "launcher", "process"),
+                          address=getattr(args, "address", None))
     except ValueError as e:
         raise UsageError(str(e)) from None
 
