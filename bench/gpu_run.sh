@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|demos|bench|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1; see the README).
 set -uo pipefail
@@ -38,5 +38,12 @@ case "${1:-tests}" in
     ;;
   bench)
     python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log" | tail -30
+    ;;
+  multi)  # two GPUs: every trainer under both source plans, a killed engine rank, a GPU count too large
+    python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
+    ;;
+  bench2)  # two GPUs: trainer TP=2 (Megatron layout), engine TP=2, Qwen2-7B shapes
+    python3 -m colo.cli bench --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \
+      | tee "$OUT/bench-gpu2.log" | tail -40
     ;;
 esac
