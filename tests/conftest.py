@@ -30,3 +30,16 @@ def no_leftover_segments():
     """Fail a test that leaves one of our /dev/shm segments behind."""
     yield
     assert leftover_segments() == []
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= 2:
+        return
+    skip = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, this machine has {have}")
+    for item in items:
+        if "gpu2" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,795 @@
+"""``colo bench --gpus N``: the per-GPU handoff of a TP=N trainer to a TP=N engine, measured.
+
+One worker process per GPU (:mod:`colo.ranks`) holds trainer rank r — a
+synthetic Megatron-layout trainer: random bf16 shards of a Qwen2 in
+megatron-core's TP=N layout, with the attributes megatron-core sets — and, as
+its child, engine rank r of colo's TP engine. The driver calls each verb on
+every rank at once. Compared, under ``sync-first`` (source: the shards on the
+GPU) and ``offload-first`` (source: a pinned host copy, uploaded per bucket):
+
+- ``colo-packed`` — colo's handoff: every rank gathers (TP all_gather + cat),
+  packs the bucket on its own GPU and hands its one handle straight to the
+  engine rank on the same GPU, pipelined over two slots.
+- ``slime-style`` — slime's colocated path, per bucket: the same gather,
+  flatten into one buffer (SGLang's ``FlattenedTensorBucket``: back to back),
+  export its handle, ``gather_object`` every rank's (handle, metadata) to rank
+  0, rank 0 hands engine rank r entry r of that list and waits for every ack,
+  free, barrier. In slime rank 0 sends one request carrying the per-rank list
+  to SGLang, whose first TP rank forwards it to the others; here rank 0 holds
+  a connection to every engine rank and sends each its entry at once: the same
+  funnel, one hop shorter. The engine loads with the same ``packed`` receiver.
+- ``ipc-per-tensor`` — colo's ``ipc`` transport, one handle per tensor (verl's way).
+
+Measured in the same run (:meth:`BenchHost.op_limits`): all_gather bandwidth
+of bucket-sized tensors and the time to gather the model's bytes that way,
+pinned host->device on every GPU at once, device->device copy. Floors:
+``sync-first`` = gather the model + one device copy of the rank's engine
+shard; ``offload-first`` = upload the rank's trainer shard (all GPUs at once)
++ gather the model. Every row ends with every engine rank's shard digest
+checked against the trainer's, and before every row the trainer's weights
+change (:meth:`SyntheticMegatron.train_step`), so a row that delivered
+nothing cannot pass on the previous row's weights.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+import torch.distributed as dist
+
+from colo.core.memory import GiB, MiB
+from colo.errors import EXIT_FAILED, EXIT_OK
+from colo.ranks.host import RankHost
+
+#: (label, transport, options) of the rows timed through ``op_time_sync``
+SYNC_ROWS = (("colo-packed", "packed", {"pipelined": True}), ("ipc-per-tensor", "ipc", {}))
+PLANS = (("sync-first", "device"), ("offload-first", "host"))
+#: the peak-memory target: two buckets and this much more
+SLACK_BYTES = 64 * MiB
+
+
+def model_config(model: str, layers: int | None = None) -> Any:
+    from colo.apps.bench_gpu import QWEN2_7B
+    from colo.errors import UsageError
+    from colo.models import demo_config
+
+    if model == "qwen2-7b":
+        shapes = dict(QWEN2_7B)
+    elif model == "tiny":
+        shapes = {}
+    else:
+        raise UsageError(f"--gpus: unknown model {model!r}; expected qwen2-7b or tiny")
+    if layers is not None:
+        shapes["num_hidden_layers"] = layers
+    return demo_config(**shapes)
+
+
+# -- the synthetic Megatron-layout trainer -------------------------------------------
+
+def megatron_shards(config: Any, rank: int, size: int) -> list[tuple[str, tuple[int, ...], dict]]:
+    """(name, shard shape, parallel attributes) of rank ``rank`` of TP=``size``, in the order
+    megatron-core's ``GPTModel`` (local layer spec) lists its parameters. Replicated
+    norms carry no attributes (megatron-core sets none on them)."""
+    h, heads, groups = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or h // heads
+    inter, n = config.intermediate_size, size
+    bad = [f"{k} {v}" for k, v in (("heads", heads), ("query groups", groups), ("ffn", inter)) if v % n]
+    if bad:
+        raise ValueError(f"TP={n} does not divide the model's {', '.join(bad)}")
+    vocab = -(-config.vocab_size // n) * n  # padded so each rank holds an equal slice
+    col = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
+    row = {**col, "partition_dim": 1}
+    out = [("embedding.word_embeddings.weight", (vocab // n, h), col)]
+    for i in range(config.num_hidden_layers):
+        p = f"decoder.layers.{i}."
+        qkv = (heads + 2 * groups) * hd // n
+        out += [(p + "input_layernorm.weight", (h,), {}),
+                (p + "self_attention.linear_proj.weight", (h, heads * hd // n), row),
+                (p + "self_attention.linear_qkv.weight", (qkv, h), col),
+                (p + "self_attention.linear_qkv.bias", (qkv,), col),
+                (p + "pre_mlp_layernorm.weight", (h,), {}),
+                # megatron-core >= 0.16: a gated fc1 shard is [gate_r; up_r], stride 2
+                (p + "mlp.linear_fc1.weight", (2 * inter // n, h), {**col, "partition_stride": 2}),
+                (p + "mlp.linear_fc2.weight", (h, inter // n), row)]
+    out.append(("decoder.final_layernorm.weight", (h,), {}))
+    if not getattr(config, "tie_word_embeddings", False):
+        out.append(("output_layer.weight", (vocab // n, h), col))
+    return out
+
+
+def _with_attrs(t: torch.Tensor, attrs: dict) -> torch.Tensor:
+    for k, v in attrs.items():
+        setattr(t, k, v)
+    return t
+
+
+class SyntheticMegatron:
+    """One trainer rank of TP=N holding random bf16 shards in megatron-core's layout (a
+    ``TrainerSide``). ``offloaded``: the shards live in a pinned host copy and the
+    extractor uploads them per bucket (offload-first); otherwise they are on the device."""
+
+    def __init__(self, config: Any, *, seed: int, engine_dtype: str, device: str):
+        self.config, self.device, self.engine_dtype = config, device, getattr(torch, engine_dtype)
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.layout = megatron_shards(config, self.rank, self.size)
+        self.params: dict[str, torch.Tensor] = {}  # the device shards (empty while offloaded)
+        self.host: dict[str, torch.Tensor] = {}  # the pinned host copy, kept once made
+        self.offloaded = False
+        self.steps = 0
+        where = "cuda" if device == "cuda" else "cpu"
+        for name, shape, attrs in self.layout:
+            # a norm is the same on every rank; a shard differs by rank
+            key = zlib.crc32(name.encode()) ^ (seed << 8) ^ ((self.rank + 1) << 40 if attrs else 0)
+            g = torch.Generator(device=where).manual_seed(key)
+            t = torch.empty(shape, dtype=torch.bfloat16, device=where).normal_(0, 0.02, generator=g)
+            self.params[name] = _with_attrs(t, attrs)
+        # gloo: the extractor's metadata exchange must not create NCCL buffers for a few KB
+        self.meta_group = dist.new_group(list(range(self.size)), backend="gloo")
+        self._extractors: dict[str, Any] = {}
+        self._specs = list(self.extractor().specs())
+        self.shard_bytes = sum(t.numel() * t.element_size() for t in self.params.values())
+
+    # -- TrainerSide -----------------------------------------------------------------
+    def tag_bytes(self) -> dict[str, int]:
+        return {"weights": self.shard_bytes}
+
+    def param_specs(self) -> list:
+        return list(self._specs)
+
+    def num_params(self) -> int:
+        return sum(_numel(s.shape) for s in self._specs)
+
+    def extractor(self) -> Any:
+        """Built once per source on every rank together (it exchanges metadata); it reads
+        its mapping again at every extract, so onload/offload swap what it reads."""
+        from colo.extractors.megatron import MegatronExtractor
+
+        mode = "host" if self.offloaded else "device"
+        if mode not in self._extractors:
+            c = self.config
+            source = self.host if self.offloaded else self.params
+            device = "cuda" if self.offloaded and self.device == "cuda" else None
+            self._extractors[mode] = MegatronExtractor(
+                source, dtype=self.engine_dtype, device=device, group=self.meta_group,
+                tp_group=dist.group.WORLD if self.size > 1 else None,
+                attention=(c.num_attention_heads, c.num_key_value_heads), vocab_size=c.vocab_size)
+        return self._extractors[mode]
+
+    async def onload(self, tags: Any) -> None:
+        if "weights" in tags and self.offloaded:
+            await anyio.to_thread.run_sync(self._onload)
+
+    async def offload(self, tags: Any) -> None:
+        if "weights" in tags and not self.offloaded:
+            await anyio.to_thread.run_sync(self._offload)
+
+    async def train_step(self, rollout: Any = None) -> dict[str, float]:
+        """A stand-in step that changes every weight (each shard negated, exactly
+        reversible in bf16): the next sync must deliver new bytes everywhere."""
+        def step() -> None:
+            for t in (self.host if self.offloaded else self.params).values():
+                t.neg_()
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+
+        await anyio.to_thread.run_sync(step)
+        self.steps += 1
+        return {"steps": float(self.steps)}
+
+    def _offload(self) -> None:
+        pin = self.device == "cuda"
+        for name, t in self.params.items():
+            if name not in self.host:
+                self.host[name] = _with_attrs(torch.empty(t.shape, dtype=t.dtype, pin_memory=pin),
+                                              _attrs_of(t))
+            self.host[name].copy_(t, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        self.params.clear()  # the same dict object: the device extractor reads it
+        self.offloaded = True
+        if pin:
+            torch.cuda.empty_cache()  # the device memory really goes back
+
+    def _onload(self) -> None:
+        cuda = self.device == "cuda"
+        for name, h in self.host.items():
+            t = torch.empty(h.shape, dtype=h.dtype, device="cuda" if cuda else "cpu")
+            t.copy_(h, non_blocking=cuda)
+            self.params[name] = _with_attrs(t, _attrs_of(h))
+        if cuda:
+            torch.cuda.synchronize()
+        self.offloaded = False
+
+    # -- verification ----------------------------------------------------------------
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """Every full tensor under its HF name (a collective: every rank calls it)."""
+        ex = self.extractor()
+        return dict(ex.extract([s.name for s in ex.specs()]))
+
+    def logits(self, tokens: Any) -> Any:
+        raise NotImplementedError("the benchmark's synthetic trainer has no forward")
+
+    def close(self) -> None:
+        self._extractors.clear()
+        self.params.clear()
+        self.host.clear()
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _attrs_of(t: torch.Tensor) -> dict:
+    keys = ("tensor_model_parallel", "partition_dim", "partition_stride")
+    return {k: getattr(t, k) for k in keys if hasattr(t, k)}
+
+
+def build_trainer(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[Any, None]:
+    """The RankSpec ``trainer_builder``: rank r of the world RankHost already joined."""
+    return SyntheticMegatron(model_config, seed=seed, engine_dtype=engine_dtype, device=device), None
+
+
+# -- the worker's verbs ------------------------------------------------------------
+
+class _Peer:
+    """Rank 0's own connection to another rank's engine (slime-style only)."""
+
+    def __init__(self, channel: Any):
+        self._ch = channel
+
+    async def call(self, op: str, **fields: Any) -> dict:
+        from colo.errors import EngineError
+
+        reply = await self._ch.request(op, **fields)
+        if not reply.get("ok"):
+            raise EngineError(op, reply.get("error_type", "?"), reply.get("error", ""))
+        return reply
+
+    async def aclose(self) -> None:
+        await self._ch.aclose()
+
+
+class _Export:
+    """One flattened bucket made shareable: a CUDA IPC handle of the buffer itself,
+    or (on the CPU) a copy in a shared-memory segment."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat: Any = flat
+        self.seg: Any = None
+        if flat.is_cuda:
+            from colo.cuda_ipc import export_cuda
+
+            self.handle = export_cuda(flat)
+            # the engine reads it from another process, outside our stream order
+            torch.cuda.current_stream().synchronize()
+        else:
+            from colo.handles import ShmSegment
+
+            self.seg = ShmSegment.create(flat.numel())
+            self.seg.tensor.copy_(flat)
+            self.handle = self.seg.handle()
+
+    def close(self) -> None:
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
+        self.flat = None
+
+
+def flatten_bucket(tensors: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[dict]]:
+    """SGLang's ``FlattenedTensorBucket``: the tensors' bytes back to back in one new
+    uint8 tensor, and its metadata (``FlattenedTensorMetadata``, byte offsets)."""
+    from colo.transports.wire import TensorMeta
+
+    metas, at = [], 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        metas.append(TensorMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), at, at + n).to_json())
+        at += n
+    return torch.cat([t.reshape(-1).view(torch.uint8) for _, t in tensors]), metas
+
+
+class BenchHost(RankHost):
+    """A :class:`RankHost` with the benchmark's verbs; the driver calls each on every rank at once."""
+
+    def __init__(self, spec: Any):
+        super().__init__(spec)
+        self._expected: dict[int, str] = {}
+
+    def _initial_checkpoint(self) -> None:
+        # No 15 GB checkpoint: the engine starts stale, and every row's timed syncs
+        # load all of it before its digest is checked.
+        return None
+
+    @property
+    def _cuda(self) -> bool:
+        return self.spec.device == "cuda"
+
+    def _barrier(self) -> None:
+        """Every rank here, its queued GPU work done (gloo: a host-side rendezvous)."""
+        if self._cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=self.trainer.meta_group)
+
+    def _check_source(self, source: str) -> None:
+        want = "host" if self.trainer.offloaded else "device"
+        if source != want:
+            raise ValueError(f"source {source!r}, but the trainer's weights are on the {want}: "
+                             f"offload or onload first")
+
+    async def _timed(self, fn: Any) -> dict:
+        """One rep of ``fn`` (an async sync), from a barrier to its last GPU work done here."""
+        await anyio.to_thread.run_sync(self._barrier)
+        base = 0
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        out = await fn()
+        if self._cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() - base if self._cuda else None
+        return {"seconds": elapsed, "device_peak_extra": peak, "result": out}
+
+    async def op_step(self) -> dict:
+        await self.trainer.train_step()
+        return {"steps": self.trainer.steps}
+
+    async def op_engine_address(self) -> dict:
+        """Where this rank's engine listens and its key (rank 0 connects in slime-style rows)."""
+        key = self.engine._key  # the run's own secret, to the driver that spawned us
+        return {"socket": self.engine.socket_path, "key": base64.b64encode(key).decode("ascii")}
+
+    async def op_check_digest(self) -> dict:
+        """This engine rank's shard digest against the trainer's (a collective). The weights
+        alternate between two states (train_step negates), so each is hashed once."""
+        from colo.engine.tp import expected_shard_digest
+
+        parity = self.trainer.steps % 2
+        if parity not in self._expected:
+            def compute() -> str:
+                state = self.trainer.hf_state()
+                return expected_shard_digest(state, self.model_config, getattr(torch, self.spec.engine_dtype),
+                                             self.spec.rank, self.spec.world_size)
+
+            self._expected[parity] = await anyio.to_thread.run_sync(compute)
+        got = await self.engine.digest()
+        return {"ok": got == self._expected[parity], "engine": got, "expected": self._expected[parity]}
+
+    async def op_time_sync(self, source: str, transport: str, options: dict, bucket_bytes: int,
+                           reps: int) -> dict:
+        """colo's per-GPU handoff (or ``ipc``): ``reps`` whole syncs after a warm-up."""
+        from colo.core.interfaces import SyncContext
+        from colo.core.memory import StagingBudget
+        from colo.transports import make_transport
+
+        self._check_source(source)
+        sender = make_transport(transport, **options)
+        reps_out: list[dict] = []
+        stages: dict[str, float] = {}
+        try:
+            for i in range(reps + 1):  # the first is a warm-up
+                ctx = SyncContext(step=i, weight_version=i + 1, bucket_bytes=bucket_bytes, source=source,
+                                  staging=StagingBudget(None))
+                rep = await self._timed(lambda: sender.sync(self.trainer, self.engine, ctx))
+                if i:
+                    res = rep.pop("result")
+                    reps_out.append({**rep, "staging_peak": res.staging_peak})
+                    for s in res.stages:
+                        stages[s.stage] = stages.get(s.stage, 0.0) + s.duration_s / reps
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sender.aclose()
+        return {"reps": reps_out, "bytes": res.bytes, "buckets": res.buckets, "tensors": res.tensors,
+                "stage_s_per_sync": stages}
+
+    async def op_time_slime(self, source: str, bucket_bytes: int, reps: int, engines: list[dict]) -> dict:
+        """The slime-style baseline (module docstring), ``reps`` syncs after a warm-up."""
+        from colo.core.buckets import plan_buckets
+
+        self._check_source(source)
+        ex = self.trainer.extractor()
+        specs = list(ex.specs())
+        buckets = plan_buckets(specs, bucket_bytes)  # colo's bucket boundaries: same buckets
+        peers = await self._slime_connect(engines)
+        reps_out: list[dict] = []
+        try:
+            for i in range(reps + 1):
+                rep = await self._timed(lambda: self._slime_sync(ex, specs, buckets, peers))
+                if i:
+                    rep.pop("result")
+                    reps_out.append(rep)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._slime_disconnect(peers)
+        return {"reps": reps_out, "bytes": sum(b.payload_bytes for b in buckets), "buckets": len(buckets),
+                "tensors": len(specs)}
+
+    async def _slime_connect(self, engines: list[dict]) -> list[Any]:
+        """Rank 0 takes over every engine rank's connection (an engine serves one at a time)."""
+        from colo.channel import AsyncChannel
+
+        if self.spec.rank != 0:
+            await self.engine._ch.aclose()  # handed to rank 0 for this row; reconnected after
+        await anyio.to_thread.run_sync(self._barrier)
+        if self.spec.rank != 0:
+            return []
+        peers: list[Any] = [self.engine]
+        try:
+            for e in engines[1:]:
+                ch = await AsyncChannel.connect(e["socket"], base64.b64decode(e["key"]))
+                peers.append(_Peer(ch))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for p in peers[1:]:
+                    await p.aclose()
+            raise
+        return peers
+
+    async def _slime_disconnect(self, peers: list[Any]) -> None:
+        for p in peers[1:]:
+            await p.aclose()
+        await anyio.to_thread.run_sync(self._barrier)
+        if self.spec.rank != 0:
+            await self.engine.reconnect()
+
+    async def _slime_sync(self, ex: Any, specs: list, buckets: list, peers: list[Any]) -> None:
+        if peers:
+            wire = [[s.name, list(s.shape), s.dtype] for s in specs]
+            await _on_all(peers, "preflight", specs=wire)
+            await _on_all(peers, "begin_load")
+        for b in buckets:
+            await self._slime_bucket(ex, b, peers)
+        if peers:
+            await _on_all(peers, "end_load")
+        await anyio.to_thread.run_sync(self._barrier)
+
+    async def _slime_bucket(self, ex: Any, bucket: Any, peers: list[Any]) -> None:
+        names = [e.spec.name for e in bucket.entries]
+
+        def prepare() -> tuple[_Export, list[dict]]:
+            flat, metas = flatten_bucket(list(ex.extract(names)))  # TP all_gather + cat, flatten
+            return _Export(flat), metas
+
+        export, metas = await anyio.to_thread.run_sync(prepare)
+        try:
+            def funnel() -> list | None:
+                out = [None] * self.spec.world_size if self.spec.rank == 0 else None
+                dist.gather_object((export.handle, metas), out, dst=0, group=self.trainer.meta_group)
+                return out
+
+            entries = await anyio.to_thread.run_sync(funnel)
+            if peers:  # rank 0: engine rank r gets entry r, the handle made on its own GPU
+                await _each(peers, lambda r, p: p.call("transport_load", transport="packed",
+                                                         request={"handle": entries[r][0], "tensors": entries[r][1]}))
+            await anyio.to_thread.run_sync(self._barrier)  # every ack is in: the buffers may go
+        finally:
+            export.close()
+            if self._cuda:
+                torch.cuda.ipc_collect()
+
+    async def op_limits(self, gather_bytes: int, copy_bytes: int, reps: int) -> dict:
+        """Hardware limits, measured here with every rank at once."""
+        return await anyio.to_thread.run_sync(self._limits, gather_bytes, copy_bytes, reps)
+
+    def _limits(self, gather_bytes: int, copy_bytes: int, reps: int) -> dict:
+        out = {**self._gather_limits(gather_bytes, reps), **self._copy_limits(copy_bytes, reps)}
+        if self._cuda:
+            torch.cuda.empty_cache()  # the measurements' buffers go back before the syncs
+        return {**out, "trainer_shard_bytes": self.trainer.shard_bytes,
+                "engine_shard_bytes": int(self.engine.tag_bytes()["weights"]),
+                "device_name": torch.cuda.get_device_name() if self._cuda else platform.processor() or "cpu"}
+
+    def _gather_limits(self, gather_bytes: int, reps: int) -> dict:
+        """all_gather of bucket-sized tensors over the trainer's world (the extractor's group),
+        once alone and once as many times as it takes to gather the model's bytes."""
+        n, dev = self.spec.world_size, ("cuda" if self._cuda else "cpu")
+        part = max(1, gather_bytes // n)
+        inp = torch.ones(part, dtype=torch.uint8, device=dev)
+        outs = [torch.empty_like(inp) for _ in range(n)]
+        model_bytes = sum(s.nbytes for s in self.trainer.param_specs())
+        calls = -(-model_bytes // (part * n))
+        gather_s = self._time(lambda: dist.all_gather(outs, inp), reps)
+        model_gather_s = self._time(lambda: [dist.all_gather(outs, inp) for _ in range(calls)], reps)
+        return {"all_gather_bytes": part * n, "all_gather_GBps": part * n / gather_s / 1e9,
+                "model_bytes": model_bytes, "model_all_gather_s": model_gather_s, "model_all_gather_calls": calls}
+
+    def _copy_limits(self, copy_bytes: int, reps: int) -> dict:
+        """Host->device (pinned on a GPU) on every rank at once, and device->device."""
+        dev = "cuda" if self._cuda else "cpu"
+        host = torch.ones(copy_bytes, dtype=torch.uint8, pin_memory=self._cuda)
+        a = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+        b = torch.empty_like(a)
+        h2d_s = self._time(lambda: a.copy_(host, non_blocking=self._cuda), reps)
+        d2d_s = self._time(lambda: b.copy_(a), reps)
+        return {"copy_bytes": copy_bytes, "h2d_GBps_all_at_once": copy_bytes / h2d_s / 1e9,
+                "h2d_pinned": self._cuda, "d2d_copy_GBps_read_plus_write": 2 * copy_bytes / d2d_s / 1e9}
+
+    def _time(self, fn: Any, reps: int) -> float:
+        """Median seconds of ``fn`` over ``reps`` runs after a warm-up, every rank
+        starting each run together; CUDA events on a GPU."""
+        fn()
+        out = []
+        for _ in range(reps):
+            self._barrier()
+            if self._cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b) / 1000)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+
+async def _on_all(peers: list[Any], op: str, **fields: Any) -> None:
+    await _each(peers, lambda r, p: p.call(op, **fields))
+
+
+async def _each(peers: list[Any], fn: Any) -> list:
+    """``fn(r, peer)`` for every engine rank at once; the first error raised after all answered."""
+    from colo.groups import together
+
+    results, _ = await together([(lambda r=r, p=p: fn(r, p)) for r, p in enumerate(peers)], "engine", "slime")
+    return results
+
+
+# -- the driver -----------------------------------------------------------------------
+
+def engine_build(config: Any, gpus: int) -> dict:
+    """Every engine rank's build: its KV pool twice one sequence of max length (the
+    benchmark never generates; the GPU's memory is for the weights and the syncs)."""
+    from colo.engine.model import WeightMap
+    from colo.engine.tp import TPLayout
+
+    local = TPLayout.from_config(config, tp_rank=0, tp_size=gpus).local  # refuses a TP that does not divide
+    weights = WeightMap.build(local).nbytes(torch.bfloat16)
+    kv = 2 * local.max_positions * local.slot_bytes(torch.bfloat16)
+    fraction = 0.9
+    return {"total_bytes": int((weights + kv) / fraction) + 1, "mem_fraction_static": fraction, "memory": "free"}
+
+
+class MultiBench:
+    """The workers of one run and the driver's sequence of verbs."""
+
+    def __init__(self, *, device: str, gpus: int, config: Any, bucket_bytes: int, reps: int, seed: int = 0):
+        self.device, self.n, self.config = device, gpus, config
+        self.bucket_bytes, self.reps, self.seed = bucket_bytes, reps, seed
+        self.workers: list[Any] = []
+        self.workdir = tempfile.mkdtemp(prefix="colo-bench-multi-")
+        self.uuids: list[str | None] = [None] * gpus
+
+    async def start(self) -> list[dict]:
+        from colo.apps.demo_multi import visible_gpus
+        from colo.engine.client import free_port
+        from colo.ranks.host import RankSpec
+        from colo.ranks.proxy import Worker
+
+        if self.device == "cuda":
+            self.uuids = list(visible_gpus(self.n))
+        build = engine_build(self.config, self.n)
+        inits = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        for r in range(self.n):
+            spec = RankSpec(rank=r, world_size=self.n, device=self.device, trainer="synthetic-megatron",
+                            model_config=self.config.to_dict(), seed=self.seed, engine_dtype="bfloat16",
+                            transport="packed", trainer_init=inits[0], engine_init=inits[1], engine_build=build,
+                            task={"vocab_size": self.config.vocab_size, "batch": 1, "prompt_len": 4,
+                                  "new_tokens": 1, "seed": self.seed},
+                            workdir=self.workdir, trainer_builder=f"{__name__}:build_trainer",
+                            host_class=f"{__name__}:BenchHost")
+            env = {"CUDA_VISIBLE_DEVICES": self.uuids[r]} if self.uuids[r] else None
+            self.workers.append(await Worker.spawn(spec, env=env))
+        self.hellos = await self.each("start")
+        return self.hellos
+
+    async def each(self, op: str, **fields: Any) -> list[dict]:
+        from colo.groups import together
+
+        results, _ = await together([(lambda w=w: w.call(op, **fields)) for w in self.workers], "rank", op)
+        return results
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                async with anyio.create_task_group() as tg:  # each takes seconds to wind down
+                    for w in self.workers:
+                        tg.start_soon(w.aclose)
+            finally:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def row(self, plan: str, source: str, label: str, engines: list[dict]) -> dict:
+        """One timed row: the weights change, ``reps`` syncs after a warm-up, every digest checked."""
+        await self.each("step")
+        common = {"source": source, "bucket_bytes": self.bucket_bytes, "reps": self.reps}
+        if label == "slime-style":
+            replies = await self.each("time_slime", engines=engines, **common)
+        else:
+            _, transport, options = next(r for r in SYNC_ROWS if r[0] == label)
+            replies = await self.each("time_sync", transport=transport, options=options, **common)
+        checks = await self.each("check_digest")
+        return summarize_row(plan, label, replies, checks)
+
+    async def run(self) -> dict:
+        limits = await self.each("limits", gather_bytes=self.bucket_bytes, copy_bytes=self._copy_bytes(),
+                                 reps=max(3, self.reps))
+        print(json.dumps({"limits": limits}), flush=True)
+        engines = await self.each("engine_address")
+        rows = []
+        for plan, source in PLANS:
+            if source == "host":
+                await self.each("offload", tags=["weights"])
+            for label in ("colo-packed", "slime-style", "ipc-per-tensor"):
+                r = await self.row(plan, source, label, engines)
+                rows.append(r)
+                print(json.dumps({"row": {k: v for k, v in r.items() if k != "per_rank"}}), flush=True)
+        return {"limits": limits, "rows": rows}
+
+    def _copy_bytes(self) -> int:
+        # the copy limits with large transfers on a GPU (as bench_gpu), small ones on a CPU
+        return 2 * GiB if self.device == "cuda" else 8 * MiB
+
+
+def summarize_row(plan: str, label: str, replies: list[dict], checks: list[dict]) -> dict:
+    """Per rep, the sync ends when the slowest rank is done; the row is the median rep."""
+    reps = len(replies[0]["reps"])
+    per_rep = [max(r["reps"][i]["seconds"] for r in replies) for i in range(reps)]
+    sec = statistics.median(per_rep)
+    moved = {int(r["bytes"]) for r in replies}
+    if len(moved) != 1:
+        raise RuntimeError(f"{plan} {label}: the ranks moved different byte counts {sorted(moved)}")
+    nbytes = moved.pop()
+    peaks = [p for r in replies for p in (x["device_peak_extra"] for x in r["reps"]) if p is not None]
+    staging = [x.get("staging_peak") for r in replies for x in r["reps"] if x.get("staging_peak") is not None]
+    return {"plan": plan, "transport": label, "sync_s": sec, "sync_s_all": per_rep, "bytes": nbytes,
+            "GBps": nbytes / sec / 1e9, "buckets": replies[0]["buckets"], "tensors": replies[0]["tensors"],
+            "device_peak_extra_max": max(peaks) if peaks else None,
+            "staging_peak_max": max(staging) if staging else None,
+            "digest_ok": all(c["ok"] for c in checks), "digest_ok_by_rank": [c["ok"] for c in checks],
+            "stage_s_per_sync_rank0": replies[0].get("stage_s_per_sync"),
+            "per_rank": [{"rank": i, "seconds": [x["seconds"] for x in r["reps"]],
+                          "device_peak_extra": [x["device_peak_extra"] for x in r["reps"]]}
+                         for i, r in enumerate(replies)]}
+
+
+def floors(limits: list[dict]) -> dict:
+    """The floors of the issue's targets, from the limits measured in this run (the slowest rank)."""
+    gather = max(x["model_all_gather_s"] for x in limits)
+    copy = max(x["engine_shard_bytes"] / (x["d2d_copy_GBps_read_plus_write"] / 2 * 1e9) for x in limits)
+    upload = max(x["trainer_shard_bytes"] / (x["h2d_GBps_all_at_once"] * 1e9) for x in limits)
+    return {"model_all_gather_s": gather, "engine_shard_copy_s": copy, "trainer_shard_upload_s": upload,
+            "sync-first": gather + copy, "offload-first": upload + gather}
+
+
+def ratios(rows: list[dict], floor: dict, bucket_bytes: int) -> dict:
+    by = {(r["plan"], r["transport"]): r for r in rows}
+    out: dict[str, Any] = {}
+    for plan in ("sync-first", "offload-first"):
+        colo = by[(plan, "colo-packed")]["sync_s"]
+        key = plan.replace("-", "_")
+        out[f"{key}_vs_floor"] = floor[plan] / colo
+        out[f"{key}_vs_slime_style"] = by[(plan, "slime-style")]["sync_s"] / colo
+        out[f"{key}_vs_per_tensor"] = by[(plan, "ipc-per-tensor")]["sync_s"] / colo
+    bound = 2 * bucket_bytes + SLACK_BYTES
+    peaks = [r["device_peak_extra_max"] for r in rows if r["transport"] == "colo-packed"]
+    stag = [r["staging_peak_max"] for r in rows if r["transport"] == "colo-packed"]
+    out["peak_extra_bound_bytes"] = bound
+    out["device_peak_extra_vs_bound"] = max(peaks) / bound if all(p is not None for p in peaks) else None
+    out["staging_peak_vs_bound"] = max(stag) / bound if stag and all(s is not None for s in stag) else None
+    return out
+
+
+def targets(r: dict) -> dict:
+    """The issue's targets: benchmark figures, reported, never asserted."""
+    want = {"sync_first_vs_slime_style": (">=", 3.0), "sync_first_vs_floor": (">=", 0.5),
+            "offload_first_vs_floor": (">=", 0.85), "device_peak_extra_vs_bound": ("<=", 1.0)}
+    out = {}
+    for k, (op, v) in want.items():
+        got = r.get(k)
+        out[k] = {"value": got, "target": f"{op} {v}",
+                  "met": None if got is None else (got >= v if op == ">=" else got <= v)}
+    return out
+
+
+async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, reps: int,
+                      layers: int | None = None) -> dict:
+    config = model_config(model, layers)
+    bucket_bytes = int(bucket_mib * MiB)
+    run = MultiBench(device=device, gpus=gpus, config=config, bucket_bytes=bucket_bytes, reps=reps)
+    try:
+        hellos = await run.start()
+        measured = await run.run()
+    finally:
+        await run.close()
+    limits, rows = measured["limits"], measured["rows"]
+    floor = floors(limits)
+    r = ratios(rows, floor, bucket_bytes)
+    specs = hellos[0]["param_specs"]
+    return {
+        "kind": "colo.apps.bench/multi-gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": limits[0]["device_name"] if device == "cuda" else "cpu", "device_kind": device,
+        "gpu_count": gpus, "gpu_uuids": run.uuids, "torch": torch.__version__, "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "model": {"name": model, "layers": config.num_hidden_layers, "dtype": "bfloat16",
+                  "config": {k: v for k, v in config.to_dict().items()
+                             if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "intermediate_size", "tie_word_embeddings")},
+                  "bytes": sum(int(s[3]) for s in specs), "tensors": len(specs), "params": hellos[0]["num_params"],
+                  "trainer": "synthetic megatron-core TP layout (random bf16 shards)",
+                  "trainer_tp": gpus, "engine_tp": gpus},
+        "bucket_mib": bucket_mib, "reps": reps, "warmup": 1,
+        "limits": limits, "floors": floor, "rows": rows, "ratios": r, "targets": targets(r),
+        "digest_verified": all(x["digest_ok"] for x in rows),
+        "baselines": {
+            "slime-style": "per bucket: TP all_gather + cat, flatten (FlattenedTensorBucket), one CUDA IPC "
+                           "handle, gather_object to rank 0, rank 0 sends engine rank r entry r, waits "
+                           "for every ack, frees, barrier",
+            "ipc-per-tensor": "colo's ipc transport: one CUDA IPC handle and request per tensor (verl's way)"},
+    }
+
+
+def table(result: dict) -> str:
+    lines = ["| plan | transport | sync s | GB/s | bytes | buckets | peak extra MiB | staging MiB | digest |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        peak = "-" if r["device_peak_extra_max"] is None else f"{r['device_peak_extra_max'] / MiB:,.0f}"
+        stag = "-" if r["staging_peak_max"] is None else f"{r['staging_peak_max'] / MiB:,.0f}"
+        lines.append(f"| {r['plan']} | {r['transport']} | {r['sync_s']:.4f} | {r['GBps']:.1f} | {r['bytes']:,} "
+                     f"| {r['buckets']} | {peak} | {stag} | {'ok' if r['digest_ok'] else 'MISMATCH'} |")
+    f = result["floors"]
+    lines.append(f"floors: sync-first {f['sync-first']:.4f} s, offload-first {f['offload-first']:.4f} s")
+    for k, t in result["targets"].items():
+        v = "-" if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"target {k}: {v} (want {t['target']}) {'met' if t['met'] else 'MISSED' if t['met'] is False else ''}")
+    return "\n".join(lines)
+
+
+def run_bench_multi(device: str, gpus: int, model: str, bucket_mib: float, reps: int, out: str | None,
+                    layers: int | None = None) -> tuple[dict, Any]:
+    """Run, write the JSON (never over a committed result unless ``out`` says so), print the table."""
+    from colo.apps.bench import RESULTS_DIR, write_result
+
+    result = anyio.run(lambda: bench_multi(device=device, gpus=gpus, model=model, bucket_mib=bucket_mib,
+                                           reps=reps, layers=layers))
+    stem = f"multi-sync-{device}-{gpus}x-{model}-{dt.date.today().isoformat()}"
+    path = write_result(json.dumps(result, indent=2) + "\n", out=out, directory=RESULTS_DIR, stem=stem)
+    print(table(result))
+    print(f"results: {path}")
+    return result, path
+
+
+def run_bench_multi_cli(args: Any) -> int:
+    """``colo bench --gpus N [--device cpu|cuda] [--model qwen2-7b|tiny] [--bucket-mib M] [--reps R]``."""
+    from colo.errors import UsageError
+
+    model = args.model
+    if model == "demo":  # bench's own default: the device's natural model here
+        model = "qwen2-7b" if args.device == "cuda" else "tiny"
+    if model not in ("qwen2-7b", "tiny"):
+        raise UsageError(f"--gpus: --model must be qwen2-7b or tiny, got {model!r}")
+    if args.transports:
+        raise UsageError("--gpus: the rows are fixed (colo-packed, slime-style, ipc-per-tensor); drop --transports")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("colo bench --device cuda: no CUDA device is visible")
+    result, _ = run_bench_multi(args.device, args.gpus, model, args.bucket_mib, args.reps, args.out or None)
+    return EXIT_OK if result["digest_verified"] else EXIT_FAILED
+
