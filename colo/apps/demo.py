@@ -35,6 +35,7 @@ from colo.transports import REGISTRY as TRANSPORTS
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.handles import leftover_segments
+from colo.leftovers import dir_prefix, sweep
 from colo.core.invariants import InvariantViolation
 from colo.core.memory import OWNERS_TAGS, GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import IllegalTransition, Phase
@@ -378,7 +379,10 @@ class DemoRun:
         self.trainer: Any = None
         self.saver: Any = None
         self.transport: Any = None
-        self.workdir = tempfile.mkdtemp(prefix="colo-demo-")
+        # What a SIGKILLed run left (no cleanup ran there) goes first; this run's
+        # dir carries this pid so that the next run can tell it from a live one.
+        sweep()
+        self.workdir = tempfile.mkdtemp(prefix=dir_prefix("demo"))
         self._at_fault: list[str] = []
         self.injector: Any = None
         self.final_digest: str | None = None

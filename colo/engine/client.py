@@ -21,6 +21,7 @@ import anyio
 from colo.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import RolloutResult, TensorSpec
 from colo.errors import EngineDied, EngineError
+from colo.leftovers import dir_prefix
 
 #: what the engine binds, inside its socket directory
 SOCKET_NAME = "engine.sock"
@@ -40,7 +41,8 @@ def socket_dir() -> str:
     then the usual short system directories. The directory is made by
     ``mkdtemp``: 0700 and ours, wherever it is.
     """
-    suffix = "/colo-engine-XXXXXXXX/" + SOCKET_NAME + ".tmp"  # mkdtemp's name is 8 characters
+    prefix = dir_prefix("engine")  # the driver's pid: the start-up sweep removes it once that is dead
+    suffix = "/" + prefix + "XXXXXXXX/" + SOCKET_NAME + ".tmp"  # mkdtemp adds 8 characters
     tried = []
     for base in (tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"), *_SHORT_DIRS):
         if not base or base in tried:
@@ -49,7 +51,7 @@ def socket_dir() -> str:
         if len(os.fsencode(os.path.abspath(base) + suffix)) > _SUN_PATH_MAX:
             continue
         try:
-            return tempfile.mkdtemp(prefix="colo-engine-", dir=os.path.abspath(base))
+            return tempfile.mkdtemp(prefix=prefix, dir=os.path.abspath(base))
         except OSError:
             continue
     raise ChannelError(f"no directory for the engine's socket: an AF_UNIX path is at most {_SUN_PATH_MAX} "
