@@ -220,3 +220,25 @@ def test_what_if_config_is_validated():
         WhatIf(gpu_gib=80, model_gib=0)
     with pytest.raises(TypeError):
         WhatIf(80, 16)  # keyword-only
+
+
+def test_over_every_ranks_trace_the_gpu_with_the_largest_leftovers_binds_and_is_named(tmp_path):
+    """Two ranks of one run; rank 1 holds 1 GiB more reserved (a fatter NCCL buffer,
+    a larger allocator cache): its trace binds, and tune names its rank and GPU."""
+    paths = []
+    for rank, reserved in ((0, 1.0), (1, 2.0)):
+        events = synthesize(WhatIf(gpu_gib=80, model_gib=15, reserved_gib=reserved))
+        events[0].update(rank=rank, world_size=2,
+                         config={**events[0]["config"], "gpu_uuids": ["GPU-aaaa", "GPU-bbbb"]})
+        for ev in events:
+            ev["rank"] = rank
+        p = tmp_path / f"run.rank{rank}.jsonl"
+        p.write_text("".join(json.dumps(ev) + "\n" for ev in events))
+        paths.append(str(p))
+    rec = tune([load_trace(p) for p in paths])
+    d = rec.as_dict()
+    assert d["binding_rank"] == 1 and d["binding_gpu"].endswith("GPU-bbbb")
+    per_rank = [dev["max_fraction"] for dev in d["devices"]]
+    assert per_rank[1] < per_rank[0]  # the fatter GPU allows less
+    assert rec.mem_fraction_static == pytest.approx(min(dev["mem_fraction_static"] for dev in d["devices"]))
+    assert "binding GPU: rank 1" in rec.text()

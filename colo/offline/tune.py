@@ -104,6 +104,14 @@ class Device:
     points: list[Point]
     mfs_recorded: float | None = None
     max_bucket: int = 0  # largest bucket.finished bytes
+    #: which rank of a multi-GPU run this trace is, and its GPU (name, and UUID when recorded)
+    rank: int = 0
+    world_size: int = 1
+    gpu: str = "?"
+
+    def names(self) -> str:
+        """The device as a user finds it: rank and GPU when there are several."""
+        return f"rank {self.rank} ({self.gpu}, {self.file})" if self.world_size > 1 else f"{self.gpu} ({self.file})"
 
 
 def _points(trace: LoadedTrace) -> Device:
@@ -148,7 +156,20 @@ def _points(trace: LoadedTrace) -> Device:
     mfs = config.get("mem_fraction_static")
     bucket = config.get("bucket_bytes")
     return Device(trace.path, total, int(weights), bucket if isinstance(bucket, int) and bucket > 0 else None,
-                  config.get("plan"), points, mfs if isinstance(mfs, (int, float)) else None, max_bucket)
+                  config.get("plan"), points, mfs if isinstance(mfs, (int, float)) else None, max_bucket,
+                  **_which_gpu(head, config))
+
+
+def _which_gpu(head: dict, config: dict) -> dict:
+    """Rank, world size and GPU of a trace: the multi-GPU demo records every rank's GPU UUID."""
+    rank, world = head.get("rank"), head.get("world_size")
+    rank = rank if isinstance(rank, int) and rank >= 0 else 0
+    world = world if isinstance(world, int) and world >= 1 else 1
+    gpu = str((head.get("device") or {}).get("name") or "?")
+    uuids = config.get("gpu_uuids")
+    if isinstance(uuids, list) and rank < len(uuids) and isinstance(uuids[rank], str):
+        gpu = f"{gpu} {uuids[rank]}"
+    return {"rank": rank, "world_size": world, "gpu": gpu}
 
 
 #: the tags a phase brings back in one step: a refusal of one of them means
@@ -318,7 +339,7 @@ def _breakdown(p: Point, Wr: int) -> str:
 def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budget: int | None) -> list[str]:
     d, T, Wr, M = r.device, r.device.total, r.device.engine_weights, r.margin
     L = [f"{d.file}: device T = {fmt_bytes(T, True)}; margin {fmt_bytes(M)}"
-         + (f" (2% of T, at most 1 GiB)" if M == default_margin(T) else ""),
+         + (" (2% of T, at most 1 GiB)" if M == default_margin(T) else ""),
          f"  the engine sizes its KV pool as T × mfs − Wr, engine weights Wr = {fmt_bytes(Wr)}"]
     if d.mfs_recorded is not None:
         L.append(f"  recorded at mem_fraction_static {d.mfs_recorded}")
@@ -389,6 +410,8 @@ class Recommendation:
             "mem_fraction_static": self.mem_fraction_static,
             "bucket_mib": None if self.bucket_bytes is None else self.bucket_bytes / MiB,
             "binding_phase": bp.phase if bp else None,
+            "binding_rank": b.device.rank if b else None,
+            "binding_gpu": b.device.gpu if b else None,
             "tied_phases": b.tied if b else [],
             "feasible": self.feasible,
             "bucket_bytes": self.bucket_bytes,
@@ -427,7 +450,8 @@ class Recommendation:
             bucket = "none (no sync recorded)" if self.bucket_bytes is None else \
                 f"{self.bucket_bytes / MiB:g} MiB ({self.bucket_bytes} B)"
             lines.append(f"recommend: mem_fraction_static {self.mem_fraction_static:.2f}, bucket {bucket}; "
-                         f"binding phase: {b.binding.phase}")
+                         f"binding phase: {b.binding.phase}"
+                         + (f"; binding GPU: {b.device.names()}" if len(self.results) > 1 else ""))
         else:
             phase = next((r.binding.phase for r in self.results if r.infeasible and r.binding), None)
             lines.append("no recommendation: the trace does not fit the device at any mem_fraction_static"
