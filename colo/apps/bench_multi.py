@@ -502,12 +502,18 @@ class BenchHost(RankHost):
         n, dev = self.spec.world_size, ("cuda" if self._cuda else "cpu")
         part = max(1, gather_bytes // n)
         inp = torch.ones(part, dtype=torch.uint8, device=dev)
-        outs = [torch.empty_like(inp) for _ in range(n)]
+        flat = torch.empty(part * n, dtype=torch.uint8, device=dev)
+        outs = list(flat.chunk(n))
         model_bytes = sum(s.nbytes for s in self.trainer.param_specs())
         calls = -(-model_bytes // (part * n))
-        gather_s = self._time(lambda: dist.all_gather(outs, inp), reps)
-        model_gather_s = self._time(lambda: [dist.all_gather(outs, inp) for _ in range(calls)], reps)
+        # NCCL's own primitive, into one buffer (the stricter floor; the extractor's
+        # list form may add a copy-out); gloo has the list form
+        one = ((lambda: dist.all_gather_into_tensor(flat, inp)) if self._cuda
+               else (lambda: dist.all_gather(outs, inp)))
+        gather_s = self._time(one, reps)
+        model_gather_s = self._time(lambda: [one() for _ in range(calls)], reps)
         return {"all_gather_bytes": part * n, "all_gather_GBps": part * n / gather_s / 1e9,
+                "all_gather_primitive": "all_gather_into_tensor" if self._cuda else "all_gather",
                 "model_bytes": model_bytes, "model_all_gather_s": model_gather_s, "model_all_gather_calls": calls}
 
     def _copy_limits(self, copy_bytes: int, reps: int) -> dict:
