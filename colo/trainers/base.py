@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio.to_thread
 import torch
+import torch.distributed as dist
 
 from colo.core.interfaces import RolloutResult, TensorSpec
 
@@ -41,6 +42,9 @@ class PolicyTrainer:
     _memory_backend: Any
     _extractor: Any
     steps: int
+    #: the group whose ranks split each batch's rows and all-reduce the gradients
+    #: (data parallel, every rank holding the whole model); None: one rank
+    _dp_group: Any = None
 
     def tag_bytes(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -74,6 +78,9 @@ class PolicyTrainer:
             raise RuntimeError("the trainer is dirty: an earlier step failed half-way on a device where its "
                                "state could not be restored; its weights are not a consistent step")
         return await anyio.to_thread.run_sync(self._reinforce, rollout.data)
+
+    def close(self) -> None:
+        """Nothing to tear down: this trainer set up no process group (a launcher's world stays)."""
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -127,26 +134,68 @@ class PolicyTrainer:
             self.opt.state[p] = old
 
     def _reinforce_step(self, data: Any) -> dict[str, float]:
-        """One REINFORCE step with a mean baseline over the batch's sequences."""
+        """One REINFORCE step with a mean baseline over the batch's sequences.
+
+        Data parallel over ``ranks`` ranks (see :meth:`_data_parallel`), this rank
+        takes the rows ``rank::ranks``. The advantage is normalised over the FULL
+        batch and each rank's loss is divided by the full batch's token count, so
+        the ranks' losses (and gradients) add up to the one-rank full-batch mean.
+        """
+        rank, ranks, group = self._data_parallel()
+        if len(data.rewards) < ranks:
+            raise ValueError(f"a batch of {len(data.rewards)} sequence(s) cannot be split over {ranks} "
+                             f"data-parallel ranks; expected at least {ranks}")
         device = next(self.model.parameters()).device
+        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=device)
         prompts = torch.tensor(data.prompts, dtype=torch.long, device=device)
         completions = torch.tensor(data.completions, dtype=torch.long, device=device)
-        rewards = torch.tensor(data.rewards, dtype=torch.float32, device=device)
+        adv = _advantages(rewards)
+        mine = slice(rank, None, ranks)
+        prompts, completions, adv, tokens = prompts[mine], completions[mine], adv[mine], completions.numel()
         seq = torch.cat([prompts, completions], dim=1)
         p = prompts.shape[1]
         logits = self._sequence_logits(seq)[:, p - 1:-1].float()
         logp = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-        adv = rewards - rewards.mean()
-        std = rewards.std()
-        if std > 1e-6:
-            adv = adv / std
-        loss = -(adv.unsqueeze(1) * logp).mean()
+        loss = -(adv.unsqueeze(1) * logp).sum() / tokens
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self._backward(loss)
+        self._clip_grads()
         self.opt.step()
         # The gradients are dead now: dropped here rather than at the next step's
         # start, their memory goes back with the offload that follows.
         self.opt.zero_grad(set_to_none=True)
         self.steps += 1
-        return {"loss": float(loss.detach()), "reward": float(rewards.mean())}
+        loss = loss.detach()
+        if ranks > 1:
+            dist.all_reduce(loss, group=group)  # the full batch's loss, as one rank reports it
+        return {"loss": float(loss), "reward": float(rewards.mean())}
+
+    # -- what a parallel trainer changes in the step ------------------------------
+    def _data_parallel(self) -> tuple[int, int, Any]:
+        """``(rank, ranks, group)`` of the data-parallel group the batch's rows are split over."""
+        if self._dp_group is None:
+            return 0, 1, None
+        return dist.get_rank(self._dp_group), dist.get_world_size(self._dp_group), self._dp_group
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Leave every rank with the gradient of the full batch's loss (the sum of the ranks')."""
+        loss.backward()
+        if self._dp_group is None:
+            return
+        for param in self.model.parameters():
+            if not param.requires_grad:
+                continue
+            if param.grad is None:  # every rank must join every all-reduce, in the same order
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=self._dp_group)
+
+    def _clip_grads(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+
+def _advantages(rewards: torch.Tensor) -> torch.Tensor:
+    adv = rewards - rewards.mean()
+    std = rewards.std()
+    if std > 1e-6:
+        adv = adv / std
+    return adv

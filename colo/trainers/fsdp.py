@@ -11,9 +11,15 @@ engine receives is the DTensor gather (``full_tensor()``) of the live shards.
 Gathering is a collective: on more than one rank, every rank calls
 ``extractor().extract``, ``hf_state()`` and ``logits()`` with the same arguments.
 
-In ``colo demo`` the trainer is one rank (world size 1) in the demo's process:
-:func:`build` starts the default process group (gloo on the CPU, NCCL on a GPU)
-unless one exists, and :meth:`FSDPTrainer.close` ends the group it started.
+With N ranks it is data parallel too: a step's rank r takes the batch rows
+``r::N`` (as the reference trainer does over N ranks), and FSDP2's
+reduce-scatter of the gradients makes the one-rank full-batch step.
+
+In a launcher's N-rank world (set up before :func:`build`) it shards over
+that world and leaves the world to the launcher. In ``colo demo`` the trainer
+is one rank (world size 1) in the demo's process: :func:`build` starts the
+default process group (gloo on the CPU, NCCL on a GPU) unless one exists, and
+:meth:`FSDPTrainer.close` ends the group it started.
 On a GPU the shards and AdamW's state live in memory-saver regions with a
 pinned host backup, as the reference trainer's weights do.
 """
@@ -121,6 +127,8 @@ class FSDPTrainer(ReferenceTrainer):
             raise TypeError("FSDPTrainer: the model has no sharded parameters; apply shard(model, mesh) first")
         super().__init__(model, engine_dtype=engine_dtype, config=config, memory_backend=memory_backend)
         self._group = group
+        # kept: between a forward and its backward the root's parameters are plain tensors
+        self._mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
 
     def _live_extractor(self) -> Any:
         return FSDPExtractor(self.model, dtype=getattr(torch, self.engine_dtype))
@@ -130,7 +138,7 @@ class FSDPTrainer(ReferenceTrainer):
 
     @property
     def world_size(self) -> int:
-        return next(iter(self.model.parameters())).device_mesh.size()
+        return self._mesh.size()
 
     # -- TrainerSide -----------------------------------------------------------
     def tag_bytes(self) -> dict[str, int]:
@@ -153,6 +161,18 @@ class FSDPTrainer(ReferenceTrainer):
         # would read the initial weights. Seen on an H100: sync-first sent the
         # step-0 weights while hf_state() had the trained ones.
         return self._live_extractor()
+
+    def _data_parallel(self) -> tuple[int, int, Any]:
+        return self._mesh.get_local_rank(), self._mesh.size(), self._mesh.get_group()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        # FSDP2 averages the ranks' gradients; the full batch's is their sum
+        # (one rank: a scale of 1, the step is the reference trainer's).
+        (loss * self.world_size).backward()
+
+    def _restore(self, saved: Any) -> None:
+        _reshard(self.model)  # a step that failed mid-way may have left groups gathered (plain tensors)
+        super()._restore(saved)
 
     def _reinforce(self, data: Any) -> dict[str, float]:
         try:

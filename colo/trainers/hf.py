@@ -19,8 +19,9 @@ from colo.trainers.base import PolicyTrainer, ReinforceConfig  # noqa: F401 (re-
 
 class ReferenceTrainer(PolicyTrainer):
     def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
-                 config: ReinforceConfig | None = None, memory_backend: Any = None):
+                 config: ReinforceConfig | None = None, memory_backend: Any = None, dp_group: Any = None):
         self.model = model
+        self._dp_group = dp_group
         self.config = config or ReinforceConfig()
         self.engine_dtype = engine_dtype
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
@@ -99,19 +100,34 @@ def tied_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
+def _data_parallel_world() -> Any:
+    """The launcher's world when it has more than one rank; None: this trainer is alone."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[ReferenceTrainer, Any]:
     """The reference trainer; on a GPU its weights and AdamW state live in memory-saver
-    regions with a pinned host backup, so offload and onload are real pauses."""
+    regions with a pinned host backup, so offload and onload are real pauses.
+
+    With torch.distributed initialised over N > 1 ranks, this rank of an
+    N-rank data-parallel trainer (see the module docstring)."""
     from colo.models import build_trainer_model
 
+    group = _data_parallel_world()
     if device == "cpu":
-        return ReferenceTrainer(build_trainer_model(model_config, seed), engine_dtype=engine_dtype), None
+        model = build_trainer_model(model_config, seed)
+        return ReferenceTrainer(model, engine_dtype=engine_dtype, dp_group=group), None
     from colo.cuda_memory import Saver, TrainerMemory
 
     saver = Saver()
     with saver.region("trainer.weights", cpu_backup=True):
         model = build_trainer_model(model_config, seed).to("cuda")
-    trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver))
+    trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver),
+                               dp_group=group)
     with saver.region("trainer.optimizer", cpu_backup=True):
         trainer.init_optimizer_state()
     return trainer, saver

@@ -1,4 +1,4 @@
-"""A trainer backed by a real megatron-core ``GPTModel`` in the Qwen2 layout, one rank (TP=1, PP=1).
+"""A trainer backed by a real megatron-core ``GPTModel`` in the Qwen2 layout: one rank of TP=N (PP=1).
 
 The model is megatron-core's own: the local layer spec
 (``get_gpt_layer_local_spec``), RMSNorm, SwiGLU (``gated_linear_unit`` with
@@ -22,6 +22,16 @@ torch.distributed and megatron's ``parallel_state`` are set up here when nobody
 has (a one-rank group over a ``FileStore`` in a temporary directory: no port to
 race for) and torn down by :meth:`MegatronTrainer.close` — which the owner must
 call, or the process group outlives the trainer.
+
+In a launcher's world of N ranks (torch.distributed initialised before
+:func:`build`), the trainer is tensor parallel over all of them: megatron-core's
+``initialize_model_parallel(tensor_model_parallel_size=N)`` shards the
+GPTModel, each rank loads its slice of the same initial weights, the loss is
+computed from the all-gathered full-vocabulary logits on every rank, and the
+gradient clip uses the norm over the whole model (see
+:meth:`MegatronTrainer._clip_grads`): every rank takes the one-rank step on its
+shards. ``hf_state()``, ``logits()`` and the extractor all-gather over the
+tensor-parallel group; every rank calls them and gets the full result.
 """
 
 from __future__ import annotations
@@ -47,18 +57,22 @@ _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 # -- process groups ---------------------------------------------------------------
 
 
-class SingleRank:
-    """torch.distributed and megatron's ``parallel_state`` for one rank, TP=1, PP=1.
+class MegatronRuntime:
+    """torch.distributed and megatron's ``parallel_state`` for one rank of TP=N, PP=1,
+    N the world's size (1, and a world of one rank started here, when there is none).
 
     Each is set up only if it is not already; :meth:`close` tears down only what
     this object set up, so a caller that initialised them keeps them.
-    ``meta_group`` is a gloo group over this rank: the extractor exchanges its
+    ``meta_group`` is a gloo group over the world: the extractor exchanges its
     metadata there (with a world on NCCL, a metadata exchange would otherwise
     create an NCCL communicator and its device buffers for nothing).
+    ``tp_group`` is megatron's tensor-parallel group (``None`` with TP=1).
     """
 
     def __init__(self, device: str, *, seed: int):
         self.device = device
+        self.tp = 1
+        self.tp_group: Any = None
         self.owns_dist = False
         self.owns_parallel = False
         self.meta_group: Any = None
@@ -83,17 +97,19 @@ class SingleRank:
             store = dist.FileStore(os.path.join(self._tmp, "store"), 1)
             dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
             self.owns_dist = True
-        elif dist.get_world_size() != 1:
-            raise RuntimeError(f"megatron trainer: runs as one rank (TP=1, PP=1), but torch.distributed is "
-                               f"initialised with {dist.get_world_size()} ranks")
-        self.meta_group = dist.new_group([dist.get_rank()], backend="gloo")
+        self.tp = dist.get_world_size()
+        self.meta_group = dist.new_group(list(range(self.tp)), backend="gloo")
 
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+            ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=1)
             self.owns_parallel = True
-        elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (1, 1):
-            raise RuntimeError("megatron trainer: parallel_state is initialised with TP or PP > 1; "
-                               "this trainer is one rank with TP=1, PP=1")
+        else:
+            tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+            if (tp, pp) != (self.tp, 1):
+                raise ValueError(f"megatron trainer: parallel_state is initialised with TP={tp}, PP={pp}; this "
+                                 f"trainer needs TP={self.tp} (the world's size) and PP=1")
+        if self.tp > 1:
+            self.tp_group = ps.get_tensor_model_parallel_group()
 
         self._rng_set = True
         if cuda:
@@ -137,7 +153,7 @@ class SingleRank:
                 dist.destroy_process_group()  # the world and every group in it
             elif self.meta_group is not None:
                 dist.destroy_process_group(self.meta_group)
-        self.meta_group = None
+        self.meta_group = self.tp_group = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -147,7 +163,7 @@ def _host_memory_buffer() -> Any:
     from megatron.core.utils import GlobalMemoryBuffer
 
     class HostMemoryBuffer(GlobalMemoryBuffer):
-        """megatron's GlobalMemoryBuffer, on the CPU (CPU workaround, see SingleRank)."""
+        """megatron's GlobalMemoryBuffer, on the CPU (CPU workaround, see MegatronRuntime)."""
 
         def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
             n = math.prod(tensor_shape)
@@ -185,11 +201,30 @@ def qwen2_dims(hf_config: Any) -> dict[str, Any]:
             "rope_theta": float(theta), "tied": bool(getattr(hf_config, "tie_word_embeddings", False))}
 
 
+def check_tensor_parallel(hf_config: Any, tp: int) -> None:
+    """Refuse a model megatron-core cannot split over ``tp`` ranks (it would assert deep
+    inside the build). The vocabulary need not divide: it is padded (:func:`padded_vocab`)."""
+    d = qwen2_dims(hf_config)
+    sizes = {"num_attention_heads": d["heads"], "num_key_value_heads (query groups)": d["groups"],
+             "intermediate_size (FFN)": hf_config.intermediate_size}
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
+    if bad:
+        raise ValueError(f"megatron trainer: tensor parallel over {tp} ranks needs {', '.join(sizes)} divisible "
+                         f"by {tp}; got " + ", ".join(bad))
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Megatron's vocabulary: each tensor-parallel rank holds an equal slice, so the
+    rows are padded to a multiple of TP (the extractor and the logits cut the padding off)."""
+    return -(-vocab_size // tp) * tp
+
+
 def build_gpt(hf_config: Any, *, device: str) -> Any:
     """A megatron-core ``GPTModel`` shaped like ``hf_config`` (float32, megatron's own
-    random init), its parameters on ``device``. Needs ``parallel_state`` (see
-    :class:`SingleRank`)."""
+    random init), this rank's shard on ``device``. Needs ``parallel_state`` (see
+    :class:`MegatronRuntime`); the vocabulary is padded to a multiple of its TP size."""
     import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -223,7 +258,8 @@ def build_gpt(hf_config: Any, *, device: str) -> Any:
     # random state as it was (its GPU init draws from the RNG tracker's own states).
     with torch.random.fork_rng(devices=[]):
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                         vocab_size=hf_config.vocab_size, max_sequence_length=hf_config.max_position_embeddings,
+                         vocab_size=padded_vocab(hf_config.vocab_size, ps.get_tensor_model_parallel_world_size()),
+                         max_sequence_length=hf_config.max_position_embeddings,
                          pre_process=True, post_process=True, share_embeddings_and_output_weights=d["tied"],
                          position_embedding_type="rope", rotary_base=d["rope_theta"])
     if device == "cpu":
@@ -241,11 +277,15 @@ def _host_rotary_emb(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tens
     return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]  # [s, 1, 1, dim], non-interleaved
 
 
-def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-    """HF Qwen2 tensors in the Megatron GPT layout (TP=1): the inverse of the extractor's rules.
+def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any, *,
+                     vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
+    """HF Qwen2 tensors in the full (unsharded) Megatron GPT layout: the inverse of the extractor's rules.
 
     Megatron's ``linear_qkv`` holds, per query group, that group's query heads
     then its key head then its value head; ``linear_fc1`` holds ``[gate; up]``.
+    ``vocab_rows``: the embedding and output layer are padded with zero rows to
+    it (:func:`padded_vocab`); a zero output row never gets a gradient, since the
+    logits are cut to the vocabulary before the loss.
     """
     d = qwen2_dims(hf_config)
     groups, hd = d["groups"], d["head_dim"]
@@ -257,10 +297,14 @@ def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str
         parts = [q.reshape(groups, per * hd, *rest), k.reshape(groups, hd, *rest), v.reshape(groups, hd, *rest)]
         return torch.cat(parts, dim=1).reshape(-1, *rest)
 
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+    def vocab(t: torch.Tensor) -> torch.Tensor:
+        pad = (vocab_rows or t.shape[0]) - t.shape[0]
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+    out = {"embedding.word_embeddings.weight": vocab(hf["model.embed_tokens.weight"]),
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}
     if not d["tied"]:
-        out["output_layer.weight"] = hf["lm_head.weight"]
+        out["output_layer.weight"] = vocab(hf["lm_head.weight"])
     for i in range(hf_config.num_hidden_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
@@ -275,19 +319,38 @@ def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any) -> dict[str
 
 @torch.no_grad()
 def load_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Write HF Qwen2 tensors into a megatron GPTModel's parameters (in place: a memory
-    region the parameters were allocated in keeps them)."""
-    src = megatron_from_hf(hf, hf_config)
+    """Write HF Qwen2 tensors into a megatron GPTModel's parameters, this rank's slice of
+    each (in place: a memory region the parameters were allocated in keeps them)."""
+    from megatron.core import parallel_state as ps
+
+    rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    src = megatron_from_hf(hf, hf_config, vocab_rows=padded_vocab(hf_config.vocab_size, size))
     params = dict(model.named_parameters())
     missing, extra = sorted(set(params) - set(src)), sorted(set(src) - set(params))
     if missing or extra:
         raise ValueError(f"megatron trainer: the GPTModel's parameters and the Qwen2 layout differ: "
                          f"not written {missing}, no such parameter {extra}")
     for name, p in params.items():
-        if tuple(p.shape) != tuple(src[name].shape):
-            raise ValueError(f"megatron trainer: {name} is {tuple(p.shape)}, the Qwen2 layout gives "
-                             f"{tuple(src[name].shape)}")
-        p.copy_(src[name])
+        mine = tp_slice(src[name], p, rank, size)
+        if tuple(p.shape) != tuple(mine.shape):
+            raise ValueError(f"megatron trainer: {name} is {tuple(p.shape)} on tensor-parallel rank {rank} of "
+                             f"{size}, the Qwen2 layout gives {tuple(mine.shape)}")
+        p.copy_(mine)
+
+
+def tp_slice(full: torch.Tensor, param: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Tensor-parallel rank ``rank``'s shard of ``full``, as megatron lays ``param`` out.
+
+    A ``partition_stride`` s means ``full`` is s blocks along ``partition_dim``,
+    each split over the ranks, and a rank holds its piece of every block in turn
+    (megatron-core's ``_initialize_affine_weight_cpu``): a GLU ``linear_fc1``
+    (stride 2) holds ``[gate_r; up_r]``.
+    """
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    blocks = torch.tensor_split(full, stride, dim=dim)
+    return torch.cat([torch.tensor_split(b, size, dim=dim)[rank] for b in blocks], dim=dim)
 
 
 # -- the trainer ------------------------------------------------------------------
@@ -297,10 +360,10 @@ class MegatronTrainer(PolicyTrainer):
     """A :class:`~colo.core.interfaces.TrainerSide` over a megatron-core GPTModel, plus
     ``hf_state()``, ``logits()``, ``steps`` and ``num_params()`` (see :mod:`colo.trainers`).
 
-    ``runtime`` (a :class:`SingleRank`) is closed by :meth:`close`.
+    ``runtime`` (a :class:`MegatronRuntime`) is closed by :meth:`close`.
     """
 
-    def __init__(self, model: torch.nn.Module, *, hf_config: Any, runtime: SingleRank,
+    def __init__(self, model: torch.nn.Module, *, hf_config: Any, runtime: MegatronRuntime,
                  engine_dtype: str = "bfloat16", config: ReinforceConfig | None = None,
                  memory_backend: Any = None):
         from colo.extractors.megatron import MegatronExtractor
@@ -314,7 +377,7 @@ class MegatronTrainer(PolicyTrainer):
         self._memory_backend = memory_backend
         d = qwen2_dims(hf_config)
         self._extractor_args = {"attention": (d["heads"], d["groups"]), "vocab_size": hf_config.vocab_size,
-                                "group": runtime.meta_group}
+                                "group": runtime.meta_group, "tp_group": runtime.tp_group}
         # Pairs, not a mapping: a Parameter is followed through optimizer steps.
         live = list(self.model.named_parameters())
         self._extractor = MegatronExtractor(live, dtype=getattr(torch, engine_dtype), **self._extractor_args)
@@ -335,6 +398,10 @@ class MegatronTrainer(PolicyTrainer):
                                      **self._extractor_args)
         return self._extractor
 
+    def num_params(self) -> int:
+        # the full model's, vocabulary padding left out (this rank holds a shard)
+        return sum(math.prod(s.shape) for s in self._hf_extractor.specs())
+
     def close(self) -> None:
         """Tear down the process groups and parallel state this trainer set up. Idempotent."""
         self._cpu_twin = None
@@ -352,7 +419,37 @@ class MegatronTrainer(PolicyTrainer):
         # Causal, given explicitly (True = masked, megatron's convention): with
         # attention_mask=None the local spec builds the same mask, but on "cuda".
         mask = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1)[None, None]
-        return self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+        logits = self.model(input_ids=tokens, position_ids=position_ids, attention_mask=mask)
+        if self.runtime.tp_group is not None:
+            logits = _GatherVocab.apply(logits, self.runtime.tp_group)
+        return logits[..., :self.hf_config.vocab_size]  # Megatron's vocabulary padding (TP > 1)
+
+    def _clip_grads(self) -> None:
+        """Clip by the norm of the whole model's gradient, as one rank does.
+
+        megatron-core's recipe (``optimizer/clip_grads.py``, whose code allocates on
+        "cuda"): each rank sums the squares of its shards' gradients, a parameter
+        every tensor-parallel rank holds whole (norms) counted on one rank only,
+        and the sums are all-reduced over the tensor-parallel group. Those
+        duplicates' gradients are equal on every rank (their inputs' gradients
+        were all-reduced in the backward), so every rank scales by the same factor.
+        """
+        if self.runtime.tp_group is None:
+            return super()._clip_grads()
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        group = self.runtime.tp_group
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.model.parameters()
+                   if p.grad is not None and param_is_not_tensor_parallel_duplicate(p, tp_group=group)]
+        squares = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+        for g in counted:
+            squares += g.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=group)
+        # torch.nn.utils.clip_grad_norm_'s coefficient, so TP=N scales as TP=1 does
+        coef = (self.config.grad_clip / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
 
     # -- verification ----------------------------------------------------------
     def _host_params(self) -> dict[str, torch.Tensor]:
@@ -374,9 +471,12 @@ class MegatronTrainer(PolicyTrainer):
             # the device pages are unmapped: read the pinned host backup instead
             from colo.extractors.megatron import MegatronExtractor
 
-            ex = MegatronExtractor(self._host_params(), dtype=None, **self._extractor_args)
-        else:
-            ex = self._hf_extractor
+            # with TP > 1 the shards are gathered on the device (an NCCL group
+            # there), then brought back to the host
+            device = next(self.model.parameters()).device if self.runtime.tp_group is not None else None
+            ex = MegatronExtractor(self._host_params(), dtype=None, device=device, **self._extractor_args)
+            return {name: t.detach().cpu() for name, t in ex.extract([s.name for s in ex.specs()])}
+        ex = self._hf_extractor
         return {name: t.detach() for name, t in ex.extract([s.name for s in ex.specs()])}
 
     @torch.no_grad()
@@ -402,6 +502,26 @@ class MegatronTrainer(PolicyTrainer):
         return self.forward(torch.tensor(tokens, dtype=torch.long, device=device)).float().cpu()
 
 
+class _GatherVocab(torch.autograd.Function):
+    """All-gather vocabulary-parallel logits along the last dim; the backward keeps this
+    rank's slice of the gradient. megatron's ``gather_from_tensor_model_parallel_region``
+    does the same but allocates its output on the current CUDA device: not on a CPU.
+    Every rank computes the same loss from the same full logits, so the slice is
+    the whole gradient of its shard."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        parts = grad.chunk(dist.get_world_size(ctx.group), dim=-1)
+        return parts[dist.get_rank(ctx.group)].contiguous(), None
+
+
 def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) -> None:
     """What the extractor reads back must be exactly what was written: the inverse
     layout (megatron_from_hf) and the extractor's rules agree, at every build."""
@@ -416,16 +536,19 @@ def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) ->
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[MegatronTrainer, Any]:
     """The megatron-core trainer, starting from the reference trainer's initial weights for
-    ``seed``. On a GPU its weights and AdamW state live in memory-saver regions with a
-    pinned host backup, so offload and onload are real pauses. Call ``close()`` when done."""
+    ``seed``: this rank of TP=N when torch.distributed is initialised with N ranks
+    (see the module docstring), else one rank. On a GPU its weights and AdamW state
+    live in memory-saver regions with a pinned host backup, so offload and onload
+    are real pauses. Call ``close()`` when done."""
     from colo.models import build_trainer_model
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
-    qwen2_dims(model_config)  # refuse an unsupported config before any process group exists
+    # refuse an unsupported config before any process group or parallel state exists
+    check_tensor_parallel(model_config, dist.get_world_size() if dist.is_initialized() else 1)
     # named_parameters, not state_dict: a tied lm_head is listed once, as embed_tokens
     hf = {n: p.detach() for n, p in build_trainer_model(model_config, seed).named_parameters()}
-    runtime = SingleRank(device, seed=seed)
+    runtime = MegatronRuntime(device, seed=seed)
     try:
         if device == "cpu":
             model = build_gpt(model_config, device="cpu")
