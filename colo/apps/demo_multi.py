@@ -29,6 +29,7 @@ from colo.core.memory import MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
 from colo.errors import InvariantViolation, VerificationError
 from colo.groups import together
+from colo.leftovers import dir_prefix, sweep
 from colo.offline.summary import PhaseSummary
 from colo.scheduler import Scheduler, describe
 from colo.trace.writer import TraceWriter, rank_path
@@ -68,7 +69,9 @@ class MultiDemoRun:
         self.trainers: list[Any] = []
         self.engines: list[Any] = []
         self.transports: list[Any] = []
-        self.workdir = tempfile.mkdtemp(prefix="colo-demo-")
+        # what a SIGKILLed run left goes first; this run's dir names this pid (colo.leftovers)
+        sweep()
+        self.workdir = tempfile.mkdtemp(prefix=dir_prefix("demo"))
         self.final_digest: str | None = None
         self._fault_armed = cfg.fault is not None
         self.sched: Scheduler = None  # type: ignore[assignment]

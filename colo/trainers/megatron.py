@@ -227,6 +227,7 @@ def build_gpt(hf_config: Any, *, device: str) -> Any:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     d = qwen2_dims(hf_config)
@@ -239,6 +240,9 @@ def build_gpt(hf_config: Any, *, device: str) -> Any:
         add_bias_linear=False, add_qkv_bias=True,  # Qwen2: a bias on q, k, v only
         hidden_dropout=0.0, attention_dropout=0.0,  # as the reference trainer (Qwen2's dropout is 0)
         params_dtype=torch.float32,
+        # the local layer spec's own attention; "auto" sets NVTE_*_ATTN in os.environ,
+        # which every process started afterwards inherits (it broke megatron tests run later)
+        attention_backend=AttnBackend.local,
         # CPU workaround: without it megatron allocates parameters (and rotary
         # frequencies) on the current CUDA device. On a GPU they are allocated
         # there directly, inside the caller's memory-saver region.
