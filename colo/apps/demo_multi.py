@@ -47,7 +47,8 @@ def visible_gpus(n: int) -> list[str]:
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n > have:
         raise UsageError(f"--gpus {n}: this machine has {have} visible CUDA device(s)")
-    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(n)]
+    # CUDA_VISIBLE_DEVICES takes a UUID with its "GPU-" prefix, which torch's uuid may print without
+    return ["GPU-" + str(torch.cuda.get_device_properties(i).uuid).removeprefix("GPU-") for i in range(n)]
 
 
 class MultiDemoRun:
