@@ -370,7 +370,7 @@ class BenchHost(RankHost):
 
             self._expected[parity] = await anyio.to_thread.run_sync(compute)
         got = await self.engine.digest()
-        return {"ok": got == self._expected[parity], "engine": got, "expected": self._expected[parity]}
+        return {"match": got == self._expected[parity], "engine": got, "expected": self._expected[parity]}
 
     async def op_time_sync(self, source: str, transport: str, options: dict, bucket_bytes: int,
                            reps: int) -> dict:
@@ -670,7 +670,7 @@ def summarize_row(plan: str, label: str, replies: list[dict], checks: list[dict]
             "GBps": nbytes / sec / 1e9, "buckets": replies[0]["buckets"], "tensors": replies[0]["tensors"],
             "device_peak_extra_max": max(peaks) if peaks else None,
             "staging_peak_max": max(staging) if staging else None,
-            "digest_ok": all(c["ok"] for c in checks), "digest_ok_by_rank": [c["ok"] for c in checks],
+            "digest_ok": all(c["match"] for c in checks), "digest_ok_by_rank": [c["match"] for c in checks],
             "stage_s_per_sync_rank0": replies[0].get("stage_s_per_sync"),
             "per_rank": [{"rank": i, "seconds": [x["seconds"] for x in r["reps"]],
                           "device_peak_extra": [x["device_peak_extra"] for x in r["reps"]]}

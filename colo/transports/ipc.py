@@ -91,7 +91,24 @@ class _Exported:
         self.staged.free()
 
 
-def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]]) -> list[_Exported]:
+def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]], stream: Any = None,
+                upload_to: Any = None) -> list[_Exported]:
+    """Export every tensor of a bucket; with ``stream`` (the sender's upload stream,
+    where the extractor produced them) the copies are queued there, after the
+    uploads and gathers they read. On another stream they could copy the bytes
+    before the gather wrote them (seen on two H200s: offload-first, a digest
+    mismatch on rank 1)."""
+    if stream is None:
+        return _export_each(ctx, tensors, upload_to)
+    with torch.cuda.stream(stream):
+        return _export_each(ctx, tensors, upload_to)
+
+
+def _export_each(ctx: SyncContext, tensors: list[tuple[str, Any]], upload_to: Any) -> list[_Exported]:
+    if upload_to is not None:
+        # verl's way on a GPU is one CUDA IPC handle per tensor: a host
+        # source is uploaded first, not shared through host memory
+        tensors = [(n, t.to(upload_to, non_blocking=t.is_pinned())) for n, t in tensors]
     out: list[_Exported] = []
     try:
         for name, t in tensors:
@@ -118,11 +135,10 @@ class IpcTransport(BucketSender):
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
         t0 = time.perf_counter()
         target = getattr(self._extractor, "upload_to", None)
-        if target is not None and torch.device(target).type == "cuda":
-            # verl's way on a GPU is one CUDA IPC handle per tensor: a host
-            # source is uploaded first, not shared through host memory
-            tensors = [(n, t.to(target, non_blocking=t.is_pinned())) for n, t in tensors]
-        self._slots[slot] = await anyio.to_thread.run_sync(_export_all, ctx, tensors)
+        upload_to = torch.device(target) if target is not None and torch.device(target).type == "cuda" else None
+        device = upload_to if upload_to is not None else tensors[0][1].device
+        stream = self._upload_stream(device)
+        self._slots[slot] = await anyio.to_thread.run_sync(_export_all, ctx, tensors, stream, upload_to)
         self._cuda = self._cuda or any(e.tensor is not None for e in self._slots[slot])
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
