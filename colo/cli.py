@@ -28,6 +28,8 @@ class _Parser(argparse.ArgumentParser):
 #: the largest amount a flag takes: 1 PiB in its unit (GiB flags) or 1 TiB (MiB flags);
 #: beyond that a value is a typo, and 1e308 GiB overflows every byte count
 MAX_GIB, MAX_MIB = float(1 << 20), float(1 << 20)
+#: the longest phase deadline: 10^7 s (116 days) is already "never"
+MAX_DEADLINE_S = 1e7
 
 
 def _show(x: float) -> str:
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fault", default=None, metavar="KIND@PHASE")
     d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
                    help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
-    d.add_argument("--phase-deadline", type=_positive(float), default=600.0, metavar="SECONDS",
+    d.add_argument("--phase-deadline", type=_positive(float, MAX_DEADLINE_S), default=600.0, metavar="SECONDS",
                    help="fail any phase that runs longer than this (default 600)")
     d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",
                    help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "

@@ -2,6 +2,7 @@
 exit 2 at the command line, and nothing overwritten."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -158,3 +159,107 @@ def test_python_dash_m_cli_reports_usage_errors_with_exit_two(tmp_path):
     empty.write_text("")
     proc = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(empty)], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+# -- issue 16, item 5: every float flag, infeasible devices, unwritable outputs ---------------
+
+#: every float flag of every subcommand, with the least argv that reaches its parsing
+FLOAT_FLAGS = [("demo", "--bucket-mib"), ("demo", "--mem-fraction-static"), ("demo", "--device-mem-gib"),
+               ("demo", "--phase-deadline"), ("tune", "--margin-gib"), ("tune", "--gpu-gib"),
+               ("tune", "--model-gib"), ("tune", "--bucket-mib")]
+
+
+def _no_work(monkeypatch):
+    """Fail the test if a demo or a benchmark gets as far as starting anything."""
+    from colo.apps import bench, demo
+
+    def refuse(*a, **k):
+        raise AssertionError("work started for a bad input")
+
+    monkeypatch.setattr(demo.DemoRun, "start", refuse)
+    monkeypatch.setattr(demo, "build_trainer", refuse)
+    monkeypatch.setattr(bench, "bench", refuse)
+    monkeypatch.setattr(bench, "measure_limits", refuse)
+
+
+def _exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own errors
+        return e.code
+
+
+@pytest.mark.parametrize("value", ["1e308", "inf", "-inf", "nan"])
+@pytest.mark.parametrize("command,flag", FLOAT_FLAGS, ids=[f"{c}{f}" for c, f in FLOAT_FLAGS])
+def test_every_float_flag_refuses_absurd_and_non_finite_numbers(command, flag, value, tmp_path, monkeypatch,
+                                                              capsys):
+    _no_work(monkeypatch)
+    trace = tmp_path / "t.jsonl"
+    extra = ["--quiet", "--trace", str(trace)] if command == "demo" else ["--json"]
+    assert _exit_code([command, *extra, f"{flag}={value}"]) == 2
+    assert f"argument {flag}:" in capsys.readouterr().err
+    assert not trace.exists()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--mem-fraction-static", "0.0000001"], "--mem-fraction-static 1e-07 on a 256.00 MiB device: "
+                                             "mem_fraction_static 1e-07 of 268435456 bytes"),
+    # weights 5.5 MiB + one 256-token sequence of 2 KiB slots = 6.0 MiB = 0.0235 of 256 MiB
+    (["--mem-fraction-static", "0.023"], "--mem-fraction-static 0.023 on a 256.00 MiB device: KV pool budget"),
+    (["--device-mem-gib", "0.03"], "--device-mem-gib 0.03 is too small for the engine: reserved memory "
+                                   "32.00 MiB leaves nothing of a 30.72 MiB device"),
+    (["--device-mem-gib", "0.007"], "--device-mem-gib 0.007 is too small for the engine: reserved memory "
+                                    "32.00 MiB leaves nothing of a 7.17 MiB device"),
+])
+def test_a_demo_the_device_cannot_hold_is_refused_before_any_work(argv, msg, tmp_path, monkeypatch, capsys):
+    import psutil
+
+    _no_work(monkeypatch)
+    trace = tmp_path / "t.jsonl"
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    assert main(["demo", "--quiet", "--trace", str(trace), *argv]) == 2
+    assert msg in capsys.readouterr().err
+    assert not trace.exists()
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= before  # no engine process
+
+
+def test_demo_config_refuses_non_finite_and_absurd_sizes():
+    for kw in (dict(bucket_mib=float("inf")), dict(bucket_mib=float("nan")), dict(device_mem_gib=float("inf")),
+               dict(reserved_mib=float("nan")), dict(trainer_leftover_mib=float("inf"))):
+        with pytest.raises(ValueError, match="must be a finite number"):
+            DemoConfig(**kw)
+    with pytest.raises(ValueError, match="bucket size must be at most 1048576 MiB, got 1e\\+308"):
+        DemoConfig(bucket_mib=1e308)
+
+
+@pytest.mark.parametrize("out,msg", [
+    ("/dev/full", "--out /dev/full is not a regular file"),
+    ("{tmp}/a-file/out.json", "--out {tmp}/a-file/out.json: cannot write in {tmp}/a-file"),
+    ("{tmp}", "is not a regular file"),
+])
+def test_bench_refuses_an_output_it_cannot_write_before_it_runs(out, msg, tmp_path, monkeypatch, capsys):
+    _no_work(monkeypatch)
+    (tmp_path / "a-file").write_text("x")
+    out, msg = out.format(tmp=tmp_path), msg.format(tmp=tmp_path)
+    assert main(["bench", "--device", "cpu", "--transports", "packed", "--out", out]) == 2
+    assert msg in capsys.readouterr().err
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")  # never replaced by the result
+
+
+def test_bench_that_cannot_write_its_result_after_the_run_exits_one_with_a_message(tmp_path, monkeypatch,
+                                                                                   capsys):
+    import errno
+
+    from colo.apps import bench
+
+    async def fake_bench(models, cases, **kw):
+        return {"models": []}
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench, "bench", fake_bench)
+    monkeypatch.setattr(bench, "write_result", full)
+    assert main(["bench", "--device", "cpu", "--transports", "packed", "--out", str(tmp_path / "r.json")]) == 1
+    err = capsys.readouterr().err
+    assert "could not write the result to" in err and "No space left on device" in err

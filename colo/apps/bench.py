@@ -329,6 +329,26 @@ def write_result(text: str, *, out: str | os.PathLike | None, directory: str | o
             os.unlink(tmp)
 
 
+def check_out(out: str | None) -> None:
+    """Refuse, before the benchmark runs, an ``--out`` it could not be written to.
+
+    The result goes to a temporary file beside the target and is renamed over
+    it: the target must be a regular file (or not exist) in a directory we can
+    create files in. A device such as /dev/full would be replaced by the rename."""
+    if out is None:
+        return
+    target = Path(out)
+    if target.exists() and not target.is_file():
+        raise UsageError(f"--out {out} is not a regular file; expected a path for the JSON result")
+    parent = target.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write in {parent}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def run_bench(args: Any) -> int:
     if args.device == "cuda":
         try:
@@ -338,17 +358,24 @@ def run_bench(args: Any) -> int:
             return EXIT_FAILED
         return run_bench_gpu(args.out)
     models, cases = _choose(args)
+    check_out(args.out or None)
+
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     result = anyio.run(lambda: bench(models, cases, device="cpu", progress=say))
-    out = write_result(json.dumps(result, indent=2) + "\n", out=args.out or None, directory=RESULTS_DIR,
-                       stem=f"cpu-sync-{dt.date.today().isoformat()}")
     print(table(result))
+    try:
+        out = write_result(json.dumps(result, indent=2) + "\n", out=args.out or None, directory=RESULTS_DIR,
+                           stem=f"cpu-sync-{dt.date.today().isoformat()}")
+    except OSError as e:  # a disk that filled during the run: the table above is all that is left
+        print(f"colo bench: could not write the result to {args.out or RESULTS_DIR}: {e.strerror or e}",
+              file=sys.stderr)
+        return EXIT_FAILED
     print(f"results: {out}")
     ok = all(r["digest_ok"] for m in result["models"] for r in m["rows"])
     return EXIT_OK if ok else EXIT_FAILED
 
 
-__all__ = ["RESULTS_DIR", "write_result", "BenchModel", "CASES", "Case", "MODELS", "PeakStaging", "bench", "bench_model", "machine_info",
+__all__ = ["RESULTS_DIR", "write_result", "BenchModel", "CASES", "Case", "MODELS", "bench", "check_out", "bench_model", "machine_info",
            "measure_limits", "run_bench", "table", "time_case"]

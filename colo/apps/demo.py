@@ -34,6 +34,7 @@ from colo.errors import EXIT_BAD_INPUT, EXIT_OK, UsageError, exit_code
 from colo.transports import REGISTRY as TRANSPORTS
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
+from colo.errors import EngineDied
 from colo.handles import leftover_segments
 from colo.leftovers import dir_prefix, sweep
 from colo.core.invariants import InvariantViolation
@@ -59,6 +60,10 @@ CPU_TRAINER_LEFTOVER_MIB = 8
 #: Largest |engine − trainer| logit difference accepted on the probe batch,
 #: relative to the largest trainer logit (bf16 engine against fp32 trainer).
 LOGIT_TOLERANCE = 0.03
+#: the largest bucket (1 TiB): beyond it a size is a typo, and 1e308 MiB overflows every byte count
+MAX_BUCKET_MIB = float(1 << 20)
+#: engines that died on their own (not an injected fault) a run replaces before it gives up
+MAX_ENGINE_DEATHS = 3
 
 
 @dataclass
@@ -128,8 +133,15 @@ class DemoConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("bucket_mib", "mem_fraction_static", "device_mem_gib", "reserved_mib", "trainer_leftover_mib",
+                     "fault_deadline_s"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if not self.bucket_mib > 0:
             raise ValueError(f"bucket size must be > 0 MiB, got {self.bucket_mib}")
+        if self.bucket_mib > MAX_BUCKET_MIB:
+            raise ValueError(f"bucket size must be at most {int(MAX_BUCKET_MIB)} MiB, got {self.bucket_mib:g}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.device_mem_gib is not None and not self.device_mem_gib > 0:
@@ -258,6 +270,33 @@ def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
     return total, reserved, f"simulated {fmt_bytes(total)} (cpu)"
 
 
+def check_fits(cfg: DemoConfig, model_config: Any) -> None:
+    """Refuse, before anything starts, a device the engine cannot fit on.
+
+    The engine sizes its KV pool as SGLang does (``KVPoolPlan``: total x
+    mem_fraction_static - weights, at least one sequence of maximum length);
+    the same numbers are known here from the model config, the engine dtype
+    and the device budget, so a pool that cannot exist is bad input, not an
+    engine that dies while starting."""
+    from colo.dtypes import as_dtype
+    from colo.engine.model import Dims, KVPoolPlan, WeightMap
+    from colo.errors import KVPoolTooSmall
+
+    try:
+        total, reserved, _ = device_budget(cfg)
+    except ValueError as e:
+        raise UsageError(f"--device-mem-gib {cfg.device_mem_gib:g} is too small for the engine: {e}") from None
+    dims = Dims.from_config(model_config)
+    dtype = as_dtype(cfg.engine_dtype)
+    try:
+        KVPoolPlan(total_bytes=total, mem_fraction_static=cfg.mem_fraction_static,
+                   weight_bytes=WeightMap.build(dims).nbytes(dtype), slot_bytes=dims.slot_bytes(dtype),
+                   min_slots=dims.max_positions)
+    except KVPoolTooSmall as e:
+        raise UsageError(f"--mem-fraction-static {cfg.mem_fraction_static:g} on a {fmt_bytes(total)} device: {e}") \
+            from None
+
+
 @dataclass
 class Recovery:
     """What happened to one injected fault, and what the demo checked after it."""
@@ -290,7 +329,8 @@ class Recovery:
                f"  after the failure: engine weight version {self.engine_weight_version_after_failure}, rollout refused ({self.rollout_refused_by_engine or '-'}); "
                f"staging {self.staging_bytes_after_failure} B, shared-memory segments "
                f"{len(self.segments_after_failure)}; trainer weights "
-               + ("intact" if self.trainer_intact else "CHANGED")]
+               + ("intact" if self.trainer_intact else "CHANGED" if self.trainer_digest_at_fault
+                  else "not compared (no injected fault)")]
         if self.engine_replaced:
             out.append(f"  engine process {self.old_engine_pid} died; started engine process {self.new_engine_pid}")
         if self.recovered:
@@ -392,6 +432,7 @@ class DemoRun:
         from colo.transports import make_transport
 
         cfg = self.cfg
+        check_fits(cfg, self.model_config)  # before the trainer is built or the engine spawned
         torch.manual_seed(cfg.seed)
         self.trainer, self.saver = build_trainer(cfg, self.model_config)
         if self.fault is not None:
@@ -490,10 +531,8 @@ class DemoRun:
             if self.sched.phase is not Phase.FAILED:
                 self.rewards.append(self.sched.last_rollout.reward)
                 return
-            # Only an injected fault is recovered from: a failure nobody injected
-            # (a plan that does not fit) would recur every cycle.
-            if self.injector is None or not self.injector.fired or len(self.recoveries) == 1:
-                err = self.sched.last_error
+            err = self.sched.last_error
+            if not self._recoverable(err):
                 raise err if isinstance(err, Exception) else RuntimeError(describe(err))
             trained = self.sched.trainer_version > version
             reward = self.sched.last_rollout.reward if trained else None
@@ -505,6 +544,15 @@ class DemoRun:
                 # it again would train a second time, so --steps N would not mean N.
                 self.rewards.append(reward)
                 return
+
+    def _recoverable(self, err: BaseException | None) -> bool:
+        """An injected fault (once), or an engine that died of any cause (killed from
+        outside, stopped and killed by the heartbeat) up to ``MAX_ENGINE_DEATHS``
+        times. Any other failure nobody injected (a plan that does not fit) would
+        recur every cycle."""
+        if isinstance(err, EngineDied) or isinstance(getattr(err, "cause", None), EngineDied):
+            return sum(r.engine_replaced for r in self.recoveries) < MAX_ENGINE_DEATHS
+        return self.injector is not None and self.injector.fired and not self.recoveries
 
     def check_fault_fired(self) -> None:
         if self.injector is not None and not self.injector.fired:
@@ -537,8 +585,11 @@ class DemoRun:
 
     def _audit_failure(self) -> Recovery:
         failed = self.summary.errors[-1] if self.summary.errors else {}
-        return Recovery(fault=str(self.fault), phase=failed.get("phase", "?"), step=self.sched.step,
-                        cause=failed.get("error", "?"), trainer_digest_at_fault=self._at_fault[-1],
+        # the injected fault is recovered once; any other recovery is an engine that died on its own
+        injected = bool(self._at_fault) and not any(r.trainer_digest_at_fault for r in self.recoveries)
+        return Recovery(fault=str(self.fault) if injected else "engine-died", phase=failed.get("phase", "?"),
+                        step=self.sched.step, cause=failed.get("error", "?"),
+                        trainer_digest_at_fault=self._at_fault[-1] if injected else "",
                         staging_bytes_after_failure=self.sched.memory.staging_bytes,
                         segments_after_failure=leftover_segments(),
                         trainer_digest_after_failure=self.trainer_digest())
@@ -667,6 +718,13 @@ def run_demo(args: Any) -> int:
         return EXIT_BAD_INPUT
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        from colo.models import demo_config
+
+        check_fits(cfg, demo_config())  # before the trainer, the engine or the trace
+    except UsageError as e:
+        print(f"colo demo: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
     if out is None:

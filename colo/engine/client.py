@@ -31,6 +31,22 @@ _SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107
 _SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 #: after a broken channel, how long to wait for the engine process to be seen dead
 DEATH_WAIT_S = 1.0
+#: how often a waiting request looks at the engine process, and how long the engine
+#: may be seen stopped (SIGSTOP, a job-control stop) before it counts as dead
+HEARTBEAT_S = 0.5
+STOPPED_LIMIT_S = 3.0
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``D``, ``T``, ``Z`` ...),
+    from ``/proc/<pid>/stat``; None where there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(b")", 1)[-1].split()  # the command name in (...) may hold spaces
+    return fields[0].decode("ascii", "replace") if fields else None
 
 
 def socket_dir() -> str:
@@ -245,7 +261,7 @@ class EngineClient:
         if self.closed:
             raise EngineDied(f"engine client is closed: cannot {op}")
         try:
-            reply = await self._ch.request(op, on_sent=on_sent, **fields)
+            reply = await self._request(op, on_sent, fields)
         except ChannelError as e:
             if not await self._died(DEATH_WAIT_S):
                 raise
@@ -254,6 +270,49 @@ class EngineClient:
         if not reply.get("ok"):
             raise EngineError(op, reply.get("error_type", "?"), reply.get("error", ""))
         return reply
+
+    async def _request(self, op: str, on_sent: Any, fields: dict) -> dict:
+        """One request, watched by a heartbeat: an engine stopped for ``STOPPED_LIMIT_S``
+        is killed and :class:`EngineDied`.
+
+        The heartbeat asks the kernel, not the engine: the engine serves one request
+        at a time, so a ping would wait behind a legitimately long ``generate`` or
+        ``transport_load``, and a busy engine (running, sleeping, in I/O) is not a
+        stopped one (``T``). A stopped engine keeps its end of the channel open, so
+        without this a request would wait out the phase deadline (600 s)."""
+        stopped: list[float] = []
+        reply: dict | None = None
+        failed: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._heartbeat, tg.cancel_scope, stopped)
+            try:
+                reply = await self._ch.request(op, on_sent=on_sent, **fields)
+            except Exception as e:  # raised below, outside the group: it would wrap it in an ExceptionGroup
+                failed = e
+            tg.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
+        if reply is not None:
+            return reply
+        pid = self.process.pid
+        self.process.kill()  # SIGKILL ends a stopped process too
+        await self._died(5.0)
+        raise EngineDied(f"engine process {pid} was stopped (state T) for {stopped[0]:.1f} s during {op}; "
+                         "killed it")
+
+    async def _heartbeat(self, scope: anyio.CancelScope, stopped: list[float]) -> None:
+        since: float | None = None
+        while True:
+            await anyio.sleep(HEARTBEAT_S)
+            if process_state(self.process.pid) not in ("T", "t"):
+                since = None
+                continue
+            now = anyio.current_time()
+            since = now if since is None else since
+            if now - since >= STOPPED_LIMIT_S:
+                stopped.append(now - since)
+                scope.cancel()
+                return
 
     async def _died(self, wait_s: float) -> bool:
         """Whether the engine process has ended, waiting up to ``wait_s`` for it.
@@ -338,6 +397,8 @@ class EngineClient:
         # Shielded: an engine left running after a cancelled run holds memory
         # and a socket nobody will ever answer.
         with anyio.CancelScope(shield=True):
+            if process_state(self.process.pid) in ("T", "t"):
+                self.process.kill()  # a stopped engine answers no shutdown
             if self.process.is_alive():
                 with anyio.move_on_after(timeout_s):
                     try:
