@@ -155,3 +155,14 @@ def test_sigint_to_a_ray_driver_leaves_no_actor_group_or_segment(cluster, tmp_pa
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted (SIGINT)" in err
     _assert_nothing_left(before)
+
+
+def test_bundles_the_cluster_cannot_place_fail_the_start_naming_them_and_leave_no_group(cluster):
+    from colo.ranks.ray_launcher import bundles_for, reserve
+
+    # a CPU cluster has no GPU: neither bundle can be placed
+    with pytest.raises(RankDied) as e:
+        anyio.run(lambda: reserve(bundles_for(2, gpu=True), strategy="STRICT_PACK", timeout_s=3))
+    assert "bundle 0 {'GPU': 1, 'CPU': 1}" in str(e.value) and "bundle 1" in str(e.value)
+    assert "STRICT_PACK" in str(e.value)
+    assert _live_groups() == []

@@ -78,11 +78,13 @@ async def reserve(bundles: list[dict[str, float]], *, strategy: str = "STRICT_PA
             await pg.ready()
     except TimeoutError:
         with anyio.CancelScope(shield=True):
-            placed = placement_group_table(pg).get("bundles_to_node_id", {}) or {}
+            table = placement_group_table(pg)
             remove_placement_group(pg)
-        missing = [f"bundle {i} {b}" for i, b in enumerate(bundles) if i not in placed]
-        raise RankDied(f"Ray could not place {', '.join(missing)} ({strategy}) within {timeout_s:.0f} s; "
-                       f"the cluster has {ray.cluster_resources()}") from None
+        placed = table.get("bundles_to_node_id") or {}  # an unplaced bundle maps to ""
+        missing = [f"bundle {i} {b}" for i, b in enumerate(bundles) if not placed.get(i)]
+        state = (table.get("stats") or {}).get("scheduling_state", table.get("state"))
+        raise RankDied(f"Ray could not place {', '.join(missing)} ({strategy}, {state}) within "
+                       f"{timeout_s:.0f} s; the cluster has {ray.cluster_resources()}") from None
     except BaseException:
         with anyio.CancelScope(shield=True):
             remove_placement_group(pg)
