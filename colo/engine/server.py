@@ -322,7 +322,10 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir
+    # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir.
+    # One is enough: the parent-death signal and the watchdog can both send one, and a
+    # second SystemExit raised inside that cleanup would cut it short (a dir left behind).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
