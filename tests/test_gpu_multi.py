@@ -1,5 +1,5 @@
-"""Two GPUs: ``colo demo --device cuda --gpus 2`` with every trainer under the two plans
-that differ in the sync's source, and an engine rank killed mid-sync.
+"""Two GPUs: ``colo demo --device cuda --gpus 2`` with every trainer under every plan,
+and an engine rank killed mid-sync.
 
 Each run verifies every sync inside itself (every engine rank's shard digest
 against the trainer's shard, and the TP engine's probe logits against the
@@ -38,7 +38,7 @@ def _events(path) -> list[dict]:
 
 
 @pytest.mark.parametrize("trainer", ["hf", "megatron", "fsdp"])
-@pytest.mark.parametrize("plan", ["offload-first", "sync-first"])
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
 def test_two_gpu_demo_verifies_every_sync_on_every_engine_rank(tmp_path, trainer, plan):
     res, paths = _demo(tmp_path, f"{trainer}-{plan}", "--trainer", trainer, "--plan", plan, "--steps", "3",
                        "--mem-fraction-static", "0.5")

@@ -248,3 +248,14 @@ async def test_stage_records_that_come_back_as_data_are_written_like_live_ones(t
     assert max(s for *_, s in stages[1]) > 0 and remote.memory.peak_bytes == live.memory.peak_bytes
     ts = [e["ts"] for e in remote_trace.events]
     assert ts == sorted(ts)
+
+
+@pytest.mark.parametrize("trainers, engines", [(2, 1), (1, 2), (4, 2)])
+def test_a_trainer_and_an_engine_of_different_tp_sizes_are_refused_naming_both(trainers, engines):
+    """One engine rank per trainer rank, one of each per GPU: a TP=2 engine under a
+    4-rank trainer would leave two GPUs' handles with nobody to load them."""
+    with pytest.raises(ValueError) as e:
+        Scheduler([FakeTrainer() for _ in range(trainers)], [FakeEngine() for _ in range(engines)],
+                  [MemoryLedger(total_bytes=1 << 30) for _ in range(trainers)],
+                  [FakeTransport() for _ in range(trainers)], plan="offload-first")
+    assert f"the trainer has {trainers} ranks but the engine has {engines}" in str(e.value)
