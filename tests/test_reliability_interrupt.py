@@ -54,12 +54,30 @@ def _demo(tmp: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     return proc, trace
 
 
-def _start_demo_mid_sync(tmp: Path) -> tuple[subprocess.Popen, Path, list]:
-    """A 50-step demo with small buckets, stopped once a sync has handed a bucket over."""
-    proc, trace = _demo(tmp, "--steps", "50", "--bucket-mib", "0.05")
-    deadline = time.monotonic() + 120
+def _in_phase(phase: str):
+    """A predicate on the trace: the run is inside ``phase`` now (for sync: a bucket has been handed over)."""
+    if phase == "sync":
+        return _mid_sync
+    # ranks in worker processes report their buckets when their sync returns: "sync
+    # started" is as close as rank 0's trace can tell
+    phase = "sync" if phase == "sync-started" else phase
+
+    def inside(events: list[dict]) -> bool:
+        entered = [e for e in events if e.get("event") in ("phase.entered", "phase.finished")]
+        return bool(entered) and entered[-1]["event"] == "phase.entered" and entered[-1]["to_phase"] == phase
+
+    return inside
+
+
+def _start_demo_mid_sync(tmp: Path, phase: str = "sync", *extra: str) -> tuple[subprocess.Popen, Path, list]:
+    """A 50-step demo with small buckets, stopped inside ``phase`` (in sync: once a bucket was handed over)."""
+    proc, trace = _demo(tmp, "--steps", "50", "--bucket-mib", "0.05", *extra)
+    inside = _in_phase(phase)
+    if "--gpus" in extra:
+        trace = trace.with_name("t.rank0.jsonl")  # every rank writes its own; rank 0's is watched
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if trace.exists() and _mid_sync(_events(trace)):
+        if trace.exists() and inside(_events(trace)):
             break
         if proc.poll() is not None:
             pytest.fail(f"demo exited {proc.returncode} before a sync: {(tmp / 'stderr').read_text()[-2000:]}")
@@ -67,7 +85,7 @@ def _start_demo_mid_sync(tmp: Path) -> tuple[subprocess.Popen, Path, list]:
     else:
         proc.kill()
         proc.wait()
-        pytest.fail("no bucket of a sync in the trace within 120 s")
+        pytest.fail(f"no {phase} in the trace within 240 s")
     children = psutil.Process(proc.pid).children(recursive=True)
     assert children, "the demo has no engine process"
     return proc, trace, children
@@ -96,12 +114,13 @@ def _assert_nothing_left(proc: subprocess.Popen, children: list, tmp: Path) -> N
     assert _segments(pids) == [], "shared-memory segments of the run left behind"
 
 
-def _assert_cancelled_and_finished(trace: Path) -> None:
+def _assert_cancelled_and_finished(trace: Path, phase: str | None = "sync") -> None:
     events = _events(trace)
     assert events[-1]["event"] == "trace.finished"
     failed = [e for e in events if e["event"] == "phase.failed"]
     assert failed and failed[-1]["error"] == "cancelled", failed
-    assert failed[-1]["phase"] == "sync"
+    if phase is not None:
+        assert failed[-1]["phase"] == phase
 
 
 @pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)],
@@ -117,3 +136,37 @@ def test_a_signal_during_a_packed_sync_cancels_the_run_and_leaves_nothing(signal
     _assert_cancelled_and_finished(trace)
     _assert_nothing_left(proc, children, short_tmp)
 
+
+
+@pytest.mark.parametrize("phase", ["rollout", "train"])
+def test_sigterm_in_rollout_or_train_cancels_that_phase_and_leaves_nothing(phase, short_tmp):
+    proc, trace, children = _start_demo_mid_sync(short_tmp, phase)
+    os.kill(proc.pid, signal.SIGTERM)
+    code = proc.wait(60)
+    err = (short_tmp / "stderr").read_text(errors="replace")
+    assert code == 130 and "Traceback" not in err, (code, err[-3000:])
+    # a train step of the demo model takes a fraction of a second: the signal may
+    # land in the phase after it; whichever it lands in is cancelled and closed
+    _assert_cancelled_and_finished(trace, None)
+    _assert_nothing_left(proc, children, short_tmp)
+
+
+@pytest.mark.parametrize("phase", ["rollout", "sync", "train"])
+def test_sigkill_in_any_phase_leaves_no_process_dir_or_segment_ten_seconds_later(phase, short_tmp):
+    """Nothing runs in a SIGKILLed driver: the engine notices it is orphaned, ends
+    itself and, last of the run, removes the driver's work dir as well as its own."""
+    proc, trace, children = _start_demo_mid_sync(short_tmp, phase)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    _assert_nothing_left(proc, children, short_tmp)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_two_rank_demo_interrupted_mid_sync_leaves_no_worker_engine_dir_or_segment(sig, short_tmp):
+    """The same for ``--gpus 2``: two worker processes, each with its engine rank as a child."""
+    proc, trace, children = _start_demo_mid_sync(short_tmp, "sync-started", "--gpus", "2")
+    assert len(children) >= 4, [c.name() for c in children]  # 2 workers, 2 engine ranks (and helpers)
+    os.kill(proc.pid, sig)
+    code = proc.wait(90)
+    assert code == (130 if sig == signal.SIGTERM else -signal.SIGKILL)
+    _assert_nothing_left(proc, children, short_tmp)

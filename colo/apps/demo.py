@@ -462,7 +462,9 @@ class DemoRun:
         cfg = self.cfg
         return {"config": self.model_config.to_dict(), "dtype": cfg.engine_dtype, "device": cfg.device,
                 "total_bytes": self.total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
-                "memory": "saver" if self.saver is not None else "free"}
+                "memory": "saver" if self.saver is not None else "free",
+                # if this process is killed outright, the engine removes the work dir as it goes
+                "run_dir": self.workdir}
 
     async def _spawn_engine(self, build: dict) -> Any:
         from colo.engine.client import EngineClient

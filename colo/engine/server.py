@@ -325,6 +325,8 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir.
     # One is enough: the parent-death signal and the watchdog can both send one, and a
     # second SystemExit raised inside that cleanup would cut it short (a dir left behind).
+    global _SIGNALLED
+    _SIGNALLED = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
@@ -335,7 +337,48 @@ def _remove_sockdir(sock_path: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def die_with_parent(parent_pid: int | None, sock_path: str) -> None:
+#: (the parent pid this process watches, the run's work dir): see remove_run_dir_if_orphaned
+_ORPHAN: tuple[int | None, str | None] = (None, None)
+#: a SIGTERM (the parent-death signal, the watchdog, a kill) is ending this process
+_SIGNALLED = False
+
+
+def remove_run_dir_if_orphaned() -> None:
+    """The driver died without its own cleanup (SIGKILL): the processes it started are
+    the last of the run, and the last thing they do is remove the run's work dir
+    (``colo-demo-*`` only, never a path of another shape) and sweep what dead
+    owners left (:func:`colo.leftovers.sweep`: its segments, its dirs)."""
+    parent_pid, run_dir = _ORPHAN
+    if not _SIGNALLED or not run_dir or parent_pid is None or not os.path.basename(os.path.normpath(run_dir)).startswith("colo-demo-"):
+        return
+    # The parent-death signal comes when the parent's *thread* ends, which can be a
+    # moment before its process is gone: wait a little for that, never long.
+    deadline = time.monotonic() + 2.0
+    while not _parent_gone(parent_pid):
+        if time.monotonic() > deadline:
+            return  # the parent lives: the dir is still its own
+        time.sleep(0.05)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    # and what the next run's start-up sweep would remove: the dead parent's staging
+    # segments (this process had them mapped), dirs of runs whose owner is gone
+    from colo.leftovers import sweep
+
+    sweep()
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    """Re-parented, or the parent is a zombie or gone (Linux's /proc; elsewhere: re-parented only)."""
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return sys.platform.startswith("linux")
+    return state in ("Z", "X")
+
+
+def die_with_parent(parent_pid: int | None, sock_path: str, run_dir: str | None = None) -> None:
     """End this engine when the process that started it ends, however it ends.
 
     Linux's parent-death signal (SIGTERM, handled as a clean exit) fires when the
@@ -344,8 +387,11 @@ def die_with_parent(parent_pid: int | None, sock_path: str) -> None:
     passed, and stops the engine when it changed (re-parented to init or a
     subreaper). If the clean exit does not come within ``ORPHAN_GRACE_S`` (the
     main thread stuck in a native call), the watchdog removes the socket
-    directory itself and leaves.
+    directory itself and leaves. An orphan also removes ``run_dir``, the driver's
+    work dir, which a driver killed outright could not.
     """
+    global _ORPHAN
+    _ORPHAN = (parent_pid, run_dir)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     if sys.platform.startswith("linux"):
@@ -364,6 +410,7 @@ def die_with_parent(parent_pid: int | None, sock_path: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(ORPHAN_GRACE_S)
         _remove_sockdir(sock_path)
+        remove_run_dir_if_orphaned()
         os._exit(1)
 
     threading.Thread(target=watch, name="colo-engine-parent-watch", daemon=True).start()
@@ -374,11 +421,12 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
 
     The engine dies with the process that started it (``build["parent_pid"]``)
     and removes its own socket directory on the way out."""
-    die_with_parent(build.get("parent_pid"), sock_path)
+    die_with_parent(build.get("parent_pid"), sock_path, build.get("run_dir"))
     try:
         _serve(sock_path, key, build)
     finally:
         _remove_sockdir(sock_path)
+        remove_run_dir_if_orphaned()
         if threading.current_thread() is threading.main_thread():
             # cleaned up: a parent-death signal during interpreter exit just ends the process
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -27,13 +27,14 @@ from colo.errors import ChannelError
 
 def serve(sock_path: str, key: bytes, spec: dict) -> None:
     """Process entry point."""
-    from colo.engine.server import _remove_sockdir, die_with_parent
+    from colo.engine.server import _remove_sockdir, die_with_parent, remove_run_dir_if_orphaned
 
-    die_with_parent(spec.pop("parent_pid", None), sock_path)
+    die_with_parent(spec.pop("parent_pid", None), sock_path, spec.get("workdir"))
     try:
         anyio.run(_serve, sock_path, key, spec)
     finally:
         _remove_sockdir(sock_path)
+        remove_run_dir_if_orphaned()
 
 
 def _listen(sock_path: str) -> socket.socket:
