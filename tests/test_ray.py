@@ -27,12 +27,11 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
-from colo.apps.demo import DemoConfig, run  # noqa: E402
+from tests.multirank import shared_run, two_rank_run  # noqa: E402
 from colo.errors import RankDied, RankFailed  # noqa: E402
 from colo.offline.replay import replay  # noqa: E402
 
 #: small rollouts: four processes share two cores, and a TP=2 engine all-reduces per layer per token
-SMALL = dict(device="cpu", batch=8, new_tokens=8, prompt_len=6, gpus=2, seed=0)
 
 
 def _events(path) -> list[dict]:
@@ -65,10 +64,7 @@ def _assert_nothing_left(segments_before: set[str]) -> None:
 
 
 def _run(tmp_path, name: str, on_cycle=None, **kw):
-    trace = tmp_path / f"{name}.jsonl"
-    cfg = DemoConfig(**{**SMALL, "steps": 3, "trace": str(trace), **kw})
-    out = anyio.run(lambda: run(cfg, progress=False, on_cycle=on_cycle))
-    return out, [tmp_path / f"{name}.rank0.jsonl", tmp_path / f"{name}.rank1.jsonl"]
+    return two_rank_run(tmp_path, name, on_cycle=on_cycle, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +83,8 @@ def runs(cluster, tmp_path_factory):
     rank 1's engine killed mid-sync at step 1."""
     tmp = tmp_path_factory.mktemp("ray")
     before = _segments()
-    out = {"process": _run(tmp, "process", launcher="process"),
+    # the process launcher's run is the one tests/test_demo_multi.py checks too: run once
+    out = {"process": shared_run(tmp_path_factory, trainer="hf"),
            "ray": _run(tmp, "ray", launcher="ray"),
            "ray-killed": _run(tmp, "ray-killed", launcher="ray", fault="kill-engine@sync", fault_step=1)}
     _assert_nothing_left(before)
