@@ -179,6 +179,10 @@ class BucketSender:
             # stream, while the engine loads bucket i; pack follows on the same
             # stream, so it sees them in order.
             with torch.cuda.stream(stream):
+                # after what the trainer queued on the default stream (an optimizer
+                # step, a weight update): a side stream does not wait for it by itself,
+                # and a gather could read the weights half-written
+                stream.wait_stream(torch.cuda.default_stream(stream.device))
                 return list(extractor.extract(names))
 
         tensors = await anyio.to_thread.run_sync(gather)
