@@ -30,7 +30,9 @@ def dir_prefix(kind: str) -> str:
 
 
 def owner_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (another user's, or a zombie, counts as alive)."""
+    """Whether a process ``pid`` runs (another user's counts as alive). A zombie does
+    not: it ran no cleanup and never will; a SIGKILLed driver is one until its parent
+    reaps it, and its orphaned engine sweeps in that moment."""
     if pid <= 0:
         return True  # not a pid we wrote: leave it
     try:
@@ -39,7 +41,11 @@ def owner_alive(pid: int) -> bool:
         return False
     except (PermissionError, OverflowError):
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[:1] not in ([b"Z"], [b"X"])
+    except OSError:
+        return True  # no /proc to ask: exists, so alive
 
 
 def _dead_owner(name: str, pattern: re.Pattern[str]) -> bool:

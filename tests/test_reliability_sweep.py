@@ -23,15 +23,19 @@ def short_tmp():
 
 def test_what_a_sigkill_left_behind_is_swept_by_the_next_demo(short_tmp):
     proc, _, children = _start_demo_mid_sync(short_tmp)
+    # the whole run killed at once (an OOM killer, `kill -9` of the process group): no
+    # process of it lives to clean up, not even the engine that otherwise would
+    for c in children:
+        c.kill()
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait(10) == -signal.SIGKILL
     pids = [proc.pid, *(c.pid for c in children)]
-    deadline = time.monotonic() + 10  # the engine ends itself (parent-death signal, watchdog)
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not all(_gone(c) for c in children):
         time.sleep(0.1)
     assert [c.pid for c in children if not _gone(c)] == []
     left = _ours(short_tmp)
-    # the driver ran no cleanup: its work dir, named with its pid, is still there
+    # nothing of the run ran any cleanup: its work dir, named with its pid, is still there
     assert any(name.startswith(f"colo-demo-{proc.pid}-") for name in left), left
     segments = _segments(pids)  # mid-sync: the bucket segments in flight, if the kill caught any
     # a dir of another user's run, and names colo does not own, are never touched

@@ -404,9 +404,13 @@ def die_with_parent(parent_pid: int | None, sock_path: str, run_dir: str | None 
         return
 
     def watch() -> None:
+        global _SIGNALLED
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_S)
         log("engine.orphaned", parent_pid=parent_pid, new_parent_pid=os.getppid())
+        # set here too: a main thread stuck in a native call never runs the handler,
+        # and the leftovers below must still go
+        _SIGNALLED = True
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(ORPHAN_GRACE_S)
         _remove_sockdir(sock_path)
