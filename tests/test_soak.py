@@ -23,32 +23,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 _LOOP = r"""
 import json, os, sys, anyio
+from bench.soak import engine_pids, rss_bytes
 from colo.apps.demo import DemoConfig, run
 from colo.handles import leftover_segments
 
 cycles, warmup, trace, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 seen = {}
 
-def children():
-    kids = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                        kids.append(int(pid))
-            except (OSError, IndexError, ValueError):
-                pass
-    return kids
-
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
 def on_cycle(n):
     if n in (warmup, cycles):
-        pids = (os.getpid(), *children())
-        seen[n] = {"rss": rss(), "engines": len(pids) - 1,
+        pids = (os.getpid(), *engine_pids())
+        seen[n] = {"rss": rss_bytes(os.getpid()), "engines": len(pids) - 1,
                    "fds": {str(p): len(os.listdir(f"/proc/{p}/fd")) for p in pids},
                    "shm": {str(p): leftover_segments(p) for p in pids}}
 

@@ -104,6 +104,11 @@ class RolloutData:
 
 def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str, str] | None) -> Any:
     proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True, name="colo-engine")
+    return start_with_env(proc, env)
+
+
+def start_with_env(proc: Any, env: dict[str, str] | None) -> Any:
+    """``proc.start()`` with ``env`` added to the child's environment only."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     try:
         # a spawned child copies os.environ at start(): set it for that moment only

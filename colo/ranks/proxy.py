@@ -38,22 +38,13 @@ _BY_NAME = {"EngineDied": EngineDied, "VerificationError": VerificationError}
 
 
 def _start(spec: dict, path: str, key: bytes, env: dict[str, str] | None) -> Any:
+    from colo.engine.client import start_with_env
     from colo.ranks.worker import serve
 
     # not daemonic: the worker starts its engine rank as a child of its own
     proc = mp.get_context("spawn").Process(target=serve, args=(path, key, spec), daemon=False,
                                            name=f"colo-rank-{spec['rank']}")
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    try:
-        os.environ.update(env or {})  # a spawned child copies os.environ at start()
-        proc.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return proc
+    return start_with_env(proc, env)
 
 
 class Worker:
