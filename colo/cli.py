@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plan", choices=PLANS, default="offload-first")
     d.add_argument("--transport", choices=TRANSPORTS, default="packed")
     d.add_argument("--trainer", default="hf", help="hf (transformers), megatron (megatron-core), fsdp (FSDP2)")
+    d.add_argument("--model", default="demo", help="demo (tiny, the default) or qwen2-1.5b (Qwen2-1.5B shapes, "
+                   "random weights: a trainer that is a real share of one GPU)")
     d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=1.0)
     d.add_argument("--mem-fraction-static", type=_fraction, default=0.8)
     d.add_argument("--device-mem-gib", type=_positive(float, MAX_GIB), default=None,

@@ -31,6 +31,27 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "attn_implementation": "sdpa",
 }
 
+#: Named demo sizes (``colo demo --model NAME``): overrides of ``DEMO_DEFAULTS``.
+#: ``qwen2-1.5b`` is Qwen2-1.5B's shapes (random weights, no download): a trainer
+#: of 1.54 B float32 parameters with AdamW holds ~18.5 GB resident and peaks
+#: near 30 GB in its step, a real share of one H100 or H200 where the choice of
+#: mem_fraction_static matters. Its context is cut to 4096 positions: the engine
+#: must hold one sequence of maximum length, and the demo's are 32 tokens.
+DEMO_MODELS: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, intermediate_size=8960, max_position_embeddings=4096,
+                       tie_word_embeddings=True, rope_theta=1000000.0),
+}
+
+
+def demo_model_config(name: str) -> Qwen2Config:
+    """The config of a named demo size (:data:`DEMO_MODELS`)."""
+    if name not in DEMO_MODELS:
+        raise ValueError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
+    return demo_config(**DEMO_MODELS[name])
+
+
 # Keys Qwen2Config takes as constructor arguments without keeping an attribute
 # of the same name (transformers 5 moves them into rope_parameters / a private slot).
 _CONSTRUCTOR_ONLY = {"rope_theta", "attn_implementation"}

@@ -56,12 +56,12 @@ class MultiDemoRun:
     traces, the scheduler; the same surface as :class:`colo.apps.demo.DemoRun`."""
 
     def __init__(self, cfg: Any, gpus: int):
-        from colo.models import demo_config
+        from colo.models import demo_model_config
 
         if cfg.fault is not None and cfg.fault not in MULTI_FAULTS:
             raise ValueError(f"--gpus {gpus} supports the fault(s) {', '.join(MULTI_FAULTS)}, got {cfg.fault!r}")
         self.cfg, self.n = cfg, gpus
-        self.model_config = demo_config()
+        self.model_config = demo_model_config(getattr(cfg, "model", "demo"))
         self.summary = PhaseSummary()
         self.rewards: list[float] = []
         self.recoveries: list[Any] = []
