@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1; see the README).
 set -uo pipefail
@@ -41,6 +41,23 @@ case "${1:-tests}" in
     ;;
   multi)  # two GPUs: every trainer under both source plans, a killed engine rank, a GPU count too large
     python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
+    ;;
+  tune)  # issue 17: record a Qwen2-1.5B demo, tune it, run at the recommendation and at +0.03 (every run
+    # kept, whatever the one before did: the traces say why a run failed where it did)
+    demo gpu-tune-baseline --model qwen2-1.5b --steps 2 --mem-fraction-static 0.5 --bucket-mib 64
+    python3 -m colo.cli tune "$OUT/gpu-tune-baseline.jsonl" | tee "$OUT/gpu-tune.txt"
+    python3 -m colo.cli tune "$OUT/gpu-tune-baseline.jsonl" --json > /tmp/tune.json
+    mfs=$(python3 -c "import json; print(json.load(open('/tmp/tune.json'))['mem_fraction_static'])")
+    bucket=$(python3 -c "import json; print(json.load(open('/tmp/tune.json'))['bucket_mib'])")
+    above=$(python3 -c "print(round($mfs + 0.03, 2))")
+    demo gpu-tune-at --model qwen2-1.5b --steps 2 --mem-fraction-static "$mfs" --bucket-mib "$bucket"
+    python3 -m colo.cli tune "$OUT/gpu-tune-at.jsonl" | tee -a "$OUT/gpu-tune.txt"
+    demo gpu-tune-above --model qwen2-1.5b --steps 2 --mem-fraction-static "$above" --bucket-mib "$bucket"
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+    ;;
+  tune-test)  # issue 17's gpu test; its traces and tune output come back in $OUT
+    COLO_GPU_TUNE_OUT="$OUT" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tune.py 2>&1 \
+      | tee "$OUT/gpu-tune-test.log" | tail -30
     ;;
   bench2)  # two GPUs: trainer TP=2 (Megatron layout), engine TP=2, Qwen2-7B shapes
     python3 -m colo.cli bench --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from colo.core.memory import GiB, MiB, fmt_bytes
 from colo.core.phases import EFFECTS, PLANS, Effect, Phase
@@ -73,6 +73,12 @@ class Point:
     by_tag: dict
     kv_resident: bool
     virtual: bool = False  # an allocation that was refused (phase.failed with oom_*)
+    #: where the KV pool this point holds became resident (the engine's start or the
+    #: KV wake-up before it); None: this point is that admission, or holds no pool
+    admission: "Point | None" = field(default=None, compare=False, repr=False)
+    #: between a sync's start and the next trainer_offload: what the sync's staging
+    #: left in the sender's allocator cache is still on the device here
+    after_sync: bool = False
 
     @property
     def kv(self) -> int:
@@ -104,6 +110,8 @@ class Device:
     points: list[Point]
     mfs_recorded: float | None = None
     max_bucket: int = 0  # largest bucket.finished bytes
+    #: per sync: (growth of R from its phase.entered to its phase.finished, its staging peak)
+    sync_growth: list = field(default_factory=list)
     #: which rank of a multi-GPU run this trace is, and its GPU (name, and UUID when recorded)
     rank: int = 0
     world_size: int = 1
@@ -129,27 +137,52 @@ def _points(trace: LoadedTrace) -> Device:
     phase, step = START, None
     points: list[Point] = []
     max_bucket = 0
+    admission: Point | None = None  # where the KV pool resident now was admitted
+    after_sync = False
+    sync_growth: list[tuple[int, int]] = []
+    sync_start: tuple[int, int] | None = None  # (R at the sync's start, its staging peak so far)
     for ev, n in zip(trace.events, trace.lines):
         name = ev["event"]
         if isinstance(ev.get("step"), int):
             step = ev["step"]
+        admitted = False
         if name == "phase.entered":
             phase = ev["to_phase"]
+            after_sync = after_sync or phase == Phase.SYNC.value
         elif name in ("memory.paused", "memory.resumed") and f"{ev['owner']}.{ev['tag']}" == KV:
             kv_res = name == "memory.resumed"
+            admitted = kv_res
         elif name == "bucket.finished" and isinstance(ev.get("bytes"), int):
             max_bucket = max(max_bucket, ev["bytes"])
+        admitted = admitted or (n == trace.lines[0] and kv_res)
         mem = ev.get("mem")
         if mem is None:
             continue
         by_tag = dict(mem.get("by_tag") or {})
         if weights is None and by_tag.get(WEIGHTS):
             weights = by_tag[WEIGHTS]
+        reserved = mem["used"] - sum(by_tag.values())
+        if name == "phase.entered" and ev["to_phase"] == Phase.SYNC.value:
+            sync_start = (reserved, 0)
+        elif sync_start is not None:
+            sync_start = (sync_start[0], max(sync_start[1], by_tag.get(STAGING, 0)))
+            if name == "phase.finished" and ev.get("phase") == Phase.SYNC.value:
+                sync_growth.append((reserved - sync_start[0], sync_start[1]))
+                sync_start = None
         if name == "phase.failed" and isinstance(ev.get("oom_requested"), int) and isinstance(ev.get("oom_free"), int):
-            points.append(_refused(trace.path, n, ev, by_tag, kv_res, registered, total, step))
+            points.append(replace(_refused(trace.path, n, ev, by_tag, kv_res, registered, total, step),
+                                  after_sync=after_sync, admission=admission if kv_res else None))
+            sync_start = None
         # The phase.entered snapshot is the previous phase's end state; count it there.
         label = (ev["from_phase"] or START) if name == "phase.entered" else phase
-        points.append(Point(trace.path, n, name, label, step, mem["used"], by_tag, kv_res))
+        p = Point(trace.path, n, name, label, step, mem["used"], by_tag, kv_res,
+                  admission=None if admitted or not kv_res else admission, after_sync=after_sync)
+        points.append(p)
+        if admitted:
+            admission = p
+        if name == "phase.finished" and ev.get("phase") == Phase.TRAINER_OFFLOAD.value:
+            # the trainer's pause empties its allocator cache (colo.cuda_memory.TrainerMemory)
+            after_sync = False
     if weights is None:
         raise TuneError(f"{trace.path}: no engine.weights in the trace; expected the engine's weights "
                         "in trace.started tags or in mem.by_tag")
@@ -157,7 +190,7 @@ def _points(trace: LoadedTrace) -> Device:
     bucket = config.get("bucket_bytes")
     return Device(trace.path, total, int(weights), bucket if isinstance(bucket, int) and bucket > 0 else None,
                   config.get("plan"), points, mfs if isinstance(mfs, (int, float)) else None, max_bucket,
-                  **_which_gpu(head, config))
+                  sync_growth, **_which_gpu(head, config))
 
 
 def _which_gpu(head: dict, config: dict) -> dict:
@@ -227,7 +260,7 @@ class DeviceResult:
     device: Device
     margin: int
     max_fraction: float | None
-    binding: Point | None
+    binding: Point | None  # the peak: the KV-resident event that holds the most besides the pool
     mfs: float | None
     bucket_bytes: int | None
     bucket_limit: float | None
@@ -238,6 +271,60 @@ class DeviceResult:
     notes: list[str] = field(default_factory=list)
     arithmetic: list[str] = field(default_factory=list)
     tied: list[str] = field(default_factory=list)  # later phases that meet the same peak
+    #: bytes the recommended bucket adds to what a sync leaves cached (see _cached_staging)
+    extra_cached: int = 0
+
+    @property
+    def refused_at(self) -> Point | None:
+        """Where a larger fraction is refused: the peak itself when colo admits what
+        it adds there (the sync's staging), else where the KV pool it holds was
+        admitted (the engine's start, or ``engine_wake_kv``). What a phase adds
+        after that (the rollout's activations in the engine) is not admitted by
+        colo: only the margin covers it."""
+        b = self.binding
+        if b is None or b.staging > 0 or b.admission is None:
+            return b
+        return b.admission
+
+
+@dataclass(frozen=True)
+class Staging:
+    """What the recorded syncs say about staging.
+
+    ``slot``: the bytes one bucket in flight took, the larger of the bucket
+    budget and the largest bucket recorded (a tensor larger than the budget
+    travels alone in a bucket of its own size: the packed transport sizes its
+    two slots by its largest bucket); ``live``: slots in flight at the peak;
+    ``largest``: the largest tensor, where a bucket over budget shows it;
+    ``cached``: the sync's staging stayed on the device after it (R grew
+    across the sync by at least its staging peak: the sender's allocator
+    caches the freed slots until the trainer's next offload empties it)."""
+
+    budget: int | None
+    peak: int
+    slot: int | None
+    live: float
+    largest: int
+    cached: bool
+    growth: int  # the largest growth of R across one sync
+
+    @classmethod
+    def of(cls, dev: Device) -> "Staging":
+        budget = dev.bucket_bytes or dev.max_bucket or None
+        peak = max((p.staging for p in dev.points), default=0)
+        slot = max(budget or 0, dev.max_bucket) or None
+        live = peak / slot if slot and peak else DEFAULT_LIVE_BUCKETS
+        largest = dev.max_bucket if dev.bucket_bytes and dev.max_bucket > dev.bucket_bytes else 0
+        cached = any(sp > 0 and g >= 0.9 * sp for g, sp in dev.sync_growth)
+        growth = max((g for g, _ in dev.sync_growth), default=0)
+        return cls(budget, peak, slot, live, largest, cached, growth)
+
+    def extra_for(self, bucket: int | None) -> int:
+        """What a sync at ``bucket`` leaves cached beyond what the recorded one did
+        (never less: a smaller bucket is not assumed to give any back)."""
+        if not self.cached or bucket is None or self.slot is None:
+            return 0
+        return max(0, int(self.live * (max(bucket, self.largest) - self.slot)))
 
 
 def _bucket(dev: Device, mfs: float | None, limit: int, margin: int, infeasible: list[str],
@@ -245,10 +332,8 @@ def _bucket(dev: Device, mfs: float | None, limit: int, margin: int, infeasible:
     """The largest power-of-two bucket that fits beside what the sync holds, with
     the KV pool at the recommended fraction where it is resident."""
     T, Wr = dev.total, dev.engine_weights
-    budget = dev.bucket_bytes or dev.max_bucket or None
-    staged = [p for p in dev.points if p.staging > 0]
-    peak_staging = max((p.staging for p in staged), default=0)
-    live = peak_staging / budget if budget and peak_staging else DEFAULT_LIVE_BUCKETS
+    st = Staging.of(dev)
+    live = st.live
     sync_points = [p for p in dev.points if p.staging > 0 or p.phase == Phase.SYNC.value]
     bucket_point, bucket_limit, bucket = None, None, None
     kv_new = (mfs * T - Wr) if mfs is not None else None
@@ -271,7 +356,27 @@ def _bucket(dev: Device, mfs: float | None, limit: int, margin: int, infeasible:
             bucket = None
     else:
         notes.append("no sync in the trace: no bucket size recommended")
-    return bucket, bucket_limit, bucket_point, worst, live, peak_staging, budget
+    return bucket, bucket_limit, bucket_point, worst, live, st.peak, st.budget
+
+
+def _fraction(dev: Device, limit: int, extra: int) -> tuple[dict[str, float], Point | None, int | None]:
+    """Per phase the largest fraction that fits, the peak point and what it holds
+    besides the pool; ``extra`` is added where a sync's cached staging is held."""
+    Wr, T = dev.engine_weights, dev.total
+    by_phase: dict[str, float] = {}
+    binding, best_other = None, None
+    for p in dev.points:
+        if not p.kv_resident:
+            continue
+        other = p.used - p.kv - Wr + (extra if p.after_sync else 0)
+        frac = (limit - other) / T
+        if p.phase not in by_phase or frac < by_phase[p.phase]:
+            by_phase[p.phase] = frac
+        # strictly greater: the first event in time that reaches the peak is
+        # where a larger fraction fails first
+        if best_other is None or other > best_other:
+            best_other, binding = other, p
+    return by_phase, binding, best_other
 
 
 def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
@@ -280,20 +385,8 @@ def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
     limit = T - margin
     infeasible: list[str] = []
     notes: list[str] = []
-    by_phase: dict[str, float] = {}
-    binding: Point | None = None
-    best_other = None
     for p in dev.points:
-        if p.kv_resident:
-            other = p.used - p.kv - Wr
-            frac = (limit - other) / T
-            if p.phase not in by_phase or frac < by_phase[p.phase]:
-                by_phase[p.phase] = frac
-            # strictly greater: the first event in time that reaches the peak is
-            # where a larger fraction fails first
-            if best_other is None or other > best_other:
-                best_other, binding = other, p
-        elif p.staging == 0 and p.used > limit:
+        if not p.kv_resident and p.staging == 0 and p.used > limit:
             # does not depend on the fraction; staging is the bucket's business below
             (infeasible if p.used > T else notes).append(
                 f"{p.where()} holds {fmt_bytes(p.used)} without the KV pool: "
@@ -307,25 +400,38 @@ def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
             notes.append(f"the KV pool was {fmt_bytes(first.kv)} at mem_fraction_static {dev.mfs_recorded}, "
                          f"but T × mfs − Wr = {fmt_bytes(expected)}: this engine does not size its pool "
                          "the way the model assumes, so the recommendation may be off")
+
+    def fraction(extra: int) -> tuple:
+        by_phase, binding, best_other = _fraction(dev, limit, extra)
+        max_fraction = None if binding is None else (limit - best_other) / T
+        mfs = None if max_fraction is None else min(0.99, _floor2(max_fraction))
+        return by_phase, binding, best_other, max_fraction, mfs
+
+    by_phase, binding, best_other, max_fraction, mfs = fraction(0)
+    # -- bucket: what the sync holds besides staging, at the recommended fraction
+    bucket0 = _bucket(dev, mfs if mfs is not None and mfs * T > Wr else None, limit, margin, [], [])[0]
+    # A bigger bucket than recorded leaves more staging in the sender's cache after
+    # every sync, beside the KV pool: the fraction is for the bucket recommended with
+    # it. The bucket was sized at the larger fraction, so it still fits at this one.
+    extra = Staging.of(dev).extra_for(bucket0)
+    if extra:
+        by_phase, binding, best_other, max_fraction, mfs = fraction(extra)
+    if mfs is not None and mfs * T - Wr <= 0:
+        infeasible.append(
+            f"{binding.where()}: the largest fraction that fits, {max_fraction:.4f}, leaves "
+            f"T × mfs = {fmt_bytes(max(0, mfs) * T)} for engine weights of {fmt_bytes(Wr)}: no room "
+            "for a KV pool")
+        mfs = None
     # the same peak met again later (every cycle, typically): worth naming too
     tied = [] if binding is None else list(dict.fromkeys(
         p.phase for p in dev.points if p.kv_resident and p.phase != binding.phase
-        and p.used - p.kv - Wr == best_other))
-    max_fraction = None if binding is None else (limit - best_other) / T
-    mfs = None
-    if max_fraction is not None:
-        mfs = min(0.99, _floor2(max_fraction))
-        if mfs * T - Wr <= 0:
-            infeasible.append(
-                f"{binding.where()}: the largest fraction that fits, {max_fraction:.4f}, leaves "
-                f"T × mfs = {fmt_bytes(max(0, mfs) * T)} for engine weights of {fmt_bytes(Wr)}: no room "
-                "for a KV pool")
-            mfs = None
-    # -- bucket: what the sync holds besides staging, at the recommended fraction
+        and p.used - p.kv - Wr + (extra if p.after_sync else 0) == best_other))
     bucket, bucket_limit, bucket_point, worst, live, peak_staging, budget = _bucket(
         dev, mfs, limit, margin, infeasible, notes)
+    if bucket is not None and bucket0 is not None:
+        bucket = min(bucket, bucket0)  # the size the cached staging was counted for
     res = DeviceResult(dev, margin, max_fraction, binding, mfs, bucket, bucket_limit, bucket_point, live,
-                       by_phase, infeasible, notes, tied=tied)
+                       by_phase, infeasible, notes, tied=tied, extra_cached=extra)
     res.arithmetic = _arithmetic(res, worst, peak_staging, budget)
     return res
 
@@ -336,6 +442,22 @@ def _breakdown(p: Point, Wr: int) -> str:
     return ", ".join(parts)
 
 
+def _path(d: Device, upto: Point) -> list[tuple[str, int]]:
+    """R (what no tag accounts for) at the end of each phase, from the engine's
+    start to ``upto``, in the cycle that ends there: where it grew."""
+    ends = [p for p in d.points if p.line <= upto.line and not p.virtual
+            and (p.event == "phase.finished" or p is d.points[0])]
+    # from the last time the KV pool was released before the binding's window
+    release = [i for i, p in enumerate(ends) if p.phase == Phase.ENGINE_RELEASE.value]
+    cycle = ends[release[-1]:] if release else ends
+    out = [(START if p is d.points[0] else p.phase, p.reserved) for p in cycle]
+    if out and out[0][0] != START:
+        out.insert(0, (START, d.points[0].reserved))
+    if upto.event != "phase.finished" and (not cycle or cycle[-1] is not upto):
+        out.append((upto.phase, upto.reserved))
+    return out
+
+
 def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budget: int | None) -> list[str]:
     d, T, Wr, M = r.device, r.device.total, r.device.engine_weights, r.margin
     L = [f"{d.file}: device T = {fmt_bytes(T, True)}; margin {fmt_bytes(M)}"
@@ -344,18 +466,36 @@ def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budge
     if d.mfs_recorded is not None:
         L.append(f"  recorded at mem_fraction_static {d.mfs_recorded}")
     b = r.binding
+    st = Staging.of(d)
     if b is None:
         L.append("  the KV pool is never resident in this trace: nothing binds the fraction")
     else:
-        other = b.used - b.kv - Wr
+        held = b.used - b.kv - Wr
+        extra = r.extra_cached if b.after_sync else 0
+        other = held + extra
         start = next((p for p in d.points if p.kv_resident), None)
-        L.append(f"  binding: {b.where()}" + (f"; the same peak recurs in {', '.join(r.tied)}" if r.tied else ""))
-        L.append(f"    besides the KV pool and Wr the device held other = {fmt_bytes(other)}: {_breakdown(b, Wr)}")
+        L.append(f"  peak: {b.where()}" + (f"; the same peak recurs in {', '.join(r.tied)}" if r.tied else ""))
+        L.append(f"    besides the KV pool and Wr the device held {fmt_bytes(held)}: {_breakdown(b, Wr)}")
         if start is not None and start is not b:
-            grown = other - (start.used - start.kv - Wr)
+            grown = held - (start.used - start.kv - Wr)
             if grown > 0:
                 L.append(f"    (that is {fmt_bytes(grown)} more than at {start.where()}: "
                          "it grew after the engine had sized its pool)")
+                L.append("    R at the end of each phase up to it: " + ", ".join(
+                    f"{ph} {fmt_bytes(v)}" for ph, v in _path(d, b)))
+        if extra:
+            L.append(f"    + {fmt_bytes(extra)}: each sync left its staging on the device (R grew by "
+                     f"{fmt_bytes(st.growth)} across a sync whose staging peaked at {fmt_bytes(st.peak)}: the "
+                     f"sender's allocator keeps the slots until the trainer's next offload), and the "
+                     f"recommended {fmt_bytes(r.bucket_bytes or 0)} bucket takes {st.live:.2f} × "
+                     f"({fmt_bytes(max(r.bucket_bytes or 0, st.largest))} − {fmt_bytes(st.slot or 0)}) more")
+        a = r.refused_at
+        if a is not None and a is not b:
+            at_admission = a.used - a.kv - Wr + (r.extra_cached if a.after_sync else 0)
+            L.append(f"  binding: {a.where()}: the KV pool is admitted there beside "
+                     f"{fmt_bytes(at_admission)}; what {b.phase} adds after it ({fmt_bytes(other - at_admission)}, "
+                     "the engine's own allocations) is not admitted by colo: a larger fraction is refused at "
+                     f"the admission, in {a.phase}, and the margin covers what follows")
         L.append(f"    T × mfs + other + margin ≤ T  →  mfs ≤ (T − margin − other) / T = "
                  f"({T} − {M} − {other}) / {T} = {r.max_fraction:.4f}")
         if r.mfs is not None:
@@ -363,7 +503,10 @@ def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budge
                      f"KV pool = {fmt_bytes(r.mfs * T - Wr)}, free at that point "
                      f"{fmt_bytes(T - (r.mfs * T + other))}")
     if sync_base is not None and r.bucket_limit is not None:
-        live = (f"{r.live_buckets:.2f} × the {fmt_bytes(budget)} bucket budget" if peak_staging and budget
+        slot = (f"the {fmt_bytes(st.slot)} slot" + (f" (the largest bucket: a {fmt_bytes(st.largest)} tensor "
+                                                     f"over the {fmt_bytes(budget)} budget)" if st.largest else
+                                                     " (the bucket budget)")) if st.slot else ""
+        live = (f"{r.live_buckets:.2f} × {slot}" if peak_staging and st.slot
                 else f"{r.live_buckets:.0f} buckets assumed (no staging recorded)")
         L.append(f"  sync: besides staging the device holds {fmt_bytes(sync_base)} at "
                  f"{r.bucket_point.where()}" + (" (KV pool at the recommended fraction)"
@@ -406,10 +549,12 @@ class Recommendation:
     def as_dict(self) -> dict:
         b = self.binding
         bp = b.binding if b else None
+        ref = b.refused_at if b else None
         return {
             "mem_fraction_static": self.mem_fraction_static,
             "bucket_mib": None if self.bucket_bytes is None else self.bucket_bytes / MiB,
-            "binding_phase": bp.phase if bp else None,
+            "binding_phase": ref.phase if ref else None,
+            "peak_phase": bp.phase if bp else None,
             "binding_rank": b.device.rank if b else None,
             "binding_gpu": b.device.gpu if b else None,
             "tied_phases": b.tied if b else [],
@@ -418,15 +563,21 @@ class Recommendation:
             "max_fraction": None if b is None else round(b.max_fraction, 6),
             "binding": None if bp is None else {
                 "file": bp.file, "line": bp.line, "event": bp.event, "step": bp.step, "refused": bp.virtual,
-                "other_bytes": bp.used - bp.kv - b.device.engine_weights, "by_tag": bp.by_tag,
-                "reserved_bytes": bp.reserved},
+                "other_bytes": bp.used - bp.kv - b.device.engine_weights
+                + (b.extra_cached if bp.after_sync else 0), "by_tag": bp.by_tag,
+                "reserved_bytes": bp.reserved, "extra_cached_staging_bytes": b.extra_cached if bp.after_sync else 0,
+                "admitted": None if ref is None else {"line": ref.line, "event": ref.event, "phase": ref.phase,
+                                                      "step": ref.step,
+                                                      "other_bytes": ref.used - ref.kv - b.device.engine_weights
+                                                      + (b.extra_cached if ref.after_sync else 0)}},
             "source": self.source,
             "assumed": self.assumed,
             "devices": [{
                 "file": r.device.file, "total_bytes": r.device.total, "margin_bytes": r.margin,
                 "engine_weights_bytes": r.device.engine_weights, "plan": r.device.plan,
                 "mem_fraction_static": r.mfs, "max_fraction": None if r.max_fraction is None else round(r.max_fraction, 6),
-                "binding_phase": r.binding.phase if r.binding else None,
+                "binding_phase": r.refused_at.phase if r.binding else None,
+                "peak_phase": r.binding.phase if r.binding else None,
                 "tied_phases": r.tied,
                 "max_fraction_by_phase": {k: round(v, 6) for k, v in r.by_phase.items()},
                 "bucket_bytes": r.bucket_bytes,
@@ -450,10 +601,10 @@ class Recommendation:
             bucket = "none (no sync recorded)" if self.bucket_bytes is None else \
                 f"{self.bucket_bytes / MiB:g} MiB ({self.bucket_bytes} B)"
             lines.append(f"recommend: mem_fraction_static {self.mem_fraction_static:.2f}, bucket {bucket}; "
-                         f"binding phase: {b.binding.phase}"
+                         f"binding phase: {b.refused_at.phase}"
                          + (f"; binding GPU: {b.device.names()}" if len(self.results) > 1 else ""))
         else:
-            phase = next((r.binding.phase for r in self.results if r.infeasible and r.binding), None)
+            phase = next((r.refused_at.phase for r in self.results if r.infeasible and r.binding), None)
             lines.append("no recommendation: the trace does not fit the device at any mem_fraction_static"
                          + (f" (binding phase {phase})" if phase else ""))
         return "\n".join(lines)
