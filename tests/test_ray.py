@@ -1,16 +1,20 @@
-"""``colo demo --launcher ray --gpus 2`` on the CPU: each rank a Ray actor on its own
-placement-group bundle of a local Ray cluster (gloo groups), the driver here.
+"""``colo demo --launcher ray --gpus 2`` on the CPU: rank r's trainer actor and engine actor
+share bundle r of a placement group on a local Ray cluster (gloo groups), the driver here.
 
 Every sync is verified on every engine rank inside the run (shard digest and probe
-logits), so a run that completes proves it. These tests check what the run left:
-the same rewards and trainer weights as the 2-rank run of local worker processes,
-per-rank traces that replay clean together, an engine rank killed mid-sync that
-ends at the same weights, a rank actor killed from outside that fails the run
-naming the rank, and no actor, placement group or /dev/shm segment left behind —
-also after SIGINT to a driver in another process.
+logits), so a run that completes proves it. These tests check what the runs left: the
+same rewards and trainer weights as the 2-rank run of local worker processes, per-rank
+traces that replay clean together, each rank's two actors on its own bundle (as Ray
+accounts them), an engine actor killed mid-sync whose TP group is replaced in its
+bundles and ends at the same weights, a trainer actor killed from outside that fails
+the next phase naming the rank, and no actor, placement group or /dev/shm segment left
+behind — also after SIGINT to a driver in another process.
 
-One local cluster serves the module (Ray takes seconds to start on two cores);
-the launcher reuses a Ray that is already initialised.
+One local cluster serves the module (Ray takes seconds to start on two cores), and the
+launcher reuses a Ray that is already initialised; both faults share one run. What is
+left is counted with Ray's own GCS-backed calls (``ray.util.list_named_actors``,
+``ray.util.placement_group_table``): ``ray.util.state`` needs the dashboard, which a
+plain ``pip install ray`` does not have.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -46,21 +51,41 @@ def _segments() -> set[str]:
     return {n for n in names if n.startswith("colo-") and not os.path.exists(f"/proc/{n.split('-')[1]}")}
 
 
-def _live_rank_actors() -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("colo-rank")]
+def _live_actors(prefix: str = "colo-") -> list[str]:
+    """colo's named actors that are alive (or starting) in this cluster: rank and engine actors."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix))
 
 
 def _live_groups() -> list[str]:
-    return [pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg["state"] != "REMOVED"]
+    """colo's placement groups not yet removed (the launcher names them ``colo-*``)."""
+    return [pg_id for pg_id, pg in ray.util.placement_group_table().items()
+            if pg["state"] != "REMOVED" and str(pg.get("name", "")).startswith("colo-")]
 
 
 def _assert_nothing_left(segments_before: set[str]) -> None:
     deadline = time.monotonic() + 30  # ray.kill is asynchronous: the actor is dead a moment later
-    while (_live_rank_actors() or _live_groups()) and time.monotonic() < deadline:
+    while (_live_actors() or _live_groups()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _live_rank_actors() == []
+    assert _live_actors() == []
     assert _live_groups() == []
     assert _segments() - segments_before == set()
+
+
+def _actor(name: str):
+    return ray.get_actor(name, namespace=ray.get_runtime_context().namespace)
+
+
+def _placements() -> dict[str, dict]:
+    """Where Ray runs each live colo actor (its node, placement group and the bundle it draws on)."""
+    return {name: ray.get(_actor(name).where.remote(), timeout=60) for name in _live_actors()}
+
+
+def _by_rank(placements: dict[str, dict], kind: str) -> dict[int, tuple[str, dict]]:
+    out = {}
+    for name, where in placements.items():
+        if name.startswith(f"colo-{kind}"):
+            out[int(name.removeprefix(f"colo-{kind}").split("-")[0])] = (name, where)
+    return out
 
 
 def _run(tmp_path, name: str, on_cycle=None, **kw):
@@ -79,15 +104,35 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def runs(cluster, tmp_path_factory):
-    """The same 3-step run by local worker processes, by Ray actors, and by Ray actors with
-    rank 1's engine killed mid-sync at step 1."""
+    """The same 3-step run by local worker processes and by Ray actors; and by Ray actors
+    with rank 1's engine actor killed mid-sync in step 2 and, after step 3, rank 1's
+    trainer actor killed, so that step 4 fails. What Ray says about the actors is taken
+    between cycles: each rank's placement, and the trainer's weights before the kill."""
     tmp = tmp_path_factory.mktemp("ray")
     before = _segments()
+    seen: dict[str, Any] = {}
+
+    def look(n: int) -> None:
+        if n == 1:
+            seen["clean"] = _placements()
+
+    def faults(n: int) -> None:
+        if n == 2:  # after the recovered cycle
+            seen["recovered"] = _placements()
+        if n == 3:
+            trainers = [_actor(name) for name, _ in sorted(_by_rank(_placements(), "rank").values())]
+            # a collective: every rank at once, asked straight through Ray
+            digests = ray.get([a.handle.remote("full_digest", {}) for a in trainers], timeout=120)
+            seen["digest_before_kill"] = [d["digest"] for d in digests]
+            ray.kill(trainers[1])
+
     # the process launcher's run is the one tests/test_demo_multi.py checks too: run once
     out = {"process": shared_run(tmp_path_factory, trainer="hf"),
-           "ray": _run(tmp, "ray", launcher="ray"),
-           "ray-killed": _run(tmp, "ray-killed", launcher="ray", fault="kill-engine@sync", fault_step=1)}
-    _assert_nothing_left(before)
+           "ray": _run(tmp, "ray", on_cycle=look, launcher="ray"),
+           "ray-faults": _run(tmp, "ray-faults", on_cycle=faults, launcher="ray", steps=4,
+                              fault="kill-engine@sync", fault_step=1)}
+    _assert_nothing_left(before)  # after a clean run, an engine actor's death and a trainer actor's
+    out["seen"] = seen
     return out
 
 
@@ -106,32 +151,52 @@ def test_ray_run_verifies_every_sync_and_equals_the_process_run(runs):
         assert a["weight_version"] == b["weight_version"] and a["digest"] != b["digest"]
 
 
-def test_an_engine_rank_killed_mid_sync_under_ray_ends_at_the_same_weights(runs):
+def _assert_each_rank_shares_its_bundle(placements: dict[str, dict], engine_generation: int) -> None:
+    """Rank r's trainer actor and engine actor draw on bundle r of one placement group, on one node."""
+    trainers, engines = _by_rank(placements, "rank"), _by_rank(placements, "engine")
+    assert sorted(trainers) == sorted(engines) == [0, 1], sorted(placements)
+    groups = {w["placement_group_id"] for _, w in [*trainers.values(), *engines.values()]}
+    assert len(groups) == 1 and None not in groups
+    for r in (0, 1):
+        (_, t), (name, e) = trainers[r], engines[r]
+        assert t["bundles"] == e["bundles"] == [r], (r, t, e)
+        assert t["node_id"] == e["node_id"] and t["pid"] != e["pid"]
+        assert name.endswith(f"-{engine_generation}")  # the rank's n-th engine actor
+
+
+def test_each_ranks_trainer_and_engine_actors_share_its_bundle(runs):
+    _assert_each_rank_shares_its_bundle(runs["seen"]["clean"], engine_generation=1)
+
+
+def test_an_engine_actor_killed_mid_sync_is_replaced_in_its_bundle_and_the_run_ends_at_the_same_weights(runs):
     clean, _ = runs["ray"]
-    out, paths = runs["ray-killed"]
-    assert out.error is None, out.error
-    assert out.trainer_digest == clean.trainer_digest and out.rewards == clean.rewards
-    failed = [e for e in _events(paths[1]) if e["event"] == "phase.failed"]
-    assert [e["phase"] for e in failed] == ["sync"] and "EngineDied" in failed[0]["error"]
-    assert failed[0]["failed_rank"] == 1
+    out, paths = runs["ray-faults"]
+    seen = runs["seen"]
+    # failed safe: rank 1's engine died mid-sync; rank 0's loaded everything and was marked stale too
+    failed = [[e for e in _events(p) if e["event"] == "phase.failed"] for p in paths]
+    assert failed[1][0]["phase"] == "sync" and "EngineDied" in failed[1][0]["error"]
+    assert failed[1][0]["failed_rank"] == 1 and failed[0][0]["phase"] == "sync"
+    # the engine TP group restarted as a whole: both ranks run their second engine actor, each
+    # on its own rank's bundle; the first ones are gone
+    _assert_each_rank_shares_its_bundle(seen["recovered"], engine_generation=2)
+    # the recovery sync filled every engine rank, and the run went on to the clean run's weights
+    syncs = [[e for e in _events(p) if e["event"] == "sync.finished"] for p in paths]
+    assert [len(s) for s in syncs] == [3, 3]  # the failed sync finished on neither rank
+    assert out.rewards == clean.rewards
+    assert seen["digest_before_kill"] == [clean.trainer_digest] * 2
     assert replay([str(p) for p in paths]).valid
 
 
-def test_a_rank_actor_killed_from_outside_fails_the_run_naming_the_rank_and_leaves_nothing(cluster, tmp_path):
-    before = _segments()
-
-    def kill_rank1(n: int) -> None:
-        if n == 1:
-            (name,) = [a for a in _live_rank_actors() if a.startswith("colo-rank1-")]
-            ray.kill(ray.get_actor(name, namespace=ray.get_runtime_context().namespace))
-
-    out, paths = _run(tmp_path, "actor-killed", on_cycle=kill_rank1, launcher="ray")
-    assert len(out.rewards) == 1
+def test_a_trainer_actor_killed_from_outside_fails_the_next_phase_naming_the_rank(runs):
+    out, paths = runs["ray-faults"]
+    assert len(out.rewards) == 3  # the kill came after step 3; step 4 failed
     assert isinstance(out.error, RankFailed) and out.error.rank == 1, out.error
     assert isinstance(out.error.cause, RankDied) and "rank 1" in str(out.error.cause)
+    assert "not replaced" in str(out.error.cause)  # it says why the run ends here
     failed = [e for e in _events(paths[1]) if e["event"] == "phase.failed"]
-    assert len(failed) == 1 and failed[0]["failed_rank"] == 1
-    _assert_nothing_left(before)
+    assert [e["phase"] for e in failed] == ["sync", "rollout"] and failed[-1]["failed_rank"] == 1
+    # nothing left of it, nor of its engine actor (Ray ends an actor whose owner died):
+    # checked in the fixture, after the run
 
 
 def test_sigint_to_a_ray_driver_leaves_no_actor_group_or_segment(cluster, tmp_path):

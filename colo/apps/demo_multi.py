@@ -266,7 +266,9 @@ class MultiDemoRun:
         in a new group, empty and stale; the recovery sync fills all of them."""
         from colo.engine.client import free_port
 
-        init = f"tcp://127.0.0.1:{free_port()}"
+        # the new group meets at engine rank 0: on its node when Ray placed it (maybe not this one)
+        init = (await self.workers[0].rendezvous() if self.cfg.launcher == "ray"
+                else f"tcp://127.0.0.1:{free_port()}")
         replies = await self._each_worker("replace_engine", init_method=init)
         rec["engine_pids"] = [(r["old_engine_pid"], r["engine_pid"]) for r in replies]
         for r, engine in enumerate(self.engines):

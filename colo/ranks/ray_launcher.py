@@ -1,4 +1,4 @@
-"""Ranks as Ray actors: one placement-group bundle per GPU, one actor per bundle.
+"""Ranks as Ray actors: one placement-group bundle per GPU, two actors per bundle.
 
 ``colo demo --launcher ray --gpus N`` asks :func:`spawn_workers` for its N
 workers instead of starting local processes (:class:`colo.ranks.proxy.Worker`).
@@ -9,23 +9,36 @@ What each process holds:
   :class:`RayWorker`, whose surface is the process worker's (``rank``,
   ``closed``, ``call``, ``aclose``), so the proxies, the groups and the
   scheduler are unchanged;
-- bundle r (``{"GPU": 1, "CPU": k}``, or ``{"CPU": k}`` on a CPU cluster):
-  one :class:`RankActor` hosting a :class:`~colo.ranks.host.RankHost` —
-  trainer rank r — and, as a child process of that actor, engine rank r.
+- bundle r (``{"GPU": 1, "CPU": k}``, or ``{"CPU": k}`` on a CPU cluster),
+  shared by two actors with half of it each (``num_gpus=0.5``): the
+  :class:`RankActor` hosting a :class:`~colo.ranks.host.RankHost` — trainer
+  rank r — and the :class:`EngineActor` holding engine rank r (an
+  :class:`~colo.engine.server.EngineServer`). Both are scheduled with
+  ``PlacementGroupSchedulingStrategy(placement_group_bundle_index=r)``, so they
+  share GPU r and its host.
 
-The engine rank is the actor's child rather than an actor of its own: the
-host already starts it as a child process (the same code serves the process
-launcher), so it sits in the actor's bundle and sees the actor's GPU without
-any scheduling of its own, it dies with its trainer rank however the actor
-dies (the engine dies with its parent), and its IPC handles never leave the
-GPU's host. A second actor on the same bundle would need fractional
-``num_gpus`` and a handle channel between two actors for the same result.
+The rank actor creates its engine actor, and so owns it: Ray kills an actor
+whose owner died, so the engine rank goes with its trainer rank however that
+actor ends, and a dead engine rank is replaced where the process launcher
+replaces it (``RankHost.op_replace_engine``, every rank at once: a TP group
+cannot take one new member), in the same bundle. The trainer actor asks its
+engine actor directly, in the engine channel's own JSON frames (the requests,
+the bucket handles); the handles name ``/dev/shm`` segments or CUDA IPC
+memory of their shared host and never pass through the driver, which sees
+only the verbs, the stage records and the digests.
+
+The engine ranks start from the trainer's weights without a file: every
+trainer rank already holds the full state after the start-up gather
+(``hf_state`` is a collective), serializes it as safetensors bytes and puts it
+in Ray's object store on its own node, where its engine actor reads it. A
+checkpoint file in the driver's temporary directory would not exist on
+another node; building the weights again from the seed would need the
+trainer's own model code (Megatron's initialisation is not the engine's).
 
 Rendezvous: the trainer's and the engine's process groups meet at rank 0's
-node. The driver's addresses (``tcp://127.0.0.1:port``) hold only when the
-driver shares rank 0's node, so before ``start`` the launcher asks the rank-0
-actor for its node's IP and two free ports there and rebuilds every rank's
-spec with them.
+node. Before ``start`` and before an engine TP group restarts, the launcher
+asks the rank-0 actor for its node's IP (Ray's ``get_node_ip_address``) and
+free ports there: the driver's ``127.0.0.1`` holds only on that node.
 
 Ops run one at a time per actor, in the order the driver sent them
 (``max_concurrency=1``; the driver also holds a lock per rank): every rank
@@ -43,17 +56,23 @@ from typing import Any
 
 import anyio
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from colo.errors import RankDied
+from colo.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
+from colo.engine.client import DEATH_WAIT_S, EngineClient, process_state
+from colo.errors import EngineDied, EngineError, RankDied
 
 #: building a rank (a model, two process groups, an engine) takes minutes on a busy host
 START_TIMEOUT_S = 600.0
 #: how long a cluster may take to find room for every bundle
 PLACEMENT_TIMEOUT_S = 120.0
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+#: the actors on one bundle: the trainer rank's and the engine rank's, each half of it
+ACTORS_PER_BUNDLE = 2
+#: after ``ray.kill`` (asynchronous), how long to wait for the engine actor's process to end
+KILL_WAIT_S = 10.0
 
 
 def bundles_for(n: int, *, gpu: bool, cpus_per_rank: float = 1) -> list[dict[str, float]]:
@@ -63,12 +82,13 @@ def bundles_for(n: int, *, gpu: bool, cpus_per_rank: float = 1) -> list[dict[str
     return [{"GPU": 1, "CPU": cpus_per_rank} if gpu else {"CPU": cpus_per_rank} for _ in range(n)]
 
 
-async def reserve(bundles: list[dict[str, float]], *, strategy: str = "STRICT_PACK",
+async def reserve(bundles: list[dict[str, float]], *, strategy: str = "PACK",
                   timeout_s: float = PLACEMENT_TIMEOUT_S) -> Any:
     """A placement group holding ``bundles``, ready; a clear error naming the bundles not placed.
 
-    ``STRICT_PACK`` keeps every rank on one node; ``PACK`` lets them spread over
-    nodes when one cannot hold them all.
+    ``PACK`` puts the bundles on as few nodes as possible (one, when it holds
+    them all) and spreads them over more when one cannot; ``STRICT_PACK``
+    refuses to.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"placement strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -92,28 +112,281 @@ async def reserve(bundles: list[dict[str, float]], *, strategy: str = "STRICT_PA
     return pg
 
 
+def _free_ports(n: int) -> list[int]:
+    ports = []
+    for _ in range(n):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
+def placement() -> dict:
+    """Where Ray says the calling actor runs: its node, its placement group, the bundles it draws on.
+
+    The bundle comes from the resources Ray charged the actor (``CPU_group_<i>_<pg id>``,
+    the core worker's own record; ``get_assigned_resources`` strips the index), not from
+    what the launcher asked for."""
+    ctx = ray.get_runtime_context()
+    pg = ctx.get_placement_group_id()
+    bundles: set[int] = set()
+    try:
+        charged = ray._private.worker.global_worker.core_worker.resource_ids()
+    except Exception:  # a private call: a Ray without it reports no bundle rather than failing
+        charged = {}
+    for key in charged:
+        head, sep, tail = key.partition("_group_")
+        index, sep2, pg_id = tail.partition("_")
+        if sep and sep2 and head != "bundle" and index.isdigit() and pg_id == pg:
+            bundles.add(int(index))
+    return {"node_id": ctx.get_node_id(), "placement_group_id": pg, "bundles": sorted(bundles), "pid": os.getpid()}
+
+
+# -- the engine rank's actor --------------------------------------------------------
+@ray.remote(max_concurrency=1)
+class EngineActor:
+    """Engine rank r on bundle r: an :class:`~colo.engine.server.EngineServer` whose requests
+    are the engine channel's JSON frames, sent by the trainer rank's actor on the same bundle.
+
+    Frames, not Python objects: the engine validates them as it validates its socket's
+    (strict JSON, bounded depth, no NaN), and a bucket's handle is rebuilt only by the
+    allow-listed ``colo.handles.open_handle``, whatever carried the frame."""
+
+    def __init__(self) -> None:
+        self.server: Any = None
+
+    def start(self, build: dict, state: bytes | None) -> dict:
+        """Build the engine rank (joining its TP group: every rank at once) from ``state``,
+        safetensors bytes of the trainer's weights, or empty and stale when None."""
+        import torch
+
+        from colo.engine.server import EngineServer, build_core
+
+        if str(build["device"]) == "cpu":
+            torch.set_num_threads(1)  # N trainer ranks and N engine ranks share the host's cores
+        if build.get("log_path"):
+            import colo.engine.server as server
+
+            server._LOG = open(build["log_path"], "a", encoding="utf-8")  # else Ray's worker log
+        init = None
+        if state is not None:
+            from safetensors.torch import load
+
+            init = load(state)
+        self.server = EngineServer(build_core(build, init_state=init))
+        del init
+        reply = self.server.handle({"id": 0, "op": "hello"})
+        return {**reply, **placement()}
+
+    def request(self, frame: bytes) -> bytes:
+        from colo.engine.server import log
+
+        try:
+            msg = decode(_unframe(frame))
+        except ChannelError as e:  # answered and logged, as on the socket: the engine serves on
+            log("channel.rejected_frame", reason=str(e))
+            return encode({"id": None, "ok": False, "error_type": "ChannelError", "error": str(e)})
+        return self.server.reply_bytes(msg)
+
+    def where(self) -> dict:
+        return placement()
+
+
+def _unframe(frame: bytes) -> bytes:
+    """The body of one channel frame (``encode``'s length prefix checked and removed)."""
+    if not isinstance(frame, bytes) or len(frame) < _LEN.size:
+        raise ChannelError("frame must be bytes with a length prefix")
+    (n,) = _LEN.unpack(frame[:_LEN.size])
+    if n > MAX_FRAME or n != len(frame) - _LEN.size:
+        raise ChannelError(f"frame length {n} does not match its {len(frame) - _LEN.size} B body")
+    return frame[_LEN.size:]
+
+
+class _ActorProcess:
+    """The engine actor as ``EngineClient`` sees its process: a pid on this node (the
+    engine actor shares this actor's bundle, hence its host), alive, killed."""
+
+    def __init__(self, actor: Any, pid: int, name: str):
+        self.actor, self.pid, self.name = actor, int(pid), name
+        self.exitcode: int | None = None
+        #: Ray said the actor died (a call failed with ActorDiedError)
+        self.dead = False
+        #: this side asked Ray to kill it
+        self.killed = False
+
+    def is_alive(self) -> bool:
+        return not self.dead and process_state(self.pid) not in (None, "Z", "X")
+
+    def kill(self) -> None:
+        self.killed = True
+        _kill(self.actor)
+
+
+class _ActorChannel:
+    """``AsyncChannel.request`` over the engine actor: one ``request.remote`` per request."""
+
+    def __init__(self, proc: _ActorProcess):
+        self._proc = proc
+
+    async def request(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        frame = encode({"id": 0, "op": op, **fields})
+        try:
+            ref = self._proc.actor.request.remote(frame)
+            if on_sent is not None:
+                on_sent()
+            reply = await ref
+        except RayActorError as e:
+            if isinstance(e, ActorDiedError):
+                self._proc.dead = True
+            raise ChannelError(f"engine actor {self._proc.name} is gone: {type(e).__name__}: "
+                               f"{_first_line(e)}") from e
+        return decode(_unframe(reply))
+
+    async def aclose(self) -> None:
+        """Nothing to close: the actor is killed by its client."""
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+
+
+class ActorEngineClient(EngineClient):
+    """An :class:`~colo.engine.client.EngineClient` whose engine is an :class:`EngineActor`:
+    the same verbs, heartbeat and errors (a dead actor is ``EngineDied``)."""
+
+    @property
+    def name(self) -> str:
+        return self.process.name
+
+    async def reconnect(self) -> None:
+        """Each request is its own call: there is no connection to renew."""
+
+    async def call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        if self.closed:
+            raise EngineDied(f"engine actor {self.name} is closed: cannot {op}")
+        if self.process.killed:
+            # ray.kill is asynchronous: a request sent now could still be served;
+            # a killed engine serves nothing more, as a SIGKILLed process would not
+            await self._died(KILL_WAIT_S)
+        try:
+            reply = await self._request(op, on_sent, fields)
+        except ChannelError as e:
+            if not await self._died(DEATH_WAIT_S):
+                raise
+            cause = e.__cause__ if isinstance(e.__cause__, RayActorError) else e
+            raise EngineDied(f"engine actor {self.name} (pid {self.process.pid}) died during {op}"
+                             f"{', killed by ray.kill' if self.process.killed else ''}: "
+                             f"{type(cause).__name__}: {_first_line(cause)}") from e
+        if not reply.get("ok"):
+            raise EngineError(op, reply.get("error_type", "?"), reply.get("error", ""))
+        return reply
+
+    async def _died(self, wait_s: float) -> bool:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(wait_s):
+            while self.process.is_alive():
+                await anyio.sleep(0.05)
+        return not self.process.is_alive()
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Shielded: detach the engine's receivers (``shutdown``), then kill the actor
+        and wait for its process to end."""
+        if self.closed:
+            return
+        with anyio.CancelScope(shield=True):
+            if self.process.is_alive() and process_state(self.process.pid) not in ("T", "t"):
+                with anyio.move_on_after(timeout_s):
+                    try:
+                        await self._ch.request("shutdown")
+                    except Exception:
+                        pass
+            self.process.kill()
+            await self._died(timeout_s)
+            self.closed = True
+
+
+async def spawn_engine_actor(build: dict, *, state: Any, pg: Any, bundle: int, name: str, gpu: bool,
+                             cpus: float, task: Any = None,
+                             start_timeout_s: float = START_TIMEOUT_S) -> Any:
+    """Engine rank ``build["tp"]["rank"]`` as an :class:`EngineActor` on bundle ``bundle`` of ``pg``
+    (half its CPUs and GPU), started from ``state`` (an object ref of safetensors bytes, or
+    None: empty and stale); its client. A failed start kills the actor."""
+    options: dict[str, Any] = {
+        "name": name, "num_cpus": cpus, "max_restarts": 0,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                placement_group_bundle_index=bundle)}
+    if gpu:
+        options["num_gpus"] = 1 / ACTORS_PER_BUNDLE
+    actor = EngineActor.options(**options).remote()
+    try:
+        with anyio.fail_after(start_timeout_s):
+            hello = await actor.start.remote(build, state)
+    except BaseException as e:
+        with anyio.CancelScope(shield=True):
+            _kill(actor)
+        if isinstance(e, TimeoutError):
+            raise EngineDied(f"engine actor {name} did not start within {start_timeout_s:g} s (killed it)") from None
+        if isinstance(e, RayActorError):
+            raise EngineDied(f"engine actor {name} died while starting: {_first_line(e)}") from e
+        if isinstance(e, ray.exceptions.RayTaskError):
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
+            raise EngineError("start", type(cause).__name__, str(cause)) from e
+        raise
+    proc = _ActorProcess(actor, hello["pid"], name)
+    return ActorEngineClient(_ActorChannel(proc), proc, None, None, hello, task)
+
+
+class _EngineActors:
+    """Mixed into the rank's host class: engine rank r is an :class:`EngineActor` on this
+    actor's bundle, started from the trainer's weights through the object store."""
+
+    ray_placement: dict
+
+    def _initial_checkpoint(self) -> Any:
+        from safetensors.torch import save
+
+        state = self.trainer.hf_state()  # a collective: every rank calls it, every rank gets the whole
+        data = save({k: v.detach().contiguous().cpu() for k, v in state.items()})
+        del state
+        # in this node's object store; read by this rank's engine actor, on the same node
+        return ray.put(data)
+
+    async def _spawn_engine(self, init_method: str, checkpoint: Any) -> Any:
+        s, p = self.spec, self.ray_placement
+        # the start-up state is not kept: once the engine has it, the object store may free it
+        self._build["checkpoint"] = None
+        build = {**self._build, "checkpoint": None,
+                 "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
+        p["engines"] = p.get("engines", 0) + 1
+        return await spawn_engine_actor(build, state=checkpoint, pg=p["pg"], bundle=s.rank,
+                                        name=f"colo-engine{s.rank}-{p['token']}-{p['engines']}", gpu=p["gpu"],
+                                        cpus=p["cpus"], task=self.task)
+
+    def hello(self) -> dict:
+        return {**super().hello(), "engine_actor": self.engine.name}
+
+
+# -- the trainer rank's actor -------------------------------------------------------
 @ray.remote(max_concurrency=1)
 class RankActor:
-    """One rank on its bundle: a :class:`~colo.ranks.host.RankHost`, its ops as data."""
+    """One rank on its bundle: a :class:`~colo.ranks.host.RankHost` (its engine rank an
+    :class:`EngineActor` on the same bundle), its ops as data."""
 
     def __init__(self) -> None:
         self.host: Any = None
 
-    def rendezvous(self) -> dict:
-        """This node's IP and two ports free on it a moment ago (rank 0's: where the groups meet)."""
-        ip = ray.util.get_node_ip_address()
-        ports = []
-        for _ in range(2):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("", 0))
-                ports.append(s.getsockname()[1])
-        return {"ip": ip, "ports": ports, "pid": os.getpid()}
+    def rendezvous(self, n: int = 2) -> dict:
+        """This node's IP and ``n`` ports free on it a moment ago (rank 0's: where the groups meet)."""
+        return {"ip": ray.util.get_node_ip_address(), "ports": _free_ports(n), "pid": os.getpid()}
 
-    def setup(self, spec: dict) -> int:
+    def setup(self, spec: dict, where: dict) -> int:
+        """``where``: the placement group, this rank's share of a bundle, the run's token."""
         from colo.ranks.host import RankHost, RankSpec, load_object
 
         rank_spec = RankSpec(**spec)
-        self.host = (load_object(rank_spec.host_class) if rank_spec.host_class else RankHost)(rank_spec)
+        base = load_object(rank_spec.host_class) if rank_spec.host_class else RankHost
+        host_class = type(f"Ray{base.__name__}", (_EngineActors, base), {})
+        self.host = host_class(rank_spec)
+        self.host.ray_placement = dict(where)
         return os.getpid()
 
     async def handle(self, op: str, fields: dict) -> dict:
@@ -121,6 +394,9 @@ class RankActor:
         from colo.ranks.worker import _answer
 
         return await _answer(self.host, {"id": None, "op": op, **fields})
+
+    def where(self) -> dict:
+        return placement()
 
 
 class _Launch:
@@ -162,15 +438,29 @@ class RayWorker:
                 reply = await self.actor.handle.remote(op, fields)
             except RayActorError as e:
                 self.closed = True  # nothing more can be asked of it; aclose still releases it
-                raise RankDied(f"rank {self.rank} actor {self.name} is gone during {op}: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                # unlike an engine rank, a trainer rank is not replaced: its weights and
+                # optimizer exist nowhere else (that needs a trainer checkpoint)
+                raise RankDied(f"rank {self.rank} actor {self.name} (trainer rank {self.rank}) is gone during "
+                               f"{op}: {type(e).__name__}: {_first_line(e)}; a dead trainer rank is not "
+                               "replaced (its weights and optimizer state exist nowhere else)") from e
         if not reply.get("ok"):
             raise rebuild_error(self.rank, op, reply)
         return reply
 
+    async def rendezvous(self) -> str:
+        """A ``tcp://`` rendezvous on this rank's node (Ray's IP for it, a port free there)."""
+        async with self._lock:
+            try:
+                where = await self.actor.rendezvous.remote(1)
+            except RayActorError as e:
+                self.closed = True
+                raise RankDied(f"rank {self.rank} actor {self.name} is gone: {_first_line(e)}") from e
+        return f"tcp://{where['ip']}:{where['ports'][0]}"
+
     async def aclose(self, timeout_s: float = 30.0) -> None:
-        """Shielded: ask the rank to close its host, then kill the actor; the last one out
-        removes the placement group (and stops Ray if the launcher started it)."""
+        """Shielded: ask the rank to close its host (its engine actor too), then kill the
+        actor; the last one out removes the placement group (and stops Ray if the
+        launcher started it)."""
         if self._released:
             return
         with anyio.CancelScope(shield=True):
@@ -179,7 +469,7 @@ class RayWorker:
                     try:
                         await self.call("shutdown")
                     except Exception:
-                        pass  # killed below either way
+                        pass  # killed below either way; its engine actor dies with it
             _kill(self.actor)
             self.closed = self._released = True
             self._launch.release_one()
@@ -202,23 +492,25 @@ def _ensure_ray(address: str | None) -> bool:
 
 
 async def spawn_workers(specs: Sequence[Any], *, envs: Sequence[dict[str, str] | None] | None = None,
-                        address: str | None = None, strategy: str = "STRICT_PACK",
+                        address: str | None = None, strategy: str = "PACK",
                         cpus_per_rank: float = 1) -> list[RayWorker]:
-    """One actor per rank on its own bundle; all or none (a failure removes every actor and the group)."""
+    """Rank r's actor on bundle r (its engine actor joins it there when the rank starts);
+    all or none (a failure removes every actor and the group)."""
     started = _ensure_ray(address)
     gpu = specs[0].device == "cuda"
     launch = _Launch(None, started, len(specs))
     actors: list[Any] = []
+    token = uuid.uuid4().hex[:8]
     try:
         launch.pg = await reserve(bundles_for(len(specs), gpu=gpu, cpus_per_rank=cpus_per_rank), strategy=strategy)
-        token = uuid.uuid4().hex[:8]
+        share = {"pg": launch.pg, "token": token, "gpu": gpu, "cpus": cpus_per_rank / ACTORS_PER_BUNDLE}
         for spec in specs:
             env = _actor_env((envs or [None] * len(specs))[spec.rank], gpu)
-            actors.append(_place(launch.pg, spec.rank, token, env, gpu=gpu, cpus=cpus_per_rank))
+            actors.append(_place(launch.pg, spec.rank, token, env, gpu=gpu, cpus=share["cpus"]))
         specs = await _meet_at_rank0(actors[0], specs)
         with anyio.fail_after(START_TIMEOUT_S):
             # submitted together (each imports torch), awaited together
-            for ref in [actor.setup.remote(spec.to_json()) for actor, spec in zip(actors, specs)]:
+            for ref in [actor.setup.remote(spec.to_json(), share) for actor, spec in zip(actors, specs)]:
                 await ref
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -244,7 +536,7 @@ def _place(pg: Any, rank: int, token: str, env: dict[str, str], *, gpu: bool, cp
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                 placement_group_bundle_index=rank)}
     if gpu:
-        options["num_gpus"] = 1
+        options["num_gpus"] = 1 / ACTORS_PER_BUNDLE
     if env:
         options["runtime_env"] = {"env_vars": env}
     return RankActor.options(**options).remote()
@@ -254,7 +546,7 @@ async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
     """Every spec with the trainer's and the engine's rendezvous on rank 0's node."""
     try:
         with anyio.fail_after(START_TIMEOUT_S):
-            where = await actor0.rendezvous.remote()
+            where = await actor0.rendezvous.remote(2)
     except (RayActorError, GetTimeoutError) as e:
         raise RankDied(f"rank 0 actor did not start: {type(e).__name__}: {e}") from e
     ip, (p1, p2) = where["ip"], where["ports"]
@@ -262,4 +554,5 @@ async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
             for s in specs]
 
 
-__all__ = ["PLACEMENT_TIMEOUT_S", "RankActor", "RayWorker", "bundles_for", "reserve", "spawn_workers"]
+__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "RankActor", "RayWorker", "bundles_for", "placement", "reserve",
+           "spawn_engine_actor", "spawn_workers"]
