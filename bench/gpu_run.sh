@@ -2,7 +2,9 @@
 # The GPU session's commands, in one place (the device runs this from the repo root).
 # usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
-# torch-memory-saver 0.0.10, megatron-core 0.16.1; see the README).
+# torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
+# checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
+# starlette, httpx; see the README).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -36,8 +38,9 @@ case "${1:-tests}" in
       done
     done
     ;;
-  bench)
-    python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench-gpu.log" | tail -30
+  bench)  # Qwen2-7B and Qwen2-1.5B shapes: colo's syncs, their floors, checkpoint-engine beside them;
+    # further arguments go to colo.apps.bench_gpu (--layers 2 --reps 1: a quick check of the whole path)
+    python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" "${@:2}" 2>&1 | tee "$OUT/bench-gpu.log" | tail -60
     ;;
   multi)  # two GPUs: every trainer under both source plans, a killed engine rank, a GPU count too large
     python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15

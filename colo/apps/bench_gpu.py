@@ -1,16 +1,20 @@
 """``colo bench --device cuda``: the sync on one GPU against its physical limits and the
 verl- and slime-style baselines, and the timing of every other phase of the cycle.
 
-Model: Qwen2-7B layer shapes in bf16 (random weights); the engine is colo's
+Models: Qwen2-7B's and Qwen2-1.5B's shapes (the latter with tied embeddings,
+``colo.models.DEMO_MODELS``) in bf16, random weights; the engine is colo's
 engine in its own process, its memory in torch_memory_saver regions; the
 trainer's weights and AdamW state are in regions with a pinned host backup.
 Measured in the same run: pinned host->device and device->host bandwidth and
-device->device copy bandwidth (read + write).
+device->device copy bandwidth (read + write), and per model its floors: one
+pinned host->device copy and one device copy of exactly the model's bytes.
 
 Syncs compared, for ``offload-first`` (source: the pinned host backup) and
 ``sync-first`` (source: weights resident on the GPU):
 ``ipc`` (one CUDA IPC handle per tensor, verl's way), ``packed`` without
-pipelining (slime's way), ``packed`` pipelined (colo).
+pipelining (slime's way), ``packed`` pipelined (colo). Beside them, per model, a
+real peer: MoonshotAI's checkpoint-engine from the same pinned weights into a
+receiver process on the same GPU (``colo.apps.bench_peer``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -28,9 +33,15 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import GiB, MiB, StagingBudget
+from colo.models import DEMO_MODELS
 
 QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
+#: Qwen2-1.5B's shapes, tied embeddings (no lm_head of its own): the demo's 1.5B size, reused
+QWEN2_1_5B = dict(DEMO_MODELS["qwen2-1.5b"])
+#: the benchmark's models: name -> (what the results call its shapes, Qwen2Config overrides)
+GPU_MODELS: dict[str, tuple[str, dict]] = {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
+                                           "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", QWEN2_1_5B)}
 VARIANTS = [("ipc", "ipc", {}), ("packed-serial", "packed", {"pipelined": False}),
             ("packed-pipelined", "packed", {"pipelined": True})]
 
@@ -62,25 +73,51 @@ def measure_limits(nbytes: int = 2 * GiB, reps: int = 10) -> dict:
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     h2d_pageable = _events_time(lambda: dev.copy_(pageable), 3)
     del host, dev, dev2, pageable
-    torch.cuda.empty_cache()
+    _release_cached()
     return {"bytes": nbytes, "pinned_h2d_GBps": nbytes / h2d / 1e9, "pinned_d2h_GBps": nbytes / d2h / 1e9,
             "pageable_h2d_GBps": nbytes / h2d_pageable / 1e9,
             "d2d_copy_GBps_read_plus_write": 2 * nbytes / d2d / 1e9}
 
 
-class BenchTrainer:
-    """A trainer's state without a training loop: weights and AdamW moments in saver regions."""
+def _release_cached() -> None:
+    """Give back what the caching allocators keep of freed buffers, device and pinned host."""
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned host blocks stay cached otherwise
+    if host_empty is not None:
+        host_empty()
 
-    def __init__(self, config: Any, saver: Any):
+
+def measure_floors(nbytes: int, reps: int = 5) -> dict:
+    """One model's floors: one pinned host->device copy and one device copy of exactly its bytes."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d = _events_time(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2d = _events_time(lambda: dev2.copy_(dev), reps)
+    del host, dev, dev2
+    _release_cached()
+    return {"bytes": nbytes, "h2d_s": h2d, "h2d_GBps": nbytes / h2d / 1e9, "d2d_s": d2d,
+            "d2d_GBps_read_plus_write": 2 * nbytes / d2d / 1e9, "reps": reps}
+
+
+class BenchTrainer:
+    """A trainer's state without a training loop: weights and AdamW moments in saver regions.
+
+    Its regions are ``<tag>.weights`` and ``<tag>.optimizer``: a second model's
+    trainer in the same process takes another tag, so that pausing one never
+    touches the other's (the memory saver aborts on a second pause)."""
+
+    def __init__(self, config: Any, saver: Any, tag: str = "trainer"):
         from colo.engine.model import expected_hf_specs
 
         self.saver = saver
+        self.weights_tag, self.optimizer_tag = f"{tag}.weights", f"{tag}.optimizer"
         self.specs = expected_hf_specs(config, torch.bfloat16)
         g = torch.Generator(device="cuda").manual_seed(0)
-        with saver.region("trainer.weights", cpu_backup=True):
+        with saver.region(self.weights_tag, cpu_backup=True):
             self.params = {s.name: (torch.randn(s.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
                            for s in self.specs}
-        with saver.region("trainer.optimizer", cpu_backup=True):
+        with saver.region(self.optimizer_tag, cpu_backup=True):
             # AdamW keeps two moments per parameter, in the parameter's dtype here
             self.moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
@@ -92,7 +129,7 @@ class BenchTrainer:
     def extractor(self):
         from colo.extractors.plain import PlainExtractor
 
-        if "trainer.weights" in self.saver.paused:
+        if self.weights_tag in self.saver.paused:
             host = self.host_state()
             # same dtype on both sides: the transport uploads straight into its buffer
             return PlainExtractor(host, dtype=torch.bfloat16, upload_to="cuda")
@@ -142,13 +179,13 @@ async def time_phases(trainer: BenchTrainer, engine: Any, cycles: int = 3) -> li
         await engine.release(["kv_cache", "weights"])
         row["engine_release_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        for tag in ("trainer.weights", "trainer.optimizer"):
+        for tag in (trainer.weights_tag, trainer.optimizer_tag):
             if tag in saver.paused:
                 saver.resume(tag)
         torch.cuda.synchronize()
         row["trainer_onload_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        for tag in ("trainer.weights", "trainer.optimizer"):
+        for tag in (trainer.weights_tag, trainer.optimizer_tag):
             saver.pause(tag)
         torch.cuda.synchronize()
         row["trainer_offload_s"] = time.perf_counter() - t
@@ -172,8 +209,8 @@ async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float
 
     rows = []
     for plan, source in (("sync-first", "device"), ("offload-first", "host")):
-        if source == "host" and "trainer.weights" not in saver.paused:
-            saver.pause("trainer.weights")
+        if source == "host" and trainer.weights_tag not in saver.paused:
+            saver.pause(trainer.weights_tag)
         for label, name, opts in VARIANTS:
             transport = make_transport(name, **opts)
             try:
@@ -188,11 +225,11 @@ async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float
     return rows
 
 
-def target_ratios(rows: list[dict], limits: dict, bucket_mib: float) -> dict:
+def target_ratios(rows: list[dict], limits: dict, bucket_mib: float, floors: dict | None = None) -> dict:
     d2d_model_limit = limits["d2d_copy_GBps_read_plus_write"] / 2
     by = {(r["plan"], r["transport"]): r for r in rows}
     pipe_of, pipe_sf = by[("offload-first", "packed-pipelined")], by[("sync-first", "packed-pipelined")]
-    return {
+    out = {
         "offload_first_vs_pinned_h2d": pipe_of["GBps"] / limits["pinned_h2d_GBps"],
         "offload_first_vs_slime_style": pipe_of["GBps"] / by[("offload-first", "packed-serial")]["GBps"],
         "offload_first_vs_per_tensor": pipe_of["GBps"] / by[("offload-first", "ipc")]["GBps"],
@@ -200,23 +237,30 @@ def target_ratios(rows: list[dict], limits: dict, bucket_mib: float) -> dict:
         "peak_extra_vs_bound": max(r["peak_extra_bytes"] for r in rows if "packed" in r["transport"])
         / (2 * bucket_mib * MiB + 64 * MiB),
     }
+    if floors is not None:
+        # the model's own floors, measured with its exact byte count: sync / floor (1.0 is the floor)
+        out["offload_first_sync_over_h2d_floor"] = pipe_of["sync_s"] / floors["h2d_s"]
+        out["sync_first_sync_over_d2d_floor"] = pipe_sf["sync_s"] / floors["d2d_s"]
+    return out
 
 
-async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None) -> dict:
-    from colo.cuda_memory import Saver
+async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float, reps: int,
+                      layers: int | None, peer_configs: Sequence[Any]) -> dict:
+    """One model: its floors, colo's syncs under both plans, the cycle's phases, then the peer."""
     from colo.engine.client import EngineClient
-    from colo.engine.model import expected_digest
+    from colo.engine.model import expected_digest, expected_hf_specs
     from colo.models import demo_config
 
-    shapes = dict(QWEN2_7B)
+    label, base = GPU_MODELS[name]
+    shapes = dict(base)
     if layers is not None:
         shapes["num_hidden_layers"] = layers
     config = demo_config(**shapes)
-    limits = measure_limits()
-    print(json.dumps({"limits": limits}), flush=True)
-    saver = Saver()
-    trainer = BenchTrainer(config, saver)
-    saver.pause("trainer.optimizer")  # kept on the host while we sync
+    model_bytes = sum(s.nbytes for s in expected_hf_specs(config, torch.bfloat16))
+    floors = measure_floors(model_bytes)
+    print(json.dumps({"model": name, "floors": floors}), flush=True)
+    trainer = BenchTrainer(config, saver, tag=f"trainer-{name}")
+    saver.pause(trainer.optimizer_tag)  # kept on the host while we sync
     free, total = torch.cuda.mem_get_info()
     kv = 2 * GiB
     build = {"config": config.to_dict(), "dtype": "bfloat16", "device": "cuda", "total_bytes": total,
@@ -225,39 +269,135 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
     try:
         rows = await time_variants(trainer, engine, saver, bucket_mib, reps)
         # the last sync (offload-first, pipelined) must have delivered the trainer's weights
-        digest_ok = await engine.digest() == expected_digest(trainer.host_state(), config, torch.bfloat16)
-        print(json.dumps({"digest_verified": digest_ok}), flush=True)
+        want = expected_digest(trainer.host_state(), config, torch.bfloat16)
+        digest_ok = await engine.digest() == want
+        print(json.dumps({"model": name, "digest_verified": digest_ok}), flush=True)
         phases = await time_phases(trainer, engine)
-        print(json.dumps({"phases": phases}), flush=True)
+        print(json.dumps({"model": name, "phases": phases}), flush=True)
     finally:
         await engine.aclose()
-    model_bytes = trainer.weight_bytes
-    d2d_model_limit = limits["d2d_copy_GBps_read_plus_write"] / 2
-    ratios = target_ratios(rows, limits, bucket_mib)
+    ratios = target_ratios(rows, limits, bucket_mib, floors)
+    colo_of = next(r for r in rows if (r["plan"], r["transport"]) == ("offload-first", "packed-pipelined"))
+    peer = None
+    if peer_configs:
+        peer = run_peer_row(trainer, shapes, want, peer_configs, colo_of["sync_s"])
+        persistent = [r for r in peer.get("rows", []) if r["config"]["mode"] == "persistent"
+                      and r["config"]["bucket_gib"] is None]
+        if persistent:  # the issue's comparison: its persistent process group, its own bucket choice
+            ratios["checkpoint_engine_persistent_over_colo_offload_first"] = persistent[0]["update_s"] / colo_of["sync_s"]
     return {
-        "kind": "colo.apps.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(), "device_total_bytes": total, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "python": platform.python_version(),
-        "model": {"shapes": "Qwen2-7B" + ("" if layers is None else f" ({layers} layers)"), **shapes,
-                  "dtype": "bfloat16", "bytes": model_bytes, "tensors": len(trainer.specs),
-                  "trainer_state_bytes": trainer.weight_bytes + trainer.optimizer_bytes},
-        "limits": limits, "sync_first_physical_limit_GBps": d2d_model_limit,
-        "syncs": rows, "digest_verified": digest_ok, "phases": phases, "ratios": ratios,
+        "name": name, "shapes": label + ("" if layers is None else f" ({layers} layers)"), **shapes,
+        "dtype": "bfloat16", "bytes": model_bytes, "tensors": len(trainer.specs),
+        "trainer_state_bytes": trainer.weight_bytes + trainer.optimizer_bytes, "floors": floors,
+        "syncs": rows, "digest_verified": digest_ok, "phases": phases, "ratios": ratios, "peer": peer,
     }
 
 
-def run_bench_gpu(out: str | None, bucket_mib: float = 512, layers: int | None = None) -> int:
+def run_peer_row(trainer: BenchTrainer, shapes: dict, want_digest: str, configs: Sequence[Any],
+                 colo_offload_first_s: float) -> dict:
+    """checkpoint-engine from the trainer's pinned weights (the offload-first source), or why it could not run.
+
+    A peer that fails is recorded with its error and fails the benchmark's exit
+    status, without losing colo's rows measured before it."""
+    import traceback
+
+    from colo.apps.bench_peer import run_peer
+
+    if trainer.weights_tag not in trainer.saver.paused:
+        raise RuntimeError(f"{trainer.weights_tag} is resident; the peer reads the pinned host copy of paused weights")
+    try:
+        peer = run_peer(trainer.host_state(), shapes, want_digest=want_digest, configs=configs,
+                        say=lambda line: print(line, flush=True))
+    except Exception:  # noqa: BLE001 - recorded in the result, and the exit status says it failed
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, flush=True)
+        return {"error": text, "rows": []}
+    for r in peer["rows"]:
+        # > 1: colo's offload-first sync is that many times faster than this update
+        r["over_colo_offload_first"] = r["update_s"] / colo_offload_first_s
+    return peer
+
+
+async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None,
+                models: Sequence[str] = tuple(GPU_MODELS), peer: bool = True) -> dict:
+    from colo.apps.bench_peer import DEFAULT_CONFIGS
+    from colo.cuda_memory import Saver
+
+    unknown = [m for m in models if m not in GPU_MODELS]
+    if unknown or not models:
+        raise ValueError(f"unknown model {', '.join(unknown) or repr(models)}; expected some of {', '.join(GPU_MODELS)}")
+    limits = measure_limits()
+    print(json.dumps({"limits": limits}), flush=True)
+    saver = Saver()
+    total = torch.cuda.mem_get_info()[1]
+    entries = []
+    for name in models:
+        entries.append(await bench_model(name, saver, limits, bucket_mib=bucket_mib, reps=reps, layers=layers,
+                                         peer_configs=DEFAULT_CONFIGS if peer else ()))
+    first = entries[0]
+    peers_ok = all(e["peer"] is None or ("error" not in e["peer"] and all(r["digest_ok"] for r in e["peer"]["rows"]))
+                   for e in entries)
+    return {
+        "kind": "colo.apps.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(), "device_total_bytes": total,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+        "bucket_mib": bucket_mib, "reps": reps, "warmup": 1,
+        "limits": limits, "sync_first_physical_limit_GBps": limits["d2d_copy_GBps_read_plus_write"] / 2,
+        "models": entries,
+        # the first model's figures where earlier results kept them
+        "model": {k: v for k, v in first.items() if k not in ("syncs", "digest_verified", "phases", "ratios", "peer")},
+        "syncs": first["syncs"], "phases": first["phases"], "ratios": first["ratios"],
+        "digest_verified": all(e["digest_verified"] for e in entries), "peer_digests_verified": peers_ok,
+    }
+
+
+def summary(result: dict) -> dict:
+    """What the log ends with: the limits, each model's ratios and the peer's updates."""
+    return {"device": result["device"], "limits": result["limits"],
+            "models": {e["name"]: {"floors": e["floors"], "ratios": e["ratios"],
+                                   "colo": {f"{r['plan']} {r['transport']}": r["sync_s"] for r in e["syncs"]},
+                                   "peer": None if e["peer"] is None else e["peer"].get("error") or
+                                   {r["label"]: {"update_s": r["update_s"], "digest_ok": r["digest_ok"]}
+                                    for r in e["peer"]["rows"]}}
+                       for e in result["models"]},
+            "digest_verified": result["digest_verified"], "peer_digests_verified": result["peer_digests_verified"]}
+
+
+def run_bench_gpu(out: str | None, bucket_mib: float = 512, layers: int | None = None, *,
+                  models: Sequence[str] = tuple(GPU_MODELS), peer: bool = True, reps: int = 3) -> int:
     if not torch.cuda.is_available():
         print("colo bench --device cuda: no CUDA device is visible", file=sys.stderr)
         return 2
-    result = anyio.run(lambda: bench(bucket_mib=bucket_mib, layers=layers))
+    result = anyio.run(lambda: bench(bucket_mib=bucket_mib, layers=layers, models=models, peer=peer, reps=reps))
     text = json.dumps(result, indent=2)
     if out:
         with open(out, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
-    print(json.dumps({k: result[k] for k in ("device", "limits", "ratios", "digest_verified")}, indent=2))
-    return 0 if result["digest_verified"] else 1
+    print(json.dumps(summary(result), indent=2))
+    return 0 if result["digest_verified"] and result["peer_digests_verified"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m colo.apps.bench_gpu", description="colo's sync on one GPU against its limits, the baselines and checkpoint-engine")
+    p.add_argument("out", nargs="?", help="where the JSON result goes")
+    p.add_argument("--models", default=",".join(GPU_MODELS), help=f"comma-separated, of {', '.join(GPU_MODELS)}")
+    p.add_argument("--layers", type=int, help="cut every model to this many layers (a quick check)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bucket-mib", type=float, default=512)
+    p.add_argument("--no-peer", action="store_true", help="leave checkpoint-engine out")
+    a = p.parse_args(argv)
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in GPU_MODELS]
+    if unknown or not models:
+        p.error(f"unknown model {', '.join(unknown) or repr(a.models)}; expected some of {', '.join(GPU_MODELS)}")
+    if a.layers is not None and a.layers < 1:
+        p.error(f"--layers must be >= 1, got {a.layers}")
+    if a.reps < 1:
+        p.error(f"--reps must be >= 1, got {a.reps}")
+    return run_bench_gpu(a.out, a.bucket_mib, a.layers, models=models, peer=not a.no_peer, reps=a.reps)
 
 
 if __name__ == "__main__":
-    sys.exit(run_bench_gpu(sys.argv[1] if len(sys.argv) > 1 else None))
+    sys.exit(main())
