@@ -10,13 +10,13 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from colo.apps import bench_gpu
-from colo.apps.bench_peer import Copier, PeerConfig, check_configs, pick_handle, read_update_log
-from colo.engine.model import expected_hf_specs
+from colo.apps.bench_peer import Copier, PeerConfig, check_configs, digest_config, pick_handle, read_update_log
+from colo.engine.model import expected_digest, expected_hf_specs
 from colo.models import demo_config
 
 
 def test_qwen2_1_5b_shapes_are_transformers_own_with_tied_embeddings():
-    label, shapes = bench_gpu.GPU_MODELS["qwen2-1.5b"]
+    label, shapes = bench_gpu.gpu_models()["qwen2-1.5b"]
     config = demo_config(**shapes)
     with torch.device("meta"):  # shapes only: no 6 GB of float32 weights
         model = Qwen2ForCausalLM(config)
@@ -129,3 +129,17 @@ def test_bench_gpu_refuses_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         bench_gpu.main(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_receiver_digests_from_the_config_dict_as_from_qwen2config():
+    config = demo_config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16,
+                         tie_word_embeddings=True)
+    g = torch.Generator().manual_seed(1)
+    state = {s.name: torch.randn(s.shape, generator=g).to(torch.bfloat16)
+             for s in expected_hf_specs(config, torch.bfloat16)}
+    want = expected_digest(state, config, torch.bfloat16)
+    assert expected_digest(state, digest_config(config.to_dict()), torch.bfloat16) == want
+    state["model.norm.weight"][3] += 1  # one value off: the peer row's check would say so
+    assert expected_digest(state, digest_config(config.to_dict()), torch.bfloat16) != want
+

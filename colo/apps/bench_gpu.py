@@ -33,15 +33,25 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import GiB, MiB, StagingBudget
-from colo.models import DEMO_MODELS
 
 QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
                 num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
-#: Qwen2-1.5B's shapes, tied embeddings (no lm_head of its own): the demo's 1.5B size, reused
-QWEN2_1_5B = dict(DEMO_MODELS["qwen2-1.5b"])
-#: the benchmark's models: name -> (what the results call its shapes, Qwen2Config overrides)
-GPU_MODELS: dict[str, tuple[str, dict]] = {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
-                                           "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", QWEN2_1_5B)}
+#: the benchmark's models, in the order they run (:func:`gpu_models` has their shapes)
+GPU_MODEL_NAMES: tuple[str, ...] = ("qwen2-7b", "qwen2-1.5b")
+
+
+def gpu_models() -> dict[str, tuple[str, dict]]:
+    """name -> (what the results call its shapes, Qwen2Config overrides).
+
+    Qwen2-1.5B is the demo's 1.5B size (``colo.models.DEMO_MODELS``: tied
+    embeddings, no lm_head of its own). colo.models is imported here, not with
+    this module: the peer's receiver is a spawned process, which imports the
+    parent's main module again, and transformers in the receiver would lengthen
+    the ``gc.collect()`` checkpoint-engine runs there on every update."""
+    from colo.models import DEMO_MODELS
+
+    return {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
+            "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", dict(DEMO_MODELS["qwen2-1.5b"]))}
 VARIANTS = [("ipc", "ipc", {}), ("packed-serial", "packed", {"pipelined": False}),
             ("packed-pipelined", "packed", {"pipelined": True})]
 
@@ -251,7 +261,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     from colo.engine.model import expected_digest, expected_hf_specs
     from colo.models import demo_config
 
-    label, base = GPU_MODELS[name]
+    label, base = gpu_models()[name]
     shapes = dict(base)
     if layers is not None:
         shapes["num_hidden_layers"] = layers
@@ -280,7 +290,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     colo_of = next(r for r in rows if (r["plan"], r["transport"]) == ("offload-first", "packed-pipelined"))
     peer = None
     if peer_configs:
-        peer = run_peer_row(trainer, shapes, want, peer_configs, colo_of["sync_s"])
+        peer = run_peer_row(trainer, config.to_dict(), want, peer_configs, colo_of["sync_s"])
         persistent = [r for r in peer.get("rows", []) if r["config"]["mode"] == "persistent"
                       and r["config"]["bucket_gib"] is None]
         if persistent:  # the issue's comparison: its persistent process group, its own bucket choice
@@ -293,7 +303,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     }
 
 
-def run_peer_row(trainer: BenchTrainer, shapes: dict, want_digest: str, configs: Sequence[Any],
+def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs: Sequence[Any],
                  colo_offload_first_s: float) -> dict:
     """checkpoint-engine from the trainer's pinned weights (the offload-first source), or why it could not run.
 
@@ -306,7 +316,7 @@ def run_peer_row(trainer: BenchTrainer, shapes: dict, want_digest: str, configs:
     if trainer.weights_tag not in trainer.saver.paused:
         raise RuntimeError(f"{trainer.weights_tag} is resident; the peer reads the pinned host copy of paused weights")
     try:
-        peer = run_peer(trainer.host_state(), shapes, want_digest=want_digest, configs=configs,
+        peer = run_peer(trainer.host_state(), config, want_digest=want_digest, configs=configs,
                         say=lambda line: print(line, flush=True))
     except Exception:  # noqa: BLE001 - recorded in the result, and the exit status says it failed
         text = traceback.format_exc()
@@ -319,13 +329,13 @@ def run_peer_row(trainer: BenchTrainer, shapes: dict, want_digest: str, configs:
 
 
 async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None,
-                models: Sequence[str] = tuple(GPU_MODELS), peer: bool = True) -> dict:
+                models: Sequence[str] = GPU_MODEL_NAMES, peer: bool = True) -> dict:
     from colo.apps.bench_peer import DEFAULT_CONFIGS
     from colo.cuda_memory import Saver
 
-    unknown = [m for m in models if m not in GPU_MODELS]
+    unknown = [m for m in models if m not in GPU_MODEL_NAMES]
     if unknown or not models:
-        raise ValueError(f"unknown model {', '.join(unknown) or repr(models)}; expected some of {', '.join(GPU_MODELS)}")
+        raise ValueError(f"unknown model {', '.join(unknown) or repr(models)}; expected some of {', '.join(GPU_MODEL_NAMES)}")
     limits = measure_limits()
     print(json.dumps({"limits": limits}), flush=True)
     saver = Saver()
@@ -364,7 +374,7 @@ def summary(result: dict) -> dict:
 
 
 def run_bench_gpu(out: str | None, bucket_mib: float = 512, layers: int | None = None, *,
-                  models: Sequence[str] = tuple(GPU_MODELS), peer: bool = True, reps: int = 3) -> int:
+                  models: Sequence[str] = GPU_MODEL_NAMES, peer: bool = True, reps: int = 3) -> int:
     if not torch.cuda.is_available():
         print("colo bench --device cuda: no CUDA device is visible", file=sys.stderr)
         return 2
@@ -382,16 +392,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m colo.apps.bench_gpu", description="colo's sync on one GPU against its limits, the baselines and checkpoint-engine")
     p.add_argument("out", nargs="?", help="where the JSON result goes")
-    p.add_argument("--models", default=",".join(GPU_MODELS), help=f"comma-separated, of {', '.join(GPU_MODELS)}")
+    p.add_argument("--models", default=",".join(GPU_MODEL_NAMES), help=f"comma-separated, of {', '.join(GPU_MODEL_NAMES)}")
     p.add_argument("--layers", type=int, help="cut every model to this many layers (a quick check)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--bucket-mib", type=float, default=512)
     p.add_argument("--no-peer", action="store_true", help="leave checkpoint-engine out")
     a = p.parse_args(argv)
     models = [m.strip() for m in a.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in GPU_MODELS]
+    unknown = [m for m in models if m not in GPU_MODEL_NAMES]
     if unknown or not models:
-        p.error(f"unknown model {', '.join(unknown) or repr(a.models)}; expected some of {', '.join(GPU_MODELS)}")
+        p.error(f"unknown model {', '.join(unknown) or repr(a.models)}; expected some of {', '.join(GPU_MODEL_NAMES)}")
     if a.layers is not None and a.layers < 1:
         p.error(f"--layers must be >= 1, got {a.layers}")
     if a.reps < 1:
