@@ -4,6 +4,7 @@ and the checkpoint-engine peer's configuration and receiver (its own wire layout
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -143,3 +144,10 @@ def test_receiver_digests_from_the_config_dict_as_from_qwen2config():
     state["model.norm.weight"][3] += 1  # one value off: the peer row's check would say so
     assert expected_digest(state, digest_config(config.to_dict()), torch.bfloat16) != want
 
+
+
+def test_missing_checkpoint_engine_skips_the_peer_saying_why(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "checkpoint_engine", None)  # import fails as if not installed
+    got = bench_gpu.run_peer_row(None, {}, "digest", [PeerConfig(mode="persistent")], 1.0)
+    assert got["rows"] == [] and "checkpoint-engine is not importable" in got["skipped"]
+    assert "--no-peer" in got["skipped"] and got["skipped"] in capsys.readouterr().err

@@ -308,11 +308,18 @@ def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs:
     """checkpoint-engine from the trainer's pinned weights (the offload-first source), or why it could not run.
 
     A peer that fails is recorded with its error and fails the benchmark's exit
-    status, without losing colo's rows measured before it."""
+    status, without losing colo's rows measured before it; one that is not
+    installed is recorded as skipped."""
     import traceback
 
     from colo.apps.bench_peer import run_peer
 
+    try:
+        import checkpoint_engine  # noqa: F401
+    except ImportError as e:  # an optional peer: its absence is said, not a failure of colo's rows
+        reason = f"checkpoint-engine is not importable ({e}); pip install checkpoint-engine, or --no-peer"
+        print(reason, file=sys.stderr, flush=True)
+        return {"skipped": reason, "rows": []}
     if trainer.weights_tag not in trainer.saver.paused:
         raise RuntimeError(f"{trainer.weights_tag} is resident; the peer reads the pinned host copy of paused weights")
     try:
@@ -366,7 +373,8 @@ def summary(result: dict) -> dict:
     return {"device": result["device"], "limits": result["limits"],
             "models": {e["name"]: {"floors": e["floors"], "ratios": e["ratios"],
                                    "colo": {f"{r['plan']} {r['transport']}": r["sync_s"] for r in e["syncs"]},
-                                   "peer": None if e["peer"] is None else e["peer"].get("error") or
+                                   "peer": None if e["peer"] is None else
+                                   e["peer"].get("error") or e["peer"].get("skipped") or
                                    {r["label"]: {"update_s": r["update_s"], "digest_ok": r["digest_ok"]}
                                     for r in e["peer"]["rows"]}}
                        for e in result["models"]},
