@@ -231,12 +231,32 @@ class EngineServer:
             conn.sendall(self.reply_bytes(msg))
 
 
+#: the config fields the engine's model reads (colo.engine.model.Dims.from_config)
+CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "max_position_embeddings", "rms_norm_eps")
+
+
+def model_config(d: dict) -> Any:
+    """The model config the client sent (``Qwen2Config.to_dict()``) as attributes.
+
+    Not rebuilt as a ``transformers.Qwen2Config``: importing transformers costs
+    every engine process about 2 s of CPU at start, and the engine reads only
+    the plain fields, which ``to_dict()`` carries in full.
+    """
+    import types
+
+    if not isinstance(d, dict):
+        raise ValueError(f"engine build: config must be a dict (Qwen2Config.to_dict()), got {type(d).__name__}")
+    missing = [k for k in CONFIG_FIELDS if k not in d]
+    if missing:
+        raise ValueError(f"engine build: config lacks {', '.join(missing)} (send Qwen2Config.to_dict())")
+    return types.SimpleNamespace(**d)
+
+
 def build_core(build: dict, init_state: Any = None) -> Any:
     """The EngineCore described by ``build`` (plain data, made by the client); ``init_state``
     is version 0 already in memory (a Ray engine actor gets it through the object store)
     instead of ``build["checkpoint"]``."""
-    from transformers import Qwen2Config
-
     from colo.engine.core import EngineCore
 
     checkpoint = build.get("checkpoint") if init_state is None else None
@@ -260,7 +280,7 @@ def build_core(build: dict, init_state: Any = None) -> Any:
         import colo.cuda_ipc  # noqa: F401  (registers the cuda_ipc handle kind)
     if build.get("tp") is not None:
         return _build_tp_core(build, init_state, saver)
-    return EngineCore(Qwen2Config(**build["config"]), dtype=torch_dtype(build["dtype"]),
+    return EngineCore(model_config(build["config"]), dtype=torch_dtype(build["dtype"]),
                       device=build["device"], total_bytes=int(build["total_bytes"]),
                       mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
                       saver=saver)
@@ -298,8 +318,6 @@ def _init_tp_group(tp: dict) -> tuple[int, int]:
 
 def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
     """One rank of a tensor-parallel engine (``build["tp"]``), after joining its group."""
-    from transformers import Qwen2Config
-
     from colo.engine.tp import TPEngineCore
 
     device = str(build["device"])
@@ -309,7 +327,7 @@ def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
         torch.cuda.set_device(torch.device(device).index or 0)
     rank, size = _init_tp_group(build["tp"])
     # group=None: the default group, which in this process is the engine's TP group
-    return TPEngineCore(Qwen2Config(**build["config"]), tp_rank=rank, tp_size=size, group=None,
+    return TPEngineCore(model_config(build["config"]), tp_rank=rank, tp_size=size, group=None,
                         dtype=torch_dtype(build["dtype"]), device=device, total_bytes=int(build["total_bytes"]),
                         mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
                         saver=saver)
