@@ -28,11 +28,26 @@ aligns = st.sampled_from([1, 2, 4, 8, 16, 64])
 
 @settings(max_examples=150, deadline=None)
 @given(specs=spec_lists, budget=budgets, align=aligns)
-def test_every_tensor_lands_exactly_once_in_order(specs, budget, align):
+def test_every_byte_of_every_tensor_lands_exactly_once_in_order(specs, budget, align):
     plan = plan_buckets(specs, budget, align=align)
-    assert [e.spec for b in plan for e in b.entries] == specs
+    entries = [e for b in plan for e in b.entries]
+    # consecutive entries of one tensor are its pieces, in order, covering its bytes once
+    runs: list[list] = []
+    for e in entries:
+        if runs and runs[-1][0].spec == e.spec and not runs[-1][-1].last:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    assert [r[0].spec for r in runs] == specs
+    for r in runs:
+        assert r[0].offset == 0 and r[-1].last
+        assert all(a.offset + a.nbytes == b.offset for a, b in zip(r, r[1:]))
+        assert all(not e.last for e in r[:-1])
     assert [b.index for b in plan] == list(range(len(plan)))
     assert all(b.entries for b in plan)
+    # each tensor is extracted once, in the bucket of its first bytes, and completed once
+    assert [n for b in plan for n in b.extract_names] == [s.name for s in specs]
+    assert sum(b.completed for b in plan) == len(specs)
 
 
 @settings(max_examples=150, deadline=None)
@@ -50,29 +65,37 @@ def test_entries_are_consistent_and_do_not_overlap(specs, budget, align):
     for b in plan_buckets(specs, budget, align=align):
         prev_end = 0
         for e in b.entries:
-            assert e.end - e.start == e.spec.nbytes
+            assert e.end - e.start == e.nbytes <= e.spec.nbytes
+            assert e.whole == (e.nbytes == e.spec.nbytes)
+            # a piece is a run of whole elements: it can be viewed as the dtype in place
+            assert e.offset % ITEMSIZE[e.spec.dtype] == 0 and e.nbytes % ITEMSIZE[e.spec.dtype] == 0
             assert e.start >= prev_end
             prev_end = e.end
         assert b.nbytes == b.entries[-1].end
-        assert b.payload_bytes == sum(e.spec.nbytes for e in b.entries) <= b.nbytes
+        assert b.payload_bytes == sum(e.nbytes for e in b.entries) <= b.nbytes
 
 
 @settings(max_examples=150, deadline=None)
 @given(specs=spec_lists, budget=budgets, align=aligns)
-def test_no_bucket_exceeds_the_budget_unless_it_holds_one_oversized_tensor(specs, budget, align):
+def test_no_bucket_exceeds_the_budget_unless_the_budget_is_below_one_aligned_element(specs, budget, align):
     for b in plan_buckets(specs, budget, align=align):
         if b.nbytes > budget:
+            # only one aligned unit (a piece, or a tensor that small), alone, where the budget
+            # is smaller than that unit
             assert len(b.entries) == 1, b
-            assert b.entries[0].spec.nbytes > budget
-            assert b.entries[0].start == 0
+            (e,) = b.entries
+            assert e.start == 0 and e.nbytes <= max(align, ITEMSIZE[e.spec.dtype]) > budget
 
 
 @settings(max_examples=100, deadline=None)
 @given(specs=spec_lists, budget=budgets, align=aligns)
-def test_a_tensor_larger_than_the_budget_is_alone_in_its_bucket(specs, budget, align):
+def test_only_a_tensor_larger_than_the_budget_is_cut(specs, budget, align):
     for b in plan_buckets(specs, budget, align=align):
-        if any(e.spec.nbytes > budget for e in b.entries):
-            assert len(b.entries) == 1
+        for e in b.entries:
+            assert e.whole or e.spec.nbytes > budget
+            if not e.last:  # a piece that is not the tensor's last fills its bucket to an aligned unit
+                unit = max(align, ITEMSIZE[e.spec.dtype])
+                assert e is b.entries[-1] and (budget - b.nbytes < unit or b.nbytes > budget)
 
 
 @settings(max_examples=100, deadline=None)
@@ -100,11 +123,29 @@ def test_default_alignment_packs_three_ten_byte_tensors_per_fifty_byte_bucket():
     assert plan[0].nbytes == 42 and plan[0].payload_bytes == 30
 
 
-def test_an_oversized_tensor_between_small_ones_gets_its_own_bucket():
+def test_an_oversized_tensor_between_small_ones_is_cut_into_pieces_that_fill_the_buckets():
     specs = [spec("a", (4,), "float32"), spec("big", (100,), "float32"), spec("b", (4,), "float32")]
     plan = plan_buckets(specs, 64)
-    assert [[e.spec.name for e in b.entries] for b in plan] == [["a"], ["big"], ["b"]]
-    assert plan[1].nbytes == 400
+    # 400 bytes of "big": 48 after "a", five buckets of 64, the last 32 beside "b"
+    assert [[(e.spec.name, e.offset, e.nbytes) for e in b.entries] for b in plan] == [
+        [("a", 0, 16), ("big", 0, 48)], *[[("big", o, 64)] for o in range(48, 368, 64)],
+        [("big", 368, 32), ("b", 0, 16)]]
+    assert [b.nbytes for b in plan] == [64] * 6 + [48]
+    assert [b.extract_names for b in plan] == [["a", "big"]] + [[]] * 5 + [["b"]]
+    assert [b.completed for b in plan] == [1, 0, 0, 0, 0, 0, 2]
+
+
+def test_a_piece_is_described_on_the_wire_by_one_extra_field():
+    from colo.transports.base import TensorMeta
+
+    plan = plan_buckets([spec("big", (40,), "bfloat16")], 64)
+    metas = [m for b in plan for m in TensorMeta.of_bucket(b)]
+    assert [m.to_json() for m in metas] == [
+        {"name": "big", "shape": [40], "dtype": "bfloat16", "start_idx": 0, "end_idx": 64, "numel": 64,
+         "piece_offset": 0},
+        {"name": "big", "shape": [40], "dtype": "bfloat16", "start_idx": 0, "end_idx": 16, "numel": 16,
+         "piece_offset": 64}]
+    assert [TensorMeta.from_json(m.to_json(), buffer_nbytes=64) for m in metas] == metas
 
 
 def test_alignment_below_the_itemsize_still_aligns_to_the_dtype():

@@ -334,14 +334,31 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
     assert core.digest() == expected_digest(state, config, torch.bfloat16)
     assert result.buckets == len(engine.requests) > 2 and result.tensors == len(state) and pool.live == {}
     entries = [e for r in engine.requests for e in r["tensors"]]
-    assert sorted(e["name"] for e in entries) == sorted(state)
-    assert all(e["numel"] == e["end_idx"] - e["start_idx"] == state[e["name"]].numel() * 2 for e in entries)
+    # the 6912-byte embedding and lm_head exceed the 4 KiB bucket: they travel in pieces, the only
+    # entries with a seventh field, piece_offset; the pieces of each cover it once, in order
+    whole = [e for e in entries if "piece_offset" not in e]
+    pieces = [e for e in entries if "piece_offset" in e]
+    assert sorted({e["name"] for e in pieces}) == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert sorted([e["name"] for e in whole] + sorted({e["name"] for e in pieces})) == sorted(state)
+    assert all(list(e) == field_names(sglang) for e in whole)
+    assert all(e["numel"] == e["end_idx"] - e["start_idx"] == state[e["name"]].numel() * 2 for e in whole)
+    for name in {e["name"] for e in pieces}:
+        mine = [e for e in pieces if e["name"] == name]
+        assert [e["piece_offset"] for e in mine] == [sum(p["numel"] for p in mine[:k]) for k in range(len(mine))]
+        assert sum(e["numel"] for e in mine) == state[name].numel() * 2 and len(mine) >= 2
+        assert all(e["shape"] == list(state[name].shape) for e in mine)
+        # SGLang's metadata has no such field: it refuses a piece rather than read it as a whole tensor
+        with pytest.raises(TypeError, match="piece_offset"):
+            sglang.FlattenedTensorMetadata(**mine[0])
+    assert max(r["tensors"][-1]["end_idx"] for r in engine.requests) <= 4 << 10  # no bucket beyond the budget
     gaps = [b["start_idx"] - a["end_idx"] for r in engine.requests for a, b in zip(r["tensors"], r["tensors"][1:])]
     if align == UNPADDED:
         assert set(gaps) == {0}
-        # each request is exactly what SGLang's broadcast receiver would lay out
+        # each request of whole tensors is exactly what SGLang's broadcast receiver would lay out
         for r in engine.requests:
             t = r["tensors"]
+            if any("piece_offset" in e for e in t):
+                continue
             empty = sglang.FlattenedTensorBucket.empty([e["name"] for e in t], [e["dtype"] for e in t],
                                                        [e["shape"] for e in t], "cpu")
             assert [json_from_sglang_meta(m) for m in empty.get_metadata()] == t

@@ -406,7 +406,8 @@ class BenchHost(RankHost):
         self._check_source(source)
         ex = self.trainer.extractor()
         specs = list(ex.specs())
-        buckets = plan_buckets(specs, bucket_bytes)  # colo's bucket boundaries: same buckets
+        # colo's bucket boundaries, but a tensor larger than the bucket whole in its own, as slime sends it
+        buckets = plan_buckets(specs, bucket_bytes, split=False)
         peers = await self._slime_connect(engines)
         reps_out: list[dict] = []
         try:

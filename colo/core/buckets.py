@@ -4,6 +4,15 @@ A bucket is one flat byte buffer (SGLang's ``FlattenedTensorBucket`` layout:
 one uint8 tensor plus, per tensor, name, shape, dtype, start and end offsets
 and numel). Planning needs no tensors, so replay, tuning and the engine's
 preflight can run it offline and agree with the sender byte for byte.
+
+Staging is bounded: a tensor larger than the budget is cut into pieces, each
+a byte range of the tensor's row-major bytes (``Entry.offset`` on), that fill
+consecutive buckets and are written back in place by the engine. So no
+bucket exceeds the budget (unless the budget is below one aligned unit,
+:data:`ALIGN` bytes), and the two buffers a pipelined sender holds never
+exceed twice the budget, whatever the largest tensor (Qwen2-7B's embedding
+alone is 1.09 GB). A tensor that fits the budget is never cut: it moves to
+the next bucket when the current one has no room for it.
 """
 
 from __future__ import annotations
@@ -52,9 +61,31 @@ def spec(name: str, shape: Sequence[int], dtype: str) -> TensorSpec:
 
 @dataclass(frozen=True)
 class Entry:
+    """Bytes ``[offset, offset + end - start)`` of tensor ``spec`` at ``[start, end)`` of
+    the bucket: the whole tensor (``offset`` 0, ``end - start == spec.nbytes``) or a piece."""
+
     spec: TensorSpec
     start: int  # byte offset in the bucket
     end: int
+    offset: int = 0  # byte offset in the tensor (a piece of a tensor larger than the budget)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.nbytes == self.spec.nbytes
+
+    @property
+    def first(self) -> bool:
+        """The tensor's first bytes are here: the extractor produces it in this bucket."""
+        return self.offset == 0
+
+    @property
+    def last(self) -> bool:
+        """The tensor's last bytes are here: once loaded, the tensor is complete."""
+        return self.offset + self.nbytes == self.spec.nbytes
 
 
 @dataclass(frozen=True)
@@ -65,20 +96,43 @@ class Bucket:
 
     @property
     def payload_bytes(self) -> int:
-        return sum(e.spec.nbytes for e in self.entries)
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def extract_names(self) -> list[str]:
+        """The tensors whose first bytes are in this bucket: what the sender asks the
+        extractor for (a piece after the first comes from the tensor extracted in an
+        earlier bucket). Every rank of a multi-rank trainer asks for exactly these,
+        bucket by bucket, so their collectives line up."""
+        return [e.spec.name for e in self.entries if e.first]
+
+    @property
+    def completed(self) -> int:
+        """Tensors whose last bytes are in this bucket: how many a load of it completes."""
+        return sum(1 for e in self.entries if e.last)
 
 
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
 
-def plan_buckets(specs: Sequence[TensorSpec], budget_bytes: int, *, align: int = ALIGN) -> list[Bucket]:
+def plan_buckets(specs: Sequence[TensorSpec], budget_bytes: int, *, align: int = ALIGN,
+                 split: bool = True) -> list[Bucket]:
     """Greedy, order-preserving packing under ``budget_bytes``.
 
-    Every tensor lands in exactly one bucket, in the given order. A bucket
-    exceeds the budget only when it holds a single tensor larger than it.
-    Each offset is a multiple of ``align`` and of the tensor's itemsize, so
-    the receiver can view the bytes as the tensor without a copy.
+    Every byte of every tensor lands exactly once, in the given order. A
+    tensor that fits the budget lands whole in one bucket; a larger one is
+    cut into pieces: the first fills what is left of the current bucket, the
+    next ones fill whole buckets, the last may share its bucket with the
+    tensors after it. Each piece but the last is a multiple of
+    ``max(align, itemsize)`` bytes long. No bucket exceeds the budget unless
+    the budget is smaller than that unit. Each offset (in the bucket and in the
+    tensor) is a multiple of ``align`` and of the tensor's itemsize, so the
+    receiver can view the bytes as the tensor, or as a run of its elements,
+    without a copy.
+
+    ``split=False`` is the plan slime and the per-bucket baselines use: a
+    tensor larger than the budget is never cut and gets a bucket of its own.
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise ValueError(f"bucket budget must be a positive number of bytes, got {budget_bytes!r}")
@@ -106,13 +160,32 @@ def plan_buckets(specs: Sequence[TensorSpec], budget_bytes: int, *, align: int =
 
     for s in specs:
         # itemsizes are powers of two, so the larger of the two is a multiple of both
-        start = _round_up(offset, max(align, itemsize(s.dtype)))
-        if current and start + s.nbytes > budget_bytes:
-            close()
-            start = 0
-        current.append(Entry(s, start, start + s.nbytes))
-        offset = start + s.nbytes
-        if offset >= budget_bytes:
-            close()
+        unit = max(align, itemsize(s.dtype))
+        start = _round_up(offset, unit)
+        if s.nbytes <= budget_bytes or not split:
+            if current and start + s.nbytes > budget_bytes:
+                close()
+                start = 0
+            current.append(Entry(s, start, start + s.nbytes))
+            offset = start + s.nbytes
+            if offset >= budget_bytes:
+                close()
+            continue
+        done = 0
+        while done < s.nbytes:
+            room = (budget_bytes - start) // unit * unit
+            if room <= 0:
+                if current:
+                    close()
+                    start = 0
+                    continue
+                room = unit  # a budget below one unit: the least a piece can be
+            n = min(room, s.nbytes - done)
+            current.append(Entry(s, start, start + n, done))
+            done += n
+            offset = start + n
+            if offset >= budget_bytes:
+                close()
+            start = _round_up(offset, unit)
     close()
     return buckets

@@ -161,6 +161,7 @@ class EngineClient:
         self.weight_version = hello.get("weight_version")
         self.specs = [TensorSpec(name=n, shape=tuple(s), dtype=d, nbytes=0) for n, s, d in hello["param_specs"]]
         self.closed = False
+        self._preflight_key: str | None = None  # the spec list this engine last accepted
 
     @classmethod
     async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
@@ -366,7 +367,22 @@ class EngineClient:
 
     # -- sync ------------------------------------------------------------------
     async def preflight(self, specs: Sequence[TensorSpec]) -> None:
-        await self.call("preflight", specs=[[s.name, list(s.shape), s.dtype] for s in specs])
+        """The engine checks every name, shape and dtype; a list it accepted before (the
+        same model, sync after sync) goes as its key alone."""
+        from colo.transports.wire import is_layout_not_cached, layout_key
+
+        wire = [[s.name, list(s.shape), s.dtype] for s in specs]
+        key = layout_key(wire)
+        if key == self._preflight_key:
+            try:
+                await self.call("preflight", key=key)
+                return
+            except EngineError as e:
+                if not is_layout_not_cached(e):
+                    raise
+        self._preflight_key = None
+        await self.call("preflight", specs=wire, key=key)
+        self._preflight_key = key
 
     async def begin_load(self) -> None:
         await self.call("begin_load")

@@ -33,6 +33,7 @@ from colo.core.buckets import itemsize, numel, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.errors import EngineStateError, KVPoolTooSmall, WeightMismatch  # noqa: F401 (re-exported)
+from colo.transports.wire import Piece
 
 
 # ---------------------------------------------------------------------------
@@ -404,6 +405,8 @@ class _LoadSession:
         self.duplicate: list[str] = []
         self.unexpected: list[str] = []
         self.wrong_shape: list[str] = []
+        #: elements written so far of each tensor arriving in pieces (bounded staging)
+        self.partial: dict[str, int] = {}
 
 
 class EngineModel:
@@ -584,10 +587,15 @@ class EngineModel:
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each (HF name, tensor) into its row block, converting dtype and device.
 
-        The batch is checked as a whole first (unknown names, duplicates
-        within it or of names already loaded, wrong shapes): on any problem
-        nothing from this batch is written and one ``WeightMismatch`` lists
-        them all. Returns the number of tensors written.
+        A ``colo.transports.wire.Piece`` in place of a tensor is a run of the
+        tensor's elements (a tensor larger than the sync's bucket arrives in
+        pieces, in order): it is written in place, and the tensor counts as
+        loaded once its last element is. The batch is checked as a whole first
+        (unknown names, duplicates within it or of names already loaded, wrong
+        shapes, a piece that does not continue where its tensor stopped): on
+        any problem nothing from this batch is written and one
+        ``WeightMismatch`` lists them all. Returns the number of tensors this
+        batch completed.
         """
         params = self._require_weights("load weights")
         session = self._load
@@ -597,7 +605,8 @@ class EngineModel:
         seen: set[str] = set()
         duplicate, unexpected, wrong_shape = [], [], []
         for name, tensor in items:
-            if name in seen or name in session.loaded:
+            piece = isinstance(tensor, Piece)
+            if name in seen or name in session.loaded or (not piece and name in session.partial):
                 duplicate.append(name)
                 continue
             seen.add(name)
@@ -606,22 +615,40 @@ class EngineModel:
                 unexpected.append(self.sync_map.unexpected(name))
             elif tuple(tensor.shape) != shard.shape:
                 wrong_shape.append(f"{name} {tuple(tensor.shape)} (expected {shard.shape})")
+            elif piece and (tensor.offset != session.partial.get(name, 0) or tensor.end > numel(shard.shape)
+                            or tensor.data.dim() != 1):
+                wrong_shape.append(f"{name}: a piece of elements [{tensor.offset}, {tensor.end}) where the "
+                                   f"next piece of its {numel(shard.shape)} elements starts at "
+                                   f"{session.partial.get(name, 0)}")
         if duplicate or unexpected or wrong_shape:
             session.duplicate += duplicate
             session.unexpected += unexpected
             session.wrong_shape += wrong_shape
             raise WeightMismatch("load_weights refused the batch (nothing from it was written)",
                                  duplicate=duplicate, unexpected=unexpected, wrong_shape=wrong_shape)
+        done = 0
         with torch.no_grad():
             for name, tensor in items:
                 self._write(params, name, tensor)
+                if isinstance(tensor, Piece) and tensor.end < numel(tensor.shape):
+                    session.partial[name] = tensor.end
+                    continue
+                session.partial.pop(name, None)
                 session.loaded.add(name)
-        return len(items)
+                done += 1
+        return done
 
-    def _write(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
-        """Copy one checked HF tensor into its row block (a TP rank copies out its slice)."""
+    def _write(self, params: dict[str, torch.Tensor], name: str, tensor: Any) -> None:
+        """Copy one checked HF tensor (or a piece of it: its run of elements, in
+        place) into its row block (a TP rank copies out its slice)."""
         shard = self.map.shards[name]
-        params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]].copy_(tensor)
+        dest = params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
+        if isinstance(tensor, Piece):
+            # a row block of a contiguous parameter is contiguous: the tensor's
+            # row-major elements are the block's, one for one
+            dest.view(-1)[tensor.offset:tensor.end].copy_(tensor.data)
+            return
+        dest.copy_(tensor)
 
     def end_load(self) -> int:
         """Close the load; raise one ``WeightMismatch`` unless every expected name came exactly once."""
@@ -629,7 +656,9 @@ class EngineModel:
         if session is None:
             raise EngineStateError("end_load called without begin_load()")
         self._load = None
-        missing = [n for n in self.sync_map.shards if n not in session.loaded]
+        missing = [n if n not in session.partial else
+                   f"{n} (only its first {session.partial[n]} of {numel(self.sync_map.shards[n].shape)} elements)"
+                   for n in self.sync_map.shards if n not in session.loaded]
         err = WeightMismatch("weight sync incomplete", missing=missing, unexpected=session.unexpected,
                              duplicate=session.duplicate, wrong_shape=session.wrong_shape)
         if not err.empty:

@@ -48,6 +48,9 @@ class EngineServer:
         #: transport name -> its engine-side receiver (``colo.transports``)
         self._receivers: dict[str, Any] = {}
         self.running = True
+        #: the key of the last spec list preflight accepted: a sync whose specs did not
+        #: change since then sends only the key (issue 18: metadata cached across syncs)
+        self._preflight_key: str | None = None
 
     # -- handles ---------------------------------------------------------------
     def _detach_all(self) -> None:
@@ -108,12 +111,26 @@ class EngineServer:
     def op_digest(self) -> dict:
         return {"digest": self.core.digest()}
 
-    def op_preflight(self, specs: list[list]) -> dict:
+    def op_preflight(self, specs: list[list] | None = None, key: str | None = None) -> dict:
+        """Check a sync's (name, shape, dtype) list; ``key`` alone names the last list this
+        engine accepted (a list that changed is sent whole again and checked again)."""
+        from colo.transports.wire import LayoutNotCached, layout_key
+
+        if specs is None:
+            if key is None or key != self._preflight_key:
+                raise LayoutNotCached(f"preflight key {key} is not the last spec list this engine accepted "
+                                      f"({self._preflight_key}); send the specs")
+            return {}
         parsed = []
         for name, shape, dtype in specs:
             parsed.append(TensorSpec(name=name, shape=tuple(shape), dtype=dtype,
                                      nbytes=numel(shape) * itemsize(dtype)))
+        self._preflight_key = None
         self.core.preflight(parsed)
+        if key is not None:
+            if key != layout_key(specs):
+                raise ValueError(f"preflight key {key} is not the hash of its specs ({layout_key(specs)})")
+            self._preflight_key = key
         return {}
 
     def op_begin_load(self) -> dict:

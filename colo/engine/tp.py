@@ -48,6 +48,7 @@ tokens.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,6 +64,7 @@ from colo.engine.model import (HEAD_TABLE, LAYER_TABLE, TAIL_TABLE, TIED, DTypeL
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
 from colo.errors import BadInput
+from colo.transports.wire import Piece
 
 #: The ``Dims`` axes that tensor parallelism splits; every other axis (hidden_size) is whole on each rank.
 SPLIT_AXES = ("q_rows", "kv_rows", "intermediate_size", "vocab_size")
@@ -223,10 +225,14 @@ class ShardPlan:
         return cls(layout, full_map, local_map, slices)
 
 
-def _write_slice(params: Mapping[str, torch.Tensor], s: ShardSlice, full: torch.Tensor) -> None:
+def _write_slice(params: Mapping[str, torch.Tensor], s: ShardSlice, full: Any) -> None:
     """Copy the rank's slice of one full HF tensor into its row block (dtype and device convert
-    element by element in ``copy_``); padding rows are zeroed."""
+    element by element in ``copy_``); padding rows are zeroed. ``full`` may be a
+    :class:`~colo.transports.wire.Piece` of the tensor: its part of the slice is written."""
     dest = params[s.param][s.row_offset:s.row_offset + s.local_shape[0]]
+    if isinstance(full, Piece):
+        _write_piece(dest, s, full)
+        return
     if s.dim is None:
         dest.copy_(full)
         return
@@ -234,6 +240,44 @@ def _write_slice(params: Mapping[str, torch.Tensor], s: ShardSlice, full: torch.
         dest.narrow(s.dim, 0, s.real).copy_(full.narrow(s.dim, s.start, s.real))
     if s.real < s.length:
         dest.narrow(s.dim, s.real, s.length - s.real).zero_()
+
+
+def _write_piece(dest: torch.Tensor, s: ShardSlice, piece: Piece) -> None:
+    """Write the part of the rank's slice that a run of the full tensor's row-major elements
+    holds, so a tensor cut into pieces loads piece by piece, each in place.
+
+    Viewed as ``[outer, D * inner]`` (``D`` the split dimension's length), every
+    outer row of the full tensor keeps the columns ``[start * inner, (start + real)
+    * inner)``; the run covers a partial outer row, whole outer rows, a partial
+    one. The rank's block, viewed as ``[outer, length * inner]``, takes each
+    intersection at the same row."""
+    data, e0, e1 = piece.data, piece.offset, piece.end
+    if s.dim is None:
+        dest.view(-1)[e0:e1].copy_(data)
+        return
+    full = s.full_shape
+    inner = math.prod(full[s.dim + 1:])
+    outer = math.prod(full[:s.dim])
+    row_len = full[s.dim] * inner
+    lo, hi = s.start * inner, (s.start + s.real) * inner
+    block = dest.view(outer, s.length * inner)
+    if e0 == 0 and s.real < s.length:  # padding rows, once per load: zeros, as _write_slice writes
+        dest.narrow(s.dim, s.real, s.length - s.real).zero_()
+    at = e0
+    while at < e1:
+        row, col = divmod(at, row_len)
+        if col == 0 and e1 - at >= row_len:  # whole outer rows: one strided copy
+            k = (e1 - at) // row_len
+            if hi > lo:
+                src = data[at - e0:at - e0 + k * row_len].view(k, row_len)
+                block[row:row + k, :hi - lo].copy_(src[:, lo:hi])
+            at += k * row_len
+            continue
+        end = min(row_len, col + e1 - at)  # this outer row's columns the run holds: [col, end)
+        a, b = max(col, lo), min(end, hi)
+        if a < b:
+            block[row, a - lo:b - lo].copy_(data[at - e0 + a - col:at - e0 + b - col])
+        at += end - col
 
 
 def shard_state_from_hf(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

@@ -102,14 +102,15 @@ class FakeTransport:
                 await anyio.sleep_forever()
             stages = BUCKET_STAGES if ctx.source == "host" else BUCKET_STAGES[1:]
             for stage in stages:
-                ctx.record(b.index, stage, b.nbytes, len(b.entries), 0.0)
-            engine.loaded.extend(e.spec.name for e in b.entries)
+                # a load counts the tensors it completes (a piece of a tensor larger than the bucket, none)
+                ctx.record(b.index, stage, b.nbytes, b.completed if stage == "load" else len(b.entries), 0.0)
+            engine.loaded.extend(e.spec.name for e in b.entries if e.last)
             total += b.payload_bytes
             if len(live) == 2:  # the receiver acked the older one: free it
                 ctx.staging.free(live.pop(0))
         for sid in live:
             ctx.staging.free(sid)
-        return ctx.result(bytes=total, buckets=len(buckets), tensors=sum(len(b.entries) for b in buckets))
+        return ctx.result(bytes=total, buckets=len(buckets), tensors=sum(b.completed for b in buckets))
 
     async def abort(self):
         self.aborted += 1
@@ -204,11 +205,20 @@ class ProtocolEngine:
             on_sent()
 
         def receive() -> int:
+            from colo.transports.wire import Piece
+
+            done = 0
             with receiver.receive(request) as named:
                 for name, tensor in named:
-                    self.params[name].copy_(tensor.view(self.params[name].shape))
+                    if isinstance(tensor, Piece):  # a run of a tensor larger than the bucket, in place
+                        self.params[name].view(-1)[tensor.offset:tensor.end].copy_(tensor.data)
+                        if tensor.end < self.params[name].numel():
+                            continue
+                    else:
+                        self.params[name].copy_(tensor.view(self.params[name].shape))
                     self._loading.add(name)
-                return len(named)
+                    done += 1
+                return done
 
         return {"tensors": await anyio.to_thread.run_sync(receive)}
 

@@ -61,7 +61,10 @@ class Strategy(Protocol):
 # -- the sender's common part -------------------------------------------------------
 
 def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
-    """The extractor must hand exactly the planned tensors: the bytes go to planned offsets."""
+    """The extractor must hand exactly the planned tensors: the bytes go to planned offsets.
+
+    ``tensors`` holds one whole tensor per entry, a piece's tensor included
+    (the sender cuts the piece's bytes out of it)."""
     if len(tensors) != len(bucket.entries):
         raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
                          f"planned {len(bucket.entries)}")
@@ -125,6 +128,9 @@ class BucketSender:
         self._engine: Any = None
         self._extractor: Any = None
         self._stream: Any = None
+        #: tensors cut into pieces whose last piece is not packed yet: extracted once,
+        #: in the bucket of their first piece, and cut from in the later ones
+        self._carry: dict[str, Any] = {}
 
     # -- hooks ---------------------------------------------------------------
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
@@ -150,6 +156,7 @@ class BucketSender:
             raise ValueError("the trainer has no parameters to sync (empty model)")
         buckets = plan_buckets(specs, ctx.bucket_bytes)
         self._engine = engine
+        self._carry = {}
         # The engine checks every name, shape and dtype before the first byte moves.
         await engine.preflight(specs)
         try:
@@ -161,12 +168,13 @@ class BucketSender:
             await self._commit(ctx, buckets)
         finally:
             with anyio.CancelScope(shield=True):
+                self._carry = {}
                 self._cleanup()
         return ctx.result(bytes=sum(b.payload_bytes for b in buckets), buckets=len(buckets), tensors=len(specs))
 
     async def _prepare(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
         self._extractor = extractor
-        names = [e.spec.name for e in bucket.entries]
+        names = bucket.extract_names
         t0 = time.perf_counter()
         # Off the event loop: the engine's acknowledgement of the previous
         # bucket must be read while this one is being gathered and packed.
@@ -185,10 +193,34 @@ class BucketSender:
                 stream.wait_stream(torch.cuda.default_stream(stream.device))
                 return list(extractor.extract(names))
 
-        tensors = await anyio.to_thread.run_sync(gather)
+        fresh = await anyio.to_thread.run_sync(gather)
         ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), time.perf_counter() - t0)
+        tensors = self._with_carried(bucket, fresh)
         check_bucket_tensors(bucket, tensors)
         await self._pack(bucket, tensors, slot, ctx)
+
+    def _with_carried(self, bucket: Bucket, fresh: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """One whole tensor per entry: the extracted ones, and for a piece after the
+        first the tensor extracted in its first piece's bucket (held until its last
+        piece is packed; a pinned host tensor when the source is the host copy, so
+        holding it costs no device memory)."""
+        if [n for n, _ in fresh] != bucket.extract_names:
+            raise ValueError(f"bucket {bucket.index}: extractor gave {[n for n, _ in fresh]}, "
+                             f"asked for {bucket.extract_names}")
+        got = dict(fresh)
+        out = []
+        for e in bucket.entries:
+            name = e.spec.name
+            t = got[name] if e.first else self._carry.get(name)
+            if t is None:  # the plan's order guarantees it: a bug, not bad input
+                raise RuntimeError(f"bucket {bucket.index}: piece of {name!r} at byte {e.offset} "
+                                   f"has no tensor carried from its first piece")
+            if e.last:
+                self._carry.pop(name, None)
+            else:
+                self._carry[name] = t
+            out.append((name, t))
+        return out
 
     def _upload_stream(self, device: Any) -> Any:
         """The sender's CUDA stream for uploads and packing (None off the GPU)."""
@@ -240,13 +272,19 @@ def timed_ack(ctx: SyncContext, bucket: Bucket, n: int) -> tuple[Callable[[], No
     on the wire: where the engine's load begins) and load (until the ack)."""
     t0 = time.perf_counter()
     sent = [t0]
+    recorded = [False]
 
     def on_sent() -> None:
         sent[0] = time.perf_counter()
-        ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, sent[0] - t0)
+        if not recorded[0]:  # a request sent again (a layout the engine lost) is one handoff
+            recorded[0] = True
+            ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, sent[0] - t0)
 
     def on_ack(reply: dict) -> None:
-        ctx.record(bucket.index, "load", bucket.payload_bytes, reply.get("tensors", n), time.perf_counter() - sent[0])
+        # the engine counts the tensors this load completed (a piece before the
+        # last completes none), so a sync's loads add up to its tensors
+        ctx.record(bucket.index, "load", bucket.payload_bytes, reply.get("tensors", bucket.completed),
+                   time.perf_counter() - sent[0])
 
     return on_sent, on_ack
 

@@ -35,6 +35,7 @@ from colo.core.buckets import Bucket
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors,
                                   raise_first_real, views)
+from colo.transports.wire import LayoutCache, LayoutMemo
 
 BACKENDS = ("gloo", "nccl")
 #: the engine is rank 1; engine tensor-parallel ranks would follow it
@@ -138,6 +139,8 @@ class BroadcastTransport(BucketSender):
         self._group: _Group | None = None
         self._slots: list[tuple[Staged, Any] | None] = [None, None]
         self._cap = 0
+        #: bucket layouts the engine's receiver holds; it lives as long as the group
+        self._memo = LayoutMemo()
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         self._cap = max(b.nbytes for b in buckets)
@@ -164,6 +167,7 @@ class BroadcastTransport(BucketSender):
         except BaseExceptionGroup as group:
             raise_first_real(group)
         self._group = _Group(store, holder[0], info, engine)
+        self._memo.forget()  # a fresh receiver on the engine: it holds no layout yet
         return self._group
 
     def _slot(self, i: int, ctx: SyncContext, device: torch.device) -> Any:
@@ -189,7 +193,8 @@ class BroadcastTransport(BucketSender):
         flat = self._slots[slot][1]
         # the first sync's first handoff builds the group: part of its handoff
         group = await self._ensure_group(engine, flat.device)
-        req = BroadcastRequest(bucket.nbytes, tuple(TensorMeta.of_bucket(bucket)))
+        fields, key = self._memo.fields(engine, bucket.index, TensorMeta.of_bucket(bucket))
+        request = {"nbytes": bucket.nbytes, **fields}
         n = len(bucket.entries)
         # the engine's receive buffer, for as long as its request runs
         receive = Staged(ctx, bucket.nbytes)
@@ -204,7 +209,7 @@ class BroadcastTransport(BucketSender):
 
         async def engine_side() -> None:
             try:
-                replies.append(await engine.transport_load(self.name, req.to_json(), on_sent=on_sent))
+                replies.append(await engine.transport_load(self.name, request, on_sent=on_sent))
             finally:
                 on_wire.set()
 
@@ -229,7 +234,8 @@ class BroadcastTransport(BucketSender):
                             ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, sent - t0)
                 except BaseExceptionGroup as group_exc:
                     raise_first_real(group_exc)
-            ctx.record(bucket.index, "load", bucket.payload_bytes, replies[0].get("tensors", n),
+            self._memo.acked(bucket.index, key)
+            ctx.record(bucket.index, "load", bucket.payload_bytes, replies[0].get("tensors", bucket.completed),
                        time.perf_counter() - sent)
         finally:
             receive.free()
@@ -270,6 +276,7 @@ class BroadcastReceiver:
         if (info.backend == "nccl") != (self.device.type == "cuda"):
             raise RequestError(f"backend {info.backend} does not fit the engine's device {self.device}")
         self.pg: Any = make_group(info, ENGINE_RANK)
+        self.layouts = LayoutCache()  # bucket layouts, for as long as this group lives
 
     @contextlib.contextmanager
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
@@ -280,7 +287,7 @@ class BroadcastReceiver:
         # Enter the collective before checking anything else: the trainer is
         # already in it, and a refusal here would strand it until the timeout.
         self.pg.broadcast(flat, TRAINER_RANK).wait()
-        tensors = parse_tensors(request, "tensors", "broadcast request", buffer_nbytes=nbytes)
+        tensors = self.layouts.resolve(request, "broadcast request", buffer_nbytes=nbytes)
         yield views(flat, tensors)
 
     def release(self) -> None:
@@ -288,6 +295,7 @@ class BroadcastReceiver:
 
     def close(self) -> None:
         self.pg = None
+        self.layouts.clear()
 
 
 class BroadcastStrategy:

@@ -43,6 +43,7 @@ import torch
 from colo.core.buckets import Bucket, itemsize, numel
 from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
+from colo.transports.wire import piece_of
 from colo.errors import IncompleteCheckpoint
 
 FORMAT = "colo.checkpoint/1"
@@ -104,12 +105,24 @@ def write_durable(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def write_shard(path: str, tensors: list[tuple[str, Any]], *, bucket: int) -> int:
-    """One bucket as a safetensors file, fsynced; returns its size in bytes."""
+def write_shard(path: str, tensors: list[tuple[str, Any]], *, bucket: int, entries: Any = None) -> int:
+    """One bucket as a safetensors file, fsynced; returns its size in bytes.
+
+    With ``entries`` (the bucket's plan), a piece of a tensor larger than the
+    bucket is stored under the tensor's name as a 1-D run of its elements; the
+    request and the manifest say where it lies in the tensor."""
     from safetensors.torch import save
 
-    data = save({name: t.detach().contiguous().cpu() for name, t in tensors},
-                metadata={"format": FORMAT, "bucket": str(bucket)})
+    entries = list(entries) if entries is not None else [None] * len(tensors)
+    out = {}
+    for (name, t), e in zip(tensors, entries):
+        t = t.detach()
+        if e is not None and not e.whole:
+            size = t.element_size()
+            # a copy of its own: safetensors writes whole storages, not a window into one
+            t = t.contiguous().view(-1)[e.offset // size:(e.offset + e.nbytes) // size].clone()
+        out[name] = t.contiguous().cpu()
+    data = save(out, metadata={"format": FORMAT, "bucket": str(bucket)})
     write_durable(path, data)
     return len(data)
 
@@ -174,6 +187,7 @@ def load_checkpoint(path: str, *, device: str | torch.device = "cpu") -> dict[st
 
     manifest = read_manifest(path)
     out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}  # elements written so far of each tensor stored in pieces
     for shard in manifest["shards"]:
         fname = shard["file"]
         if not isinstance(fname, str) or not _SHARD.match(fname):
@@ -182,11 +196,32 @@ def load_checkpoint(path: str, *, device: str | torch.device = "cpu") -> dict[st
         if not os.path.isfile(fpath) or os.path.getsize(fpath) != shard["bytes"]:
             raise IncompleteCheckpoint(f"{fpath}: missing or not the {shard['bytes']} B the manifest records")
         got = load_file(fpath, device=str(device))
-        want = {name: (tuple(shape), dtype) for name, shape, dtype in shard["tensors"]}
+        # [name, shape, dtype] for a whole tensor, [name, shape, dtype, piece_offset] for a
+        # piece of one larger than the bucket (stored 1-D: its elements from piece_offset on)
+        rows = shard["tensors"]
         have = {name: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in got.items()}
-        if have != want:
+        want = {r[0]: ((have.get(r[0], ((),))[0] if len(r) > 3 else tuple(r[1])), r[2]) for r in rows}
+        if have != want or any(len(r) > 3 and len(have[r[0]][0]) != 1 for r in rows):
             raise IncompleteCheckpoint(f"{fpath}: tensors do not match the manifest")
-        out.update(got)
+        for row in shard["tensors"]:
+            if len(row) <= 3:
+                out[row[0]] = got[row[0]]
+                continue
+            name, shape, dtype, offset = row
+            piece = got[name]
+            if offset == 0:
+                out[name] = torch.empty(tuple(shape), dtype=piece.dtype, device=piece.device)
+                filled[name] = 0
+            if filled.get(name) != offset // piece.element_size() \
+                    or filled[name] + piece.numel() > out[name].numel():
+                raise IncompleteCheckpoint(f"{fpath}: piece of {name!r} at byte {offset} does not follow "
+                                           f"the pieces before it inside its {list(shape)}")
+            flat = out[name].view(-1)
+            flat[filled[name]:filled[name] + piece.numel()].copy_(piece)
+            filled[name] += piece.numel()
+    short = [n for n, k in filled.items() if k != out[n].numel()]
+    if short:
+        raise IncompleteCheckpoint(f"{path}: tensor(s) {short} are missing pieces")
     return out
 
 
@@ -228,17 +263,19 @@ class DiskTransport(BucketSender):
         t0 = time.perf_counter()
         try:
             size = await anyio.to_thread.run_sync(
-                lambda: write_shard(os.path.join(self._tmp, fname), tensors, bucket=bucket.index))
+                lambda: write_shard(os.path.join(self._tmp, fname), tensors, bucket=bucket.index,
+                                    entries=bucket.entries))
         finally:
             staged.free()
         self._shards.append({"file": fname, "bytes": size, "bucket": bucket.index,
-                             "tensors": [[e.spec.name, list(e.spec.shape), e.spec.dtype] for e in bucket.entries]})
+                             "tensors": [[e.spec.name, list(e.spec.shape), e.spec.dtype]
+                                         + ([] if e.whole else [e.offset]) for e in bucket.entries]})
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
         rel = os.path.join(os.path.basename(self._tmp), f"shard-{bucket.index:05d}.safetensors")
         req = DiskRequest(rel, tuple(TensorMeta.of_bucket(bucket)))
-        n = len(bucket.entries)
+        n = bucket.completed
         # the engine reads the shard into memory before copying it into its parameters
         staged = Staged(ctx, bucket.payload_bytes)
         try:
@@ -259,7 +296,7 @@ class DiskTransport(BucketSender):
         tmp = self._tmp
         final = os.path.join(self.root, f"step-{ctx.weight_version}")
         manifest = {"format": FORMAT, "weight_version": ctx.weight_version, "step": ctx.step,
-                    "tensors": sum(len(b.entries) for b in buckets),
+                    "tensors": sum(b.completed for b in buckets),
                     "bytes": sum(b.payload_bytes for b in buckets), "shards": self._shards}
 
         def commit() -> None:
@@ -326,11 +363,12 @@ class DiskReceiver:
             raise RequestError(f"shard {req.file}: holds {sorted(got)}, the request lists {sorted(want)}")
         for m in req.tensors:
             t = got[m.name]
-            if tuple(t.shape) != m.shape or str(t.dtype).removeprefix("torch.") != m.dtype \
-                    or t.numel() * t.element_size() != numel(m.shape) * itemsize(m.dtype):
+            shape = m.shape if m.whole else (m.nbytes // itemsize(m.dtype),)
+            if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != m.dtype \
+                    or t.numel() * t.element_size() != m.nbytes:
                 raise RequestError(f"shard {req.file}: {m.name} is {tuple(t.shape)} {t.dtype}, "
-                                   f"the request says {m.shape} {m.dtype}")
-        yield [(m.name, got[m.name]) for m in req.tensors]
+                                   f"the request says {shape} {m.dtype}")
+        yield [(m.name, got[m.name] if m.whole else piece_of(m, got[m.name])) for m in req.tensors]
 
     def release(self) -> None:
         pass

@@ -57,8 +57,11 @@ class IpcRequest:
 class _Exported:
     """One tensor's shareable memory, held until the engine acknowledged it."""
 
-    def __init__(self, ctx: SyncContext, name: str, t: Any):
-        flat = t.contiguous().view(-1).view(torch.uint8)
+    def __init__(self, ctx: SyncContext, name: str, t: Any, entry: Any = None):
+        from colo.transports.packed import entry_bytes
+
+        # a piece of a tensor larger than the bucket is exported as its own bytes only
+        flat = t.contiguous().view(-1).view(torch.uint8) if entry is None else entry_bytes(t, entry)
         # a 0-byte tensor still gets a 1-byte segment: a handle needs memory behind it
         self.staged = Staged(ctx, max(1, flat.numel()))
         self.name = name
@@ -92,27 +95,34 @@ class _Exported:
 
 
 def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]], stream: Any = None,
-                upload_to: Any = None) -> list[_Exported]:
+                upload_to: Any = None, entries: Any = None) -> list[_Exported]:
     """Export every tensor of a bucket; with ``stream`` (the sender's upload stream,
     where the extractor produced them) the copies are queued there, after the
     uploads and gathers they read. On another stream they could copy the bytes
     before the gather wrote them (seen on two H200s: offload-first, a digest
     mismatch on rank 1)."""
     if stream is None:
-        return _export_each(ctx, tensors, upload_to)
+        return _export_each(ctx, tensors, upload_to, entries)
     with torch.cuda.stream(stream):
-        return _export_each(ctx, tensors, upload_to)
+        return _export_each(ctx, tensors, upload_to, entries)
 
 
-def _export_each(ctx: SyncContext, tensors: list[tuple[str, Any]], upload_to: Any) -> list[_Exported]:
+def _export_each(ctx: SyncContext, tensors: list[tuple[str, Any]], upload_to: Any,
+                 entries: Any = None) -> list[_Exported]:
+    from colo.transports.packed import entry_bytes
+
+    entries = list(entries) if entries is not None else [None] * len(tensors)
     if upload_to is not None:
         # verl's way on a GPU is one CUDA IPC handle per tensor: a host
-        # source is uploaded first, not shared through host memory
-        tensors = [(n, t.to(upload_to, non_blocking=t.is_pinned())) for n, t in tensors]
+        # source is uploaded first, not shared through host memory (a piece:
+        # only its bytes, as one flat tensor)
+        tensors = [(n, (t if e is None else entry_bytes(t, e)).to(upload_to, non_blocking=t.is_pinned()))
+                   for (n, t), e in zip(tensors, entries)]
+        entries = [None] * len(tensors)
     out: list[_Exported] = []
     try:
-        for name, t in tensors:
-            out.append(_Exported(ctx, name, t))
+        for (name, t), e in zip(tensors, entries):
+            out.append(_Exported(ctx, name, t, e))
     except BaseException:
         for e in out:
             e.close()
@@ -138,7 +148,8 @@ class IpcTransport(BucketSender):
         upload_to = torch.device(target) if target is not None and torch.device(target).type == "cuda" else None
         device = upload_to if upload_to is not None else tensors[0][1].device
         stream = self._upload_stream(device)
-        self._slots[slot] = await anyio.to_thread.run_sync(_export_all, ctx, tensors, stream, upload_to)
+        self._slots[slot] = await anyio.to_thread.run_sync(_export_all, ctx, tensors, stream, upload_to,
+                                                           bucket.entries)
         self._cuda = self._cuda or any(e.tensor is not None for e in self._slots[slot])
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
@@ -155,7 +166,7 @@ class IpcTransport(BucketSender):
                 if last:  # the handoff ends where the last tensor's load begins
                     ctx.record(bucket.index, "handoff", bucket.payload_bytes, n, last_sent - t0)
 
-            request = IpcRequest(e.handle, TensorMeta(m.name, m.shape, m.dtype, 0, m.nbytes))
+            request = IpcRequest(e.handle, TensorMeta(m.name, m.shape, m.dtype, 0, m.nbytes, m.offset))
             reply = await engine.transport_load(self.name, request.to_json(), on_sent=on_sent)
             loaded += int(reply.get("tensors", 1))
             # acknowledged: the engine copied it and closed its mapping

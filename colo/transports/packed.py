@@ -25,7 +25,7 @@ from colo.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
                                   check_bucket_tensors, parse_tensors, timed_ack, views)
-from colo.transports.wire import PADDED, relayout
+from colo.transports.wire import PADDED, LayoutCache, LayoutMemo, is_layout_not_cached, relayout
 
 #: attachments the receiver keeps open across buckets: the sender double-buffers,
 #: so two live segments is the steady state; a few more cover a restarted sync.
@@ -52,14 +52,21 @@ class PackedRequest:
 
 
 def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> int:
-    """Copy ``tensors`` into ``flat`` at the bucket's offsets; check names and sizes first."""
+    """Copy ``tensors`` into ``flat`` at the bucket's offsets (a piece: its byte range of
+    the tensor); check names and sizes first."""
     check_bucket_tensors(bucket, tensors)
     for (_, t), e in zip(tensors, bucket.entries):
-        src = t.contiguous().view(-1).view(flat.dtype)
+        src = entry_bytes(t, e)
         # Straight from a pinned host copy into the device buffer: one upload,
         # no intermediate device tensor; queued, and settled once per bucket.
         flat[e.start:e.end].copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
     return bucket.payload_bytes
+
+
+def entry_bytes(t: Any, e: Any) -> Any:
+    """The bytes of ``t`` that entry ``e`` carries, as a uint8 view (no copy of a contiguous tensor)."""
+    flat = t.contiguous().view(-1).view(torch.uint8)
+    return flat if e.whole else flat[e.offset:e.offset + e.nbytes]
 
 
 def pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]],
@@ -138,6 +145,8 @@ class PackedTransport(BucketSender):
         self._layout: dict[int, Bucket] = {}
         self._cap = 0
         self._cuda = False
+        #: which bucket layouts the engine already holds: later syncs send only their keys
+        self._memo = LayoutMemo()
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         # The sender's plan fixes which tensors share a bucket; this transport
@@ -164,9 +173,21 @@ class PackedTransport(BucketSender):
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
-        req = PackedRequest(self._slots[slot].handle(), tuple(TensorMeta.of_bucket(self._layout[bucket.index])))
+        metas = TensorMeta.of_bucket(self._layout[bucket.index])
+        handle = self._slots[slot].handle()
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
-        on_ack(await engine.transport_load(self.name, req.to_json(), on_sent=on_sent))
+        fields, key = self._memo.fields(engine, bucket.index, metas)
+        try:
+            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
+        except Exception as e:
+            # the engine lost the layout (its receiver was rebuilt): it refused before
+            # reading a byte, so the same bucket goes again, with its tensors
+            if "tensors" in fields or not is_layout_not_cached(e):
+                raise
+            fields, key = self._memo.fields(engine, bucket.index, metas, full=True)
+            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
+        self._memo.acked(bucket.index, key)
+        on_ack(reply)
 
     def _cleanup(self) -> None:
         for i, s in enumerate(self._slots):
@@ -185,6 +206,8 @@ class PackedReceiver:
 
     def __init__(self) -> None:
         self._attached: dict[str, Any] = {}
+        #: bucket layouts, kept across syncs (``release`` at each end_load keeps them)
+        self.layouts = LayoutCache()
 
     @staticmethod
     def _key(handle: dict) -> str | None:
@@ -214,7 +237,7 @@ class PackedReceiver:
 
     @contextlib.contextmanager
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
-        req = request if isinstance(request, PackedRequest) else PackedRequest.from_json(request)
+        req = request if isinstance(request, PackedRequest) else self._parse(request)
         if req.handle.get("kind") == "cuda_ipc":
             import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc rebuilder
         seg = self._attach(req.handle)
@@ -222,12 +245,22 @@ class PackedReceiver:
         # sends only after the loader copied them into the parameters.
         yield views(seg.tensor, req.tensors)
 
+    def _parse(self, d: Any) -> PackedRequest:
+        if not isinstance(d, dict) or not isinstance(d.get("handle"), dict):
+            raise RequestError("packed request must be a JSON object with a 'handle' object and "
+                               "'tensors' or a cached 'layout'")
+        nbytes = d["handle"].get("nbytes")
+        return PackedRequest(d["handle"], self.layouts.resolve(
+            d, "packed request", buffer_nbytes=nbytes if isinstance(nbytes, int) else None))
+
     def release(self) -> None:
         for seg in self._attached.values():
             seg.close()
         self._attached.clear()
 
-    close = release
+    def close(self) -> None:
+        self.release()
+        self.layouts.clear()
 
 
 class PackedStrategy:

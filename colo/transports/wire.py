@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from colo.core.buckets import ALIGN, ITEMSIZE, Bucket, itemsize, numel, plan_buckets
+from colo.core.buckets import ALIGN, ITEMSIZE, Bucket, Entry, itemsize, numel
 from colo.errors import RequestError
 
 
@@ -74,18 +74,41 @@ PADDED = ALIGN
 
 
 def relayout(bucket: Bucket, *, align: int) -> Bucket:
-    """The same tensors in the same order and the same bucket index, at the
-    offsets :func:`plan_buckets` gives them under ``align`` (e.g. ``UNPADDED``).
+    """The same entries (whole tensors and pieces, cut where the plan cut them) in
+    the same order and the same bucket index, back to back at the offsets
+    :func:`plan_buckets` gives under ``align`` (e.g. ``UNPADDED``).
 
     A sender plans its buckets once, with the default alignment; a transport
     that writes another layout re-lays each bucket. A smaller ``align`` never
     makes a bucket larger, so buffers sized for the padded plan still fit.
     """
-    specs = [e.spec for e in bucket.entries]
-    # room for every tensor and its worst-case padding: one bucket, never split
-    room = sum(s.nbytes + max(align, itemsize(s.dtype)) for s in specs) + 1
-    (out,) = plan_buckets(specs, room, align=align)
-    return Bucket(bucket.index, out.entries, out.nbytes)
+    out, offset = [], 0
+    for e in bucket.entries:
+        unit = max(align, itemsize(e.spec.dtype))
+        start = (offset + unit - 1) // unit * unit
+        out.append(Entry(e.spec, start, start + e.nbytes, e.offset))
+        offset = start + e.nbytes
+    return Bucket(bucket.index, tuple(out), offset)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a tensor larger than the bucket: elements ``[offset, offset + data.numel())``
+    of the tensor's row-major elements, as ``data`` (1-D, the tensor's dtype).
+    ``shape`` is the whole tensor's. The engine writes it in place; the tensor is
+    complete once its last piece is written."""
+
+    data: Any
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.data.numel()
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
 
 
 @dataclass(frozen=True)
@@ -100,6 +123,14 @@ class TensorMeta:
     ``shape`` is a list and ``dtype`` the torch dtype's name without the
     ``torch.`` prefix (``"bfloat16"``), the string form SGLang's receivers
     resolve with ``getattr(torch, dtype)``.
+
+    A piece of a tensor larger than the bucket (see :mod:`colo.core.buckets`)
+    is the same six fields plus one, ``piece_offset``: the byte offset of the
+    piece in the whole tensor's row-major bytes. ``shape`` and ``dtype`` stay
+    the whole tensor's; ``start_idx``/``end_idx``/``numel`` describe the
+    piece's bytes in this bucket. A whole tensor never carries the field, so
+    its entry stays SGLang's exactly; SGLang's dataclass refuses the extra
+    keyword, so a piece can never be read by it as a whole tensor.
     """
 
     name: str
@@ -107,14 +138,22 @@ class TensorMeta:
     dtype: str
     start: int
     end: int
+    offset: int = 0  # byte offset of these bytes in the whole tensor
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.nbytes == numel(self.shape) * itemsize(self.dtype)
+
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "start_idx": self.start, "end_idx": self.end, "numel": self.nbytes}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+               "start_idx": self.start, "end_idx": self.end, "numel": self.nbytes}
+        if not self.whole:
+            out["piece_offset"] = self.offset
+        return out
 
     @classmethod
     def from_json(cls, d: Any, *, buffer_nbytes: int | None = None) -> TensorMeta:
@@ -132,7 +171,18 @@ class TensorMeta:
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, end)):
             raise RequestError(f"{what}: start_idx and end_idx must be integers")
         limit = buffer_nbytes if buffer_nbytes is not None else end
-        if not 0 <= start <= end <= limit or end - start != size:
+        offset = d.get("piece_offset", 0)
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise RequestError(f"{what}: piece_offset must be an integer, got {offset!r}")
+        if "piece_offset" in d:
+            if not 0 <= start <= end <= limit:
+                raise RequestError(f"bucket entry {name!r}: bytes [{start}, {end}) do not fit "
+                                   f"in a {limit} B buffer")
+            if offset < 0 or offset + (end - start) > size or offset % itemsize(dtype) \
+                    or (end - start) % itemsize(dtype):
+                raise RequestError(f"{what}: piece of {end - start} B at piece_offset {offset} is not a run "
+                                   f"of whole elements inside the {size} B of shape {shape} {dtype}")
+        elif not 0 <= start <= end <= limit or end - start != size:
             raise RequestError(f"bucket entry {name!r}: bytes [{start}, {end}) do not fit "
                                f"shape {shape} {dtype} in a {limit} B buffer")
         if "numel" in d:
@@ -144,11 +194,11 @@ class TensorMeta:
         if start % itemsize(dtype):
             raise RequestError(f"{what}: start_idx {start} is not a multiple of {dtype}'s "
                                f"{itemsize(dtype)} bytes; the tensor cannot be viewed in place")
-        return cls(name, shape, dtype, start, end)
+        return cls(name, shape, dtype, start, end, offset)
 
     @classmethod
     def of_bucket(cls, bucket: Bucket) -> list[TensorMeta]:
-        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end) for e in bucket.entries]
+        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end, e.offset) for e in bucket.entries]
 
 
 def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = None) -> tuple[TensorMeta, ...]:
@@ -157,17 +207,119 @@ def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = No
 
 
 def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` views into a flat uint8 buffer: no copy; valid while ``flat`` is.
+    """``(name, tensor)`` views into a flat uint8 buffer, ``(name, Piece)`` for a
+    piece: no copy; valid while ``flat`` is.
 
     Each start must be a multiple of its dtype's size (``from_json`` checks
     it): a uint8 slice can be viewed as a wider dtype only from such an offset.
     """
     import torch
 
-    out = []
+    out: list[tuple[str, Any]] = []
     for m in tensors:
         if m.end > flat.numel():
             raise RequestError(f"bucket entry {m.name!r}: bytes [{m.start}, {m.end}) do not fit "
                                f"shape {m.shape} {m.dtype} in a {flat.numel()} B buffer")
-        out.append((m.name, flat[m.start:m.end].view(getattr(torch, m.dtype)).view(m.shape)))
+        data = flat[m.start:m.end].view(getattr(torch, m.dtype))
+        out.append((m.name, data.view(m.shape) if m.whole else piece_of(m, data)))
     return out
+
+
+def piece_of(m: TensorMeta, data: Any) -> Piece:
+    """``data`` (the piece's elements, 1-D) as the piece ``m`` describes."""
+    return Piece(data.reshape(-1), m.offset // itemsize(m.dtype), m.shape)
+
+
+# -- bucket layouts cached across syncs -------------------------------------------------
+
+def layout_key(entries: Sequence[dict]) -> str:
+    """A bucket layout's name: a hash of its entries as they travel (JSON), so two
+    layouts that differ in any name, shape, dtype or offset never share a key."""
+    import hashlib
+    import json
+
+    canon = json.dumps(list(entries), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()[:32]
+
+
+class LayoutNotCached(RequestError):
+    """A request named a bucket layout by its key alone, and the engine does not hold it."""
+
+
+class LayoutCache:
+    """The engine's side: per bucket index, the last layout a request carried in full.
+
+    Names, shapes, dtypes and offsets do not change between steps (NeMo-RL
+    caches them too), so after the first sync a request carries only
+    ``"layout": {"bucket": i, "key": K}``. A request that carries its
+    ``tensors`` replaces bucket i's entry; one that names a key the engine does
+    not hold for bucket i (never sent, or replaced because the layout
+    changed) is refused with :class:`LayoutNotCached`, naming both keys: a
+    changed layout is never read through an old one.
+    """
+
+    def __init__(self) -> None:
+        self._by_bucket: dict[int, tuple[str, tuple[TensorMeta, ...]]] = {}
+
+    def resolve(self, d: Any, what: str, *, buffer_nbytes: int | None = None) -> tuple[TensorMeta, ...]:
+        if not isinstance(d, dict) or "layout" not in d:
+            return parse_tensors(d, "tensors", what, buffer_nbytes=buffer_nbytes)
+        ref = d["layout"]
+        bucket = get_field(ref, "bucket", int, f"{what} layout")
+        key = get_field(ref, "key", str, f"{what} layout")
+        if "tensors" in d:
+            metas = parse_tensors(d, "tensors", what, buffer_nbytes=buffer_nbytes)
+            got = layout_key(d["tensors"])
+            if got != key:
+                raise RequestError(f"{what}: bucket {bucket}'s layout key {key} is not the hash of its "
+                                   f"tensors ({got})")
+            self._by_bucket[bucket] = (key, metas)
+            return metas
+        held = self._by_bucket.get(bucket)
+        if held is None or held[0] != key:
+            raise LayoutNotCached(f"{what}: bucket {bucket}'s layout {key} is not cached on the engine "
+                                  f"(it holds {held[0] if held else 'none'} for that bucket); "
+                                  f"send the request with its tensors")
+        metas = held[1]
+        if buffer_nbytes is not None:
+            for m in metas:
+                if m.end > buffer_nbytes:
+                    raise RequestError(f"bucket entry {m.name!r}: bytes [{m.start}, {m.end}) do not fit "
+                                       f"in this request's {buffer_nbytes} B buffer")
+        return metas
+
+    def clear(self) -> None:
+        self._by_bucket.clear()
+
+
+class LayoutMemo:
+    """The sender's side: which layout it last gave each bucket index of ``engine`` and
+    the engine acknowledged, so a later sync sends only the key."""
+
+    def __init__(self) -> None:
+        self._engine: Any = None
+        self._sent: dict[int, str] = {}
+
+    def fields(self, engine: Any, bucket: int, metas: Sequence[TensorMeta], *, full: bool = False
+               ) -> tuple[dict, str]:
+        """The request's layout fields for ``bucket`` and the key to pass to :meth:`acked`."""
+        if engine is not self._engine:  # another engine (a replaced one) holds nothing of ours
+            self._engine, self._sent = engine, {}
+        entries = [m.to_json() for m in metas]
+        key = layout_key(entries)
+        ref = {"bucket": bucket, "key": key}
+        if not full and self._sent.get(bucket) == key:
+            return {"layout": ref}, key
+        return {"tensors": entries, "layout": ref}, key
+
+    def acked(self, bucket: int, key: str) -> None:
+        self._sent[bucket] = key
+
+    def forget(self) -> None:
+        self._sent = {}
+
+
+def is_layout_not_cached(e: BaseException) -> bool:
+    """The engine's refusal of a layout named by key alone, raised in this process or
+    answered by an engine process (``EngineError.error_type``)."""
+    return isinstance(e, LayoutNotCached) or getattr(e, "error_type", None) == "LayoutNotCached"

@@ -1,0 +1,198 @@
+"""Bucket metadata cached across syncs (issue 18): names, shapes, dtypes and offsets
+do not change between steps, so after the first sync a request names its bucket's
+layout by key and preflight sends the key of the spec list. A changed layout is
+sent whole and replaces the cached one; a key the engine does not hold is refused,
+naming both keys, and never read through an old layout; a shape the engine cannot
+take is refused naming the tensor and both shapes, before a byte is written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from colo.core.buckets import plan_buckets, spec
+from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
+from colo.engine.client import EngineError
+from colo.engine.model import expected_digest
+from colo.extractors.plain import PlainExtractor
+from colo.handles import ShmSegment, leftover_segments
+from colo.models import build_trainer_model
+from colo.transports import make_transport
+from colo.transports.packed import PackedReceiver, pack_into
+from colo.transports.wire import LayoutNotCached, RequestError, TensorMeta, layout_key
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+BUCKET = 16 << 10
+
+
+class Trainer:
+    def __init__(self, state):
+        self._extractor = PlainExtractor(state, dtype=torch.float32)
+
+    def extractor(self):
+        return self._extractor
+
+
+class Recording:
+    """The real client; every request it sends is kept as it went (JSON)."""
+
+    def __init__(self, client, monkeypatch):
+        self.client, self.sent = client, []
+        real = client.call
+
+        async def call(op, *, on_sent=None, **fields):
+            self.sent.append((op, json.loads(json.dumps(fields))))
+            return await real(op, on_sent=on_sent, **fields)
+
+        monkeypatch.setattr(client, "call", call)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def take(self):
+        out, self.sent = self.sent, []
+        return out
+
+
+def state_of(config, seed):
+    return {n: p.detach().clone() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
+
+
+async def sync(transport, engine, state, version):
+    ctx = SyncContext(step=version, weight_version=version, bucket_bytes=BUCKET, source="host",
+                      staging=StagingBudget(None))
+    return await transport.sync(Trainer(state), engine, ctx), ctx
+
+
+async def test_metadata_goes_once_per_engine_and_a_shape_change_is_refused_by_name(small_engine, monkeypatch):
+    """One engine process for all of it (a spawn is the cost here): packed and broadcast
+    send layouts by key after the first sync; an engine that lost them gets them again;
+    a shape it cannot take is refused by name."""
+    client, config = small_engine
+    engine = Recording(client, monkeypatch)
+    for name in ("packed", "broadcast"):
+        await later_requests_name_their_layout_by_key(engine, client, config, name)
+    await an_engine_that_lost_the_layouts_gets_them_again(engine, client, config)
+    await a_shape_the_engine_cannot_take_is_refused_naming_the_tensor_and_both_shapes(engine, client, config)
+
+
+async def later_requests_name_their_layout_by_key(engine, client, config, name):
+    engine.take()
+    transport = make_transport(name)
+    try:
+        for version in (1, 2, 3):
+            state = state_of(config, version)  # new weights every sync, the same layout
+            result, ctx = await sync(transport, engine, state, version)
+            assert await client.digest() == expected_digest(state, config, torch.float32), version
+            sent = engine.take()
+            loads = [f["request"] for op, f in sent if op == "transport_load"]
+            (preflight,) = [f for op, f in sent if op == "preflight"]
+            assert len(loads) == result.buckets > 2
+            assert [r["layout"]["bucket"] for r in loads] == list(range(result.buckets))
+            if version == 1:  # everything in full, once (the spec list: once per engine)
+                assert all("tensors" in r for r in loads) and ("specs" in preflight) == (name == "packed")
+                keys = [r["layout"]["key"] for r in loads]
+                assert keys == [layout_key(r["tensors"]) for r in loads]
+            else:  # only the keys: the same as the first sync's
+                assert not any("tensors" in r for r in loads) and "specs" not in preflight
+                assert [r["layout"]["key"] for r in loads] == keys and preflight["key"]
+            # one handoff and one load per bucket, as in any sync
+            assert sorted((r.bucket, r.stage) for r in ctx.stages if r.stage in ("handoff", "load")) == \
+                sorted((b, s) for b in range(result.buckets) for s in ("handoff", "load"))
+    finally:
+        await transport.aclose()
+    assert leftover_segments() == []
+
+
+async def an_engine_that_lost_the_layouts_gets_them_again(engine, client, config):
+    """The packed receiver was rebuilt (its cache gone): the engine refuses the key
+    before reading a byte and the sender sends that bucket again, in full."""
+    transport = make_transport("packed")
+    try:
+        await sync(transport, engine, state_of(config, 1), 1)
+        await client.transport_close("packed")
+        engine.take()
+        state = state_of(config, 2)
+        result, ctx = await sync(transport, engine, state, 2)
+        assert await client.digest() == expected_digest(state, config, torch.float32)
+        loads = [f["request"] for op, f in engine.take() if op == "transport_load"]
+        # every bucket: refused by key, then sent in full
+        assert [("tensors" in r, r["layout"]["bucket"]) for r in loads] == \
+            [(full, b) for b in range(result.buckets) for full in (False, True)]
+        assert [r.stage for r in ctx.stages].count("handoff") == result.buckets
+    finally:
+        await transport.aclose()
+
+
+async def a_shape_the_engine_cannot_take_is_refused_naming_the_tensor_and_both_shapes(engine, client, config):
+    transport = make_transport("packed")
+    try:
+        state = state_of(config, 1)
+        await sync(transport, engine, state, 1)
+        before = await client.digest()
+        grown = state_of(config, 2)
+        grown["lm_head.weight"] = torch.zeros(config.vocab_size + 1, config.hidden_size)
+        engine.take()
+        with pytest.raises(EngineError, match=r"wrong shape \(1\): lm_head.weight \(129, 64\) "
+                                              r"\(expected \(128, 64\)\)"):
+            await sync(transport, engine, grown, 2)
+        await transport.abort()
+        # the changed spec list went in full (its key is new) and nothing was loaded
+        sent = engine.take()
+        assert [op for op, _ in sent][:1] == ["preflight"] and "specs" in sent[0][1]
+        assert not any(op == "transport_load" for op, _ in sent)
+        assert await client.digest() == before
+    finally:
+        await transport.aclose()
+
+
+def test_a_changed_layout_replaces_the_cached_one_and_an_old_key_is_refused():
+    receiver = PackedReceiver()
+    seg = ShmSegment.create(1024)
+    try:
+        def request(specs, values, *, full=True, key=None):
+            (bucket,) = plan_buckets(specs, 1024)
+            pack_into(seg.tensor, bucket, list(zip([s.name for s in specs], values)))
+            entries = [m.to_json() for m in TensorMeta.of_bucket(bucket)]
+            ref = {"bucket": 0, "key": key or layout_key(entries)}
+            out = {"handle": seg.handle(), "layout": ref}
+            return json.loads(json.dumps({**out, "tensors": entries} if full else out)), ref["key"]
+
+        a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        req_a, key_a = request([spec("x", (2, 3), "float32")], [a])
+        with receiver.receive(req_a) as got:
+            assert [(n, tuple(t.shape)) for n, t in got] == [("x", (2, 3))] and torch.equal(got[0][1], a)
+        # the same layout by key: the cached metadata, this request's bytes
+        req_a2, _ = request([spec("x", (2, 3), "float32")], [a * 2], full=False)
+        with receiver.receive(req_a2) as got:
+            assert torch.equal(got[0][1], a * 2)
+        # the shapes changed: the sender sends the new layout whole, which replaces bucket 0's
+        b = torch.arange(6, dtype=torch.float32).reshape(3, 2) - 1
+        req_b, key_b = request([spec("x", (3, 2), "float32")], [b])
+        assert key_b != key_a
+        with receiver.receive(req_b) as got:
+            assert tuple(got[0][1].shape) == (3, 2) and torch.equal(got[0][1], b)
+        # the old key is no longer bucket 0's layout: refused, naming both, never read as (2, 3)
+        with pytest.raises(LayoutNotCached, match=f"bucket 0's layout {key_a} is not cached on the engine "
+                                                  f"\\(it holds {key_b} for that bucket\\)"):
+            with receiver.receive(req_a2):
+                pass
+        # a key that is not the hash of the tensors it came with is refused too
+        bad, _ = request([spec("x", (2, 3), "float32")], [a], key="0" * 32)
+        with pytest.raises(RequestError, match="is not the hash of its tensors"):
+            with receiver.receive(bad):
+                pass
+        # an unknown bucket
+        unknown = {**req_a2, "layout": {"bucket": 7, "key": key_a}}
+        with pytest.raises(LayoutNotCached, match="it holds none for that bucket"):
+            with receiver.receive(unknown):
+                pass
+    finally:
+        receiver.close()
+        seg.close()
+    assert leftover_segments() == []
