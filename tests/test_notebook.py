@@ -74,3 +74,34 @@ def test_the_notebook_is_committed_without_outputs():
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in nb.cells if c.cell_type == "code")
     assert nb.metadata.kernelspec.name == "python3" and sys.version_info >= (3, 10)
+
+
+#: issue 17's GPU round trip, recorded on one H100 (``bench/gpu_run.sh tune-test``)
+GPU_TRACE = NOTEBOOK.parents[1] / "traces" / "gpu-tune-baseline.jsonl"
+
+
+def test_notebook_draws_the_gpu_trace_with_the_kv_pool_at_the_recommended_fraction(monkeypatch, capsys):
+    # every code cell in this process (no kernel start: seconds of CI), as the default trace
+    from colo.offline.tune import tune
+    from colo.offline.replay import load_trace
+
+    monkeypatch.delenv("COLO_TRACE", raising=False)
+    monkeypatch.delenv("COLO_FIGURE", raising=False)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.chdir(NOTEBOOK.parent)
+    scope: dict = {}
+    for cell in nbformat.read(NOTEBOOK, as_version=4).cells:
+        if cell.cell_type == "code":
+            exec(compile(cell.source, "memory_timeline.ipynb", "exec"), scope)
+    facts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rec = tune([load_trace(GPU_TRACE)])
+    assert scope["TRACE"] == GPU_TRACE and scope["device"][0]["args"]["total"] > 70 << 30
+    assert facts["recommended"] == rec.mem_fraction_static and facts["binding_phase"] == "engine_wake_kv"
+    # the dotted line: the recorded memory with the KV pool swapped for the one at the recommendation
+    r = rec.results[0]
+    kv_at = rec.mem_fraction_static * r.device.total - r.device.engine_weights
+    peak = max(p.used - p.kv + kv_at for p in r.device.points if p.kv_resident and not p.virtual)
+    assert abs(facts["max_at_recommended"] - peak) <= 1 << 20
+    assert facts["max_at_recommended"] <= r.device.total - r.margin
+    line = [ln for ln in scope["ax"].get_lines() if "recommended" in ln.get_label()]
+    assert len(line) == 1
