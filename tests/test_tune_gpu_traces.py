@@ -25,6 +25,16 @@ def events(path):
     return trace.header, trace.events
 
 
+MiB64 = 64 << 20
+
+
+def held_at_wake_kv(path):
+    """What the device held besides the tags when the KV pool woke up the first time."""
+    ev = next(e for e in load_trace(path).events
+              if e["event"] == "memory.resumed" and (e["owner"], e["tag"]) == ("engine", "kv_cache"))
+    return ev["mem"]["used"] - sum(ev["mem"]["by_tag"].values())
+
+
 def test_recorded_h100_round_trip_agrees_with_tune():
     rec = tune([load_trace(BASE)]).as_dict()
     mfs, bucket = rec["mem_fraction_static"], rec["bucket_bytes"]
@@ -41,6 +51,15 @@ def test_recorded_h100_round_trip_agrees_with_tune():
     assert [s["weight_version"] for s in syncs] == [1, 2] and all(s["tensors"] == s["params"] for s in syncs)
     # the run at the recommendation tunes to itself
     assert tune([load_trace(AT)]).mem_fraction_static == mfs
+    # the peak is the rollout after a train and a sync, 48 MiB (the engine's activations)
+    # over the KV wake-up that admitted the pool: the admission is what refuses
+    assert rec["peak_phase"] == "rollout"
+    admitted = rec["binding"]["admitted"]
+    assert admitted["phase"] == "engine_wake_kv" and 0 < rec["binding"]["other_bytes"] - admitted["other_bytes"] < MiB64
+    # tune counted what the 512 MiB bucket leaves cached beyond the recorded 64 MiB one's
+    # slots (a 445 MiB tensor): the device, run at that bucket, held that much more
+    predicted = rec["binding"]["extra_cached_staging_bytes"]
+    assert abs(held_at_wake_kv(AT) - held_at_wake_kv(BASE) - predicted) <= 8 << 20 and predicted > 100 << 20
 
     head, above = events(ABOVE)
     assert head["config"]["mem_fraction_static"] == round(mfs + 0.03, 2)
