@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--launcher", choices=("process", "ray"), default="process",
                    help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo[ray])")
     d.add_argument("--address", default=None, help="the Ray cluster to join (default: start a local one)")
+    d.add_argument("--verify", choices=("every", "first", "none"), default="every",
+                   help="which syncs are verified: the engine's digest against the trainer's and the probe "
+                        "logits (default every; timed on its own as verify_s in sync.finished)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(module="colo.apps.demo", func="run_demo")
 

@@ -96,6 +96,8 @@ class Scheduler:
         self.last_train: Any = None
         self.last_sync: dict | None = None
         self._verify = verify
+        #: syncs verified so far (``SchedulerConfig.verify == "first"`` verifies only the first)
+        self._verified = 0
         self._run_config = run_config or {}
         self._clock = clock
         self._entered_rollout = False
@@ -384,14 +386,24 @@ class Scheduler:
         # The prefix cache holds KV computed with the old weights: flush after the
         # last load, so nothing computed before the change survives into rollout.
         await self.engines.each("flush_cache")
-        digests = await self.engines.each("digest")
-        if self._verify is not None:
-            await self._verify(list(digests))
+        transfer_s = self._clock() - t0
+        # Verification is its own span (verify_s): a digest reads every engine weight,
+        # which for a small model costs more than moving it; --verify first|none skips it.
+        digests: list[str | None] = [None] * self.world_size
+        verify_s: float | None = None
+        if self.config.verify == "every" or (self.config.verify == "first" and not self._verified):
+            t1 = self._clock()
+            digests = list(await self.engines.each("digest"))
+            if self._verify is not None:
+                await self._verify(list(digests))
+            verify_s = round(self._clock() - t1, 6)
+            self._verified += 1
         await self.engines.each("set_weight_version", version)
         self.engine_version = version
         params = len(self.trainers.first("param_specs"))
         events = [self._emit(r, "sync.finished", step=step, bytes=res.bytes, buckets=res.buckets,
                              tensors=res.tensors, params=params, duration_s=round(self._clock() - t0, 6),
+                             transfer_s=round(transfer_s, 6), verify_s=verify_s,
                              weight_version=version, digest=digests[r], cache_flushed=True, source=source)
                   for r, res in enumerate(results)]
         self.last_sync = events[0]

@@ -123,6 +123,9 @@ class DemoConfig:
     launcher: str = "process"
     #: the Ray cluster to join (``ray start --head`` prints it); ``None``: a local one
     address: str | None = None
+    #: which syncs are verified (the engine's digest against the trainer's, and the probe
+    #: logits): ``every`` (the default), ``first`` or ``none``; ``verify_s`` in the trace
+    verify: str = "every"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -167,6 +170,13 @@ class DemoConfig:
             raise ValueError(f"--phase-deadline must be a finite number of seconds > 0, got {d!r}")
         if self.fault is not None:
             self.parsed_fault()  # raises ValueError naming the kinds and phases allowed
+        from colo.core.config import VERIFY
+
+        if self.verify not in VERIFY:
+            raise ValueError(f"--verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
+        if self.fault is not None and self.verify != "every":
+            raise ValueError(f"--fault needs --verify every (a recovery is judged by the engine's digest "
+                             f"after it), got --verify {self.verify}")
         self._check_gpus()
 
     def _check_gpus(self) -> None:
@@ -510,7 +520,7 @@ class DemoRun:
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
                                    phase_deadline_s=cfg.phase_deadline_s,
-                                   deadlines=self.fault.deadlines() if self.fault else {}),
+                                   deadlines=self.fault.deadlines() if self.fault else {}, verify=cfg.verify),
             trace=trace, verify=make_verifier(self.trainer, lambda: sched.engine, self.model_config,
                                               cfg.engine_dtype, cfg.seed, LOGIT_TOLERANCES[cfg.model]),
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
@@ -681,7 +691,7 @@ def config_from_args(args: Any) -> DemoConfig:
                           fault=args.fault, engine_visible_devices=args.engine_visible_devices,
                           phase_deadline_s=getattr(args, "phase_deadline", 600.0),
                           gpus=getattr(args, "gpus", 1), launcher=getattr(args, "launcher", "process"),
-                          address=getattr(args, "address", None))
+                          address=getattr(args, "address", None), verify=getattr(args, "verify", "every"))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

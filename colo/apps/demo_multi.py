@@ -180,7 +180,7 @@ class MultiDemoRun:
         return Scheduler(
             self.trainers, self._seeded, [self._ledger(r) for r in range(self.n)], self.transports,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
-                                   phase_deadline_s=cfg.phase_deadline_s),
+                                   phase_deadline_s=cfg.phase_deadline_s, verify=cfg.verify),
             trace=traces, verify=self.verify,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"}, "gpus": self.n,
                         "gpu_uuids": self.uuids, "mem_fraction_static": cfg.mem_fraction_static,

@@ -10,6 +10,10 @@ from colo.core.phases import PLANS, Phase, parse_phase
 
 from colo.core.units import MiB
 
+#: when a sync's result is verified (the engine's digest, and the caller's check of it):
+#: after every sync, after the first sync of the run only, or never
+VERIFY = ("every", "first", "none")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -21,10 +25,16 @@ class SchedulerConfig:
     deadlines: Mapping[str, float] = field(default_factory=dict)
     #: how long shielded cleanup may take after a failure or cancellation
     cleanup_deadline_s: float = 30.0
+    #: ``every``, ``first`` or ``none`` (:data:`VERIFY`): which syncs compute the engine's
+    #: digest and run the verifier; a digest is a pass over every engine weight, the
+    #: largest fixed cost of a small model's sync
+    verify: str = "every"
 
     def __post_init__(self) -> None:
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
+        if self.verify not in VERIFY:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
         if isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be a positive integer, got {self.bucket_bytes!r}")
         for name, value in (("phase_deadline_s", self.phase_deadline_s),
@@ -45,4 +55,4 @@ class SchedulerConfig:
     def as_dict(self) -> dict:
         return {"plan": self.plan, "bucket_bytes": self.bucket_bytes,
                 "phase_deadline_s": self.phase_deadline_s, "deadlines": dict(self.deadlines),
-                "cleanup_deadline_s": self.cleanup_deadline_s}
+                "cleanup_deadline_s": self.cleanup_deadline_s, "verify": self.verify}

@@ -1,0 +1,75 @@
+"""Verification is its own span and optional per step (issue 18, item 4).
+
+``SchedulerConfig.verify`` (``colo demo --verify every|first|none``) says which
+syncs compute the engine's digest and run the verifier; ``sync.finished``
+carries ``transfer_s`` and ``verify_s`` (``None`` and no digest where nothing
+was verified), and such traces replay clean.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from colo.apps.demo import DemoConfig
+from colo.cli import main
+from colo.core.config import SchedulerConfig
+from colo.core.invariants import InvariantChecker
+from colo.core.memory import MemoryLedger
+from colo.scheduler import Scheduler
+from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
+from colo.trace.writer import TraceWriter, read_trace
+
+
+class CountingEngine(FakeEngine):
+    def __init__(self):
+        super().__init__()
+        self.digests = 0
+
+    async def digest(self):
+        self.digests += 1
+        return await super().digest()
+
+
+@pytest.mark.parametrize("policy,verified", [("every", [True, True, True]), ("first", [True, False, False]),
+                                             ("none", [False, False, False])])
+async def test_the_verify_policy_decides_which_syncs_digest_and_verify(policy, verified, tmp_path):
+    engine, calls = CountingEngine(), []
+
+    async def verify(digests):
+        calls.append(list(digests))
+
+    path = tmp_path / "t.jsonl"
+    s = Scheduler(FakeTrainer(), engine, MemoryLedger(total_bytes=10_000), FakeTransport(),
+                  trace=TraceWriter(path), verify=verify,
+                  config=SchedulerConfig(plan="offload-first", bucket_bytes=50, verify=policy))
+    async with s:
+        for _ in range(3):
+            await s.cycle()
+    events = read_trace(path)
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert [e["digest"] is not None for e in syncs] == verified
+    assert [e["verify_s"] is not None for e in syncs] == verified
+    assert engine.digests == len(calls) == sum(verified)
+    for e in syncs:  # the transfer is timed apart from the verification, both inside the sync
+        assert 0 <= e["transfer_s"] <= e["duration_s"]
+        assert e["verify_s"] is None or e["transfer_s"] + e["verify_s"] <= e["duration_s"] + 1e-6
+    assert events[0]["config"]["verify"] == policy
+    checker = InvariantChecker()
+    assert [str(v) for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
+    assert main(["replay", str(path)]) == 0
+
+
+def test_a_verify_policy_other_than_every_first_none_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="verify must be one of every, first, none, got 'sometimes'"):
+        SchedulerConfig(verify="sometimes")
+    with pytest.raises(ValueError, match="--verify must be one of every, first, none, got 'always'"):
+        DemoConfig(verify="always")
+    with pytest.raises(ValueError, match="--fault needs --verify every .* got --verify first"):
+        DemoConfig(fault="raise@sync", verify="first")
+    trace = tmp_path / "t.jsonl"
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--quiet", "--trace", str(trace), "--verify", "sometimes"])
+    assert e.value.code == 2
+    assert "argument --verify: invalid choice: 'sometimes' (choose from 'every', 'first', 'none')" in \
+        capsys.readouterr().err
+    assert not trace.exists()
