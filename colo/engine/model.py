@@ -75,7 +75,12 @@ class Dims:
 
     @classmethod
     def from_config(cls, config: Any) -> Dims:
-        """Read a ``transformers.Qwen2Config``, refusing what this engine does not implement."""
+        """Read a ``transformers.Qwen2Config``, refusing what this engine does not implement.
+        A Qwen3-MoE config (or its ``to_dict()``) is read as :class:`colo.engine.moe.MoEDims`."""
+        if cls is Dims and getattr(config, "model_type", None) == "qwen3_moe":
+            from colo.engine.moe import MoEDims
+
+            return MoEDims.from_config(config)
         unsupported = []
         if getattr(config, "use_sliding_window", False):
             unsupported.append("use_sliding_window=True")
@@ -105,6 +110,10 @@ class Dims:
     @property
     def kv_rows(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def tables(self) -> tuple[tuple, tuple, tuple]:
+        """The name tables (head, per layer, tail) of this model; a MoE's are its own."""
+        return HEAD_TABLE, LAYER_TABLE, TAIL_TABLE
 
     def slot_bytes(self, dtype: DTypeLike) -> int:
         """Bytes one token occupies in the KV pool: K and V, every layer."""
@@ -183,10 +192,11 @@ class WeightMap:
                     offset += rows
                 params[name] = (offset, *tail)
 
-        add(HEAD_TABLE, "")
+        head, layer_table, tail = dims.tables()
+        add(head, "")
         for layer in range(dims.num_layers):
-            add(LAYER_TABLE, f"model.layers.{layer}.")
-        add(TAIL_TABLE, "")
+            add(layer_table, f"model.layers.{layer}.")
+        add(tail, "")
         return cls(params, shards, tied)
 
     def lm_head(self) -> str:

@@ -274,7 +274,7 @@ def build_core(build: dict, init_state: Any = None) -> Any:
     """The EngineCore described by ``build`` (plain data, made by the client); ``init_state``
     is version 0 already in memory (a Ray engine actor gets it through the object store)
     instead of ``build["checkpoint"]``."""
-    from colo.engine.core import EngineCore
+    from colo.engine.moe import core_class
 
     checkpoint = build.get("checkpoint") if init_state is None else None
     if checkpoint and os.path.isdir(checkpoint):
@@ -297,7 +297,9 @@ def build_core(build: dict, init_state: Any = None) -> Any:
         import colo.cuda_ipc  # noqa: F401  (registers the cuda_ipc handle kind)
     if build.get("tp") is not None:
         return _build_tp_core(build, init_state, saver)
-    return EngineCore(model_config(build["config"]), dtype=torch_dtype(build["dtype"]),
+    config = model_config(build["config"])
+    core = core_class(config, tp=False)  # a Qwen3-MoE's own core (colo.engine.moe), else EngineCore
+    return core(config, dtype=torch_dtype(build["dtype"]),
                       device=build["device"], total_bytes=int(build["total_bytes"]),
                       mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
                       saver=saver)
@@ -335,7 +337,7 @@ def _init_tp_group(tp: dict) -> tuple[int, int]:
 
 def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
     """One rank of a tensor-parallel engine (``build["tp"]``), after joining its group."""
-    from colo.engine.tp import TPEngineCore
+    from colo.engine.moe import core_class
 
     device = str(build["device"])
     if device.startswith("cuda"):
@@ -344,7 +346,8 @@ def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
         torch.cuda.set_device(torch.device(device).index or 0)
     rank, size = _init_tp_group(build["tp"])
     # group=None: the default group, which in this process is the engine's TP group
-    return TPEngineCore(model_config(build["config"]), tp_rank=rank, tp_size=size, group=None,
+    config = model_config(build["config"])
+    return core_class(config, tp=True)(config, tp_rank=rank, tp_size=size, group=None,
                         dtype=torch_dtype(build["dtype"]), device=device, total_bytes=int(build["total_bytes"]),
                         mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
                         saver=saver)

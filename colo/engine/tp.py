@@ -47,6 +47,7 @@ tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
@@ -59,7 +60,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from colo.engine.core import EngineCore
-from colo.engine.model import (HEAD_TABLE, LAYER_TABLE, TAIL_TABLE, TIED, DTypeLike, Dims, EngineModel,
+from colo.engine.model import (TIED, DTypeLike, Dims, EngineModel,
                                WeightMap, _check_specs, _digest, _named_items, as_dtype, dtype_name)
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
@@ -125,11 +126,10 @@ class TPLayout:
     def local(self) -> Dims:
         """The rank's own model: its heads, its MLP block, its vocabulary block (padding included)."""
         d, tp = self.full, self.tp_size
-        return Dims(vocab_size=self.padded_vocab // tp, hidden_size=d.hidden_size, num_layers=d.num_layers,
-                    num_heads=d.num_heads // tp, num_kv_heads=max(1, d.num_kv_heads // tp),
-                    head_dim=d.head_dim, intermediate_size=d.intermediate_size // tp,
-                    max_positions=d.max_positions, rms_norm_eps=d.rms_norm_eps, rope_theta=d.rope_theta,
-                    tie_word_embeddings=d.tie_word_embeddings)
+        # replace(), not Dims(): a MoE's dims (colo.engine.moe.MoEDims) keep their expert fields
+        return dataclasses.replace(d, vocab_size=self.padded_vocab // tp, num_heads=d.num_heads // tp,
+                                   num_kv_heads=max(1, d.num_kv_heads // tp),
+                                   intermediate_size=d.intermediate_size // tp)
 
     def start(self, axis: str) -> int:
         """First index of this rank's block along a split axis of the full model."""
@@ -188,10 +188,11 @@ def _axes(dims: Dims) -> dict[str, tuple[str, ...]]:
             for hf_suffix, rows_attr in parts:
                 out[prefix + hf_suffix] = (rows_attr, *trailing)
 
-    add(HEAD_TABLE, "")
+    head, layer_table, tail = dims.tables()
+    add(head, "")
     for layer in range(dims.num_layers):
-        add(LAYER_TABLE, f"model.layers.{layer}.")
-    add(TAIL_TABLE, "")
+        add(layer_table, f"model.layers.{layer}.")
+    add(tail, "")
     return out
 
 

@@ -185,13 +185,12 @@ class RankHost:
 
     # -- start ---------------------------------------------------------------------
     async def start(self) -> dict:
-        from transformers import Qwen2Config
-
         from colo.apps.demo import ReinforceTask
+        from colo.models import config_from_dict
         from colo.transports import make_transport
 
         s = self.spec
-        self.model_config = Qwen2Config(**s.model_config)
+        self.model_config = config_from_dict(s.model_config)  # Qwen2, or Qwen3-MoE by its model_type
         self._join_trainer_group()
         self.trainer, self.saver = self._build_trainer()
         t = s.task
