@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -61,6 +61,16 @@ case "${1:-tests}" in
   tune-test)  # issue 17's gpu test; its traces and tune output come back in $OUT
     COLO_GPU_TUNE_OUT="$OUT" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tune.py 2>&1 \
       | tee "$OUT/gpu-tune-test.log" | tail -30
+    ;;
+  moe2)  # issue 15's rehearsal on two GPUs (nvidia-h200-x2): the Qwen3-30B-A3B shape cut to 4 layers
+    # (128 experts of 768 each, 6.2 GB), trainer TP=2 + EP=2, engine TP-MoE over 2; the same code as bench8
+    python3 -m colo.apps.bench_multi --device cuda --gpus 2 --model qwen3-30b-a3b --layers "${2:-4}" \
+      --out "$OUT/bench-moe2.json" 2>&1 | tee "$OUT/bench-moe2.log" | tail -40
+    ;;
+  bench8)  # issue 15 on nvidia-h200-x8: Qwen3-30B-A3B shapes (61 GB bf16), trainer TP=8 + EP=8, engine TP=8
+    # (TP-MoE); refused with exit 2 on a machine with fewer than 8 GPUs
+    python3 -m colo.cli bench --device cuda --gpus 8 --model qwen3-30b-a3b --out "$OUT/bench-moe8.json" 2>&1 \
+      | tee "$OUT/bench-moe8.log" | tail -40
     ;;
   bench2)  # two GPUs: trainer TP=2 (Megatron layout), engine TP=2, Qwen2-7B shapes
     python3 -m colo.cli bench --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \

@@ -9,8 +9,8 @@ from colo.cli import main
 ROWS = {(p, t) for p in ("sync-first", "offload-first") for t in ("colo-packed", "slime-style", "ipc-per-tensor")}
 
 
-def _check(result: dict) -> None:
-    assert {(r["plan"], r["transport"]) for r in result["rows"]} == ROWS
+def _check(result: dict, rows: set = ROWS) -> None:
+    assert {(r["plan"], r["transport"]) for r in result["rows"]} == rows
     for key in ("device", "gpu_count", "torch", "date", "limits", "floors", "rows", "ratios", "targets",
                 "model", "bucket_mib", "digest_verified"):
         assert key in result, key
@@ -47,6 +47,41 @@ def test_bench_gpus_2_cpu(tmp_path, capsys, no_leftover_segments):
 
 def test_bench_gpus_bad_model():
     assert main(["bench", "--device", "cpu", "--gpus", "2", "--model", "demo-xl"]) == 2
+
+
+MOE_ROWS = {(p, t) for p in ("sync-first", "offload-first") for t in ("colo-packed", "slime-style")}
+
+
+def test_bench_gpus_2_moe_cpu(tmp_path, no_leftover_segments):
+    """The Qwen3-MoE path of the benchmark on two gloo ranks: trainer TP=2 with EP=2 experts,
+    engine TP-MoE over 2 ranks, every row's shard digests checked on both engine ranks."""
+    out = tmp_path / "moe.json"
+    code = main(["bench", "--device", "cpu", "--gpus", "2", "--model", "qwen3-moe-tiny", "--reps", "1",
+                 "--bucket-mib", "0.05", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    _check(result, MOE_ROWS)
+    assert result["model"]["trainer_ep"] == 2 and result["anchor"]["ipc_loop_s"] == 3.0
+    # the experts are most of the bytes, broadcast from their owner: the floor counts them
+    assert 0 < result["model"]["expert_bytes"] < result["model"]["bytes"]
+    for lim in result["limits"]:
+        assert lim["expert_bytes"] == result["model"]["expert_bytes"] and lim["model_broadcast_calls"] > 0
+        assert lim["gathered_bytes"] + lim["expert_bytes"] == lim["model_bytes"]
+    assert result["floors"]["model_broadcast_s"] > 0
+    assert set(result["targets"]) >= {"sync_first_s", "sync_first_vs_floor"}
+
+
+def test_bench_moe_8_gpus_refused_on_a_smaller_machine(capsys):
+    from colo.apps.bench_multi import main as bench_main
+
+    # this machine has no GPU: the 8-GPU run is refused before any process starts, saying why
+    assert main(["bench", "--device", "cuda", "--gpus", "8", "--model", "qwen3-30b-a3b"]) == 2
+    assert bench_main(["--device", "cuda", "--gpus", "8", "--model", "qwen3-30b-a3b"]) == 2
+    err = capsys.readouterr().err
+    assert "qwen3-30b-a3b" in err or "CUDA" in err
+    # 3 ranks split neither the 32 heads nor the 128 experts
+    assert bench_main(["--device", "cpu", "--gpus", "3", "--model", "qwen3-30b-a3b"]) == 2
+    assert "does not divide" in capsys.readouterr().err
 
 
 @pytest.mark.gpu2
