@@ -91,3 +91,13 @@ def test_bench_gpus_2_cuda(tmp_path):
     result, _ = run_bench_multi("cuda", 2, "qwen2-7b", 64, 1, str(tmp_path / "multi.json"), layers=2)
     _check(result)
     assert all(r["device_peak_extra_max"] is not None for r in result["rows"])
+
+
+@pytest.mark.gpu2
+def test_bench_gpus_2_moe_cuda(tmp_path):
+    """The Qwen3-30B-A3B shape cut to 2 layers on two GPUs (the moe2 rehearsal, shorter)."""
+    from colo.apps.bench_multi import run_bench_multi
+
+    result, _ = run_bench_multi("cuda", 2, "qwen3-30b-a3b", 64, 1, str(tmp_path / "moe.json"), layers=2)
+    _check(result, MOE_ROWS)
+    assert all(r["device_peak_extra_max"] is not None for r in result["rows"])

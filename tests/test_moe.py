@@ -240,3 +240,17 @@ def test_bench_synthetic_layout_is_megatron_cores_own(ranks):
     for rank, r in enumerate(ranks):
         mine = {n: (tuple(s), a) for n, s, a in megatron_shards(cfg, rank, len(ranks))}
         assert mine == r["local"], rank
+
+
+def test_moe_configs_the_engine_cannot_run_are_refused_naming_the_field():
+    from colo.engine.moe import MoEDims
+    from colo.models import moe_model_config
+
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
+        MoEDims.from_config(moe_model_config(NAME, mlp_only_layers=[1]))
+    with pytest.raises(ValueError, match="attention_bias=True"):
+        MoEDims.from_config(moe_model_config(NAME, attention_bias=True))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(9\) exceeds num_experts \(8\)"):
+        MoEDims.from_config(moe_model_config(NAME, num_experts_per_tok=9))
+    with pytest.raises(ValueError, match="unknown Qwen3MoeConfig field"):
+        moe_model_config(NAME, num_expert=4)
