@@ -47,7 +47,9 @@ def open_fds() -> int:
 
 
 def engine_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "colo-engine-*")))
+    """This test process's engine socket dirs (``colo-engine-<our pid>-*``): other
+    processes on the machine make and remove theirs meanwhile."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"colo-engine-{os.getpid()}-*")))
 
 
 @pytest.fixture(scope="module")
