@@ -79,6 +79,16 @@ def test_bench_moe_8_gpus_refused_on_a_smaller_machine(capsys):
     assert bench_main(["--device", "cuda", "--gpus", "8", "--model", "qwen3-30b-a3b"]) == 2
     err = capsys.readouterr().err
     assert "qwen3-30b-a3b" in err or "CUDA" in err
+    # the layout of the 8-GPU run is one megatron-core can build: TP=4 (4 query groups), DP=2, EP=8
+    from colo.apps.bench_multi import check_machine, megatron_shards, model_config, trainer_tp
+
+    cfg = model_config("qwen3-30b-a3b")
+    assert trainer_tp(cfg, 8) == 4 and trainer_tp(cfg, 2) == 2 and trainer_tp(model_config("qwen2-7b"), 2) == 2
+    check_machine("cpu", 8, "qwen3-30b-a3b")
+    r5 = {n: s for n, s, _ in megatron_shards(cfg, 5, 8)}
+    assert r5["decoder.layers.0.self_attention.linear_qkv.weight"] == ((32 + 2 * 4) * 128 // 4, 2048)
+    assert [n for n in r5 if n.startswith("decoder.layers.0.mlp.experts.")][0].endswith(".80.linear_fc1.weight")
+    assert sum(".local_experts." in n for n in r5) == 48 * 16 * 2
     # 3 ranks split neither the 32 heads nor the 128 experts
     assert bench_main(["--device", "cpu", "--gpus", "3", "--model", "qwen3-30b-a3b"]) == 2
     assert "does not divide" in capsys.readouterr().err

@@ -100,7 +100,10 @@ def worker(rank: int, world: int, tmp_path, fields: dict) -> dict:
     # the config's fields as attributes, as the engine's build reads them: the workers do
     # not import transformers (seconds apiece on a loaded 2-core box)
     cfg = types.SimpleNamespace(**fields)
-    tp = ep = world
+    from colo.apps.bench_multi import trainer_tp
+
+    # the benchmark's layout: TP as large as the query groups allow, EP over every rank
+    tp, ep = trainer_tp(cfg, world), world
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=1)

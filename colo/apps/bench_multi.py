@@ -106,25 +106,39 @@ def is_expert(name: str) -> bool:
 
 # -- the synthetic Megatron-layout trainer -------------------------------------------
 
+def trainer_tp(config: Any, size: int) -> int:
+    """The trainer's tensor-parallel size over ``size`` ranks. A dense model: ``size``. A
+    Qwen3-MoE: the largest divisor of ``size`` that divides its heads and query groups
+    (megatron-core needs ``num_query_groups % TP == 0``: Qwen3-30B-A3B's 4 KV heads allow
+    TP=4 on 8 GPUs, the anchor's TP4), the other ranks data (or context) parallel replicas
+    of the attention, holding the same shards; its experts are EP=``size`` whatever the TP."""
+    if not is_moe(config):
+        return size
+    return max(t for t in range(1, size + 1) if size % t == 0 and config.num_attention_heads % t == 0
+               and config.num_key_value_heads % t == 0)
+
+
 def megatron_shards(config: Any, rank: int, size: int) -> list[tuple[str, tuple[int, ...], dict]]:
     """(name, shard shape, parallel attributes) of rank ``rank`` of TP=``size``, in the order
     megatron-core's ``GPTModel`` (local layer spec) lists its parameters. Replicated
     norms carry no attributes (megatron-core sets none on them).
 
-    A Qwen3-MoE (:func:`is_moe`) is laid out as megatron-core lays it at TP=N, EP=N,
-    expert TP 1 (``tests/test_moe.py`` compares with megatron-core's own model):
-    attention tensor-parallel as above, without a QKV bias, with q/k layernorms; the
-    router replicated; rank r holding experts ``r * E/N ..`` whole, under their
-    model-wide numbers (what the extractor takes, see ``global_name``)."""
+    A Qwen3-MoE (:func:`is_moe`) is laid out as megatron-core lays it at TP=:func:`trainer_tp`,
+    EP=N, expert TP 1 (``tests/test_moe.py`` compares with megatron-core's own model):
+    attention tensor-parallel as above over rank r's TP group (ranks ``r // TP * TP ..``,
+    megatron's order), without a QKV bias, with q/k layernorms; the router replicated;
+    rank r holding experts ``r * E/N ..`` whole, under their model-wide numbers (what the
+    extractor takes, see ``global_name``)."""
     h, heads, groups = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or h // heads
-    moe, n = is_moe(config), size
+    moe = is_moe(config)
+    n = trainer_tp(config, size)  # the dense layers' TP size
     inter = config.moe_intermediate_size if moe else config.intermediate_size
-    sizes = (("heads", heads), ("query groups", groups), ("experts", config.num_experts)) if moe else \
-        (("heads", heads), ("query groups", groups), ("ffn", inter))
-    bad = [f"{k} {v}" for k, v in sizes if v % n]
+    sizes = (("experts", config.num_experts, size),) if moe else \
+        (("heads", heads, n), ("query groups", groups, n), ("ffn", inter, n))
+    bad = [f"{k} {v}" for k, v, by in sizes if v % by]
     if bad:
-        raise ValueError(f"TP={n}{' and EP=' + str(n) if moe else ''} does not divide the model's {', '.join(bad)}")
+        raise ValueError(f"{'EP' if moe else 'TP'}={size} does not divide the model's {', '.join(bad)}")
     vocab = -(-config.vocab_size // n) * n  # padded so each rank holds an equal slice
     col = {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 1}
     row = {**col, "partition_dim": 1}
@@ -136,7 +150,7 @@ def megatron_shards(config: Any, rank: int, size: int) -> list[tuple[str, tuple[
                 (p + "self_attention.linear_proj.weight", (h, heads * hd // n), row),
                 (p + "self_attention.linear_qkv.weight", (qkv, h), col)]
         if moe:
-            per = config.num_experts // n
+            per = config.num_experts // size
             out += [(p + "self_attention.q_layernorm.weight", (hd,), {}),
                     (p + "self_attention.k_layernorm.weight", (hd,), {}),
                     (p + "pre_mlp_layernorm.weight", (h,), {}),
@@ -172,14 +186,23 @@ class SyntheticMegatron:
         self.config, self.device, self.engine_dtype = config, device, getattr(torch, engine_dtype)
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.layout = megatron_shards(config, self.rank, self.size)
+        self.tp = trainer_tp(config, self.size)
+        # megatron's TP groups are runs of consecutive ranks; every rank creates every group
+        # (the world itself when TP spans it: no second communicator)
+        self.tp_group: Any = dist.group.WORLD if self.tp == self.size > 1 else None
+        if 1 < self.tp < self.size:
+            groups = [dist.new_group(list(range(g, g + self.tp))) for g in range(0, self.size, self.tp)]
+            self.tp_group = groups[self.rank // self.tp]
         self.params: dict[str, torch.Tensor] = {}  # the device shards (empty while offloaded)
         self.host: dict[str, torch.Tensor] = {}  # the pinned host copy, kept once made
         self.offloaded = False
         self.steps = 0
         where = "cuda" if device == "cuda" else "cpu"
         for name, shape, attrs in self.layout:
-            # a norm is the same on every rank; a shard differs by rank
-            key = zlib.crc32(name.encode()) ^ (seed << 8) ^ ((self.rank + 1) << 40 if attrs else 0)
+            # a norm is the same on every rank; a shard differs by TP rank (data-parallel replicas
+            # hold the same shards); an expert is named model-wide, held by one rank only
+            tp_rank = self.rank % self.tp
+            key = zlib.crc32(name.encode()) ^ (seed << 8) ^ ((tp_rank + 1) << 40 if attrs else 0)
             g = torch.Generator(device=where).manual_seed(key)
             t = torch.empty(shape, dtype=torch.bfloat16, device=where).normal_(0, 0.02, generator=g)
             self.params[name] = _with_attrs(t, attrs)
@@ -213,7 +236,7 @@ class SyntheticMegatron:
             # a MoE's experts are expert-parallel over the world (EP=N, expert TP 1): each is
             # broadcast from its owner, as slime's and the extractor's EP path do
             self._extractors[mode] = MegatronExtractor(
-                source, dtype=self.engine_dtype, device=device, group=self.meta_group, tp_group=world,
+                source, dtype=self.engine_dtype, device=device, group=self.meta_group, tp_group=self.tp_group,
                 ep_group=world if is_moe(c) else None,
                 attention=(c.num_attention_heads, c.num_key_value_heads), vocab_size=c.vocab_size)
         return self._extractors[mode]
@@ -570,7 +593,9 @@ class BenchHost(RankHost):
     def _gather_limits(self, gather_bytes: int, reps: int) -> dict:
         """all_gather of bucket-sized tensors over the trainer's world (the extractor's group),
         once alone and once as many times as it takes to gather the model's bytes."""
-        n, dev = self.spec.world_size, ("cuda" if self._cuda else "cpu")
+        # over the trainer's TP group (the world, but for a MoE whose query groups allow fewer ranks)
+        n, dev = self.trainer.tp, ("cuda" if self._cuda else "cpu")
+        tp_group = self.trainer.tp_group
         part = max(1, gather_bytes // n)
         inp = torch.ones(part, dtype=torch.uint8, device=dev)
         flat = torch.empty(part * n, dtype=torch.uint8, device=dev)
@@ -583,11 +608,14 @@ class BenchHost(RankHost):
         calls = -(-gathered // (part * n))
         # NCCL's own primitive, into one buffer (the stricter floor; the extractor's
         # list form may add a copy-out); gloo has the list form
-        one = ((lambda: dist.all_gather_into_tensor(flat, inp)) if self._cuda
-               else (lambda: dist.all_gather(outs, inp)))
-        gather_s = self._time(one, reps)
-        model_gather_s = self._time(lambda: [one() for _ in range(calls)], reps)
-        out = {"all_gather_bytes": part * n, "all_gather_GBps": part * n / gather_s / 1e9,
+        one = ((lambda: dist.all_gather_into_tensor(flat, inp, group=tp_group)) if self._cuda
+               else (lambda: dist.all_gather(outs, inp, group=tp_group)))
+        if tp_group is None:  # TP 1: the dense layers are whole on every rank, nothing is gathered
+            gather_s, model_gather_s = float("inf"), 0.0
+        else:
+            gather_s = self._time(one, reps)
+            model_gather_s = self._time(lambda: [one() for _ in range(calls)], reps)
+        out = {"all_gather_bytes": part * n, "all_gather_GBps": part * n / gather_s / 1e9, "all_gather_ranks": n,
                "all_gather_primitive": "all_gather_into_tensor" if self._cuda else "all_gather",
                "model_bytes": model_bytes, "gathered_bytes": gathered, "model_all_gather_s": model_gather_s,
                "model_all_gather_calls": calls, "expert_bytes": expert_bytes}
@@ -598,7 +626,7 @@ class BenchHost(RankHost):
         root = [0]
 
         def bcast() -> None:
-            dist.broadcast(buf, src=root[0] % n)
+            dist.broadcast(buf, src=root[0] % self.spec.world_size)
             root[0] += 1
 
         bcast_s = self._time(bcast, reps)
@@ -866,7 +894,8 @@ async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, 
                   "bytes": sum(int(s[3]) for s in specs), "tensors": len(specs), "params": hellos[0]["num_params"],
                   "trainer": "synthetic megatron-core TP layout (random bf16 shards)"
                              + (", experts EP=N (expert TP 1), broadcast from their owner" if is_moe(config) else ""),
-                  "trainer_tp": gpus, "trainer_ep": gpus if is_moe(config) else 1, "engine_tp": gpus,
+                  "trainer_tp": trainer_tp(config, gpus), "trainer_dp": gpus // trainer_tp(config, gpus),
+                  "trainer_ep": gpus if is_moe(config) else 1, "engine_tp": gpus,
                   "engine_moe": "TP-MoE: every expert's intermediate split over the engine's TP ranks"
                                 if is_moe(config) else None},
         "bucket_mib": bucket_mib, "reps": reps, "warmup": 1,
