@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None)
     b.add_argument("--gpus", type=_positive(int, 8), default=None, metavar="N",
                    help="trainer TP=N and engine TP=N, one rank per GPU (colo.apps.bench_multi; "
-                        "--model qwen2-7b|tiny)")
+                        "--model qwen2-7b|tiny|qwen3-30b-a3b|qwen3-moe-tiny; a MoE's trainer adds EP=N)")
     b.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=512.0)
     b.add_argument("--reps", type=_positive(int, 100), default=3)
     b.set_defaults(module="colo.apps.bench", func="run_bench")
