@@ -619,7 +619,6 @@ class BenchHost(RankHost):
                "all_gather_primitive": "all_gather_into_tensor" if self._cuda else "all_gather",
                "model_bytes": model_bytes, "gathered_bytes": gathered, "model_all_gather_s": model_gather_s,
                "model_all_gather_calls": calls, "expert_bytes": expert_bytes}
-        del flat, outs
         # broadcast of bucket-sized tensors, the root turning over the ranks as the experts' owners do,
         # once alone and as many times as it takes to broadcast every expert's bytes
         buf = torch.ones(max(1, gather_bytes), dtype=torch.uint8, device=dev)
