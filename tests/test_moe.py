@@ -257,3 +257,20 @@ def test_moe_configs_the_engine_cannot_run_are_refused_naming_the_field():
         MoEDims.from_config(moe_model_config(NAME, num_experts_per_tok=9))
     with pytest.raises(ValueError, match="unknown Qwen3MoeConfig field"):
         moe_model_config(NAME, num_expert=4)
+
+
+def test_the_engine_build_from_the_sent_config_dict_is_the_moe_engine():
+    """An engine process builds from ``config.to_dict()`` without transformers: a Qwen3-MoE's
+    dict must give the MoE core with the same specs as from the config, and the dense one a dense core."""
+    from colo.engine.core import EngineCore
+    from colo.engine.model import expected_hf_specs
+    from colo.engine.moe import MoEEngineCore
+    from colo.engine.server import build_core
+    from colo.models import demo_config
+
+    cfg = _config()
+    build = {"dtype": "float32", "device": "cpu", "total_bytes": 64 << 20, "mem_fraction_static": 0.9}
+    core = build_core({**build, "config": cfg.to_dict()})
+    assert type(core) is MoEEngineCore
+    assert core.model.expected_specs() == expected_hf_specs(cfg, torch.float32)
+    assert type(build_core({**build, "config": demo_config().to_dict()})) is EngineCore
