@@ -69,26 +69,38 @@ def entry_bytes(t: Any, e: Any) -> Any:
     return flat if e.whole else flat[e.offset:e.offset + e.nbytes]
 
 
-def pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]],
-                    stream: Any = None) -> None:
-    """Pack, then wait until the bytes are in ``flat``.
+def queue_pack(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]], stream: Any = None) -> Any:
+    """Queue the copies of one bucket into ``flat``; return an event recorded after
+    them on ``stream``, or None when the copies are already done (off the GPU, or
+    with no upload stream: then the device is synchronised here).
 
-    The engine reads the buffer from another process, outside any stream order
-    of ours: the copies must be done before the handle goes out. With a
-    ``stream`` (the sender's upload stream) the copies run there, after what
-    produced the tensors, and only that stream's work is waited for, through an
-    event, not the whole device."""
+    With a ``stream`` (the sender's upload stream) the copies run there, after
+    what produced the tensors, and the caller waits only for that stream's work,
+    through the event, not for the whole device. Returning before the copies
+    finish is what keeps the copy engine busy: the next bucket's upload is queued
+    behind this one while this one is still moving (issue 18)."""
     if stream is None or not flat.is_cuda:
         pack_into(flat, bucket, tensors)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
-        return
+        return None
     stream.wait_stream(torch.cuda.current_stream(flat.device))
     with torch.cuda.stream(stream):
         pack_into(flat, bucket, tensors)
         done = torch.cuda.Event()
         done.record(stream)
-    done.synchronize()
+    return done
+
+
+def pack_and_settle(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]],
+                    stream: Any = None) -> None:
+    """Pack, then wait until the bytes are in ``flat``.
+
+    The engine reads the buffer from another process, outside any stream order
+    of ours: the copies must be done before the handle goes out."""
+    done = queue_pack(flat, bucket, tensors, stream)
+    if done is not None:
+        done.synchronize()
 
 
 class _Slot:
@@ -102,6 +114,8 @@ class _Slot:
         self.staged = Staged(ctx, nbytes)  # counted before it exists: OOM before allocation
         self.seg: ShmSegment | None = None
         self.cuda: Any = None
+        #: (event, t0) of copies queued into this slot and not yet waited for
+        self.pending: tuple[Any, float] | None = None
         try:
             if device.type == "cuda":
                 from colo.cuda_ipc import export_cuda
@@ -127,12 +141,20 @@ class _Slot:
             self.seg.close()
             self.seg = None
         self.cuda = None
+        self.pending = None
         self.staged.free()
 
 
 class PackedTransport(BucketSender):
     """``align``: ``PADDED`` (default: each tensor on a 16-byte boundary) or
-    ``UNPADDED`` (SGLang's back-to-back layout); see :mod:`colo.transports.wire`."""
+    ``UNPADDED`` (SGLang's back-to-back layout); see :mod:`colo.transports.wire`.
+
+    On a GPU a bucket's copies are queued on the sender's upload stream and
+    ``_pack`` returns; the handoff waits for that bucket's event before the
+    handle goes out. The pipeline queues bucket i+2 into bucket i's buffer right
+    after bucket i's acknowledgement, while bucket i+1 is still uploading, so the
+    copy engine always has the next bucket behind the current one: no idle gap
+    per bucket for a thread hop, a host wait and the next gather (issue 18)."""
 
     name = "packed"
 
@@ -166,15 +188,40 @@ class PackedTransport(BucketSender):
         # directly into device memory).
         target = getattr(self._extractor, "upload_to", None)
         device = torch.device(target) if target is not None else tensors[0][1].device
-        flat = self._slot(slot, ctx, device).tensor
+        s = self._slot(slot, ctx, device)
         t0 = time.perf_counter()
         laid = self._layout[bucket.index]
-        await anyio.to_thread.run_sync(pack_and_settle, flat, laid, tensors, self._upload_stream(device))
-        ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
+        stream = self._upload_stream(device)
+        if self.pipelined:
+            done = await anyio.to_thread.run_sync(queue_pack, s.tensor, laid, tensors, stream)
+        else:
+            # serial (slime's way): nothing is queued behind this bucket, so it is
+            # waited for where it was queued, in one thread hop
+            done = await anyio.to_thread.run_sync(pack_and_settle, s.tensor, laid, tensors, stream)
+        if done is None:
+            ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
+        else:
+            # queued on the upload stream: the handoff waits for it (and records pack)
+            s.pending = (done, t0)
+
+    async def _settle(self, bucket: Bucket, s: _Slot, ctx: SyncContext) -> None:
+        """Wait until the slot's queued copies are done (a host wait on the upload
+        stream's event, off the event loop); ``pack`` spans queueing to done."""
+        if s.pending is None:
+            return
+        done, t0 = s.pending
+        if not done.query():
+            await anyio.to_thread.run_sync(done.synchronize)
+        s.pending = None
+        ctx.record(bucket.index, "pack", bucket.payload_bytes, len(bucket.entries), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        s = self._slots[slot]
+        # the engine reads the buffer from another process, outside our stream
+        # order: the bytes must be there before the handle goes out
+        await self._settle(bucket, s, ctx)
         metas = TensorMeta.of_bucket(self._layout[bucket.index])
-        handle = self._slots[slot].handle()
+        handle = s.handle()
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
         fields, key = self._memo.fields(engine, bucket.index, metas)
         try:
@@ -190,6 +237,10 @@ class PackedTransport(BucketSender):
         on_ack(reply)
 
     def _cleanup(self) -> None:
+        if self._stream is not None:
+            # copies a failed sync queued may still be writing a slot (or reading
+            # the trainer's tensors): they finish before the memory goes back
+            self._stream.synchronize()
         for i, s in enumerate(self._slots):
             if s is not None:
                 s.close()

@@ -1,0 +1,110 @@
+"""The packed upload pipeline on a GPU (issue 18, item 1).
+
+The sender queues a bucket's copies on its upload stream and returns; the
+handoff waits for that bucket's event before the handle goes out, and bucket
+i+2 is queued into bucket i's buffer right after bucket i's acknowledgement,
+while bucket i+1 may still be uploading. A real engine process over CUDA IPC,
+whose every load is held back: the upload stream runs ahead into the other
+buffer meanwhile, and the weights must still be exact, sync after sync, from
+pinned host memory (offload-first) and from device tensors (sync-first). A
+sender that reuses one buffer before the ack fails the same check.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
+from colo.engine.model import expected_digest
+from colo.extractors.plain import PlainExtractor
+from colo.models import build_trainer_model, demo_config
+from colo.transports.packed import PackedTransport
+from tests.conftest import SMALL_CFG
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, gpu]
+
+#: 8 KiB: SMALL_CFG's float32 weights fill many buckets, several tensors cut into pieces
+BUCKET = 8 << 10
+
+
+def trainer_state(config, seed: int, *, pinned: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in build_trainer_model(config, seed=seed).named_parameters():
+        t = p.detach().clone()
+        out[n] = t.pin_memory() if pinned else t.to("cuda")
+    return out
+
+
+class Trainer:
+    def __init__(self, state, upload_to=None):
+        self._extractor = PlainExtractor(state, dtype=torch.float32, upload_to=upload_to)
+
+    def extractor(self):
+        return self._extractor
+
+
+class LateEngine:
+    """The real engine client, whose every load waits ``delay`` seconds before it is sent."""
+
+    def __init__(self, client, delay: float):
+        self.client, self.delay = client, delay
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def transport_load(self, name, request, on_sent=None):
+        await anyio.sleep(self.delay)
+        return await self.client.transport_load(name, request, on_sent=on_sent)
+
+
+class OneBufferPacked(PackedTransport):
+    """A broken sender: every bucket goes through buffer 0, reused before the ack."""
+
+    async def _pack(self, bucket, tensors, slot, ctx):
+        await super()._pack(bucket, tensors, 0, ctx)
+
+    async def _handoff(self, engine, bucket, slot, ctx):
+        await super()._handoff(engine, bucket, 0, ctx)
+
+
+async def test_queued_uploads_deliver_exact_weights_to_an_engine_that_loads_late():
+    from colo.engine.client import EngineClient
+
+    config = demo_config(**SMALL_CFG)
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
+                                       "total_bytes": 256 << 20, "mem_fraction_static": 0.5, "checkpoint": None})
+    try:
+        transport = PackedTransport()
+        try:
+            for seed, pinned in ((1, True), (2, False), (3, True)):
+                state = trainer_state(config, seed, pinned=pinned)
+                budget = StagingBudget(2 * BUCKET)
+                ctx = SyncContext(step=seed, weight_version=seed, bucket_bytes=BUCKET,
+                                  source="host" if pinned else "device", staging=budget)
+                await transport.sync(Trainer(state, upload_to="cuda" if pinned else None),
+                                     LateEngine(client, 0.01), ctx)
+                want = expected_digest({n: t.cpu() for n, t in state.items()}, config, torch.float32)
+                assert await client.digest() == want, seed
+                assert budget.held_bytes == 0
+                # every bucket's pack is recorded once, in order, before its handoff
+                packs = [r.bucket for r in ctx.stages if r.stage == "pack"]
+                assert packs == list(range(len(packs))) and len(packs) > 4
+                order = [(r.bucket, r.stage) for r in ctx.stages if r.stage in ("pack", "handoff")]
+                assert all(order.index((b, "pack")) < order.index((b, "handoff")) for b in packs)
+        finally:
+            await transport.aclose()
+        # the check has teeth: one buffer reused before the ack gives the engine wrong weights
+        state = trainer_state(config, 7, pinned=True)
+        ctx = SyncContext(step=7, weight_version=7, bucket_bytes=BUCKET, source="host", staging=StagingBudget(None))
+        broken = OneBufferPacked()
+        try:
+            await broken.sync(Trainer(state, upload_to="cuda"), LateEngine(client, 0.01), ctx)
+        finally:
+            await broken.aclose()
+        assert await client.digest() != expected_digest(state, config, torch.float32)
+    finally:
+        await client.aclose()
