@@ -152,7 +152,7 @@ class BenchTrainer:
 async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, bucket_bytes: int,
                     reps: int) -> dict:
     stages: list = []
-    times, peaks = [], []
+    times, peaks, collect = [], [], []
     result = None
     for i in range(reps + 1):  # the first is a warm-up
         ctx = SyncContext(step=i, weight_version=1, bucket_bytes=bucket_bytes, source=source,
@@ -160,22 +160,29 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), ctx.clock()
         result = await transport.sync(trainer, engine, ctx)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        t1 = time.perf_counter()
         torch.cuda.ipc_collect()
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # what slime does after a sync: its cost, beside the sync's
+        collect_s = time.perf_counter() - t1
         if i:
             times.append(elapsed)
+            collect.append(collect_s)
             peaks.append(torch.cuda.max_memory_allocated() - base)
             stages.extend(ctx.stages)
+            # the last timed sync, stage by stage: [bucket, stage, start_s, end_s] from its start
+            timeline = [[r.bucket, r.stage, round(r.at - r.duration_s - c0, 6), round(r.at - c0, 6)]
+                        for r in ctx.stages]
     sec = statistics.median(times)
     # where the time goes: each stage's total over the timed syncs, per sync
     by_stage: dict[str, float] = {}
     for rec in stages:
         by_stage[rec.stage] = by_stage.get(rec.stage, 0.0) + rec.duration_s / reps
-    return {"sync_s": sec, "stage_s_per_sync": by_stage, "sync_s_all": times, "bytes": result.bytes, "buckets": result.buckets,
+    return {"sync_s": sec, "stage_s_per_sync": by_stage, "timeline": timeline, "sync_s_all": times,
+            "ipc_collect_and_empty_cache_s": statistics.median(collect), "bytes": result.bytes, "buckets": result.buckets,
             "tensors": result.tensors, "GBps": result.bytes / sec / 1e9, "peak_extra_bytes": max(peaks)}
 
 
