@@ -260,11 +260,20 @@ class DiskTransport(BucketSender):
         fname = f"shard-{bucket.index:05d}.safetensors"
         # the serialized shard is held in memory while it is written
         staged = Staged(ctx, bucket.payload_bytes)
+        stream = self._stream  # the sender's upload stream, where the gather ran (None off the GPU)
+
+        def write() -> int:
+            if stream is not None:
+                # The gather's uploads and conversions were queued on the upload stream;
+                # serialising reads the tensors on this thread's stream, which does not
+                # wait for it: on CUDA an offload-first sync wrote half-uploaded bytes.
+                stream.synchronize()
+            return write_shard(os.path.join(self._tmp, fname), tensors, bucket=bucket.index,
+                               entries=bucket.entries)
+
         t0 = time.perf_counter()
         try:
-            size = await anyio.to_thread.run_sync(
-                lambda: write_shard(os.path.join(self._tmp, fname), tensors, bucket=bucket.index,
-                                    entries=bucket.entries))
+            size = await anyio.to_thread.run_sync(write)
         finally:
             staged.free()
         self._shards.append({"file": fname, "bytes": size, "bucket": bucket.index,
