@@ -196,3 +196,28 @@ def test_a_changed_layout_replaces_the_cached_one_and_an_old_key_is_refused():
         receiver.close()
         seg.close()
     assert leftover_segments() == []
+
+
+def test_a_layout_cache_miss_is_logged_as_a_miss_and_other_errors_as_failed_requests(monkeypatch):
+    # a miss is the cache's normal path (the sender sends the layout whole): the engine's
+    # log must not report it as a failed request, and must still report real failures
+    from colo.engine import server
+
+    seen: list[str] = []
+    monkeypatch.setattr(server, "log", lambda event, **fields: seen.append(event))
+
+    class Server(server.EngineServer):
+        def __init__(self):  # only the request loop is under test
+            pass
+
+        def op_miss(self):
+            raise LayoutNotCached("bucket 0's layout k is not cached on the engine")
+
+        def op_bad(self):
+            raise ValueError("bad argument")
+
+    s = Server()
+    miss, bad = s.handle({"id": 1, "op": "miss"}), s.handle({"id": 2, "op": "bad"})
+    assert (miss["ok"], miss["error_type"], bad["ok"], bad["error_type"]) == \
+        (False, "LayoutNotCached", False, "ValueError")
+    assert seen == ["engine.layout_not_cached", "engine.request_failed"]

@@ -208,7 +208,12 @@ class EngineServer:
         try:
             return {"id": rid, "ok": True, **fn(**args)}
         except Exception as e:  # the engine answers every request; it does not die on one
-            log("engine.request_failed", op=op, error=f"{type(e).__name__}: {e}")
+            from colo.transports.wire import is_layout_not_cached
+
+            # a layout the engine does not hold (a restarted engine, a changed model) is the
+            # cache's normal miss: the sender sends it whole, so it is no failure to report
+            log("engine.layout_not_cached" if is_layout_not_cached(e) else "engine.request_failed",
+                op=op, error=f"{type(e).__name__}: {e}")
             return {"id": rid, "ok": False, "error_type": type(e).__name__, "error": str(e),
                     "trace": traceback.format_exc(limit=3)}
 
