@@ -718,11 +718,7 @@ class EngineModel:
         for layer in range(d.num_layers):
             pre = f"model.layers.{layer}."
             x = self._rmsnorm(h, p[pre + "input_layernorm.weight"])
-            qkv = F.linear(x, p[pre + "self_attn.qkv_proj.weight"], p[pre + "self_attn.qkv_proj.bias"])
-            q, k, v = qkv.split((d.q_rows, d.kv_rows, d.kv_rows), dim=-1)
-            q = q.view(b, t, d.num_heads, d.head_dim).transpose(1, 2)
-            k = k.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-            v = v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+            q, k, v = self._qkv(pre, x)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             if slots is not None:
@@ -734,9 +730,25 @@ class EngineModel:
             attn = attn.transpose(1, 2).reshape(b, t, d.q_rows)
             h = h + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
             x = self._rmsnorm(h, p[pre + "post_attention_layernorm.weight"])
-            gate, up = F.linear(x, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-            h = h + self._reduce(F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"]))
+            h = h + self._reduce(self._mlp(pre, x))
         return self._rmsnorm(h, p["model.norm.weight"])
+
+    def _qkv(self, pre: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One layer's q, k, v as ``[B, heads, T, head_dim]``, before the rotary embedding
+        (Qwen2: one fused projection with bias; the MoE model adds its per-head norms)."""
+        p, d = self._params, self.dims
+        b, t, _ = x.shape
+        qkv = F.linear(x, p[pre + "self_attn.qkv_proj.weight"], p[pre + "self_attn.qkv_proj.bias"])
+        q, k, v = qkv.split((d.q_rows, d.kv_rows, d.kv_rows), dim=-1)
+        return (q.view(b, t, d.num_heads, d.head_dim).transpose(1, 2),
+                k.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2),
+                v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2))
+
+    def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+        """One layer's MLP on ``[B, T, H]``: this rank's partial sum (the whole at TP=1)."""
+        p = self._params
+        gate, up = F.linear(x, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self._params["model.embed_tokens.weight"])

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from colo.engine.core import EngineCore
-from colo.engine.model import HEAD_TABLE, TAIL_TABLE, DTypeLike, Dims, EngineModel, _rotate_half
+from colo.engine.model import HEAD_TABLE, TAIL_TABLE, DTypeLike, Dims, EngineModel
 from colo.engine.tp import TPEngineCore, TPEngineModel
 
 
@@ -125,43 +125,26 @@ class MoEDims(Dims):
 
 
 class _MoEForward:
-    """The Qwen3-MoE forward over ``EngineModel``'s parts (embedding, rotary, KV pool, reduce,
-    lm_head): a whole model, or one TP rank's shard when mixed into ``TPEngineModel``."""
+    """What Qwen3-MoE changes in ``EngineModel``'s forward: the attention projection (no bias,
+    per-head q/k norms) and the sparse block in place of the MLP. The rest (embedding, rotary,
+    KV pool, reduce, lm_head) is the dense model's, whole or one TP rank's shard when mixed
+    into ``TPEngineModel``."""
 
     dims: MoEDims
 
-    def _forward(self, tokens: torch.Tensor, start: int, slots: torch.Tensor | None) -> torch.Tensor:
+    def _qkv(self, pre: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """No projection bias; Qwen3's RMSNorm over each head's head_dim, before the rotary embedding."""
         p, d = self._params, self.dims
-        b, t = tokens.shape
-        h = self._embed(tokens)
-        cos, sin = self._rope(start, t)
-        mask = None
-        if t > 1:
-            keys = torch.arange(start + t, device=self.device)
-            mask = keys[None, :] <= (start + torch.arange(t, device=self.device))[:, None]
-        groups = d.num_heads // d.num_kv_heads
-        for layer in range(d.num_layers):
-            pre = f"model.layers.{layer}."
-            x = self._rmsnorm(h, p[pre + "input_layernorm.weight"])
-            q, k, v = F.linear(x, p[pre + "self_attn.qkv_proj.weight"]).split((d.q_rows, d.kv_rows, d.kv_rows),
-                                                                              dim=-1)
-            # Qwen3: RMSNorm over each head's head_dim, before the rotary embedding
-            q = self._rmsnorm(q.view(b, t, d.num_heads, d.head_dim), p[pre + "self_attn.q_norm.weight"])
-            k = self._rmsnorm(k.view(b, t, d.num_kv_heads, d.head_dim), p[pre + "self_attn.k_norm.weight"])
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            if slots is not None:
-                k, v = self._store_and_gather(layer, k, v, slots, start)
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.head_dim ** -0.5)
-            attn = attn.transpose(1, 2).reshape(b, t, d.q_rows)
-            h = h + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
-            x = self._rmsnorm(h, p[pre + "post_attention_layernorm.weight"])
-            h = h + self._reduce(self._moe(pre, x.reshape(b * t, -1)).view(b, t, -1))
-        return self._rmsnorm(h, p["model.norm.weight"])
+        b, t, _ = x.shape
+        q, k, v = F.linear(x, p[pre + "self_attn.qkv_proj.weight"]).split((d.q_rows, d.kv_rows, d.kv_rows), dim=-1)
+        q = self._rmsnorm(q.view(b, t, d.num_heads, d.head_dim), p[pre + "self_attn.q_norm.weight"])
+        k = self._rmsnorm(k.view(b, t, d.num_kv_heads, d.head_dim), p[pre + "self_attn.k_norm.weight"])
+        return q.transpose(1, 2), k.transpose(1, 2), v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
+
+    def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+        """The sparse block in place of the dense MLP, on the tokens flattened."""
+        b, t, _ = x.shape
+        return self._moe(pre, x.reshape(b * t, -1)).view(b, t, -1)
 
     def _moe(self, pre: str, x: torch.Tensor) -> torch.Tensor:
         """The sparse block on ``[N, H]`` tokens: this rank's partial sum (the whole sum at TP=1)."""
