@@ -32,17 +32,17 @@ import math
 import multiprocessing as mp
 import os
 import re
-import socket
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+
+from colo.engine.client import free_port, scoped_env
 
 #: the process-group modes, by the name the results use -> ParameterServer's auto_pg
 MODES: dict[str, bool] = {"persistent": False, "per-update": True}
@@ -232,31 +232,6 @@ class Receiver:
 
 # -- the parameter server's side ---------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    """Set (or unset, for None) environment variables for the block, then restore them."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 class _Log:
     """checkpoint-engine's own log lines (loguru), with their times, while it is attached."""
 
@@ -295,9 +270,9 @@ def _make_server(auto_pg: bool, mem_fraction: float | None) -> Any:
     from checkpoint_engine import ParameterServer
 
     # rank 0 reads as "unset" in its constructor (``rank or int(os.environ["RANK"])``): say it in the environment
-    with _env(RANK="0", WORLD_SIZE="1"):
+    with scoped_env({"RANK": "0", "WORLD_SIZE": "1"}):
         return ParameterServer(rank=0, world_size=1, auto_pg=auto_pg, gpu_count=1, mem_fraction=mem_fraction,
-                               master_addr="127.0.0.1", master_port=_free_port())
+                               master_addr="127.0.0.1", master_port=free_port())
 
 
 def run_peer(named_host: Mapping[str, torch.Tensor], config: dict, *, want_digest: str,
@@ -348,7 +323,7 @@ def run_peer(named_host: Mapping[str, torch.Tensor], config: dict, *, want_diges
             receiver.request("zero")
             times, received, peaks, timeline = [], [], [], None
             bucket_env = None if config.bucket_gib is None else repr(float(config.bucket_gib))
-            with _env(PS_MAX_BUCKET_SIZE_GB=bucket_env):
+            with scoped_env({"PS_MAX_BUCKET_SIZE_GB": bucket_env}):
                 for i in range(config.warmup + config.reps):
                     answers: list[Any] = []
 

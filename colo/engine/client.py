@@ -12,7 +12,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -107,19 +108,31 @@ def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str
     return start_with_env(proc, env)
 
 
-def start_with_env(proc: Any, env: dict[str, str] | None) -> Any:
-    """``proc.start()`` with ``env`` added to the child's environment only."""
-    saved = {k: os.environ.get(k) for k in (env or {})}
+@contextmanager
+def scoped_env(values: Mapping[str, str | None] | None) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (None: unset) for the block, then as it was."""
+    values = values or {}
+    saved = {k: os.environ.get(k) for k in values}
     try:
-        # a spawned child copies os.environ at start(): set it for that moment only
-        os.environ.update(env or {})
-        proc.start()
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def start_with_env(proc: Any, env: dict[str, str] | None) -> Any:
+    """``proc.start()`` with ``env`` added to the child's environment only."""
+    # a spawned child copies os.environ at start(): set it for that moment only
+    with scoped_env(env):
+        proc.start()
     return proc
 
 
