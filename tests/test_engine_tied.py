@@ -22,6 +22,7 @@ from colo.models import build_trainer_model, demo_config
 from colo.trainers.hf import ReferenceTrainer
 from colo.transports import make_transport
 from tests.conftest import SMALL_CFG
+from tests.syncparts import StateTrainer
 
 MiB = 1 << 20
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -217,14 +218,6 @@ def test_the_trainers_paused_logits_rebuild_the_tie(trainer, probe):
 
 # -- end to end through the engine process ------------------------------------------------
 
-class _Trainer:
-    def __init__(self, model):
-        self._extractor = PlainExtractor(model, dtype=torch.float32)
-
-    def extractor(self):
-        return self._extractor
-
-
 class _Pool:
     def __init__(self):
         self.live, self._n = {}, 0
@@ -252,7 +245,7 @@ async def test_a_packed_sync_into_a_spawned_engine_loads_the_tied_model(config, 
         assert sorted(s.name for s in client.specs) == sorted(state)
         # the module itself, whose state_dict() holds lm_head.weight as well
         ctx = SyncContext(step=0, weight_version=1, bucket_bytes=16 << 10, source="host", staging=_Pool())
-        result = await transport.sync(_Trainer(trainer), client, ctx)
+        result = await transport.sync(StateTrainer(trainer), client, ctx)
         assert result.tensors == len(state) and result.bytes == sum(t.numel() * 4 for t in state.values())
         assert await client.digest() == expected_digest(state, config, torch.float32)
         await client.set_weight_version(1)

@@ -26,11 +26,11 @@ from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.engine.core import EngineCore
 from colo.engine.model import expected_digest
-from colo.extractors.plain import PlainExtractor
 from colo.handles import ShmSegment, leftover_segments
 from colo.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedReceiver, PackedTransport, pack_into
 from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
+from tests.syncparts import StateTrainer
 
 #: The SGLang release whose tensor_bucket.py was read for this test (its
 #: FlattenedTensorMetadata: name, shape: torch.Size, dtype: torch.dtype,
@@ -307,14 +307,6 @@ class _InProcessEngine:
         self.core.end_load()
 
 
-class _Trainer:
-    def __init__(self, state):
-        self._extractor = PlainExtractor(state, dtype=torch.bfloat16)
-
-    def extractor(self):
-        return self._extractor
-
-
 @pytest.mark.parametrize("align", [UNPADDED, PADDED], ids=["unpadded", "padded"])
 async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang, align, no_leftover_segments):
     # hidden 36 in bfloat16: 72-byte norms, so the padded layout has gaps
@@ -327,7 +319,7 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
     ctx = SyncContext(step=0, weight_version=1, bucket_bytes=4 << 10, source="host", staging=pool)
     transport = PackedTransport(align=align)
     try:
-        result = await transport.sync(_Trainer(state), engine, ctx)
+        result = await transport.sync(StateTrainer(state, dtype=torch.bfloat16), engine, ctx)
     finally:
         engine.receiver.close()
         await transport.aclose()

@@ -33,6 +33,7 @@ from colo.transports.ipc import IpcReceiver, IpcTransport
 from colo.transports.packed import PackedReceiver, PackedTransport, pack_into
 from colo.transports.wire import TensorMeta, views
 from tests.conftest import SMALL_CFG
+from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -45,14 +46,6 @@ LIMIT = {"packed": 2 * BUCKET, "ipc": 2 * BUCKET, "disk": 2 * BUCKET, "broadcast
 
 def trainer_state(config, seed: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
-
-
-class Trainer:
-    def __init__(self, state):
-        self._extractor = PlainExtractor(state, dtype=torch.float32)
-
-    def extractor(self):
-        return self._extractor
 
 
 async def test_every_transport_carries_tensors_larger_than_the_bucket_bit_exact(small_engine, tmp_path):
@@ -68,7 +61,7 @@ async def test_every_transport_carries_tensors_larger_than_the_bucket_bit_exact(
         ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=BUCKET, source="host", staging=budget)
         transport = make_transport(name, **({"root": str(tmp_path / "ckpt")} if name == "disk" else {}))
         try:
-            result = await transport.sync(Trainer(state), client, ctx)
+            result = await transport.sync(StateTrainer(state), client, ctx)
         finally:
             await transport.aclose() if name != "disk" else None
         assert await client.digest() == expected_digest(state, config, torch.float32), name
@@ -90,7 +83,7 @@ async def test_every_transport_carries_tensors_larger_than_the_bucket_bit_exact(
     ctx = SyncContext(step=0, weight_version=9, bucket_bytes=BUCKET, source="host", staging=budget)
     transport = PackedTransport()
     with pytest.raises(OutOfMemory):
-        await transport.sync(Trainer(trainer_state(config, 9)), client, ctx)
+        await transport.sync(StateTrainer(trainer_state(config, 9)), client, ctx)
     await transport.abort()
     await transport.aclose()
     assert budget.held_bytes == 0 and budget.peak_bytes <= BUCKET
@@ -184,7 +177,7 @@ def _late_sync(config, state, transport, receiver):
 
     async def go():
         try:
-            await transport.sync(Trainer(state), engine, ctx)
+            await transport.sync(StateTrainer(state), engine, ctx)
         finally:
             receiver.close()
             await transport.aclose()

@@ -18,24 +18,16 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
-from colo.extractors.plain import PlainExtractor
 from colo.handles import ShmSegment, leftover_segments
 from colo.models import build_trainer_model
 from colo.transports import make_transport
 from colo.transports.packed import PackedReceiver, pack_into
 from colo.transports.wire import LayoutNotCached, RequestError, TensorMeta, layout_key
+from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 BUCKET = 16 << 10
-
-
-class Trainer:
-    def __init__(self, state):
-        self._extractor = PlainExtractor(state, dtype=torch.float32)
-
-    def extractor(self):
-        return self._extractor
 
 
 class Recording:
@@ -66,7 +58,7 @@ def state_of(config, seed):
 async def sync(transport, engine, state, version):
     ctx = SyncContext(step=version, weight_version=version, bucket_bytes=BUCKET, source="host",
                       staging=StagingBudget(None))
-    return await transport.sync(Trainer(state), engine, ctx), ctx
+    return await transport.sync(StateTrainer(state), engine, ctx), ctx
 
 
 async def test_metadata_goes_once_per_engine_and_a_shape_change_is_refused_by_name(small_engine, monkeypatch):

@@ -28,6 +28,7 @@ from colo.transports import REGISTRY, get_strategy, make_transport
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
 DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
 from tests.conftest import SMALL_CFG as CFG
+from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -138,14 +139,6 @@ def test_other_transports_stage_at_most_two_buckets_on_the_trainer_side(demo_tra
 
 # -- direct syncs through a small engine ------------------------------------------
 
-class Trainer:
-    def __init__(self, source):
-        self._extractor = PlainExtractor(source, dtype=torch.float32)
-
-    def extractor(self):
-        return self._extractor
-
-
 class Pool:
     def __init__(self):
         self.live, self.peak, self._n = {}, 0, 0
@@ -189,8 +182,8 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
         pool = Pool()
         ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=64 << 10, source="host", staging=pool)
         try:
-            result = await transport.sync(Trainer(state), engine, ctx)
-            again = await transport.sync(Trainer(state), engine, ctx) if name == "broadcast" else None
+            result = await transport.sync(StateTrainer(state), engine, ctx)
+            again = await transport.sync(StateTrainer(state), engine, ctx) if name == "broadcast" else None
             group = transport._group.info.group_name if name == "broadcast" else None
         finally:
             await transport.aclose()
