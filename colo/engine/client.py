@@ -76,12 +76,13 @@ def socket_dir() -> str:
                        "set TMPDIR to a short directory")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a process-group rendezvous)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (for a process-group rendezvous;
+    ``""``: on every interface, for peers on other nodes)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

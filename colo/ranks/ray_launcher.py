@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -113,12 +112,10 @@ async def reserve(bundles: list[dict[str, float]], *, strategy: str = "PACK",
 
 
 def _free_ports(n: int) -> list[int]:
-    ports = []
-    for _ in range(n):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            ports.append(s.getsockname()[1])
-    return ports
+    from colo.engine.client import free_port
+
+    # on every interface: the ranks of other nodes connect to them
+    return [free_port("") for _ in range(n)]
 
 
 def placement() -> dict:
