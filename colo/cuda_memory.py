@@ -83,19 +83,29 @@ class Saver:
 
 
 class TrainerMemory:
-    """The trainer's side of the backend: pause/resume its tags, host views when paused."""
+    """The trainer's side of the backend: pause/resume its tags, host views when paused.
 
-    def __init__(self, saver: Saver):
+    ``flats`` maps a tag (``"weights"``) to the :class:`colo.flat_weights.FlatWeights`
+    that hold it instead of a saver region: an exportable buffer the engine
+    reads straight from in ``sync-first``, paused and resumed by itself."""
+
+    def __init__(self, saver: Saver, *, flats: Any = None):
         self.saver = saver
+        self.flats = dict(flats or {})
 
     def resident(self, tag: str) -> bool:
+        if tag in self.flats:
+            return not self.flats[tag].paused
         return f"trainer.{tag}" not in self.saver.paused
 
     async def pause(self, owner: str, tags: Any) -> None:
         import anyio.to_thread
 
         for tag in tags:
-            await anyio.to_thread.run_sync(self.saver.pause, f"{owner}.{tag}")
+            if tag in self.flats:
+                await anyio.to_thread.run_sync(self.flats[tag].pause)
+            else:
+                await anyio.to_thread.run_sync(self.saver.pause, f"{owner}.{tag}")
         # Activations and gradients lived in the caching allocator: hand those
         # blocks back to the driver too, or the engine's wake-up cannot use them.
         torch.cuda.empty_cache()
@@ -104,7 +114,10 @@ class TrainerMemory:
         import anyio.to_thread
 
         for tag in tags:
-            await anyio.to_thread.run_sync(self.saver.resume, f"{owner}.{tag}")
+            if tag in self.flats:
+                await anyio.to_thread.run_sync(self.flats[tag].resume)
+            else:
+                await anyio.to_thread.run_sync(self.saver.resume, f"{owner}.{tag}")
 
 
 @dataclass

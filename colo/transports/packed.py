@@ -7,6 +7,16 @@ the buffer into its parameters and acknowledges). Two staging buffers: while
 bucket i is handed off and loaded, bucket i+1 is gathered and packed into the
 other one. A buffer is reused only after the engine acknowledged the bucket it
 held — reusing it earlier would overwrite weights the engine is still reading.
+
+One copy (issue 18, item 2): when the trainer keeps its weights in one flat,
+exportable buffer (``trainer.flat_weights``, :mod:`colo.flat_weights`) and every
+tensor the extractor yields is a contiguous view of it (same dtype as the
+engine's, nothing gathered or converted), there is nothing to pack: the
+buffer's one handle goes to the engine in ONE request whose metadata gives each
+tensor's byte range in it, and the engine copies straight out of the trainer's
+memory into its parameters. No staging buffer, one device copy of the model.
+Anything else (a conversion, a TP gather, a pinned host source) is packed in
+buckets as above.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from typing import Any
 import anyio.to_thread
 import torch
 
-from colo.core.buckets import Bucket
+from colo.core.buckets import Bucket, Entry
 from colo.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
@@ -158,17 +168,71 @@ class PackedTransport(BucketSender):
 
     name = "packed"
 
-    def __init__(self, *, pipelined: bool = True, align: int = PADDED):
+    def __init__(self, *, pipelined: bool = True, align: int = PADDED, one_copy: bool = True):
         super().__init__(pipelined=pipelined)
         if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a positive power of two, got {align!r}")
+        if not isinstance(one_copy, bool):
+            raise ValueError(f"one_copy must be a bool, got {one_copy!r}")
         self.align = align
+        #: load straight from the trainer's flat weights when it has them (False: always
+        #: pack, e.g. to measure the packed path against it)
+        self.one_copy = one_copy
         self._slots: list[_Slot | None] = [None, None]
         self._layout: dict[int, Bucket] = {}
         self._cap = 0
         self._cuda = False
         #: which bucket layouts the engine already holds: later syncs send only their keys
         self._memo = LayoutMemo()
+
+    async def sync(self, trainer: Any, engine: Any, ctx: SyncContext) -> Any:
+        flat = getattr(trainer, "flat_weights", None) if self.one_copy else None
+        if flat is not None and not flat.paused:
+            # a parameter replaced after the buffer was built is refused here, by name,
+            # not silently packed from wherever it lives now
+            flat.check()
+            t0 = time.perf_counter()
+            extractor = trainer.extractor()
+            bucket = one_copy_bucket(flat, extractor)
+            if bucket is not None:
+                ctx.record(0, "gather", bucket.payload_bytes, len(bucket.entries), time.perf_counter() - t0)
+                return await self._sync_one_copy(flat, extractor, bucket, engine, ctx)
+        return await super().sync(trainer, engine, ctx)
+
+    async def _sync_one_copy(self, flat: Any, extractor: Any, bucket: Bucket, engine: Any,
+                             ctx: SyncContext) -> Any:
+        """The whole model in one request out of the trainer's flat buffer: stages
+        ``gather`` (the extractor's views, nothing copied), ``handoff`` and ``load``
+        of bucket 0; no pack, no staging."""
+        self._engine = engine
+        specs = [e.spec for e in bucket.entries]
+        await engine.preflight(specs)
+        await engine.begin_load()
+        if flat.device.type == "cuda":
+            # The engine reads from another process, outside our stream order: what
+            # the trainer queued (an optimizer step) must have landed first.
+            written = torch.cuda.Event()
+            written.record(torch.cuda.default_stream(flat.device))
+            if not written.query():
+                await anyio.to_thread.run_sync(written.synchronize)
+        # exported per sync: the engine closes it at end_load (the receiver's release),
+        # which is what lets a later pause give the memory back
+        handle = flat.export()
+        metas = TensorMeta.of_bucket(bucket)
+        on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
+        fields, key = self._memo.fields(engine, bucket.index, metas)
+        try:
+            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
+        except Exception as e:
+            # refused before the handle was opened (a layout the engine lost): again, whole
+            if "tensors" in fields or not is_layout_not_cached(e):
+                raise
+            fields, key = self._memo.fields(engine, bucket.index, metas, full=True)
+            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
+        self._memo.acked(bucket.index, key)
+        on_ack(reply)
+        await engine.end_load()
+        return ctx.result(bytes=bucket.payload_bytes, buckets=1, tensors=len(specs))
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         # The sender's plan fixes which tensors share a bucket; this transport
@@ -250,6 +314,38 @@ class PackedTransport(BucketSender):
             # without collecting, every sync leaks the exported blocks
             torch.cuda.ipc_collect()
             self._cuda = False
+
+
+def one_copy_bucket(flat: Any, extractor: Any) -> Bucket | None:
+    """The sync as one bucket laid out by the trainer's flat buffer, or None when
+    some tensor the extractor yields is not a contiguous view of it (converted,
+    gathered, on the host): then the sync is packed.
+
+    The extractor is walked lazily and left at the first tensor that does not
+    fit, so a sync that falls back converts one tensor here, not the model.
+    Only single-rank extractors get here (a trainer with flat weights), so
+    leaving the walk early skips no other rank's collective."""
+    if getattr(extractor, "upload_to", None) is not None:
+        return None  # a host source, uploaded by the transport
+    specs = list(extractor.specs())
+    if not specs:
+        return None  # the packed path says why an empty model cannot be synced
+    entries = []
+    gen = extractor.extract([s.name for s in specs])
+    try:
+        for s, (name, t) in zip(specs, gen):
+            where = flat.locate(t) if isinstance(t, torch.Tensor) else None
+            if (where is None or name != s.name or str(t.dtype).removeprefix("torch.") != s.dtype
+                    or tuple(t.shape) != s.shape):
+                return None
+            entries.append(Entry(s, where[0], where[1]))
+    finally:
+        close = getattr(gen, "close", None)
+        if close is not None:
+            close()
+    if len(entries) != len(specs):
+        return None
+    return Bucket(0, tuple(entries), flat.nbytes)
 
 
 class PackedReceiver:

@@ -1,0 +1,227 @@
+"""A trainer's weights as views into one flat, exportable buffer (issue 18, item 2).
+
+Megatron's DDP keeps every parameter as a view into one contiguous buffer; here
+that buffer is also what the engine reads from, so a ``sync-first`` sync needs
+no packing: one handle covers the whole model, and the engine copies each
+tensor straight out of the trainer's memory into its own parameters (one device
+copy of the model instead of two).
+
+Why not the memory saver's regions: they are virtual-memory mappings
+(``cuMemCreate`` without a shareable handle type) that neither
+``cudaIpcGetMemHandle`` nor ``cuMemExportToShareableHandle`` can export. The
+flat buffer is ONE plain caching-allocator block (``torch.empty`` outside any
+region), exported like a staging buffer (:func:`colo.cuda_ipc.export_cuda`).
+Pausing it is done here instead of by the saver: copy to a pinned host backup
+(allocated once and kept across cycles, as the saver's retained backup is),
+free the storage with ``resize_(0)`` and hand the block back to the driver;
+resuming reallocates and copies back. Every parameter view shares the buffer's
+``StorageImpl``, so it follows the storage across the resize (what FSDP1's
+``_free_storage``/``_alloc_storage`` relied on); ``tests/test_one_copy.py``
+checks that rather than trusting it.
+
+On the CPU the buffer is a ``/dev/shm`` segment that the engine process maps;
+pause and resume free nothing there (as for the CPU trainers' other state).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from colo.core.buckets import ALIGN
+from colo.dtypes import dtype_name
+
+
+class FlatWeights:
+    """Tensors of the given shapes and dtypes, each a view at an ``align``-byte
+    boundary of one flat uint8 buffer on ``device``.
+
+    ``tensors`` holds the views (fill them in place). :meth:`adopt` moves a
+    module's parameters into a new one; :meth:`check` says whether they are
+    all still there."""
+
+    def __init__(self, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
+                 device: torch.device | str, align: int = ALIGN):
+        if isinstance(align, bool) or not isinstance(align, int) or align < ALIGN or align & (align - 1):
+            raise ValueError(f"align must be a power of two of at least {ALIGN} bytes, got {align!r}")
+        if not layout:
+            raise ValueError("flat weights: no tensors to lay out (empty model)")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"flat weights live on cuda or cpu, got {self.device}")
+        #: name -> (start, end) byte range in the buffer
+        self.slots: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, (shape, dtype) in layout.items():
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"flat weights: {name!r} has dtype {dtype!r}; expected a torch.dtype")
+            start = (offset + align - 1) // align * align
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            self.slots[name] = (start, start + nbytes)
+            offset = start + nbytes
+        self.nbytes = max(offset, 1)
+        self._seg: Any = None
+        if self.device.type == "cuda":
+            # a plain caching-allocator block (never a memory-saver region): one IPC handle covers it
+            self._flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            from colo.handles import ShmSegment
+
+            self._seg = ShmSegment.create(self.nbytes)
+            self._flat = self._seg.tensor
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in layout.items():
+            a, b = self.slots[name]
+            self.tensors[name] = self._flat[a:b].view(dtype).view(tuple(shape))
+        #: the tensors :meth:`check` looks at: the views, or the parameters that adopted them
+        self._owners: dict[str, torch.Tensor] = dict(self.tensors)
+        self._host: torch.Tensor | None = None
+        self.paused = False
+
+    # -- building --------------------------------------------------------------
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, device: torch.device | str | None = None,
+                     align: int = ALIGN) -> FlatWeights:
+        """A new buffer holding copies of ``tensors`` (on ``device``, default theirs)."""
+        if not tensors:
+            raise ValueError("flat weights: no tensors to lay out (empty model)")
+        first = next(iter(tensors.values()))
+        flat = cls({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
+                   device=device if device is not None else first.device, align=align)
+        with torch.no_grad():
+            for n, t in tensors.items():
+                flat.tensors[n].copy_(t)
+        return flat
+
+    @classmethod
+    def adopt(cls, module: torch.nn.Module, *, device: torch.device | str | None = None,
+              align: int = ALIGN) -> FlatWeights:
+        """Move every parameter of ``module`` (a tied one once) into a new buffer:
+        ``param.data`` becomes its view, so the optimizer, the forward and the
+        extractor all read and write the flat buffer from now on. The old
+        storage is freed when nothing else holds it."""
+        params = dict(module.named_parameters())
+        flat = cls.from_tensors({n: p.detach() for n, p in params.items()}, device=device, align=align)
+        for n, p in params.items():
+            p.data = flat.tensors[n]
+        flat._owners = params
+        return flat
+
+    # -- what the sender asks ------------------------------------------------------
+    def check(self) -> None:
+        """Refuse weights that left the buffer: a parameter replaced or resized after
+        it was built lives elsewhere now, so pausing the buffer would not move it
+        and a sync out of the buffer would send its old bytes."""
+        flat_storage = self._flat.untyped_storage()
+        for name, t in self._owners.items():
+            a, b = self.slots[name]
+            if (t.untyped_storage()._cdata != flat_storage._cdata or t.storage_offset() * t.element_size() != a
+                    or t.numel() * t.element_size() != b - a or not t.is_contiguous()):
+                want = self.tensors[name]
+                raise ValueError(
+                    f"flat weights: {name!r} is no longer its view of the flat buffer (now {tuple(t.shape)} "
+                    f"{dtype_name(t.dtype)}, built as {tuple(want.shape)} {dtype_name(want.dtype)} at bytes "
+                    f"[{a}, {b})): it was replaced or resized after the buffer was built; build the flat "
+                    f"weights again after changing the model")
+
+    def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """The byte range of ``t`` in the resident buffer, or None when ``t`` is not a
+        contiguous view of it (a converted copy, a host tensor, another buffer's)."""
+        if self.paused or t.device != self.device or not t.is_contiguous():
+            return None
+        if t.untyped_storage()._cdata != self._flat.untyped_storage()._cdata:
+            return None
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        return (start, end) if end <= self.nbytes else None
+
+    def export(self) -> dict:
+        """One handle for the whole buffer. On a GPU every call wraps the block in a
+        new IPC reference count (torch's ``_share_cuda_``): send it to exactly one
+        engine, which drops it at ``end_load``; the caller first makes sure no
+        queued kernel still writes the weights (the engine reads outside our
+        stream order)."""
+        if self.paused:
+            raise RuntimeError("flat weights are paused: there is nothing on the device to export")
+        if self._seg is not None:
+            return self._seg.handle()
+        from colo.cuda_ipc import export_cuda
+
+        return export_cuda(self._flat)
+
+    # -- the memory backend's side ---------------------------------------------------
+    def pause(self) -> None:
+        """Copy to the pinned host backup and give the device memory back.
+
+        The engine must have closed its mapping first (``end_load`` or
+        ``drop_handles``): a block still mapped by another process stays
+        allocated (torch keeps it until that process lets go) and the device
+        does not get it back."""
+        if self.paused:
+            raise RuntimeError("flat weights are already paused")
+        self.check()
+        if self.device.type == "cuda":
+            # kernels still reading or writing the weights finish before the copy
+            torch.cuda.synchronize(self.device)
+            if self._host is None:
+                self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._host.copy_(self._flat)
+            before = torch.cuda.memory_allocated(self.device)
+            self._flat.untyped_storage().resize_(0)
+            # the IPC reference counts of earlier exports, closed by the engine: freed now,
+            # then the block goes back to the driver, not just to our cache
+            torch.cuda.ipc_collect()
+            held = self.nbytes - (before - torch.cuda.memory_allocated(self.device))
+            torch.cuda.empty_cache()
+            self.paused = True
+            if held > 0:
+                # the weights are safe in the host copy; the memory is not back, and a
+                # ledger that counted it free would let the engine's wake-up run out
+                raise RuntimeError(
+                    f"flat weights paused, but {held} B of their {self.nbytes} B buffer stay allocated: "
+                    f"another process (the engine) still maps it; it must drop its handles "
+                    f"(end_load or drop_handles) before the trainer offloads (torch.cuda.ipc_collect() "
+                    f"frees it once it has)")
+            return
+        self.paused = True
+
+    def resume(self) -> None:
+        """Take the device memory again and copy the weights back (queued on the
+        current stream, ahead of whatever reads them next)."""
+        if not self.paused:
+            raise RuntimeError("flat weights are already resident")
+        if self.device.type == "cuda":
+            self._flat.untyped_storage().resize_(self.nbytes)
+            self._flat.copy_(self._host, non_blocking=True)
+        self.paused = False
+        self.check()
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a view of the host copy (the pinned backup of paused GPU
+        weights; the buffer itself on the CPU): an ``offload-first`` sync's source."""
+        if self._seg is not None:
+            return dict(self.tensors)
+        if self._host is None:
+            raise RuntimeError("flat weights have no host copy yet: pause them first")
+        return {n: self._host[a:b].view(t.dtype).view(t.shape)
+                for (n, t), (a, b) in zip(self.tensors.items(), self.slots.values())}
+
+    @property
+    def resident_bytes(self) -> int:
+        return 0 if self.paused and self.device.type == "cuda" else self.nbytes
+
+    def close(self) -> None:
+        """Free the buffer and the host copy; the views must not be used after."""
+        self._owners = {}
+        self.tensors = {}
+        self._host = None
+        if self._seg is not None:
+            self._flat = None
+            self._seg.close()
+            self._seg = None
+        else:
+            self._flat = None

@@ -1,0 +1,315 @@
+"""One copy in sync-first (issue 18, item 2): the engine loads straight out of the
+trainer's flat weight buffer, in one request, with nothing staged.
+
+Real parts: a real model whose parameters were moved into a
+:class:`colo.flat_weights.FlatWeights` buffer (a ``/dev/shm`` segment on the
+CPU, one plain CUDA allocation on a GPU), a real AdamW stepping them in place,
+a real engine process reading the buffer through its handle. The weights are
+checked against the engine's digest of what it loaded, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+import torch
+
+from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
+from colo.engine.model import expected_digest
+from colo.extractors.plain import PlainExtractor
+from colo.flat_weights import FlatWeights
+from colo.handles import leftover_segments
+from colo.models import build_trainer_model, demo_config
+from colo.transports.packed import PackedTransport
+from tests.conftest import SMALL_CFG
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+#: small enough that the packed path needs several buckets for SMALL_CFG's weights
+BUCKET = 64 << 10
+
+
+class FlatTrainer:
+    """A real model with its parameters in one flat buffer and a real AdamW over them."""
+
+    def __init__(self, config, seed: int, *, device="cpu", dtype=torch.float32, engine_dtype=torch.float32):
+        self.model = build_trainer_model(config, seed=seed).to(dtype)
+        self.flat_weights = FlatWeights.adopt(self.model, device=device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.engine_dtype = engine_dtype
+
+    def extractor(self):
+        return PlainExtractor(self.model, dtype=self.engine_dtype)
+
+    def step(self) -> None:
+        """An optimizer step: every parameter changes in place, inside the flat buffer."""
+        # (p - 1)^2: a gradient also for parameters that start at zero (biases)
+        loss = sum(((p.float() - 1) ** 2).sum() for p in self.model.parameters())
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the engine should hold: the weights in the engine's dtype, on the host."""
+        return {n: p.detach().to(self.engine_dtype).cpu().clone() for n, p in self.model.named_parameters()}
+
+
+class CountingEngine:
+    """The real client; records every load request."""
+
+    def __init__(self, client):
+        self.client, self.requests = client, []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def transport_load(self, name, request, **kw):
+        self.requests.append(request)
+        return await self.client.transport_load(name, request, **kw)
+
+
+def context(step: int) -> tuple[SyncContext, StagingBudget]:
+    budget = StagingBudget(None)
+    return SyncContext(step=step, weight_version=step, bucket_bytes=BUCKET, source="device",
+                       staging=budget), budget
+
+
+# -- the buffer itself ----------------------------------------------------------------
+
+def test_flat_weights_hold_the_parameters_as_aligned_views_that_an_optimizer_updates_in_place():
+    config = demo_config(**SMALL_CFG)
+    before = {n: p.detach().clone() for n, p in build_trainer_model(config, seed=3).named_parameters()}
+    trainer = FlatTrainer(config, 3)
+    flat = trainer.flat_weights
+    try:
+        assert set(flat.slots) == set(before)
+        for n, p in trainer.model.named_parameters():
+            a, b = flat.slots[n]
+            assert torch.equal(p.detach(), before[n]) and a % 16 == 0
+            assert flat.locate(p.detach()) == (a, b) and p.data_ptr() == flat._flat.data_ptr() + a
+        # the slots do not overlap and fit the buffer
+        ranges = sorted(flat.slots.values())
+        assert all(x[1] <= y[0] for x, y in zip(ranges, ranges[1:])) and ranges[-1][1] <= flat.nbytes
+        trainer.step()
+        for n, p in trainer.model.named_parameters():
+            a, b = flat.slots[n]
+            assert not torch.equal(p.detach(), before[n])
+            assert torch.equal(flat._flat[a:b].view(p.dtype).view(p.shape), p.detach())  # written in place
+        # a converted copy or another tensor is not in the buffer
+        w = trainer.model.lm_head.weight.detach()
+        assert flat.locate(w.to(torch.bfloat16)) is None and flat.locate(w.clone()) is None
+        # on the CPU pause and resume keep the bytes where they are
+        want = trainer.state()
+        flat.pause()
+        with pytest.raises(RuntimeError, match="already paused"):
+            flat.pause()
+        assert flat.locate(w) is None  # a paused buffer is no sync source
+        assert all(torch.equal(flat.host_tensors()[n], t) for n, t in want.items())
+        flat.resume()
+        assert all(torch.equal(p.detach(), want[n]) for n, p in trainer.model.named_parameters())
+    finally:
+        flat.close()
+    assert leftover_segments() == []
+
+
+# -- syncs through a real engine process ------------------------------------------------
+
+#: one engine process for the CPU tests below (spawning one costs seconds on the CI machine);
+#: each test checks the digest of its own sync, whatever an earlier test loaded
+on_cpu_engine = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cpu_engine(tmp_path_factory):
+    from colo.engine.client import EngineClient
+
+    config = demo_config(**SMALL_CFG)
+    log = tmp_path_factory.mktemp("one-copy") / "engine.log"
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cpu",
+                                       "total_bytes": 64 << 20, "mem_fraction_static": 0.5, "checkpoint": None,
+                                       "log_path": str(log)})
+    try:
+        yield client, config
+    finally:
+        await client.aclose()
+
+
+@on_cpu_engine
+async def test_sync_first_from_flat_weights_is_one_request_with_nothing_staged(cpu_engine):
+    client, config = cpu_engine
+    trainer = FlatTrainer(config, 1)
+    engine = CountingEngine(client)
+    transport = PackedTransport()
+    try:
+        for step in (1, 2):
+            if step == 2:
+                trainer.step()  # the weights change in place; the next sync must carry the new ones
+            ctx, budget = context(step)
+            result = await transport.sync(trainer, engine, ctx)
+            assert await client.digest() == expected_digest(trainer.state(), config, torch.float32), step
+            assert len(engine.requests) == step  # one request per sync
+            assert (result.buckets, result.tensors, result.staging_peak) == (1, len(trainer.state()), 0)
+            assert budget.peak_bytes == 0 and budget.held_bytes == 0
+            assert result.bytes == sum(t.numel() * 4 for t in trainer.state().values())
+            # the trace of a one-copy sync: bucket 0 gathered (views), handed off, loaded; never packed
+            assert [(r.bucket, r.stage) for r in ctx.stages] == [(0, "gather"), (0, "handoff"), (0, "load")]
+            assert [r.tensors for r in ctx.stages if r.stage == "load"] == [len(trainer.state())]
+        first, second = engine.requests
+        # the handle is the flat buffer's segment, whole; the ranges are the parameters' slots
+        assert first["handle"] == trainer.flat_weights.export()
+        assert {m["name"]: (m["start_idx"], m["end_idx"]) for m in first["tensors"]} == trainer.flat_weights.slots
+        assert "tensors" not in second and second["layout"] == first["layout"]  # the layout went once
+    finally:
+        await transport.aclose()
+        trainer.flat_weights.close()
+    assert leftover_segments() == []
+
+
+@on_cpu_engine
+async def test_a_conversion_or_a_paused_buffer_falls_back_to_packing_and_still_arrives_exact(cpu_engine):
+    client, config = cpu_engine
+    # bf16 trainer, float32 engine: every tensor is converted, so none lies in the buffer
+    trainer = FlatTrainer(config, 2, dtype=torch.bfloat16, engine_dtype=torch.float32)
+    engine = CountingEngine(client)
+    transport = PackedTransport()
+    try:
+        ctx, budget = context(1)
+        result = await transport.sync(trainer, engine, ctx)
+        assert await client.digest() == expected_digest(trainer.state(), config, torch.float32)
+        assert result.buckets > 2 and len(engine.requests) == result.buckets
+        assert budget.peak_bytes > 0 and budget.held_bytes == 0
+        assert {r.stage for r in ctx.stages} == {"gather", "pack", "handoff", "load"}
+        # a same-dtype trainer whose buffer is paused (the offload-first source) packs too
+        same = FlatTrainer(config, 4)
+        same.flat_weights.pause()
+        engine.requests.clear()
+        ctx, budget = context(2)
+        result = await transport.sync(same, engine, ctx)
+        assert await client.digest() == expected_digest(same.state(), config, torch.float32)
+        assert result.buckets > 2 and len(engine.requests) == result.buckets and budget.peak_bytes > 0
+        # and a transport told not to load from the buffer packs a resident one
+        same.flat_weights.resume()
+        packing = PackedTransport(one_copy=False)
+        engine.requests.clear()
+        result = await packing.sync(same, engine, context(3)[0])
+        await packing.aclose()
+        assert len(engine.requests) == result.buckets > 2
+        same.flat_weights.close()
+    finally:
+        await transport.aclose()
+        trainer.flat_weights.close()
+    assert leftover_segments() == []
+
+
+@on_cpu_engine
+@pytest.mark.parametrize("change", ["replaced", "resized"])
+async def test_a_parameter_that_left_the_buffer_is_refused_by_name(cpu_engine, change):
+    client, config = cpu_engine
+    trainer = FlatTrainer(config, 5)
+    engine = CountingEngine(client)
+    transport = PackedTransport()
+    p = trainer.model.model.norm.weight
+    p.data = p.detach().clone() if change == "replaced" else torch.ones(p.numel() + 1)
+    try:
+        with pytest.raises(ValueError, match=r"flat weights: 'model\.norm\.weight' is no longer its view of the "
+                                             r"flat buffer .*replaced or resized"):
+            await transport.sync(trainer, engine, context(1)[0])
+        assert engine.requests == []  # refused before anything was sent
+        with pytest.raises(ValueError, match=r"'model\.norm\.weight' is no longer its view"):
+            trainer.flat_weights.pause()  # pausing the buffer would not move it
+    finally:
+        await transport.aclose()
+        trainer.flat_weights.close()
+
+
+def test_flat_weights_refuse_bad_input():
+    with pytest.raises(ValueError, match="no tensors to lay out"):
+        FlatWeights({}, device="cpu")
+    with pytest.raises(ValueError, match="align must be a power of two of at least 16"):
+        FlatWeights({"w": ((2,), torch.float32)}, device="cpu", align=24)
+    with pytest.raises(TypeError, match="'w' has dtype 'float32'; expected a torch.dtype"):
+        FlatWeights({"w": ((2,), "float32")}, device="cpu")
+    with pytest.raises(ValueError, match="one_copy must be a bool"):
+        PackedTransport(one_copy="yes")
+    assert leftover_segments() == []
+
+
+# -- on a GPU -----------------------------------------------------------------------------
+
+#: large enough (about 150 MiB of float32 weights) that a pause returning the buffer is
+#: plainly visible in the device's free memory, far above allocator rounding
+GPU_CFG = dict(vocab_size=16384, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, intermediate_size=2048, max_position_embeddings=64)
+
+
+class HeldEngine(CountingEngine):
+    """The real client, except that ``end_load`` is not passed on: the engine keeps
+    the buffer mapped, as an engine that has not finished its load would."""
+
+    async def end_load(self):
+        pass
+
+
+@pytest.mark.gpu
+@gpu
+async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the_engine_let_go():
+    from colo.engine.client import EngineClient
+
+    MiB = 1 << 20
+    config = demo_config(**GPU_CFG)
+    torch.cuda.empty_cache()  # the buffer gets a segment of its own, which empty_cache can return
+    trainer = FlatTrainer(config, 1, device="cuda")
+    flat = trainer.flat_weights
+    assert flat.nbytes > 100 * MiB
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
+                                       "total_bytes": 2 << 30, "mem_fraction_static": 0.5, "checkpoint": None})
+    transport = PackedTransport()
+    try:
+        # 1. a sync out of the buffer, after an optimizer step queued on the device
+        for step in (1, 2):
+            trainer.step()
+            ctx, budget = context(step)
+            engine = CountingEngine(client)
+            result = await transport.sync(trainer, engine, ctx)
+            assert await client.digest() == expected_digest(trainer.state(), config, torch.float32), step
+            assert len(engine.requests) == 1 and engine.requests[0]["handle"]["kind"] == "cuda_ipc"
+            assert (result.buckets, result.staging_peak, budget.peak_bytes) == (1, 0, 0)
+        # 2. the engine closed its mapping at end_load: pausing returns the buffer to the device
+        want = trainer.state()
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        flat.pause()
+        free1 = torch.cuda.mem_get_info()[0]
+        assert free1 - free0 >= flat.nbytes - 2 * MiB, (free0, free1, flat.nbytes)
+        assert all(torch.equal(flat.host_tensors()[n], t) for n, t in want.items())
+        flat.resume()
+        torch.cuda.synchronize()
+        assert torch.cuda.mem_get_info()[0] <= free1 - flat.nbytes + 2 * MiB
+        assert all(torch.equal(p.detach().cpu(), want[n]) for n, p in trainer.model.named_parameters())
+        # 3. an engine that still maps the buffer keeps it allocated: the pause says so
+        held = HeldEngine(client)
+        trainer.step()
+        await transport.sync(trainer, held, context(3)[0])
+        want = trainer.state()
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        with pytest.raises(RuntimeError, match="stay allocated: another process .* still maps it"):
+            flat.pause()
+        assert torch.cuda.mem_get_info()[0] - free0 < flat.nbytes - 2 * MiB
+        await client.end_load()  # the engine lets go; the next collect frees the block
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
+        assert torch.cuda.mem_get_info()[0] - free0 >= flat.nbytes - 2 * MiB
+        # 4. resumed, the weights are exact and the next sync is one request again
+        flat.resume()
+        assert all(torch.equal(p.detach().cpu(), want[n]) for n, p in trainer.model.named_parameters())
+        engine = CountingEngine(client)
+        await transport.sync(trainer, engine, context(4)[0])
+        assert len(engine.requests) == 1
+        assert await client.digest() == expected_digest(want, config, torch.float32)
+    finally:
+        await transport.aclose()
+        await client.aclose()
+        flat.close()
