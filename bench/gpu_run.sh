@@ -28,7 +28,7 @@ case "${1:-tests}" in
     bash "$0" bench
     ;;
   tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cuda_memory.py tests/test_staging_pipeline.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cuda_memory.py tests/test_staging_pipeline.py tests/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
     ;;
   demos)
     demo gpu-demo --steps 8

@@ -33,6 +33,9 @@ import torch
 from colo.core.buckets import ALIGN
 from colo.dtypes import dtype_name
 
+#: the CUDA caching allocator rounds an allocation of 10 MiB or more up to this
+SEGMENT_ROUND = 2 << 20
+
 
 class FlatWeights:
     """Tensors of the given shapes and dtypes, each a view at an ``align``-byte
@@ -66,6 +69,10 @@ class FlatWeights:
         self.nbytes = max(offset, 1)
         self._seg: Any = None
         if self.device.type == "cuda":
+            # A whole number of the allocator's 2 MiB large-segment rounding: the block
+            # then fills its segment, no other tensor is carved from the tail, and
+            # empty_cache can hand the whole segment back when the buffer is paused.
+            self.nbytes = -(-self.nbytes // SEGMENT_ROUND) * SEGMENT_ROUND
             # a plain caching-allocator block (never a memory-saver region): one IPC handle covers it
             self._flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         else:

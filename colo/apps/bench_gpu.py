@@ -12,7 +12,12 @@ pinned host->device copy and one device copy of exactly the model's bytes.
 Syncs compared, for ``offload-first`` (source: the pinned host backup) and
 ``sync-first`` (source: weights resident on the GPU):
 ``ipc`` (one CUDA IPC handle per tensor, verl's way), ``packed`` without
-pipelining (slime's way), ``packed`` pipelined (colo). Beside them, per model, a
+pipelining (slime's way), ``packed`` pipelined (colo, packing), and under
+``sync-first`` ``packed`` one-copy (colo: the engine loads straight out of the
+trainer's flat weight buffer, nothing packed; issue 18, item 2). The baselines
+and the pipelined row are told not to use the flat buffer, so they still pack.
+The trainer's weights are that flat buffer (``colo.flat_weights``), paused to
+its own pinned host copy. Beside them, per model, a
 real peer: MoonshotAI's checkpoint-engine from the same pinned weights into a
 receiver process on the same GPU (``colo.apps.bench_peer``).
 """
@@ -52,8 +57,13 @@ def gpu_models() -> dict[str, tuple[str, dict]]:
 
     return {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
             "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", dict(DEMO_MODELS["qwen2-1.5b"]))}
-VARIANTS = [("ipc", "ipc", {}), ("packed-serial", "packed", {"pipelined": False}),
-            ("packed-pipelined", "packed", {"pipelined": True})]
+#: (label, transport, options, plans it runs under). One-copy runs first under sync-first,
+#: into an engine that holds other weights, so the digest taken after it shows it delivered;
+#: under offload-first it would pack exactly like packed-pipelined, so it is not run there.
+VARIANTS = [("packed-one-copy", "packed", {"pipelined": True}, ("sync-first",)),
+            ("ipc", "ipc", {}, ("sync-first", "offload-first")),
+            ("packed-serial", "packed", {"pipelined": False, "one_copy": False}, ("sync-first", "offload-first")),
+            ("packed-pipelined", "packed", {"pipelined": True, "one_copy": False}, ("sync-first", "offload-first"))]
 
 
 def _events_time(fn, reps: int) -> float:
@@ -111,22 +121,25 @@ def measure_floors(nbytes: int, reps: int = 5) -> dict:
 
 
 class BenchTrainer:
-    """A trainer's state without a training loop: weights and AdamW moments in saver regions.
+    """A trainer's state without a training loop: weights in one flat, exportable buffer
+    (``colo.flat_weights``: what the one-copy sync reads), AdamW moments in a saver region.
 
-    Its regions are ``<tag>.weights`` and ``<tag>.optimizer``: a second model's
-    trainer in the same process takes another tag, so that pausing one never
-    touches the other's (the memory saver aborts on a second pause)."""
+    The region is ``<tag>.optimizer``: a second model's trainer in the same
+    process takes another tag, so that pausing one never touches the other's
+    (the memory saver aborts on a second pause)."""
 
     def __init__(self, config: Any, saver: Any, tag: str = "trainer"):
         from colo.engine.model import expected_hf_specs
+        from colo.flat_weights import FlatWeights
 
         self.saver = saver
         self.weights_tag, self.optimizer_tag = f"{tag}.weights", f"{tag}.optimizer"
         self.specs = expected_hf_specs(config, torch.bfloat16)
         g = torch.Generator(device="cuda").manual_seed(0)
-        with saver.region(self.weights_tag, cpu_backup=True):
-            self.params = {s.name: (torch.randn(s.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
-                           for s in self.specs}
+        self.flat_weights = FlatWeights({s.name: (s.shape, torch.bfloat16) for s in self.specs}, device="cuda")
+        self.params = self.flat_weights.tensors
+        for s in self.specs:
+            self.params[s.name].copy_(torch.randn(s.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
         with saver.region(self.optimizer_tag, cpu_backup=True):
             # AdamW keeps two moments per parameter, in the parameter's dtype here
             self.moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
@@ -139,14 +152,25 @@ class BenchTrainer:
     def extractor(self):
         from colo.extractors.plain import PlainExtractor
 
-        if self.weights_tag in self.saver.paused:
+        if self.weights_paused:
             host = self.host_state()
             # same dtype on both sides: the transport uploads straight into its buffer
             return PlainExtractor(host, dtype=torch.bfloat16, upload_to="cuda")
         return PlainExtractor(self.params, dtype=torch.bfloat16)
 
+    @property
+    def weights_paused(self) -> bool:
+        return self.flat_weights.paused
+
+    def pause_weights(self) -> None:
+        self.flat_weights.pause()
+
+    def resume_weights(self) -> None:
+        self.flat_weights.resume()
+
     def host_state(self) -> dict:
-        return {n: self.saver.host_view(p) for n, p in self.params.items()}
+        """The pinned host copy of the paused weights (views, no copy)."""
+        return self.flat_weights.host_tensors()
 
 
 async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, bucket_bytes: int,
@@ -196,14 +220,15 @@ async def time_phases(trainer: BenchTrainer, engine: Any, cycles: int = 3) -> li
         await engine.release(["kv_cache", "weights"])
         row["engine_release_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        for tag in (trainer.weights_tag, trainer.optimizer_tag):
-            if tag in saver.paused:
-                saver.resume(tag)
+        if trainer.weights_paused:
+            trainer.resume_weights()
+        if trainer.optimizer_tag in saver.paused:
+            saver.resume(trainer.optimizer_tag)
         torch.cuda.synchronize()
         row["trainer_onload_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        for tag in (trainer.weights_tag, trainer.optimizer_tag):
-            saver.pause(tag)
+        trainer.pause_weights()
+        saver.pause(trainer.optimizer_tag)
         torch.cuda.synchronize()
         row["trainer_offload_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -221,14 +246,18 @@ async def time_phases(trainer: BenchTrainer, engine: Any, cycles: int = 3) -> li
 
 
 async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float, reps: int) -> list[dict]:
-    """Every transport variant under both plans; each row printed as it is measured."""
+    """Every transport variant under the plans it runs under; each row printed as it is
+    measured. The engine's digest right after the one-copy row (the first to load) is
+    kept as that row's ``engine_digest``, to be checked against the trainer's weights."""
     from colo.transports import make_transport
 
     rows = []
     for plan, source in (("sync-first", "device"), ("offload-first", "host")):
-        if source == "host" and trainer.weights_tag not in saver.paused:
-            saver.pause(trainer.weights_tag)
-        for label, name, opts in VARIANTS:
+        if source == "host" and not trainer.weights_paused:
+            trainer.pause_weights()
+        for label, name, opts, plans in VARIANTS:
+            if plan not in plans:
+                continue
             transport = make_transport(name, **opts)
             try:
                 r = await time_sync(transport, trainer, engine, source=source,
@@ -237,6 +266,8 @@ async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float
                 if hasattr(transport, "aclose"):
                     await transport.aclose()
             r.update(plan=plan, transport=label, bucket_mib=bucket_mib)
+            if label == "packed-one-copy":
+                r["engine_digest"] = await engine.digest()
             rows.append(r)
             print(json.dumps({"row": r}), flush=True)  # in the log even if the run is cut short
     return rows
@@ -254,10 +285,16 @@ def target_ratios(rows: list[dict], limits: dict, bucket_mib: float, floors: dic
         "peak_extra_vs_bound": max(r["peak_extra_bytes"] for r in rows if "packed" in r["transport"])
         / (2 * bucket_mib * MiB + 64 * MiB),
     }
+    one = by.get(("sync-first", "packed-one-copy"))
+    if one is not None:
+        out["sync_first_one_copy_vs_d2d_limit"] = one["GBps"] / d2d_model_limit
+        out["sync_first_one_copy_vs_packed_pipelined"] = pipe_sf["sync_s"] / one["sync_s"]
     if floors is not None:
         # the model's own floors, measured with its exact byte count: sync / floor (1.0 is the floor)
         out["offload_first_sync_over_h2d_floor"] = pipe_of["sync_s"] / floors["h2d_s"]
         out["sync_first_sync_over_d2d_floor"] = pipe_sf["sync_s"] / floors["d2d_s"]
+        if one is not None:
+            out["sync_first_one_copy_over_d2d_floor"] = one["sync_s"] / floors["d2d_s"]
     return out
 
 
@@ -287,8 +324,14 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
         rows = await time_variants(trainer, engine, saver, bucket_mib, reps)
         # the last sync (offload-first, pipelined) must have delivered the trainer's weights
         want = expected_digest(trainer.host_state(), config, torch.bfloat16)
-        digest_ok = await engine.digest() == want
-        print(json.dumps({"model": name, "digest_verified": digest_ok}), flush=True)
+        # and the one-copy row, the first to load into this engine, delivered them too
+        one_copy_ok = all(r["engine_digest"] == want for r in rows if "engine_digest" in r)
+        for r in rows:
+            if "engine_digest" in r:
+                r["digest_verified"] = r.pop("engine_digest") == want
+        digest_ok = await engine.digest() == want and one_copy_ok
+        print(json.dumps({"model": name, "digest_verified": digest_ok, "one_copy_digest_verified": one_copy_ok}),
+              flush=True)
         phases = await time_phases(trainer, engine)
         print(json.dumps({"model": name, "phases": phases}), flush=True)
     finally:
@@ -327,7 +370,7 @@ def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs:
         reason = f"checkpoint-engine is not importable ({e}); pip install checkpoint-engine, or --no-peer"
         print(reason, file=sys.stderr, flush=True)
         return {"skipped": reason, "rows": []}
-    if trainer.weights_tag not in trainer.saver.paused:
+    if not trainer.weights_paused:
         raise RuntimeError(f"{trainer.weights_tag} is resident; the peer reads the pinned host copy of paused weights")
     try:
         peer = run_peer(trainer.host_state(), config, want_digest=want_digest, configs=configs,
