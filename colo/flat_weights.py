@@ -212,8 +212,9 @@ class FlatWeights:
         weights; the buffer itself on the CPU): an ``offload-first`` sync's source."""
         if self._seg is not None:
             return dict(self.tensors)
-        if self._host is None:
-            raise RuntimeError("flat weights have no host copy yet: pause them first")
+        if not self.paused:
+            # the backup holds the weights of the last pause, not what the device holds now
+            raise RuntimeError("flat weights are resident: their host copy is stale until they are paused")
         return {n: self._host[a:b].view(t.dtype).view(t.shape)
                 for (n, t), (a, b) in zip(self.tensors.items(), self.slots.values())}
 

@@ -224,6 +224,61 @@ async def test_a_parameter_that_left_the_buffer_is_refused_by_name(cpu_engine, c
         trainer.flat_weights.close()
 
 
+class CountingExtractor:
+    """A real extractor, with a count of the tensors it produced."""
+
+    def __init__(self, inner):
+        self.inner, self.produced = inner, 0
+
+    def specs(self):
+        return self.inner.specs()
+
+    def extract(self, names):
+        for item in self.inner.extract(names):
+            self.produced += 1
+            yield item
+
+
+def test_a_fallback_is_decided_at_the_first_tensor_outside_the_buffer():
+    from colo.transports.packed import one_copy_bucket
+
+    config = demo_config(**SMALL_CFG)
+    trainer = FlatTrainer(config, 6, dtype=torch.bfloat16, engine_dtype=torch.float32)
+    try:
+        counting = CountingExtractor(trainer.extractor())
+        assert one_copy_bucket(trainer.flat_weights, counting) is None
+        assert counting.produced == 1  # one tensor converted, not the whole model
+        same = CountingExtractor(PlainExtractor(trainer.model, dtype=torch.bfloat16))
+        bucket = one_copy_bucket(trainer.flat_weights, same)
+        assert same.produced == len(bucket.entries) == len(trainer.flat_weights.slots)
+        assert {e.spec.name: (e.start, e.end) for e in bucket.entries} == trainer.flat_weights.slots
+    finally:
+        trainer.flat_weights.close()
+
+
+async def test_the_trainer_memory_backend_pauses_the_weights_tag_through_the_flat_weights():
+    from colo.cuda_memory import TrainerMemory
+
+    class NoSaver:  # the optimizer tag is not asked for here; the weights must not reach a saver
+        paused: set = set()
+
+        def pause(self, key):
+            raise AssertionError(f"{key} went to the saver")
+
+        resume = pause
+
+    trainer = FlatTrainer(demo_config(**SMALL_CFG), 7)
+    memory = TrainerMemory(NoSaver(), flats={"weights": trainer.flat_weights})
+    try:
+        assert memory.resident("weights")
+        await memory.pause("trainer", ["weights"])
+        assert not memory.resident("weights") and trainer.flat_weights.paused
+        await memory.resume("trainer", ["weights"])
+        assert memory.resident("weights") and not trainer.flat_weights.paused
+    finally:
+        trainer.flat_weights.close()
+
+
 def test_flat_weights_refuse_bad_input():
     with pytest.raises(ValueError, match="no tensors to lay out"):
         FlatWeights({}, device="cpu")
