@@ -192,7 +192,8 @@ class FlatWeights:
                     f"flat weights paused, but {held} B of their {self.nbytes} B buffer stay allocated: "
                     f"another process (the engine) still maps it; it must drop its handles "
                     f"(end_load or drop_handles) before the trainer offloads (torch.cuda.ipc_collect() "
-                    f"frees it once it has)")
+                    f"frees it once it has). An export the engine never closed keeps it too: a request "
+                    f"that failed before the engine opened the handle, an engine that died holding it")
             return
         self.paused = True
 
