@@ -196,11 +196,10 @@ class PackedTransport(BucketSender):
             bucket = one_copy_bucket(flat, extractor)
             if bucket is not None:
                 ctx.record(0, "gather", bucket.payload_bytes, len(bucket.entries), time.perf_counter() - t0)
-                return await self._sync_one_copy(flat, extractor, bucket, engine, ctx)
+                return await self._sync_one_copy(flat, bucket, engine, ctx)
         return await super().sync(trainer, engine, ctx)
 
-    async def _sync_one_copy(self, flat: Any, extractor: Any, bucket: Bucket, engine: Any,
-                             ctx: SyncContext) -> Any:
+    async def _sync_one_copy(self, flat: Any, bucket: Bucket, engine: Any, ctx: SyncContext) -> Any:
         """The whole model in one request out of the trainer's flat buffer: stages
         ``gather`` (the extractor's views, nothing copied), ``handoff`` and ``load``
         of bucket 0; no pack, no staging."""
