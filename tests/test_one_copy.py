@@ -42,8 +42,12 @@ class FlatTrainer:
     def extractor(self):
         return PlainExtractor(self.model, dtype=self.engine_dtype)
 
-    def step(self) -> None:
-        """An optimizer step: every parameter changes in place, inside the flat buffer."""
+    def step(self, *, behind_cycles: int = 0) -> None:
+        """An optimizer step: every parameter changes in place, inside the flat buffer.
+        ``behind_cycles``: on a GPU, queue it behind that long a spin of the device,
+        so that it is still running when the caller goes on."""
+        if behind_cycles:
+            torch.cuda._sleep(behind_cycles)
         # (p - 1)^2: a gradient also for parameters that start at zero (biases)
         loss = sum(((p.float() - 1) ** 2).sum() for p in self.model.parameters())
         self.opt.zero_grad()
@@ -322,9 +326,10 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
                                        "total_bytes": 2 << 30, "mem_fraction_static": 0.5, "checkpoint": None})
     transport = PackedTransport()
     try:
-        # 1. a sync out of the buffer, after an optimizer step queued on the device
+        # 1. a sync out of the buffer right after an optimizer step that is still queued on the
+        #    device (behind ~0.1 s of spinning): the engine must read the step's result
         for step in (1, 2):
-            trainer.step()
+            trainer.step(behind_cycles=200_000_000)
             ctx, budget = context(step)
             engine = CountingEngine(client)
             result = await transport.sync(trainer, engine, ctx)
@@ -334,6 +339,9 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         # 2. the engine closed its mapping at end_load: pausing returns the buffer to the device
         want = trainer.state()
         torch.cuda.synchronize()
+        # what the step's gradients left in the allocator's cache goes back now, so that the
+        # free memory below moves by the buffer alone
+        torch.cuda.empty_cache()
         free0 = torch.cuda.mem_get_info()[0]
         flat.pause()
         free1 = torch.cuda.mem_get_info()[0]
@@ -349,6 +357,7 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         await transport.sync(trainer, held, context(3)[0])
         want = trainer.state()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         free0 = torch.cuda.mem_get_info()[0]
         with pytest.raises(RuntimeError, match="stay allocated: another process .* still maps it"):
             flat.pause()
