@@ -8,15 +8,19 @@ import importlib.util
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import anyio
+import anyio.to_thread
 import pytest
 import torch
 
 import colo.apps.bench as bench
 import colo.apps.demo as demo
 from colo.apps.demo import DemoConfig, run
+from colo.core.interfaces import RolloutResult
 from colo.errors import EXIT_BAD_INPUT, UsageError
 from colo.models import build_trainer_model, demo_config
 from colo.trace.writer import TraceWriter, read_trace
@@ -205,3 +209,37 @@ async def test_a_recovered_fault_trains_exactly_steps_times_to_the_same_weights(
     assert out.trainer_digest is not None and out.trainer_digest == clean.trainer_digest
     trains = [e for e in read_trace(out.trace_path) if e["event"] == "phase.finished" and e["phase"] == "train"]
     assert len(trains) == 3
+
+
+async def test_every_train_step_runs_on_the_trainers_one_thread_whatever_else_uses_worker_threads():
+    # cuBLAS keeps a handle and a workspace per thread for the life of the process:
+    # a step on a new worker thread grows device memory (96 MiB on an H100)
+    config = demo_config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    trainer = ReferenceTrainer(build_trainer_model(config, seed=0), engine_dtype="float32")
+    seen: list[int] = []
+    real = trainer._reinforce
+
+    def reinforce(data):
+        seen.append(threading.get_ident())
+        return real(data)
+
+    trainer._reinforce = reinforce
+    gate = threading.Event()
+    try:
+        for step in range(4):
+            # worker threads busy elsewhere (as the sync's gather and settle are):
+            # the pool must grow, and the step must still land on the same thread
+            async with anyio.create_task_group() as tg:
+                for _ in range(step + 1):
+                    tg.start_soon(anyio.to_thread.run_sync, gate.wait, 5)
+                await anyio.sleep(0.01)
+                await trainer.train_step(RolloutResult(reward=0.0, tokens=8, data=fixed_batch(config, seed=step)))
+                gate.set()
+            gate.clear()
+    finally:
+        gate.set()
+        trainer.close()
+    assert trainer.steps == 4 and len(seen) == 4
+    assert len(set(seen)) == 1 and seen[0] != threading.get_ident()
+    assert trainer._compute_thread is None  # close stopped it

@@ -349,7 +349,7 @@ class RankHost:
         return {"digest": await anyio.to_thread.run_sync(compute)}
 
     async def op_trainer_logits(self, tokens: list[list[int]]) -> dict:
-        logits = await anyio.to_thread.run_sync(self.trainer.logits, tokens)
+        logits = await self.trainer.compute(self.trainer.logits, tokens)
         return {"logits": logits.float().tolist()}
 
     async def op_replace_engine(self, init_method: str) -> dict:

@@ -213,6 +213,7 @@ class FSDPTrainer(ReferenceTrainer):
     def close(self) -> None:
         """End the process group :func:`build` started (idempotent). The trainer's
         collectives (training, ``hf_state``, the sync) cannot run afterwards."""
+        self._stop_compute()
         group, self._group = self._group, None
         if group is not None:
             group.close()

@@ -408,6 +408,7 @@ class MegatronTrainer(PolicyTrainer):
 
     def close(self) -> None:
         """Tear down the process groups and parallel state this trainer set up. Idempotent."""
+        self._stop_compute()
         self._cpu_twin = None
         self.runtime.close()
 
