@@ -99,6 +99,17 @@ def queue_pack(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]], st
         pack_into(flat, bucket, tensors)
         done = torch.cuda.Event()
         done.record(stream)
+    # The caller drops the sources when this returns, before the queued copies have
+    # read them. A source made on another stream (an extractor without an upload
+    # device gathers on the default stream) would go back to that stream's pool, and
+    # the next bucket's gather could be handed the same block and overwrite it while
+    # the copies still read it: the allocator keeps such a block until this stream is
+    # past them. (Found on two H200s: FSDP2 under sync-first, whose all-gather outputs
+    # come from the default stream, loaded bytes into the engine that differed from run
+    # to run; the commit before the queued upload loaded them exactly.)
+    for _, t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)
     return done
 
 
