@@ -10,10 +10,10 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.channel import ChannelError, answer, recv_frame, send_frame
-from colo.engine.client import EngineClient, EngineError
+from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
 from colo.handles import HandleError, ShmSegment, leftover_segments, open_handle
-from colo.models import build_trainer_model, demo_config
+from colo.models import build_trainer_model
 from colo.transports.base import TensorMeta
 from colo.transports.packed import PackedRequest, pack_into
 

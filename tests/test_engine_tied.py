@@ -13,6 +13,7 @@ import torch
 
 from colo.core.buckets import spec
 from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
 from colo.engine.client import EngineClient, EngineError
 from colo.engine.core import EngineCore
 from colo.engine.model import Dims, WeightMismatch, expected_digest, expected_hf_specs
@@ -218,23 +219,6 @@ def test_the_trainers_paused_logits_rebuild_the_tie(trainer, probe):
 
 # -- end to end through the engine process ------------------------------------------------
 
-class _Pool:
-    def __init__(self):
-        self.live, self._n = {}, 0
-
-    def alloc(self, nbytes):
-        self._n += 1
-        self.live[self._n] = nbytes
-        return self._n
-
-    def free(self, sid):
-        del self.live[sid]
-
-    @property
-    def held_bytes(self):
-        return sum(self.live.values())
-
-
 async def test_a_packed_sync_into_a_spawned_engine_loads_the_tied_model(config, trainer, state, tmp_path,
                                                                         no_leftover_segments):
     build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
@@ -244,7 +228,7 @@ async def test_a_packed_sync_into_a_spawned_engine_loads_the_tied_model(config, 
     try:
         assert sorted(s.name for s in client.specs) == sorted(state)
         # the module itself, whose state_dict() holds lm_head.weight as well
-        ctx = SyncContext(step=0, weight_version=1, bucket_bytes=16 << 10, source="host", staging=_Pool())
+        ctx = SyncContext(step=0, weight_version=1, bucket_bytes=16 << 10, source="host", staging=StagingBudget(None))
         result = await transport.sync(StateTrainer(trainer), client, ctx)
         assert result.tensors == len(state) and result.bytes == sum(t.numel() * 4 for t in state.values())
         assert await client.digest() == expected_digest(state, config, torch.float32)

@@ -24,6 +24,7 @@ import torch
 
 from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.model import expected_digest
 from colo.handles import ShmSegment, leftover_segments
@@ -265,23 +266,6 @@ def test_relayout_keeps_the_tensors_and_never_grows_a_bucket():
         assert relayout(laid, align=PADDED) == padded
 
 
-class _Pool:
-    def __init__(self):
-        self.live, self._n = {}, 0
-
-    def alloc(self, nbytes):
-        self._n += 1
-        self.live[self._n] = nbytes
-        return self._n
-
-    def free(self, sid):
-        del self.live[sid]
-
-    @property
-    def held_bytes(self):
-        return sum(self.live.values())
-
-
 class _InProcessEngine:
     """The engine's side of a packed sync without the process: the real receiver and EngineCore."""
 
@@ -315,7 +299,7 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
     state = {n: p.detach() for n, p in build_trainer_model(config, seed=4).named_parameters()}
     core = EngineCore(config, dtype=torch.bfloat16, device="cpu", total_bytes=8 << 20, mem_fraction_static=0.5)
     engine = _InProcessEngine(core)
-    pool = _Pool()
+    pool = StagingBudget(None)
     ctx = SyncContext(step=0, weight_version=1, bucket_bytes=4 << 10, source="host", staging=pool)
     transport = PackedTransport(align=align)
     try:
@@ -324,7 +308,7 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
         engine.receiver.close()
         await transport.aclose()
     assert core.digest() == expected_digest(state, config, torch.bfloat16)
-    assert result.buckets == len(engine.requests) > 2 and result.tensors == len(state) and pool.live == {}
+    assert result.buckets == len(engine.requests) > 2 and result.tensors == len(state) and pool.held_bytes == 0
     entries = [e for r in engine.requests for e in r["tensors"]]
     # the 6912-byte embedding and lm_head exceed the 4 KiB bucket: they travel in pieces, the only
     # entries with a seventh field, piece_offset; the pieces of each cover it once, in order

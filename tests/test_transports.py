@@ -12,13 +12,13 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.apps.demo import DemoConfig, run
-from colo.engine.client import EngineClient, EngineError
+from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.handles import leftover_segments
 from colo.core.interfaces import SyncContext
 from colo.core.invariants import InvariantChecker
-from colo.core.memory import MemoryLedger
+from colo.core.memory import MemoryLedger, StagingBudget
 from colo.models import build_trainer_model, demo_config
 from colo.core.phases import Phase
 from colo.scheduler import Scheduler
@@ -27,7 +27,6 @@ from colo.transports import REGISTRY, get_strategy, make_transport
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
 DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
-from tests.conftest import SMALL_CFG as CFG
 from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
@@ -139,25 +138,6 @@ def test_other_transports_stage_at_most_two_buckets_on_the_trainer_side(demo_tra
 
 # -- direct syncs through a small engine ------------------------------------------
 
-class Pool:
-    def __init__(self):
-        self.live, self.peak, self._n = {}, 0, 0
-
-    def alloc(self, nbytes):
-        assert nbytes > 0
-        self._n += 1
-        self.live[self._n] = nbytes
-        self.peak = max(self.peak, sum(self.live.values()))
-        return self._n
-
-    def free(self, sid):
-        del self.live[sid]
-
-    @property
-    def held_bytes(self):
-        return sum(self.live.values())
-
-
 class CountingEngine:
     """The real client, with a count of per-request loads."""
 
@@ -179,7 +159,7 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
         options = {"root": str(tmp_path / "ckpt")} if name == "disk" else {}
         transport = make_transport(name, **options)
         engine = CountingEngine(client)
-        pool = Pool()
+        pool = StagingBudget(None)
         ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=64 << 10, source="host", staging=pool)
         try:
             result = await transport.sync(StateTrainer(state), engine, ctx)
@@ -194,7 +174,7 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
         per_sync = len(state) if name == "ipc" else len(buckets)
         assert engine.loads == per_sync * (2 if again else 1), name
         assert await client.digest() == expected_digest(state, config, torch.float32), name
-        assert pool.live == {} and pool.peak > 0 and leftover_segments() == []
+        assert pool.held_bytes == 0 and pool.peak_bytes > 0 and leftover_segments() == []
         stages = {(r.bucket, r.stage) for r in ctx.stages}
         assert stages == {(b.index, s) for b in buckets for s in ("gather", "pack", "handoff", "load")}
         if name == "broadcast":

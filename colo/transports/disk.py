@@ -40,7 +40,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from colo.core.buckets import Bucket, itemsize, numel
+from colo.core.buckets import Bucket, itemsize
 from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
 from colo.transports.wire import piece_of
