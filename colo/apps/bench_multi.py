@@ -448,8 +448,8 @@ class BenchHost(RankHost):
 
     async def op_engine_address(self) -> dict:
         """Where this rank's engine listens and its key (rank 0 connects in slime-style rows)."""
-        key = self.engine._key  # the run's own secret, to the driver that spawned us
-        return {"socket": self.engine.socket_path, "key": base64.b64encode(key).decode("ascii")}
+        socket, key = self.engine.address()  # the run's own secret, to the driver that spawned us
+        return {"socket": socket, "key": base64.b64encode(key).decode("ascii")}
 
     async def op_check_digest(self) -> dict:
         """This engine rank's shard digest against the trainer's (a collective). The weights
@@ -520,7 +520,7 @@ class BenchHost(RankHost):
         from colo.channel import AsyncChannel
 
         if self.spec.rank != 0:
-            await self.engine._ch.aclose()  # handed to rank 0 for this row; reconnected after
+            await self.engine.disconnect()  # handed to rank 0 for this row; reconnected after
         await anyio.to_thread.run_sync(self._barrier)
         if self.spec.rank != 0:
             return []

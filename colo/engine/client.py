@@ -269,6 +269,17 @@ class EngineClient:
     def socket_path(self) -> str:
         return os.path.join(self._sockdir, SOCKET_NAME)
 
+    def address(self) -> tuple[str, bytes]:
+        """Where the engine listens and the key that authenticates to it, for another
+        process of the same run to connect (the key is the run's own secret: hand it
+        only to the run's own processes)."""
+        return self.socket_path, self._key
+
+    async def disconnect(self) -> None:
+        """Close this client's connection and keep the engine: it serves one connection
+        at a time, so another client can take over; :meth:`reconnect` takes it back."""
+        await self._ch.aclose()
+
     async def reconnect(self) -> None:
         """A fresh authenticated connection to the same engine (after a broken channel)."""
         try:
