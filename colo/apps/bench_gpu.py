@@ -66,18 +66,29 @@ VARIANTS = [("packed-one-copy", "packed", {"pipelined": True}, ("sync-first",)),
             ("packed-pipelined", "packed", {"pipelined": True, "one_copy": False}, ("sync-first", "offload-first"))]
 
 
-def _events_time(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs, timed with CUDA events after one warm-up."""
+def median_time(fn: Any, reps: int, *, cuda: bool = True, before_each: Any = None) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after one warm-up: CUDA events on a
+    GPU (the device's own time for what ``fn`` queues), the host clock otherwise.
+    ``before_each()`` runs untimed before every run (the ranks' barrier in
+    ``bench_multi``)."""
     fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     out = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1000)
+        if before_each is not None:
+            before_each()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1000)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
 
@@ -87,11 +98,11 @@ def measure_limits(nbytes: int = 2 * GiB, reps: int = 10) -> dict:
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev.random_(0, 255)
-    h2d = _events_time(lambda: dev.copy_(host, non_blocking=True), reps)
-    d2h = _events_time(lambda: host.copy_(dev, non_blocking=True), reps)
-    d2d = _events_time(lambda: dev2.copy_(dev), reps)
+    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2h = median_time(lambda: host.copy_(dev, non_blocking=True), reps)
+    d2d = median_time(lambda: dev2.copy_(dev), reps)
     pageable = torch.empty(nbytes, dtype=torch.uint8)
-    h2d_pageable = _events_time(lambda: dev.copy_(pageable), 3)
+    h2d_pageable = median_time(lambda: dev.copy_(pageable), 3)
     del host, dev, dev2, pageable
     _release_cached()
     return {"bytes": nbytes, "pinned_h2d_GBps": nbytes / h2d / 1e9, "pinned_d2h_GBps": nbytes / d2h / 1e9,
@@ -112,8 +123,8 @@ def measure_floors(nbytes: int, reps: int = 5) -> dict:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    h2d = _events_time(lambda: dev.copy_(host, non_blocking=True), reps)
-    d2d = _events_time(lambda: dev2.copy_(dev), reps)
+    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2d = median_time(lambda: dev2.copy_(dev), reps)
     del host, dev, dev2
     _release_cached()
     return {"bytes": nbytes, "h2d_s": h2d, "h2d_GBps": nbytes / h2d / 1e9, "d2d_s": d2d,

@@ -652,22 +652,9 @@ class BenchHost(RankHost):
     def _time(self, fn: Any, reps: int) -> float:
         """Median seconds of ``fn`` over ``reps`` runs after a warm-up, every rank
         starting each run together; CUDA events on a GPU."""
-        fn()
-        out = []
-        for _ in range(reps):
-            self._barrier()
-            if self._cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b) / 1000)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-        return statistics.median(out)
+        from colo.apps.bench_gpu import median_time
+
+        return median_time(fn, reps, cuda=self._cuda, before_each=self._barrier)
 
 
 async def _on_all(peers: list[Any], op: str, **fields: Any) -> None:
