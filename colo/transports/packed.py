@@ -227,20 +227,7 @@ class PackedTransport(BucketSender):
                 await anyio.to_thread.run_sync(written.synchronize)
         # exported per sync: the engine closes it at end_load (the receiver's release),
         # which is what lets a later pause give the memory back
-        handle = flat.export()
-        metas = TensorMeta.of_bucket(bucket)
-        on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
-        fields, key = self._memo.fields(engine, bucket.index, metas)
-        try:
-            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
-        except Exception as e:
-            # refused before the handle was opened (a layout the engine lost): again, whole
-            if "tensors" in fields or not is_layout_not_cached(e):
-                raise
-            fields, key = self._memo.fields(engine, bucket.index, metas, full=True)
-            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
-        self._memo.acked(bucket.index, key)
-        on_ack(reply)
+        await self._load(engine, bucket, bucket, flat.export(), ctx)
         await engine.end_load()
         return ctx.result(bytes=bucket.payload_bytes, buckets=1, tensors=len(specs))
 
@@ -294,15 +281,19 @@ class PackedTransport(BucketSender):
         # the engine reads the buffer from another process, outside our stream
         # order: the bytes must be there before the handle goes out
         await self._settle(bucket, s, ctx)
-        metas = TensorMeta.of_bucket(self._layout[bucket.index])
-        handle = s.handle()
+        await self._load(engine, bucket, self._layout[bucket.index], s.handle(), ctx)
+
+    async def _load(self, engine: Any, bucket: Bucket, laid: Bucket, handle: dict, ctx: SyncContext) -> None:
+        """One load request: ``handle`` and where each tensor of ``bucket`` lies in it
+        (``laid``), or only the layout's key once the engine holds it."""
+        metas = TensorMeta.of_bucket(laid)
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
         fields, key = self._memo.fields(engine, bucket.index, metas)
         try:
             reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
         except Exception as e:
             # the engine lost the layout (its receiver was rebuilt): it refused before
-            # reading a byte, so the same bucket goes again, with its tensors
+            # reading a byte (or opening the handle), so the same bucket goes again, with its tensors
             if "tensors" in fields or not is_layout_not_cached(e):
                 raise
             fields, key = self._memo.fields(engine, bucket.index, metas, full=True)
