@@ -96,19 +96,18 @@ def build_trainer_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
 #: holds one sequence of maximum length; the benchmark never generates).
 #: ``qwen3-moe-tiny`` has the same structure (head_dim over hidden / heads, GQA, 8 experts
 #: top-2) at CPU-test size.
+#: what both shapes share: Qwen3-MoE's sparse block in every layer, no bias, untied
+_QWEN3_MOE = dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, hidden_act="silu", attention_bias=False)
 MOE_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
-                          mlp_only_layers=[], max_position_embeddings=4096, rms_norm_eps=1e-6,
-                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-                          tie_word_embeddings=False, hidden_act="silu", attention_bias=False),
+                          num_experts=128, num_experts_per_tok=8, max_position_embeddings=4096,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **_QWEN3_MOE),
     "qwen3-moe-tiny": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, intermediate_size=48, moe_intermediate_size=8,
-                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                           mlp_only_layers=[], max_position_embeddings=64, rms_norm_eps=1e-6,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                           tie_word_embeddings=False, hidden_act="silu", attention_bias=False),
+                           num_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_QWEN3_MOE),
 }
 
 
