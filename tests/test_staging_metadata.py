@@ -213,3 +213,48 @@ def test_a_layout_cache_miss_is_logged_as_a_miss_and_other_errors_as_failed_requ
     assert (miss["ok"], miss["error_type"], bad["ok"], bad["error_type"]) == \
         (False, "LayoutNotCached", False, "ValueError")
     assert seen == ["engine.layout_not_cached", "engine.request_failed"]
+
+
+# -- the receiver's views: one as_strided per tensor, checked against the bytes -----------------
+
+@pytest.mark.parametrize("lead, tail", [(0, 0), (16, 0), (0, 3), (16, 1)])
+def test_views_are_exactly_the_bytes_each_entry_names(lead, tail):
+    """``views`` rebuilds each tensor (whole or a piece) from the buffer: its values are the
+    entry's bytes reinterpreted, and it aliases the buffer (no copy). The buffer may start
+    inside its storage (``lead``: an IPC handle's offset); one whose length is not a
+    multiple of a dtype's size (``tail``) cannot be viewed as that dtype whole and takes
+    the per-tensor slicing path; both paths must give the same tensors."""
+    from colo.transports.wire import Piece, TensorMeta, views
+
+    metas = [TensorMeta("a", (3, 5), "bfloat16", 0, 30),
+             TensorMeta("b", (7,), "float32", 32, 60),
+             TensorMeta("c", (4, 4), "float32", 64, 96, offset=16),  # a piece: elements 4..11 of c
+             TensorMeta("d", (2, 3), "int8", 96, 102),
+             TensorMeta("e", (), "float32", 104, 108)]
+    g = torch.Generator().manual_seed(3)
+    backing = torch.randint(0, 256, (lead + 112 + tail,), dtype=torch.uint8, generator=g)
+    flat = backing[lead:lead + 112 + tail]
+    got = views(flat, metas)
+    assert [n for n, _ in got] == ["a", "b", "c", "d", "e"]
+    for (name, t), m in zip(got, metas):
+        raw = flat[m.start:m.end].clone()
+        if m.whole:
+            want = raw.view(getattr(torch, m.dtype)).view(m.shape)
+            assert tuple(t.shape) == m.shape and t.dtype == want.dtype and t.is_contiguous(), name
+            assert torch.equal(t.view(torch.uint8).reshape(-1) if t.dim() else t.reshape(1).view(torch.uint8),
+                               raw), name
+        else:
+            assert isinstance(t, Piece) and t.shape == m.shape and t.offset == 4 and t.end == 12
+            assert torch.equal(t.data.view(torch.uint8), raw)
+            t = t.data
+        # a view of the buffer, not a copy: a write through it lands in the buffer
+        before = flat[m.start].item()
+        t.view(-1).view(torch.uint8)[0] = (before + 1) % 256
+        assert flat[m.start].item() == (before + 1) % 256, name
+
+
+def test_views_refuse_an_entry_past_the_end_of_the_buffer():
+    from colo.transports.wire import RequestError, TensorMeta, views
+
+    with pytest.raises(RequestError, match=r"'w'.*bytes \[16, 48\).*32 B buffer"):
+        views(torch.zeros(32, dtype=torch.uint8), [TensorMeta("w", (8,), "float32", 16, 48)])

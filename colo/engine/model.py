@@ -455,6 +455,8 @@ class EngineModel:
         self._inv_freq = 1.0 / (d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float32,
                                                                device=self.device) / d.head_dim))
         self._params: dict[str, torch.Tensor] | None = None
+        #: HF name -> the view of its row block in ``_params`` (dropped with the weights)
+        self._dests: dict[str, torch.Tensor] = {}
         self._pool: torch.Tensor | None = None
         self._load: _LoadSession | None = None
         self.allocate_weights()
@@ -488,6 +490,7 @@ class EngineModel:
         """Fresh, uninitialised parameter storage; contents are garbage until a full load."""
         if self._params is not None:
             raise EngineStateError("engine weights are already allocated")
+        self._dests = {}
         if self._resume_held("weights"):
             self._params = self._held.pop("weights")
             return
@@ -500,6 +503,7 @@ class EngineModel:
             raise EngineStateError("engine weights are already freed")
         self._hold("weights", self._params)
         self._params = None
+        self._dests = {}
         self._load = None  # a half-done load has nothing left to finish
         self._return_to_device()
 
@@ -651,8 +655,12 @@ class EngineModel:
     def _write(self, params: dict[str, torch.Tensor], name: str, tensor: Any) -> None:
         """Copy one checked HF tensor (or a piece of it: its run of elements, in
         place) into its row block (a TP rank copies out its slice)."""
-        shard = self.map.shards[name]
-        dest = params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
+        dest = self._dests.get(name)
+        if dest is None:
+            # the row block's view, made once per allocation of the weights: a sync
+            # writes the same blocks every time (issue 18: per-tensor host cost)
+            shard = self.map.shards[name]
+            dest = self._dests[name] = params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
         if isinstance(tensor, Piece):
             # a row block of a contiguous parameter is contiguous: the tensor's
             # row-major elements are the block's, one for one

@@ -7,6 +7,7 @@ transport import from here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -212,17 +213,55 @@ def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
 
     Each start must be a multiple of its dtype's size (``from_json`` checks
     it): a uint8 slice can be viewed as a wider dtype only from such an offset.
-    """
+
+    The buffer is viewed once per dtype and each tensor is one ``as_strided`` of
+    that view: one torch call per tensor instead of three (slice, dtype view,
+    shape view). A one-copy sync of a 7B model is 339 views made on every sync,
+    in the engine's load, before its first copy (issue 18)."""
     import torch
 
     out: list[tuple[str, Any]] = []
+    typed: dict[str, Any] = {}
+    total = flat.numel()
     for m in tensors:
-        if m.end > flat.numel():
+        if m.end > total:
             raise RequestError(f"bucket entry {m.name!r}: bytes [{m.start}, {m.end}) do not fit "
-                               f"shape {m.shape} {m.dtype} in a {flat.numel()} B buffer")
-        data = flat[m.start:m.end].view(getattr(torch, m.dtype))
-        out.append((m.name, data.view(m.shape) if m.whole else piece_of(m, data)))
+                               f"shape {m.shape} {m.dtype} in a {total} B buffer")
+        base = typed.get(m.dtype)
+        if base is None:
+            base = typed[m.dtype] = _typed_base(flat, getattr(torch, m.dtype), itemsize(m.dtype))
+        if base is False:  # the buffer cannot be viewed as this dtype as a whole
+            data = flat[m.start:m.end].view(getattr(torch, m.dtype))
+            out.append((m.name, data.view(m.shape) if m.whole else piece_of(m, data)))
+            continue
+        size = itemsize(m.dtype)
+        at = base.storage_offset() + m.start // size
+        if m.whole:
+            out.append((m.name, base.as_strided(m.shape, _contiguous_strides(m.shape), at)))
+        else:
+            n = (m.end - m.start) // size
+            out.append((m.name, Piece(base.as_strided((n,), (1,), at), m.offset // size, m.shape)))
     return out
+
+
+def _typed_base(flat: Any, dtype: Any, size: int) -> Any:
+    """``flat`` (contiguous uint8) viewed as ``dtype`` whole, or False where its start
+    or length is not a multiple of the dtype's size (then each tensor is sliced
+    first)."""
+    if size == 1:
+        return flat if flat.dtype == dtype else flat.view(dtype)
+    if not flat.is_contiguous() or flat.storage_offset() % size or flat.numel() % size:
+        return False
+    return flat.view(dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 def piece_of(m: TensorMeta, data: Any) -> Piece:
