@@ -17,7 +17,7 @@ import anyio
 import pytest
 import torch
 
-from colo.core.buckets import plan_buckets
+from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
@@ -206,3 +206,65 @@ def test_a_sender_that_reuses_its_buffer_before_the_ack_is_caught():
     core = _late_sync(config, state, OneBufferPacked(), PackedReceiver())
     assert core.digest() != expected_digest(state, config, torch.float32)
     assert leftover_segments() == []
+
+
+# -- one copy per run of back-to-back sources -------------------------------------------------
+
+def _reference_pack(bucket, tensors):
+    """The bucket as a per-tensor pack writes it (padding left zero)."""
+    from colo.transports.packed import entry_bytes
+
+    out = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    for (_, t), e in zip(tensors, bucket.entries):
+        out[e.start:e.end] = entry_bytes(t, e)
+    return out
+
+
+def _entry_bytes_equal(flat, ref, bucket):
+    return all(torch.equal(flat[e.start:e.end], ref[e.start:e.end]) for e in bucket.entries)
+
+
+def test_sources_in_one_flat_buffer_go_as_one_copy_per_bucket_and_land_exactly():
+    """A trainer whose weights are views of one buffer laid out like the bucket (colo's
+    flat weights, Megatron's DDP buffer) is packed with one copy per bucket, pieces of a
+    tensor larger than the bucket included; every entry's bytes are the tensor's."""
+    from colo.flat_weights import FlatWeights
+    from colo.transports.packed import pack_into, source_runs
+
+    config = demo_config(num_hidden_layers=2)
+    model = build_trainer_model(config, seed=5)
+    state = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    flat = FlatWeights.from_tensors(state, device="cpu")
+    try:
+        specs = PlainExtractor(flat.tensors).specs()
+        embed = max(s.nbytes for s in specs)
+        buckets = plan_buckets(list(specs), embed // 3)  # the embedding travels in pieces
+        assert any(not e.whole for b in buckets for e in b.entries)
+        for b in buckets:
+            tensors = [(e.spec.name, flat.tensors[e.spec.name]) for e in b.entries]
+            runs = source_runs(b, tensors)
+            assert len(runs) == 1 and runs[0][:2] == (b.entries[0].start, b.entries[-1].end), b.index
+            out = torch.full((b.nbytes,), 7, dtype=torch.uint8)
+            assert pack_into(out, b, tensors) == b.payload_bytes
+            assert _entry_bytes_equal(out, _reference_pack(b, tensors), b), b.index
+    finally:
+        flat.close()
+
+
+def test_sources_apart_or_out_of_order_are_copied_one_by_one():
+    """Separately allocated tensors, and views of one buffer whose distances differ from
+    the bucket's (here: reversed), are never merged: each entry is its own copy, and the
+    bucket holds each tensor's bytes, not its neighbour's."""
+    from colo.transports.packed import pack_into, source_runs
+
+    g = torch.Generator().manual_seed(2)
+    specs = [spec(f"w{i}", (5, 8), "float32") for i in range(4)]
+    bucket = plan_buckets(specs, 1 << 20)[0]
+    apart = [(s.name, torch.randn(s.shape, generator=g)) for s in specs]
+    backing = torch.randn(4 * 48, generator=g)  # 48 floats apart: the bucket has them 40 + 0 pad apart
+    reversed_views = [(s.name, backing[(3 - i) * 48:(3 - i) * 48 + 40].view(5, 8)) for i, s in enumerate(specs)]
+    for tensors in (apart, reversed_views):
+        assert [r[:2] for r in source_runs(bucket, tensors)] == [(e.start, e.end) for e in bucket.entries]
+        out = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        pack_into(out, bucket, tensors)
+        assert _entry_bytes_equal(out, _reference_pack(bucket, tensors), bucket)

@@ -63,14 +63,49 @@ class PackedRequest:
 
 def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> int:
     """Copy ``tensors`` into ``flat`` at the bucket's offsets (a piece: its byte range of
-    the tensor); check names and sizes first."""
+    the tensor); check names and sizes first. Tensors that lie back to back in one
+    source buffer, at the same distances as in the bucket, go as one copy."""
     check_bucket_tensors(bucket, tensors)
-    for (_, t), e in zip(tensors, bucket.entries):
-        src = entry_bytes(t, e)
+    for start, end, src in source_runs(bucket, tensors):
         # Straight from a pinned host copy into the device buffer: one upload,
         # no intermediate device tensor; queued, and settled once per bucket.
-        flat[e.start:e.end].copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+        flat[start:end].copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
     return bucket.payload_bytes
+
+
+def source_runs(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> list[tuple[int, int, Any]]:
+    """``(start, end, source bytes)`` per copy the bucket needs: consecutive entries
+    whose sources sit in one storage at the same distance apart as their offsets in
+    the bucket are merged into one run, gaps included (a gap is padding on both sides).
+
+    Why: a trainer that keeps its weights (or their pinned host copy) in one flat
+    buffer laid out with the bucket's alignment, as ``colo.flat_weights`` and
+    Megatron's DDP do, has every bucket's tensors back to back, and one copy of a
+    bucket costs the copy engine one setup instead of one per tensor (about 25 us
+    each, measured on an H100 uploading 338 tensors: 0.94 of one copy of the same
+    bytes; issue 18)."""
+    runs: list[tuple[int, int, Any]] = []
+    first: Any = None  # the run's first source: the run's bytes start at its first byte
+    start = end = ptr = base = 0
+    for (_, t), e in zip(tensors, bucket.entries):
+        src = entry_bytes(t, e)
+        p = src.data_ptr()
+        b = src.untyped_storage().data_ptr()
+        if first is not None and b == base and p - ptr == e.start - start and src.device == first.device \
+                and e.start >= end:
+            end = e.end
+            continue
+        if first is not None:
+            runs.append((start, end, _extend(first, end - start)))
+        first, start, end, ptr, base = src, e.start, e.end, p, b
+    if first is not None:
+        runs.append((start, end, _extend(first, end - start)))
+    return runs
+
+
+def _extend(src: Any, nbytes: int) -> Any:
+    """``nbytes`` of ``src``'s storage from ``src``'s first byte (``src`` itself when that is all)."""
+    return src if src.numel() == nbytes else src.as_strided((nbytes,), (1,), src.storage_offset())
 
 
 def entry_bytes(t: Any, e: Any) -> Any:
