@@ -258,3 +258,20 @@ def test_views_refuse_an_entry_past_the_end_of_the_buffer():
 
     with pytest.raises(RequestError, match=r"'w'.*bytes \[16, 48\).*32 B buffer"):
         views(torch.zeros(32, dtype=torch.uint8), [TensorMeta("w", (8,), "float32", 16, 48)])
+
+
+def test_the_sender_plans_again_only_when_the_specs_or_the_bucket_size_change():
+    """The bucket plan is kept across syncs of the same model; a changed shape or dtype, a
+    new tensor or another bucket size gives the plan those specs need, never the old one."""
+    from colo.transports.base import BucketSender
+
+    sender = BucketSender()
+    specs = [spec(f"w{i}", (64, 64), "float32") for i in range(6)]
+    first = sender._buckets(list(specs), BUCKET)
+    assert sender._buckets([spec(s.name, s.shape, s.dtype) for s in specs], BUCKET) is first  # equal, not same
+    for changed, size in ((specs[:5] + [spec("w5", (64, 65), "float32")], BUCKET),
+                          (specs[:5] + [spec("w5", (64, 64), "bfloat16")], BUCKET),
+                          (specs + [spec("w6", (8,), "float32")], BUCKET),
+                          (specs, BUCKET // 2)):
+        got = sender._buckets(list(changed), size)
+        assert got == plan_buckets(changed, size) and got != first
