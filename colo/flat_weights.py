@@ -56,6 +56,8 @@ class FlatWeights:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"flat weights live on cuda or cpu, got {self.device}")
+        #: name -> (shape, dtype) as built
+        self._layout = {name: (tuple(shape), dtype) for name, (shape, dtype) in layout.items()}
         #: name -> (start, end) byte range in the buffer
         self.slots: dict[str, tuple[int, int]] = {}
         offset = 0
@@ -84,9 +86,12 @@ class FlatWeights:
         for name, (shape, dtype) in layout.items():
             a, b = self.slots[name]
             self.tensors[name] = self._flat[a:b].view(dtype).view(tuple(shape))
-        #: the tensors :meth:`check` looks at: the views, or the parameters that adopted them
-        self._owners: dict[str, torch.Tensor] = dict(self.tensors)
+        #: the tensors :meth:`check` looks at: the views (this very dict, so a view
+        #: replaced in it is seen), or the parameters that adopted them
+        self._owners: dict[str, torch.Tensor] = self.tensors
         self._host: torch.Tensor | None = None
+        #: views of the host copy, made once: it is allocated once and kept
+        self._host_views: dict[str, torch.Tensor] | None = None
         self.paused = False
 
     # -- building --------------------------------------------------------------
@@ -124,14 +129,18 @@ class FlatWeights:
         it was built lives elsewhere now, so pausing the buffer would not move it
         and a sync out of the buffer would send its old bytes."""
         flat_storage = self._flat.untyped_storage()
+        if self._owners.keys() != self.slots.keys():
+            added, gone = sorted(self._owners.keys() - self.slots.keys()), sorted(self.slots.keys() - self._owners.keys())
+            raise ValueError(f"flat weights: the tensors are not the ones the buffer was built for (added "
+                             f"{added}, removed {gone}); build the flat weights again after changing the model")
         for name, t in self._owners.items():
             a, b = self.slots[name]
             if (t.untyped_storage()._cdata != flat_storage._cdata or t.storage_offset() * t.element_size() != a
                     or t.numel() * t.element_size() != b - a or not t.is_contiguous()):
-                want = self.tensors[name]
+                shape, dtype = self._layout[name]
                 raise ValueError(
                     f"flat weights: {name!r} is no longer its view of the flat buffer (now {tuple(t.shape)} "
-                    f"{dtype_name(t.dtype)}, built as {tuple(want.shape)} {dtype_name(want.dtype)} at bytes "
+                    f"{dtype_name(t.dtype)}, built as {tuple(shape)} {dtype_name(dtype)} at bytes "
                     f"[{a}, {b})): it was replaced or resized after the buffer was built; build the flat "
                     f"weights again after changing the model")
 
@@ -216,8 +225,11 @@ class FlatWeights:
         if not self.paused:
             # the backup holds the weights of the last pause, not what the device holds now
             raise RuntimeError("flat weights are resident: their host copy is stale until they are paused")
-        return {n: self._host[a:b].view(t.dtype).view(t.shape)
-                for (n, t), (a, b) in zip(self.tensors.items(), self.slots.values())}
+        if self._host_views is None:
+            # the same views every sync: an extractor built on them once stays valid
+            self._host_views = {n: self._host[a:b].view(dtype).view(shape)
+                                for (n, (shape, dtype)), (a, b) in zip(self._layout.items(), self.slots.values())}
+        return dict(self._host_views)
 
     @property
     def resident_bytes(self) -> int:
@@ -228,6 +240,7 @@ class FlatWeights:
         self._owners = {}
         self.tensors = {}
         self._host = None
+        self._host_views = None
         if self._seg is not None:
             self._flat = None
             self._seg.close()

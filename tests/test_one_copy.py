@@ -243,6 +243,64 @@ class CountingExtractor:
             yield item
 
 
+class KeptExtractorTrainer(FlatTrainer):
+    """Builds its extractor once and hands the same one to every sync, as a real trainer
+    would; the extractor counts the tensors it produced."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.kept = CountingExtractor(PlainExtractor(self.model, dtype=self.engine_dtype))
+
+    def extractor(self):
+        return self.kept
+
+
+@on_cpu_engine
+async def test_a_kept_extractor_is_walked_once_and_a_parameter_that_left_later_is_still_refused(cpu_engine):
+    """The one-copy layout is found once per (flat weights, extractor): later syncs of new
+    weights reuse it and still arrive bit-exact; a parameter replaced after that is
+    refused by name before anything is sent, not loaded from its stale slot."""
+    client, config = cpu_engine
+    trainer = KeptExtractorTrainer(config, 7)
+    engine = CountingEngine(client)
+    transport = PackedTransport()
+    n = len(trainer.flat_weights.slots)
+    try:
+        for step in (1, 2, 3):
+            if step > 1:
+                trainer.step()
+            await transport.sync(trainer, engine, context(step)[0])
+            assert await client.digest() == expected_digest(trainer.state(), config, torch.float32), step
+            assert trainer.kept.produced == n  # walked by the first sync only
+        assert len(engine.requests) == 3
+        p = trainer.model.model.norm.weight
+        p.data = p.detach().clone()
+        with pytest.raises(ValueError, match=r"'model\.norm\.weight' is no longer its view of the flat buffer"):
+            await transport.sync(trainer, engine, context(4)[0])
+        assert len(engine.requests) == 3
+    finally:
+        await transport.aclose()
+        trainer.flat_weights.close()
+
+
+def test_flat_weights_check_their_own_views_dict():
+    """A trainer that uses the buffer's ``tensors`` dict as its parameters (the benchmark's
+    trainer) is checked on that dict: an entry replaced, added or removed is refused."""
+    flat = FlatWeights({"a": ((4,), torch.float32), "b": ((2, 3), torch.bfloat16)}, device="cpu")
+    try:
+        flat.check()
+        flat.tensors["b"] = torch.zeros(2, 3, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match=r"'b' is no longer its view of the flat buffer \(now \(2, 3\) "
+                                             r"bfloat16, built as \(2, 3\) bfloat16"):
+            flat.check()
+        del flat.tensors["b"]
+        flat.tensors["c"] = torch.zeros(1)
+        with pytest.raises(ValueError, match=r"added \['c'\], removed \['b'\]"):
+            flat.check()
+    finally:
+        flat.close()
+
+
 def test_a_fallback_is_decided_at_the_first_tensor_outside_the_buffer():
     from colo.transports.packed import one_copy_bucket
 

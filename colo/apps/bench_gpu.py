@@ -156,18 +156,26 @@ class BenchTrainer:
             self.moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.optimizer_bytes = 2 * self.weight_bytes
+        self._resident_extractor = self._host_extractor = None
 
     def param_specs(self):
         return self.specs
 
     def extractor(self):
+        """One extractor per source, built on first use and kept, as a training loop keeps
+        its own: the resident weights (their views never change) and their pinned host
+        copy (allocated at the first pause and kept). A sync then does not rebuild 339
+        specs and views first, and the one-copy sync finds its layout once."""
         from colo.extractors.plain import PlainExtractor
 
         if self.weights_paused:
-            host = self.host_state()
-            # same dtype on both sides: the transport uploads straight into its buffer
-            return PlainExtractor(host, dtype=torch.bfloat16, upload_to="cuda")
-        return PlainExtractor(self.params, dtype=torch.bfloat16)
+            if self._host_extractor is None:
+                # same dtype on both sides: the transport uploads straight into its buffer
+                self._host_extractor = PlainExtractor(self.host_state(), dtype=torch.bfloat16, upload_to="cuda")
+            return self._host_extractor
+        if self._resident_extractor is None:
+            self._resident_extractor = PlainExtractor(self.params, dtype=torch.bfloat16)
+        return self._resident_extractor
 
     @property
     def weights_paused(self) -> bool:
