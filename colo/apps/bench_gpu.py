@@ -192,9 +192,50 @@ class BenchTrainer:
         return self.flat_weights.host_tensors()
 
 
+class EngineCalls:
+    """The engine client, with each request's round trip timed by its op, and for loads
+    the engine's own split of it (``engine_open_s``: the receiver opening the request's
+    handle and making its views; ``engine_copy_s``: the copies into the parameters and
+    the wait for them): where a sync's time goes outside the sender's stages."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.totals: dict[str, float] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def _add(self, key: str, seconds: float) -> None:
+        self.totals[key] = self.totals.get(key, 0.0) + seconds
+
+    async def _timed(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return await getattr(self._engine, op)(*args, **kwargs)
+        finally:
+            self._add(f"{op}_s", time.perf_counter() - t)
+
+    async def preflight(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("preflight", *args, **kwargs)
+
+    async def begin_load(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("begin_load", *args, **kwargs)
+
+    async def end_load(self, *args: Any, **kwargs: Any) -> Any:
+        return await self._timed("end_load", *args, **kwargs)
+
+    async def transport_load(self, *args: Any, **kwargs: Any) -> dict:
+        reply = await self._timed("transport_load", *args, **kwargs)
+        self._add("engine_open_s", float(reply.get("handoff_s", 0.0)))
+        self._add("engine_copy_s", float(reply.get("load_s", 0.0)))
+        return reply
+
+
 async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, bucket_bytes: int,
                     reps: int) -> dict:
     stages: list = []
+    calls = EngineCalls(engine)
+    engine = calls
     times, peaks, collect = [], [], []
     result = None
     for i in range(reps + 1):  # the first is a warm-up
@@ -211,6 +252,8 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()  # what slime does after a sync: its cost, beside the sync's
         collect_s = time.perf_counter() - t1
+        if not i:
+            calls.totals.clear()  # the warm-up's calls are not counted
         if i:
             times.append(elapsed)
             collect.append(collect_s)
@@ -224,7 +267,9 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
     by_stage: dict[str, float] = {}
     for rec in stages:
         by_stage[rec.stage] = by_stage.get(rec.stage, 0.0) + rec.duration_s / reps
-    return {"sync_s": sec, "stage_s_per_sync": by_stage, "timeline": timeline, "sync_s_all": times,
+    return {"sync_s": sec, "stage_s_per_sync": by_stage,
+            "engine_calls_s_per_sync": {k: v / reps for k, v in calls.totals.items()},
+            "timeline": timeline, "sync_s_all": times,
             "ipc_collect_and_empty_cache_s": statistics.median(collect), "bytes": result.bytes, "buckets": result.buckets,
             "tensors": result.tensors, "GBps": result.bytes / sec / 1e9, "peak_extra_bytes": max(peaks)}
 
