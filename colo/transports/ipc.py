@@ -57,11 +57,12 @@ class IpcRequest:
 class _Exported:
     """One tensor's shareable memory, held until the engine acknowledged it."""
 
-    def __init__(self, ctx: SyncContext, name: str, t: Any, entry: Any = None):
+    def __init__(self, ctx: SyncContext, name: str, t: Any, entry: Any = None, upload_to: Any = None):
         from colo.transports.packed import entry_bytes
 
         # a piece of a tensor larger than the bucket is exported as its own bytes only
         flat = t.contiguous().view(-1).view(torch.uint8) if entry is None else entry_bytes(t, entry)
+        device = torch.device(upload_to) if upload_to is not None else flat.device
         # a 0-byte tensor still gets a 1-byte segment: a handle needs memory behind it
         self.staged = Staged(ctx, max(1, flat.numel()))
         self.name = name
@@ -69,14 +70,16 @@ class _Exported:
         self.seg: ShmSegment | None = None
         self.tensor: Any = None
         try:
-            if flat.device.type == "cuda" and flat.numel() > 0:
+            if device.type == "cuda" and flat.numel() > 0:
                 from colo.cuda_ipc import export_cuda
 
                 # A copy into a plain cudaMalloc block, always: the tensor may
                 # be the trainer's own parameter inside a memory-saver region (a
                 # virtual-memory mapping that cudaIpcGetMemHandle cannot export).
-                self.tensor = torch.empty(flat.numel(), dtype=torch.uint8, device=flat.device)
-                self.tensor.copy_(flat)
+                # A host source (offload-first) is uploaded straight into it: no
+                # device copy of the bucket in between, so a bucket is held once.
+                self.tensor = torch.empty(flat.numel(), dtype=torch.uint8, device=device)
+                self.tensor.copy_(flat, non_blocking=flat.device.type == "cpu" and flat.is_pinned())
                 self.handle = export_cuda(self.tensor)
             else:
                 self.seg = ShmSegment.create(max(1, flat.numel()))
@@ -109,20 +112,13 @@ def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]], stream: Any = 
 
 def _export_each(ctx: SyncContext, tensors: list[tuple[str, Any]], upload_to: Any,
                  entries: Any = None) -> list[_Exported]:
-    from colo.transports.packed import entry_bytes
-
     entries = list(entries) if entries is not None else [None] * len(tensors)
-    if upload_to is not None:
-        # verl's way on a GPU is one CUDA IPC handle per tensor: a host
-        # source is uploaded first, not shared through host memory (a piece:
-        # only its bytes, as one flat tensor)
-        tensors = [(n, (t if e is None else entry_bytes(t, e)).to(upload_to, non_blocking=t.is_pinned()))
-                   for (n, t), e in zip(tensors, entries)]
-        entries = [None] * len(tensors)
     out: list[_Exported] = []
     try:
         for (name, t), e in zip(tensors, entries):
-            out.append(_Exported(ctx, name, t, e))
+            # verl's way on a GPU is one CUDA IPC handle per tensor: a host source
+            # is uploaded into that tensor's block, not shared through host memory
+            out.append(_Exported(ctx, name, t, e, upload_to))
     except BaseException:
         for e in out:
             e.close()
