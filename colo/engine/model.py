@@ -409,6 +409,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+#: whole tensors below this many bytes are loaded together by one ``torch._foreach_copy_``
+#: (torch's multi-tensor copy, what its optimizers use); larger ones by their own copy_
+FOREACH_BYTES = 16 << 20
+
+
 class _LoadSession:
     def __init__(self) -> None:
         self.loaded: set[str] = set()
@@ -641,26 +646,46 @@ class EngineModel:
             raise WeightMismatch("load_weights refused the batch (nothing from it was written)",
                                  duplicate=duplicate, unexpected=unexpected, wrong_shape=wrong_shape)
         done = 0
+        # small whole tensors (norms, biases, k/v projections) are copied in one foreach
+        # call: one host call instead of one per tensor, whose host cost (about 10 us
+        # each) exceeds their device time, so the engine's load of a few hundred tensors
+        # was host-bound (issue 18: 4.8 ms for 1.5 ms of copies on an H200)
+        small_dst: list[torch.Tensor] = []
+        small_src: list[torch.Tensor] = []
         with torch.no_grad():
             for name, tensor in items:
-                self._write(params, name, tensor)
+                dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
+                if (dest is not None and tensor.dtype == dest.dtype and tensor.device == dest.device
+                        and tensor.numel() * tensor.element_size() < FOREACH_BYTES):
+                    small_dst.append(dest)
+                    small_src.append(tensor)
+                else:
+                    self._write(params, name, tensor)
                 if isinstance(tensor, Piece) and tensor.end < numel(tensor.shape):
                     session.partial[name] = tensor.end
                     continue
                 session.partial.pop(name, None)
                 session.loaded.add(name)
                 done += 1
+            if small_dst:
+                # distinct destinations: the order of the copies does not matter
+                torch._foreach_copy_(small_dst, small_src)
         return done
+
+    def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+        """The row block a whole HF tensor is copied into as it is (made once per
+        allocation of the weights: a sync writes the same blocks every time), or None
+        where a subclass writes it some other way (a TP rank's slice)."""
+        dest = self._dests.get(name)
+        if dest is None:
+            shard = self.map.shards[name]
+            dest = self._dests[name] = params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
+        return dest
 
     def _write(self, params: dict[str, torch.Tensor], name: str, tensor: Any) -> None:
         """Copy one checked HF tensor (or a piece of it: its run of elements, in
         place) into its row block (a TP rank copies out its slice)."""
-        dest = self._dests.get(name)
-        if dest is None:
-            # the row block's view, made once per allocation of the weights: a sync
-            # writes the same blocks every time (issue 18: per-tensor host cost)
-            shard = self.map.shards[name]
-            dest = self._dests[name] = params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
+        dest = self._whole_dest(params, name)
         if isinstance(tensor, Piece):
             # a row block of a contiguous parameter is contiguous: the tensor's
             # row-major elements are the block's, one for one

@@ -372,6 +372,9 @@ class TPEngineModel(EngineModel):
     def _write(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
         _write_slice(params, self.plan.slices[name], tensor)
 
+    def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> None:
+        return None  # every tensor is cut to this rank's slice by _write
+
     def shard_specs(self) -> list[TensorSpec]:
         """The parameters this rank holds: engine names, shard shapes, the engine dtype."""
         return [spec(name, shape, dtype_name(self.dtype)) for name, shape in self.map.params.items()]
