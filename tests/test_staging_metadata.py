@@ -275,3 +275,22 @@ def test_the_sender_plans_again_only_when_the_specs_or_the_bucket_size_change():
                           (specs, BUCKET // 2)):
         got = sender._buckets(list(changed), size)
         assert got == plan_buckets(changed, size) and got != first
+
+
+def test_the_sender_describes_a_bucket_once_and_a_changed_one_in_full():
+    """The layout memo keeps each bucket's entries and key while the sender hands it the
+    same Bucket; a different Bucket at the same index (the plan changed) is described
+    again, and its request carries the tensors even though the index was acknowledged."""
+    from colo.transports.wire import LayoutMemo
+
+    engine = object()
+    memo = LayoutMemo()
+    first = plan_buckets([spec("a", (4, 4), "float32"), spec("b", (8,), "float32")], 1 << 20)[0]
+    fields, key = memo.fields(engine, 0, first)
+    assert "tensors" in fields and key == layout_key(fields["tensors"])
+    memo.acked(0, key)
+    again, key2 = memo.fields(engine, 0, first)
+    assert again == {"layout": {"bucket": 0, "key": key}} and key2 == key
+    grown = plan_buckets([spec("a", (4, 5), "float32"), spec("b", (8,), "float32")], 1 << 20)[0]
+    changed, key3 = memo.fields(engine, 0, grown)
+    assert key3 != key and changed["tensors"][0]["shape"] == [4, 5] and key3 == layout_key(changed["tensors"])
