@@ -130,7 +130,8 @@ class FlatWeights:
         and a sync out of the buffer would send its old bytes."""
         flat_storage = self._flat.untyped_storage()
         if self._owners.keys() != self.slots.keys():
-            added, gone = sorted(self._owners.keys() - self.slots.keys()), sorted(self.slots.keys() - self._owners.keys())
+            added = sorted(self._owners.keys() - self.slots.keys())
+            gone = sorted(self.slots.keys() - self._owners.keys())
             raise ValueError(f"flat weights: the tensors are not the ones the buffer was built for (added "
                              f"{added}, removed {gone}); build the flat weights again after changing the model")
         for name, t in self._owners.items():

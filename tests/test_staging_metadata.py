@@ -286,11 +286,11 @@ def test_the_sender_describes_a_bucket_once_and_a_changed_one_in_full():
     engine = object()
     memo = LayoutMemo()
     first = plan_buckets([spec("a", (4, 4), "float32"), spec("b", (8,), "float32")], 1 << 20)[0]
-    fields, key = memo.fields(engine, 0, first)
+    fields, key = memo.fields(engine, first)
     assert "tensors" in fields and key == layout_key(fields["tensors"])
     memo.acked(0, key)
-    again, key2 = memo.fields(engine, 0, first)
+    again, key2 = memo.fields(engine, first)
     assert again == {"layout": {"bucket": 0, "key": key}} and key2 == key
     grown = plan_buckets([spec("a", (4, 5), "float32"), spec("b", (8,), "float32")], 1 << 20)[0]
-    changed, key3 = memo.fields(engine, 0, grown)
+    changed, key3 = memo.fields(engine, grown)
     assert key3 != key and changed["tensors"][0]["shape"] == [4, 5] and key3 == layout_key(changed["tensors"])

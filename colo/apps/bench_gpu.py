@@ -254,7 +254,7 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
         collect_s = time.perf_counter() - t1
         if not i:
             calls.totals.clear()  # the warm-up's calls are not counted
-        if i:
+        else:
             times.append(elapsed)
             collect.append(collect_s)
             peaks.append(torch.cuda.max_memory_allocated() - base)

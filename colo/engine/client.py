@@ -175,9 +175,9 @@ class EngineClient:
         self.weight_version = hello.get("weight_version")
         self.specs = [TensorSpec(name=n, shape=tuple(s), dtype=d, nbytes=0) for n, s, d in hello["param_specs"]]
         self.closed = False
-        self._preflight_key: str | None = None  # the spec list this engine last accepted
-        #: (specs, their wire form) of that list, to know it again without hashing it
-        self._preflight_specs: tuple[list, list] | None = None
+        #: (specs, their wire form, its key) of the spec list this engine last accepted:
+        #: the same list again goes as its key, known without serialising and hashing it
+        self._preflight: tuple[list, list, str] | None = None
 
     @classmethod
     async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
@@ -399,23 +399,24 @@ class EngineClient:
         from colo.transports.wire import is_layout_not_cached, layout_key
 
         specs = list(specs)
-        if self._preflight_specs is not None and specs == self._preflight_specs[0]:
+        held = self._preflight
+        if held is not None and specs == held[0]:
             # the same specs as the last accepted list (the same objects, sync after
             # sync, compare at once): its key, without serialising and hashing them again
-            wire, key = self._preflight_specs[1], self._preflight_key
+            wire, key = held[1], held[2]
         else:
             wire = [[s.name, list(s.shape), s.dtype] for s in specs]
             key = layout_key(wire)
-        if key == self._preflight_key:
+        if held is not None and key == held[2]:
             try:
                 await self.call("preflight", key=key)
                 return
             except EngineError as e:
                 if not is_layout_not_cached(e):
                     raise
-        self._preflight_key = self._preflight_specs = None
+        self._preflight = None
         await self.call("preflight", specs=wire, key=key)
-        self._preflight_key, self._preflight_specs = key, (specs, wire)
+        self._preflight = (specs, wire, key)
 
     async def begin_load(self) -> None:
         await self.call("begin_load")

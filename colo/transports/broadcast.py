@@ -193,7 +193,7 @@ class BroadcastTransport(BucketSender):
         flat = self._slots[slot][1]
         # the first sync's first handoff builds the group: part of its handoff
         group = await self._ensure_group(engine, flat.device)
-        fields, key = self._memo.fields(engine, bucket.index, bucket)
+        fields, key = self._memo.fields(engine, bucket)
         request = {"nbytes": bucket.nbytes, **fields}
         n = len(bucket.entries)
         # the engine's receive buffer, for as long as its request runs

@@ -345,7 +345,7 @@ class PackedTransport(BucketSender):
         """One load request: ``handle`` and where each tensor of ``bucket`` lies in it
         (``laid``), or only the layout's key once the engine holds it."""
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
-        fields, key = self._memo.fields(engine, bucket.index, laid)
+        fields, key = self._memo.fields(engine, laid)
         try:
             reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
         except Exception as e:
@@ -353,7 +353,7 @@ class PackedTransport(BucketSender):
             # reading a byte (or opening the handle), so the same bucket goes again, with its tensors
             if "tensors" in fields or not is_layout_not_cached(e):
                 raise
-            fields, key = self._memo.fields(engine, bucket.index, laid, full=True)
+            fields, key = self._memo.fields(engine, laid, full=True)
             reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
         self._memo.acked(bucket.index, key)
         on_ack(reply)

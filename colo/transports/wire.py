@@ -239,8 +239,7 @@ def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
         if m.whole:
             out.append((m.name, base.as_strided(m.shape, _contiguous_strides(m.shape), at)))
         else:
-            n = (m.end - m.start) // size
-            out.append((m.name, Piece(base.as_strided((n,), (1,), at), m.offset // size, m.shape)))
+            out.append((m.name, piece_of(m, base.as_strided(((m.end - m.start) // size,), (1,), at))))
     return out
 
 
@@ -341,11 +340,12 @@ class LayoutMemo:
         #: bucket index -> (the Bucket, its entries as JSON, their key), for the last Bucket seen
         self._described: dict[int, tuple[Bucket, list[dict], str]] = {}
 
-    def fields(self, engine: Any, bucket: int, laid: Bucket, *, full: bool = False) -> tuple[dict, str]:
-        """The request's layout fields for bucket index ``bucket`` laid out as ``laid``,
-        and the key to pass to :meth:`acked`."""
+    def fields(self, engine: Any, laid: Bucket, *, full: bool = False) -> tuple[dict, str]:
+        """The request's layout fields for bucket ``laid`` (its index and where its
+        tensors lie), and the key to pass to :meth:`acked`."""
         if engine is not self._engine:  # another engine (a replaced one) holds nothing of ours
             self._engine, self._sent = engine, {}
+        bucket = laid.index
         entries, key = self._describe(bucket, laid)
         ref = {"bucket": bucket, "key": key}
         if not full and self._sent.get(bucket) == key:
