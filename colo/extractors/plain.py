@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from colo.core.buckets import spec
+from colo.core.buckets import ALIGN, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.errors import UnknownTensor
+from colo.zero_copy import convert_from_host
 
 DTypeLike = torch.dtype | str | None
 
@@ -38,9 +39,17 @@ def engine_dtype_of(dtype: torch.dtype, engine: torch.dtype | None) -> torch.dty
 def to_engine(t: torch.Tensor, engine: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
     """Move, then convert: the host copy is pinned, so uploading it as is runs at
     full bandwidth, while a copy converted on the host would be pageable (7x
-    slower to upload) and the conversion itself is faster on the device."""
+    slower to upload) and the conversion itself is faster on the device.
+
+    A pinned host tensor due for conversion is not uploaded at all: the
+    conversion kernel reads it across PCIe where it lies (:mod:`colo.zero_copy`)."""
     t = t.detach()
     if device is not None and t.device != device:
+        target = engine_dtype_of(t.dtype, engine)
+        if target != t.dtype and device.type == "cuda":
+            done = convert_from_host([t], target, device, ALIGN)
+            if done is not None:
+                return done[0]
         # From pinned memory the copy is queued, not waited for: the next
         # tensor's upload overlaps it, and whoever reads the result (pack) is on
         # the same stream, so the order is kept. The source (a pinned host
@@ -152,14 +161,40 @@ class PlainExtractor:
 
     def _extract(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = self._tensors()
+        sources = []
         for name in names:
             src_name = self._engine_to_source[name]
             t = tensors.get(src_name)
             if t is None:
                 raise UnknownTensor(f"{self.kind} extractor: {src_name!r} is no longer in the source "
                                f"(it was there when the extractor was built)")
-            yield name, check_against_spec(f"{self.kind} extractor", name, self._full(src_name, t),
-                                           self._specs[name])
+            sources.append((name, src_name, t))
+        converted = self._convert_from_host(sources)
+        for name, src_name, t in sources:
+            out = converted.get(name)
+            yield name, check_against_spec(f"{self.kind} extractor", name,
+                                           out if out is not None else self._full(src_name, t), self._specs[name])
+
+    def _convert_from_host(self, sources: list[tuple[str, str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The request's pinned host tensors that are due for a conversion, converted on
+        the device in one batch (:func:`colo.zero_copy.convert_from_host`): a few
+        kernels that read the host bytes in place, instead of an upload, a
+        conversion and an allocation per tensor; the results lie back to back at
+        the planner's alignment, so the pack moves them as one run. Empty off the
+        GPU or when nothing qualifies (those tensors take :meth:`_full`)."""
+        if self.device is None or self.device.type != "cuda":
+            return {}
+        due = [(name, t) for name, _, t in sources
+               if t.device.type == "cpu" and engine_dtype_of(t.dtype, self.dtype) != t.dtype]
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for name, t in due:
+            by_dtype.setdefault(engine_dtype_of(t.dtype, self.dtype), []).append((name, t))
+        out: dict[str, torch.Tensor] = {}
+        for target, group in by_dtype.items():
+            done = convert_from_host([t.detach() for _, t in group], target, self.device, ALIGN)
+            if done is not None:
+                out.update(zip((name for name, _ in group), done))
+        return out
 
 
 def second_names(module: torch.nn.Module) -> set[str]:
