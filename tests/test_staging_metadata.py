@@ -1,6 +1,6 @@
 """Bucket metadata cached across syncs (issue 18): names, shapes, dtypes and offsets
 do not change between steps, so after the first sync a request names its bucket's
-layout by key and preflight sends the key of the spec list. A changed layout is
+layout by key and the spec list goes as its key, on begin_load. A changed layout is
 sent whole and replaces the cached one; a key the engine does not hold is refused,
 naming both keys, and never read through an old layout; a shape the engine cannot
 take is refused naming the tensor and both shapes, before a byte is written.
@@ -70,6 +70,7 @@ async def test_metadata_goes_once_per_engine_and_a_shape_change_is_refused_by_na
     for name in ("packed", "broadcast"):
         await later_requests_name_their_layout_by_key(engine, client, config, name)
     await an_engine_that_lost_the_layouts_gets_them_again(engine, client, config)
+    await an_engine_holding_another_spec_list_gets_the_list_before_it_begins(engine, client, config)
     await a_shape_the_engine_cannot_take_is_refused_naming_the_tensor_and_both_shapes(engine, client, config)
 
 
@@ -83,16 +84,24 @@ async def later_requests_name_their_layout_by_key(engine, client, config, name):
             assert await client.digest() == expected_digest(state, config, torch.float32), version
             sent = engine.take()
             loads = [f["request"] for op, f in sent if op == "transport_load"]
-            (preflight,) = [f for op, f in sent if op == "preflight"]
+            preflights = [f for op, f in sent if op == "preflight"]
+            (begin,) = [f for op, f in sent if op == "begin_load"]
             assert len(loads) == result.buckets > 2
             assert [r["layout"]["bucket"] for r in loads] == list(range(result.buckets))
             if version == 1:  # everything in full, once (the spec list: once per engine)
-                assert all("tensors" in r for r in loads) and ("specs" in preflight) == (name == "packed")
+                assert all("tensors" in r for r in loads)
                 keys = [r["layout"]["key"] for r in loads]
                 assert keys == [layout_key(r["tensors"]) for r in loads]
             else:  # only the keys: the same as the first sync's
-                assert not any("tensors" in r for r in loads) and "specs" not in preflight
-                assert [r["layout"]["key"] for r in loads] == keys and preflight["key"]
+                assert not any("tensors" in r for r in loads)
+                assert [r["layout"]["key"] for r in loads] == keys
+            if version == 1 and name == "packed":  # the spec list in full, in its own request
+                (preflight,) = preflights
+                assert "specs" in preflight and "preflight_key" not in begin
+            else:  # a list the engine holds: its key rides on begin_load, no request of its own
+                specs = StateTrainer(state).extractor().specs()
+                assert preflights == [] and begin["preflight_key"] == layout_key(
+                    [[s.name, list(s.shape), s.dtype] for s in specs])
             # one handoff and one load per bucket, as in any sync
             assert sorted((r.bucket, r.stage) for r in ctx.stages if r.stage in ("handoff", "load")) == \
                 sorted((b, s) for b in range(result.buckets) for s in ("handoff", "load"))
@@ -117,6 +126,26 @@ async def an_engine_that_lost_the_layouts_gets_them_again(engine, client, config
         assert [("tensors" in r, r["layout"]["bucket"]) for r in loads] == \
             [(full, b) for b in range(result.buckets) for full in (False, True)]
         assert [r.stage for r in ctx.stages].count("handoff") == result.buckets
+    finally:
+        await transport.aclose()
+
+
+async def an_engine_holding_another_spec_list_gets_the_list_before_it_begins(engine, client, config):
+    """The key riding on begin_load names a list the engine no longer holds (here another
+    client's valid list replaced it): the engine refuses before it begins, and the
+    client sends the list in full, then begins; the sync loads exactly."""
+    transport = make_transport("packed")
+    try:
+        await sync(transport, engine, state_of(config, 1), 1)
+        specs = list(StateTrainer(state_of(config, 1)).extractor().specs())
+        other = [[s.name, list(s.shape), s.dtype] for s in reversed(specs)]
+        await client.call("preflight", specs=other, key=layout_key(other))
+        engine.take()
+        state = state_of(config, 2)
+        await sync(transport, engine, state, 2)
+        assert await client.digest() == expected_digest(state, config, torch.float32)
+        ops = [(op, sorted(f)) for op, f in engine.take() if op in ("preflight", "begin_load")]
+        assert ops == [("begin_load", ["preflight_key"]), ("preflight", ["key", "specs"]), ("begin_load", [])]
     finally:
         await transport.aclose()
 

@@ -178,6 +178,9 @@ class EngineClient:
         #: (specs, their wire form, its key) of the spec list this engine last accepted:
         #: the same list again goes as its key, known without serialising and hashing it
         self._preflight: tuple[list, list, str] | None = None
+        #: a cached spec list's key that preflight() left for begin_load() to carry: the
+        #: engine checks it before it begins, in the same request (one round trip a sync)
+        self._preflight_due: str | None = None
 
     @classmethod
     async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
@@ -395,30 +398,49 @@ class EngineClient:
     # -- sync ------------------------------------------------------------------
     async def preflight(self, specs: Sequence[TensorSpec]) -> None:
         """The engine checks every name, shape and dtype; a list it accepted before (the
-        same model, sync after sync) goes as its key alone."""
-        from colo.transports.wire import is_layout_not_cached, layout_key
+        same model, sync after sync) goes as its key alone, and that key rides on the
+        next :meth:`begin_load` instead of a request of its own. Either way nothing is
+        loaded before the engine has checked the list."""
+        from colo.transports.wire import layout_key
 
         specs = list(specs)
         held = self._preflight
+        self._preflight_due = None
         if held is not None and specs == held[0]:
             # the same specs as the last accepted list (the same objects, sync after
             # sync, compare at once): its key, without serialising and hashing them again
-            wire, key = held[1], held[2]
-        else:
-            wire = [[s.name, list(s.shape), s.dtype] for s in specs]
-            key = layout_key(wire)
+            self._preflight_due = held[2]
+            return
+        wire = [[s.name, list(s.shape), s.dtype] for s in specs]
+        key = layout_key(wire)
         if held is not None and key == held[2]:
-            try:
-                await self.call("preflight", key=key)
-                return
-            except EngineError as e:
-                if not is_layout_not_cached(e):
-                    raise
+            self._preflight = (specs, wire, key)
+            self._preflight_due = key
+            return
+        await self._preflight_whole(specs, wire, key)
+
+    async def _preflight_whole(self, specs: list, wire: list, key: str) -> None:
         self._preflight = None
         await self.call("preflight", specs=wire, key=key)
         self._preflight = (specs, wire, key)
 
     async def begin_load(self) -> None:
+        from colo.transports.wire import is_layout_not_cached
+
+        key, self._preflight_due = self._preflight_due, None
+        if key is not None:
+            try:
+                await self.call("begin_load", preflight_key=key)
+                return
+            except EngineError as e:
+                if not is_layout_not_cached(e):
+                    raise
+            # the engine no longer holds that list (it was restarted or rebuilt): it
+            # began nothing; send the list whole, then begin
+            held = self._preflight
+            if held is None:
+                raise RuntimeError("begin_load: a preflight key was due with no spec list behind it")
+            await self._preflight_whole(*held)
         await self.call("begin_load")
 
     async def transport_init(self, transport: str, init_info: dict) -> None:

@@ -133,7 +133,11 @@ class EngineServer:
             self._preflight_key = key
         return {}
 
-    def op_begin_load(self) -> dict:
+    def op_begin_load(self, preflight_key: str | None = None) -> dict:
+        """Begin a load; ``preflight_key`` first names the spec list this engine last
+        accepted (a sync whose specs did not change checks them in this request)."""
+        if preflight_key is not None:
+            self.op_preflight(key=preflight_key)
         self.core.begin_load()
         return {}
 
