@@ -53,11 +53,12 @@ class EngineServer:
         self._preflight_key: str | None = None
 
     # -- handles ---------------------------------------------------------------
-    def _detach_all(self) -> None:
+    def _detach_all(self, *, kept: bool = False) -> None:
         # per-sync resources of every receiver (mapped segments); a process
-        # group or a checkpoint root outlives the sync
+        # group or a checkpoint root outlives the sync, and so does a buffer the
+        # sender keeps from sync to sync, unless ``kept``
         for receiver in self._receivers.values():
-            receiver.release()
+            receiver.release(kept=kept)
 
     def _close_receivers(self) -> None:
         for receiver in self._receivers.values():
@@ -193,12 +194,12 @@ class EngineServer:
         return {}
 
     def op_drop_handles(self) -> dict:
-        self._detach_all()
+        self._detach_all(kept=True)
         return {}
 
     def op_shutdown(self) -> dict:
         self.running = False
-        self._detach_all()
+        self._detach_all(kept=True)
         self._close_receivers()
         return {}
 
@@ -514,7 +515,7 @@ def _serve(sock_path: str, key: bytes, build: dict) -> None:
     finally:
         gate.close()
         listener.close()
-        server._detach_all()
+        server._detach_all(kept=True)
         server._close_receivers()
         if build.get("tp") is not None:
             import torch.distributed as dist

@@ -237,5 +237,5 @@ class ProtocolEngine:
 
     async def drop_handles(self):
         for receiver in self._receivers.values():
-            receiver.release()
+            receiver.release(kept=True)
 

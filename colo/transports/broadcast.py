@@ -290,7 +290,7 @@ class BroadcastReceiver:
         tensors = self.layouts.resolve(request, "broadcast request", buffer_nbytes=nbytes)
         yield views(flat, tensors)
 
-    def release(self) -> None:
+    def release(self, *, kept: bool = False) -> None:
         pass
 
     def close(self) -> None:

@@ -379,7 +379,7 @@ class DiskReceiver:
                                    f"the request says {shape} {m.dtype}")
         yield [(m.name, got[m.name] if m.whole else piece_of(m, got[m.name])) for m in req.tensors]
 
-    def release(self) -> None:
+    def release(self, *, kept: bool = False) -> None:
         pass
 
     close = release

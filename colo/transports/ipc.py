@@ -199,7 +199,7 @@ class IpcReceiver:
         finally:
             seg.close()
 
-    def release(self) -> None:
+    def release(self, *, kept: bool = False) -> None:
         pass
 
     close = release

@@ -35,12 +35,16 @@ from colo.core.buckets import Bucket, Entry
 from colo.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
-                                  check_bucket_tensors, parse_tensors, timed_ack, views)
+                                  check_bucket_tensors, parse_tensors, timed_ack, views, wait_event)
 from colo.transports.wire import PADDED, LayoutCache, LayoutMemo, is_layout_not_cached, relayout
 
 #: attachments the receiver keeps open across buckets: the sender double-buffers,
 #: so two live segments is the steady state; a few more cover a restarted sync.
 MAX_ATTACHED = 4
+#: staging a sender keeps allocated between syncs (both buffers together): a small
+#: model's buckets (the demo's 5.8 MB in one) stay mapped on both sides, while a
+#: 7B sync's 2 x 512 MiB still goes back after every sync
+KEEP_STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -165,9 +169,13 @@ class _Slot:
 
     On the CPU a ``/dev/shm`` segment; on a GPU a plain ``cudaMalloc`` block
     exported as a CUDA IPC handle (never memory-saver memory: that cannot be
-    exported)."""
+    exported). A slot ``kept`` across syncs says so in its handle, and the
+    engine keeps it mapped after ``end_load`` (until ``drop_handles``)."""
 
-    def __init__(self, nbytes: int, ctx: SyncContext, device: Any):
+    def __init__(self, nbytes: int, ctx: SyncContext, device: Any, *, kept: bool = False):
+        self.nbytes = nbytes
+        self.device = device
+        self.kept = kept
         self.staged = Staged(ctx, nbytes)  # counted before it exists: OOM before allocation
         self.seg: ShmSegment | None = None
         self.cuda: Any = None
@@ -185,6 +193,8 @@ class _Slot:
         except BaseException:
             self.close()
             raise
+        if kept:
+            self._handle = {**self._handle, "keep": True}
 
     @property
     def tensor(self) -> Any:
@@ -192,6 +202,16 @@ class _Slot:
 
     def handle(self) -> dict:
         return self._handle
+
+    def counted_in(self, ctx: SyncContext) -> None:
+        """A kept slot enters the next sync's budget (its memory never left the device)."""
+        self.staged.free()
+        self.staged = Staged(ctx, self.nbytes)
+
+    def uncount(self) -> None:
+        """End of a sync for a kept slot: out of that sync's budget, still allocated."""
+        self.pending = None
+        self.staged.free()
 
     def close(self) -> None:
         if self.seg is not None:
@@ -215,8 +235,15 @@ class PackedTransport(BucketSender):
 
     name = "packed"
 
-    def __init__(self, *, pipelined: bool = True, align: int = PADDED, one_copy: bool = True):
+    def __init__(self, *, pipelined: bool = True, align: int = PADDED, one_copy: bool = True,
+                 keep_staging_bytes: int = KEEP_STAGING_BYTES):
         super().__init__(pipelined=pipelined)
+        if isinstance(keep_staging_bytes, bool) or not isinstance(keep_staging_bytes, int) \
+                or keep_staging_bytes < 0:
+            raise ValueError(f"keep_staging_bytes must be a non-negative int, got {keep_staging_bytes!r}")
+        #: staging buffers are kept from sync to sync while both together take at most
+        #: this much (0: freed after every sync)
+        self.keep_staging_bytes = keep_staging_bytes
         if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a positive power of two, got {align!r}")
         if not isinstance(one_copy, bool):
@@ -281,8 +308,7 @@ class PackedTransport(BucketSender):
             # the trainer queued (an optimizer step) must have landed first.
             written = torch.cuda.Event()
             written.record(torch.cuda.default_stream(flat.device))
-            if not written.query():
-                await anyio.to_thread.run_sync(written.synchronize)
+            await wait_event(written)
         # exported per sync: the engine closes it at end_load (the receiver's release),
         # which is what lets a later pause give the memory back
         await self._load(engine, bucket, bucket, flat.export(), ctx)
@@ -294,12 +320,20 @@ class PackedTransport(BucketSender):
         # decides where they lie in its buffer.
         self._layout = {b.index: b if self.align == PADDED else relayout(b, align=self.align) for b in buckets}
         self._cap = max(b.nbytes for b in self._layout.values())
+        if any(s is not None and s.nbytes != self._cap for s in self._slots):
+            await self._free_kept(engine)  # another bucket size: new buffers
 
     def _slot(self, i: int, ctx: SyncContext, device: Any) -> _Slot:
-        if self._slots[i] is None:
-            self._slots[i] = _Slot(self._cap, ctx, device)
+        s = self._slots[i]
+        if s is not None and s.device != device:
+            raise RuntimeError(f"packed: staging slot {i} is on {s.device}, this bucket's tensors on {device}")
+        if s is None:
+            kept = 2 * self._cap <= self.keep_staging_bytes
+            self._slots[i] = s = _Slot(self._cap, ctx, device, kept=kept)
             self._cuda = self._cuda or device.type == "cuda"
-        return self._slots[i]
+        elif not s.staged.counted:  # kept from the last sync
+            s.counted_in(ctx)
+        return s
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
         # The buffer lives where the extractor put the tensors, or on the device
@@ -311,7 +345,9 @@ class PackedTransport(BucketSender):
         t0 = time.perf_counter()
         laid = self._layout[bucket.index]
         stream = self._upload_stream(device)
-        if self.pipelined:
+        if self._inline:
+            done = queue_pack(s.tensor, laid, tensors, stream)
+        elif self.pipelined:
             done = await anyio.to_thread.run_sync(queue_pack, s.tensor, laid, tensors, stream)
         else:
             # serial (slime's way): nothing is queued behind this bucket, so it is
@@ -329,8 +365,7 @@ class PackedTransport(BucketSender):
         if s.pending is None:
             return
         done, t0 = s.pending
-        if not done.query():
-            await anyio.to_thread.run_sync(done.synchronize)
+        await wait_event(done)
         s.pending = None
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(bucket.entries), time.perf_counter() - t0)
 
@@ -364,14 +399,54 @@ class PackedTransport(BucketSender):
             # the trainer's tensors): they finish before the memory goes back
             self._stream.synchronize()
         for i, s in enumerate(self._slots):
-            if s is not None:
+            if s is None:
+                continue
+            if s.kept:
+                # Small staging stays allocated and exported from sync to sync: the
+                # next sync allocates nothing (the trainer's offload empties the
+                # allocator's cache, so every sync paid cudaMalloc and a new IPC
+                # handle that the engine opened and closed again: a few ms of a
+                # small model's sync). Reused only from the next sync's first
+                # bucket on, after this sync's every acknowledgement.
+                s.uncount()
+            else:
                 s.close()
                 self._slots[i] = None
-        if self._cuda:
+        self._collect()
+
+    def _collect(self) -> None:
+        if self._cuda and not any(s is not None for s in self._slots):
             # the engine closed its mappings at end_load (or drop_handles);
             # without collecting, every sync leaks the exported blocks
             torch.cuda.ipc_collect()
             self._cuda = False
+
+    async def _free_kept(self, engine: Any) -> None:
+        """Free the kept slots: the engine lets go of its mappings first (a block the
+        engine still maps is not returned to the device, only parked)."""
+        if not any(s is not None for s in self._slots):
+            return
+        if engine is not None:
+            with anyio.move_on_after(5):
+                try:
+                    await engine.drop_handles()
+                except Exception:  # a dead engine holds nothing any more
+                    pass
+        for i, s in enumerate(self._slots):
+            if s is not None:
+                s.close()
+                self._slots[i] = None
+        self._collect()
+
+    async def abort(self) -> None:
+        await super().abort()  # the engine drops every mapping, the kept ones too
+        with anyio.CancelScope(shield=True):
+            await self._free_kept(None)
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self._free_kept(self._engine)
+        await super().aclose()
 
 
 def one_copy_bucket(flat: Any, extractor: Any) -> Bucket | None:
@@ -411,6 +486,8 @@ class PackedReceiver:
 
     def __init__(self) -> None:
         self._attached: dict[str, Any] = {}
+        #: keys of attachments whose sender keeps the buffer across syncs
+        self._kept: set[str] = set()
         #: bucket layouts, kept across syncs (``release`` at each end_load keeps them)
         self.layouts = LayoutCache()
 
@@ -436,8 +513,12 @@ class PackedReceiver:
             seg = open_handle(handle)
             if name is not None:
                 self._attached[name] = seg
+                if handle.get("keep") is True:
+                    self._kept.add(name)
                 while len(self._attached) > MAX_ATTACHED:
-                    self._attached.pop(next(iter(self._attached))).close()
+                    old = next(iter(self._attached))
+                    self._kept.discard(old)
+                    self._attached.pop(old).close()
         return seg
 
     @contextlib.contextmanager
@@ -458,13 +539,15 @@ class PackedReceiver:
         return PackedRequest(d["handle"], self.layouts.resolve(
             d, "packed request", buffer_nbytes=nbytes if isinstance(nbytes, int) else None))
 
-    def release(self) -> None:
-        for seg in self._attached.values():
-            seg.close()
-        self._attached.clear()
+    def release(self, *, kept: bool = False) -> None:
+        """Close this sync's mappings; a buffer its sender keeps across syncs stays
+        mapped (reopening it costs each sync an IPC open and close) unless ``kept``."""
+        for name in [n for n in self._attached if kept or n not in self._kept]:
+            self._attached.pop(name).close()
+            self._kept.discard(name)
 
     def close(self) -> None:
-        self.release()
+        self.release(kept=True)
         self.layouts.clear()
 
 

@@ -1,0 +1,112 @@
+"""Small staging kept from sync to sync (issue 18: a small model's sync in milliseconds).
+
+The packed sender keeps its two buffers, and the engine keeps them mapped,
+while both together take at most ``keep_staging_bytes``: the next sync
+allocates, exports and opens nothing. Each sync still counts them in its own
+staging budget while it runs and gives them back to the budget at its end; a
+buffer is written again only after the last sync's every acknowledgement (the
+weights prove it, sync after sync); a new bucket size or ``aclose`` frees them
+after the engine let go. Real engine process, real /dev/shm segments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
+from colo.engine.model import expected_digest
+from colo.handles import leftover_segments
+from colo.models import build_trainer_model
+from colo.transports import make_transport
+from tests.syncparts import StateTrainer
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+BUCKET = 16 << 10
+
+
+def state_of(config, seed):
+    return {n: p.detach().clone() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
+
+
+async def sync(transport, engine, state, version, bucket=BUCKET):
+    budget = StagingBudget(None)
+    ctx = SyncContext(step=version, weight_version=version, bucket_bytes=bucket, source="host", staging=budget)
+    result = await transport.sync(StateTrainer(state), engine, ctx)
+    return result, budget
+
+
+class Counting:
+    """The real client; counts the requests by op."""
+
+    def __init__(self, client):
+        self.client, self.ops = client, []
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def drop_handles(self):
+        self.ops.append("drop_handles")
+        await self.client.drop_handles()
+
+
+async def test_small_staging_is_kept_mapped_and_reused_only_after_every_ack(small_engine):
+    client, config = small_engine
+    engine = Counting(client)
+    transport = make_transport("packed")
+    try:
+        first = None
+        for version in (1, 2, 3):
+            state = state_of(config, version)  # new weights every sync: a stale reuse would show
+            result, budget = await sync(transport, engine, state, version)
+            assert result.buckets > 2  # both buffers in use, each reused within the sync too
+            assert await client.digest() == expected_digest(state, config, torch.float32), version
+            # in each sync's budget while it ran (both buffers), out of it at its end,
+            # still allocated and the same segments
+            assert BUCKET < budget.peak_bytes <= 2 * BUCKET and budget.held_bytes == 0
+            names = leftover_segments()
+            assert len(names) == 2, names
+            first = first or names
+            assert names == first, "a kept buffer was reallocated"
+        assert engine.ops == []  # the engine was never asked to let go of them
+    finally:
+        await transport.aclose()
+    assert leftover_segments() == []
+    assert engine.ops == ["drop_handles"]  # aclose: the engine let go first, then they were freed
+
+
+async def test_a_new_bucket_size_frees_the_kept_buffers_after_the_engine_lets_go(small_engine):
+    client, config = small_engine
+    engine = Counting(client)
+    transport = make_transport("packed")
+    try:
+        await sync(transport, engine, state_of(config, 1), 1)
+        before = leftover_segments()
+        state = state_of(config, 2)
+        result, budget = await sync(transport, engine, state, 2, bucket=2 * BUCKET)
+        assert await client.digest() == expected_digest(state, config, torch.float32)
+        after = leftover_segments()
+        assert engine.ops == ["drop_handles"] and len(after) == 2 and not set(after) & set(before)
+    finally:
+        await transport.aclose()
+
+
+async def test_staging_above_the_limit_is_freed_after_every_sync(small_engine):
+    client, config = small_engine
+    transport = make_transport("packed", keep_staging_bytes=2 * BUCKET - 1)
+    try:
+        for version in (1, 2):
+            state = state_of(config, version)
+            await sync(transport, client, state, version)
+            assert await client.digest() == expected_digest(state, config, torch.float32)
+            assert leftover_segments() == []
+    finally:
+        await transport.aclose()
+
+
+def test_keep_staging_bytes_is_checked():
+    for bad in (-1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="keep_staging_bytes must be a non-negative int"):
+            make_transport("packed", keep_staging_bytes=bad)
