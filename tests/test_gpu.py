@@ -141,3 +141,39 @@ def test_on_cuda_tensors_larger_than_the_bucket_arrive_bit_exact_within_two_buck
     assert max(e["bytes"] for e in events if e["event"] == "bucket.finished") <= bucket
     staged = [e["mem"]["by_tag"]["staging"] for e in events if e["event"] == "bucket.finished"]
     assert staged and max(staged) <= 2 * bucket
+
+
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first"])
+def test_demo_on_cuda_in_one_bucket_verifies_every_sync(plan, tmp_path):
+    # the whole 5.8 MB model in one bucket: gathered and packed on the event loop,
+    # its two staging buffers kept and mapped from sync to sync, the fp32 host backup
+    # read by the conversion kernel in place (offload-first); every digest checked
+    events = demo(tmp_path, "--plan", plan, "--bucket-mib", "64", "--steps", "4", "--mem-fraction-static", "0.5")
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len({s["digest"] for s in syncs}) == 4
+    assert all(s["buckets"] == 1 and s["tensors"] == s["params"] for s in syncs)
+
+
+def test_zero_copy_conversion_reads_pinned_host_bytes_exactly():
+    from colo.cuda_memory import Saver
+    from colo.zero_copy import convert_from_host, device_view
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    saver = Saver()
+    with saver.region("test.zero_copy", cpu_backup=True):
+        params = [torch.randn(n, device=dev) for n in (3, 1000, 4096 * 33)]
+    saver.pause("test.zero_copy")
+    try:
+        host = [saver.host_view(p) for p in params] + [torch.randn(7, 5).pin_memory()]
+        view = device_view(host[1], dev)
+        assert view.device == dev and view.data_ptr() == host[1].data_ptr()  # the host bytes, no copy
+        out = convert_from_host(host, torch.bfloat16, dev, 16)
+        torch.cuda.synchronize()
+        for got, want in zip(out, host):
+            assert got.device == dev and got.shape == want.shape
+            assert torch.equal(got.cpu(), want.to(torch.bfloat16))  # the host's rounding, bit for bit
+        # back to back at 16-byte boundaries: one run for the pack
+        assert [o.data_ptr() - out[0].data_ptr() for o in out] == [0, 16, 2016, 2016 + 4096 * 33 * 2]
+        assert device_view(torch.randn(4), dev) is None  # pageable: not addressable from the GPU
+    finally:
+        saver.resume("test.zero_copy")
