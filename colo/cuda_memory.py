@@ -60,6 +60,11 @@ class Saver:
             self.tms.retain_cpu_backup = True
             self._retain_set = True
 
+    @property
+    def retains_backups(self) -> bool:
+        """Pinned backups stay allocated from pause to pause (at the same addresses)."""
+        return self.retain_cpu_backup and self._retain_set
+
     def pause(self, key: str) -> None:
         if key in self.paused:
             raise RuntimeError(f"cannot pause {key}: it is already paused (the memory saver would abort)")

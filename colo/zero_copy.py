@@ -58,21 +58,29 @@ def device_view(t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
 def convert_from_host(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
                       align: int) -> list[torch.Tensor] | None:
     """``tensors`` (pinned host) converted to ``dtype`` on ``device`` by kernels that read
-    the host bytes directly: one device buffer, each result at an ``align``-byte
-    boundary in order (the bucket planner's padded layout, so a pack can move the
-    run in one copy), written by one multi-tensor copy. None when some tensor has
-    no device view (the caller uploads those the ordinary way)."""
+    the host bytes directly (see :func:`convert_run`). None when some tensor has no
+    device view (the caller uploads those the ordinary way)."""
     views = [device_view(t, device) for t in tensors]
     if not tensors or any(v is None for v in views):
         return None
+    return convert_run(views, dtype, device, align)
+
+
+def convert_run(sources: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                align: int) -> list[torch.Tensor]:
+    """``sources`` (tensors a kernel on ``device`` can read: its own memory or device
+    views of pinned host bytes) converted to ``dtype`` into ONE new device buffer,
+    each result at an ``align``-byte boundary in order (the bucket planner's padded
+    layout, so a pack moves the whole run in one copy), written by one multi-tensor
+    copy instead of an allocation and a kernel per tensor."""
     item = torch.empty((), dtype=dtype).element_size()
     offsets, end = [], 0
-    for t in tensors:
+    for t in sources:
         offsets.append(end)
         end += -(-t.numel() * item // align) * align
     buf = torch.empty(end // item, dtype=dtype, device=device)
-    out = [buf[o // item:o // item + t.numel()].view(t.shape) for o, t in zip(offsets, tensors)]
-    _copy_all(out, views)
+    out = [buf[o // item:o // item + t.numel()].view(t.shape) for o, t in zip(offsets, sources)]
+    _copy_all(out, sources)
     return out
 
 

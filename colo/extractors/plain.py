@@ -19,7 +19,7 @@ from colo.core.buckets import ALIGN, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.errors import UnknownTensor
-from colo.zero_copy import convert_from_host
+from colo.zero_copy import convert_from_host, convert_run, device_view
 
 DTypeLike = torch.dtype | str | None
 
@@ -121,6 +121,8 @@ class PlainExtractor:
         self.upload_to = None if upload_to is None else torch.device(upload_to)
         self._engine_to_source: dict[str, str] = {}
         self._specs: dict[str, TensorSpec] = {}
+        #: engine name -> (host tensor's address, numel, dtype, device; its device view)
+        self._views: dict[str, tuple[tuple, torch.Tensor]] = {}
         aliases = second_names(source) if isinstance(source, torch.nn.Module) else set()
         for src_name, t in self._tensors().items():
             if src_name in aliases:
@@ -169,32 +171,51 @@ class PlainExtractor:
                 raise UnknownTensor(f"{self.kind} extractor: {src_name!r} is no longer in the source "
                                f"(it was there when the extractor was built)")
             sources.append((name, src_name, t))
-        converted = self._convert_from_host(sources)
+        converted = self._convert_batch(sources)
         for name, src_name, t in sources:
             out = converted.get(name)
             yield name, check_against_spec(f"{self.kind} extractor", name,
                                            out if out is not None else self._full(src_name, t), self._specs[name])
 
-    def _convert_from_host(self, sources: list[tuple[str, str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The request's pinned host tensors that are due for a conversion, converted on
-        the device in one batch (:func:`colo.zero_copy.convert_from_host`): a few
-        kernels that read the host bytes in place, instead of an upload, a
-        conversion and an allocation per tensor; the results lie back to back at
-        the planner's alignment, so the pack moves them as one run. Empty off the
-        GPU or when nothing qualifies (those tensors take :meth:`_full`)."""
-        if self.device is None or self.device.type != "cuda":
-            return {}
-        due = [(name, t) for name, _, t in sources
-               if t.device.type == "cpu" and engine_dtype_of(t.dtype, self.dtype) != t.dtype]
+    def _convert_batch(self, sources: list[tuple[str, str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The request's tensors that are due for a conversion on a GPU, converted in one
+        batch (:func:`colo.zero_copy.convert_run`): pinned host tensors read in place by
+        the kernel (:func:`colo.zero_copy.device_view`), device tensors where they are;
+        one buffer and one multi-tensor copy instead of an upload, a conversion and an
+        allocation per tensor, and the results lie back to back at the planner's
+        alignment, so the pack moves them as one run. Empty when nothing qualifies
+        (those tensors take :meth:`_full`)."""
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-        for name, t in due:
-            by_dtype.setdefault(engine_dtype_of(t.dtype, self.dtype), []).append((name, t))
+        for name, _, t in sources:
+            target = engine_dtype_of(t.dtype, self.dtype)
+            if target == t.dtype or _is_dtensor(t):
+                continue  # nothing to convert; a shard is gathered first (a subclass's _full)
+            where = self.device if self.device is not None else t.device
+            if where.type != "cuda":
+                continue
+            src = t.detach() if t.device == where else self._device_view(name, t.detach(), where)
+            if src is not None:
+                by_dtype.setdefault(target, []).append((name, src))
         out: dict[str, torch.Tensor] = {}
         for target, group in by_dtype.items():
-            done = convert_from_host([t.detach() for _, t in group], target, self.device, ALIGN)
-            if done is not None:
-                out.update(zip((name for name, _ in group), done))
+            device = group[0][1].device
+            done = convert_run([t for _, t in group], target, device, ALIGN)
+            out.update(zip((name for name, _ in group), done))
         return out
+
+    def _device_view(self, name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """A device view of pinned host tensor ``t`` (None: upload it instead), kept while
+        ``t`` is the same memory: a host backup that stays allocated from pause to pause
+        (torch_memory_saver's retained backup, flat weights' pinned copy) is viewed once,
+        not every sync (about 25 us a view)."""
+        key = (t.data_ptr(), t.numel(), t.dtype, device)
+        held = self._views.get(name)
+        if held is not None and held[0] == key:
+            return held[1]
+        view = device_view(t, device)
+        if view is not None:
+            self._views[name] = (key, view)
+        return view
 
 
 def second_names(module: torch.nn.Module) -> set[str]:
