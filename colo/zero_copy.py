@@ -80,11 +80,12 @@ def convert_run(sources: list[torch.Tensor], dtype: torch.dtype, device: torch.d
         end += -(-t.numel() * item // align) * align
     buf = torch.empty(end // item, dtype=dtype, device=device)
     out = [buf[o // item:o // item + t.numel()].view(t.shape) for o, t in zip(offsets, sources)]
-    _copy_all(out, sources)
+    copy_all(out, sources)
     return out
 
 
-def _copy_all(dst: list[Any], src: list[Any]) -> None:
+def copy_all(dst: list[Any], src: list[Any]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, converting dtypes, in as few launches as torch allows."""
     # One fused launch for many small tensors (each a few µs of launch otherwise);
     # torch's private foreach copy converts dtypes on its fast path. Any refusal of
     # it (an older torch) falls back to one copy per tensor, same bytes.

@@ -110,3 +110,25 @@ def test_keep_staging_bytes_is_checked():
     for bad in (-1, 1.5, True, "64"):
         with pytest.raises(ValueError, match="keep_staging_bytes must be a non-negative int"):
             make_transport("packed", keep_staging_bytes=bad)
+
+
+def test_a_run_already_in_the_buffer_is_not_copied_again():
+    """An extractor that wrote a bucket's tensors straight into the staging buffer (its
+    typed views at the bucket's offsets) leaves pack nothing to copy; the bytes are
+    the bucket's, and a source elsewhere is still copied beside them."""
+    from colo.core.buckets import plan_buckets, spec
+    from colo.transports.packed import pack_into
+
+    specs = [spec("a", (3, 5), "float32"), spec("b", (7,), "float32"), spec("c", (2, 2), "float32")]
+    (bucket,) = plan_buckets(specs, 1 << 20)
+    flat = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    views = {e.spec.name: flat[e.start:e.end].view(torch.float32).view(e.spec.shape) for e in bucket.entries}
+    want = {s.name: torch.randn(s.shape) for s in specs}
+    for n in ("a", "b"):
+        views[n].copy_(want[n])  # written in place, as the extractor would
+    before = flat.clone()
+    pack_into(flat, bucket, [("a", views["a"]), ("b", views["b"]), ("c", want["c"])])
+    for e in bucket.entries:
+        assert torch.equal(flat[e.start:e.end].view(torch.float32).view(e.spec.shape), want[e.spec.name])
+    c = next(e for e in bucket.entries if e.spec.name == "c")
+    assert torch.equal(flat[:c.start], before[:c.start])  # the in-place run untouched

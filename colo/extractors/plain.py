@@ -19,7 +19,7 @@ from colo.core.buckets import ALIGN, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.errors import UnknownTensor
-from colo.zero_copy import convert_from_host, convert_run, device_view
+from colo.zero_copy import convert_from_host, convert_run, copy_all, device_view
 
 DTypeLike = torch.dtype | str | None
 
@@ -155,13 +155,28 @@ class PlainExtractor:
     def specs(self) -> Sequence[TensorSpec]:
         return list(self._specs.values())
 
-    def extract(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    #: ``extract(names, into)`` writes conversions into the caller's tensors
+    extracts_into = True
+
+    @property
+    def source_device(self) -> torch.device | None:
+        """Where the source tensors lie (a module's first parameter, a mapping's first value)."""
+        src = self._source
+        first = next(iter(src.parameters()), None) if isinstance(src, torch.nn.Module) \
+            else next(iter(src.values()), None)
+        return None if first is None else first.device
+
+    def extract(self, names: Sequence[str], into: Mapping[str, torch.Tensor] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor in the engine dtype)`` for each name, in order. ``into``:
+        where the caller wants some results (a staging buffer's typed views, by name):
+        a tensor converted on a GPU is written there and yielded as that tensor."""
         # Checked here, not inside the generator: a bad request fails at the
         # call, on every rank, before anything is gathered.
         names = check_request(names, self._engine_to_source, f"{self.kind} extractor")
-        return self._extract(names)
+        return self._extract(names, into or {})
 
-    def _extract(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _extract(self, names: list[str], into: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = self._tensors()
         sources = []
         for name in names:
@@ -171,13 +186,14 @@ class PlainExtractor:
                 raise UnknownTensor(f"{self.kind} extractor: {src_name!r} is no longer in the source "
                                f"(it was there when the extractor was built)")
             sources.append((name, src_name, t))
-        converted = self._convert_batch(sources)
+        converted = self._convert_batch(sources, into)
         for name, src_name, t in sources:
             out = converted.get(name)
             yield name, check_against_spec(f"{self.kind} extractor", name,
                                            out if out is not None else self._full(src_name, t), self._specs[name])
 
-    def _convert_batch(self, sources: list[tuple[str, str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _convert_batch(self, sources: list[tuple[str, str, torch.Tensor]],
+                       into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The request's tensors that are due for a conversion on a GPU, converted in one
         batch (:func:`colo.zero_copy.convert_run`): pinned host tensors read in place by
         the kernel (:func:`colo.zero_copy.device_view`), device tensors where they are;
@@ -199,7 +215,13 @@ class PlainExtractor:
         out: dict[str, torch.Tensor] = {}
         for target, group in by_dtype.items():
             device = group[0][1].device
-            done = convert_run([t for _, t in group], target, device, ALIGN)
+            dests = [into.get(name) for name, _ in group]
+            if all(d is not None and d.device == device and d.dtype == target and d.shape == t.shape
+                   for d, (_, t) in zip(dests, group)):
+                copy_all(dests, [t for _, t in group])  # straight into the caller's buffer
+                done = dests
+            else:
+                done = convert_run([t for _, t in group], target, device, ALIGN)
             out.update(zip((name for name, _ in group), done))
         return out
 

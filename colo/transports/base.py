@@ -148,6 +148,12 @@ class BucketSender:
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
         raise NotImplementedError
 
+    def _destinations(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> dict | None:
+        """Where in slot ``slot`` each whole tensor of ``bucket`` goes, for an extractor
+        that can write its results there itself (``extract(names, into)``); None: the
+        extractor makes its own tensors and ``_pack`` copies them."""
+        return None
+
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
         raise NotImplementedError
 
@@ -205,10 +211,12 @@ class BucketSender:
         # Off the event loop: the engine's acknowledgement of the previous
         # bucket must be read while this one is being gathered and packed.
         stream = self._upload_stream(getattr(extractor, "device", None))
+        into = self._destinations(extractor, bucket, slot, ctx)
+        args = (names,) if into is None else (names, into)
 
         def gather() -> list:
             if stream is None:
-                return list(extractor.extract(names))
+                return list(extractor.extract(*args))
             # Uploads and conversions of bucket i+1 run on the sender's own
             # stream, while the engine loads bucket i; pack follows on the same
             # stream, so it sees them in order.
@@ -217,7 +225,7 @@ class BucketSender:
                 # step, a weight update): a side stream does not wait for it by itself,
                 # and a gather could read the weights half-written
                 stream.wait_stream(torch.cuda.default_stream(stream.device))
-                return list(extractor.extract(names))
+                return list(extractor.extract(*args))
 
         fresh = gather() if self._inline else await anyio.to_thread.run_sync(gather)
         ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), time.perf_counter() - t0)

@@ -72,9 +72,12 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     source buffer, at the same distances as in the bucket, go as one copy."""
     check_bucket_tensors(bucket, tensors)
     for start, end, src in source_runs(bucket, tensors):
+        dst = flat[start:end]
+        if src.device == dst.device and src.data_ptr() == dst.data_ptr():
+            continue  # the extractor wrote it in place (PackedTransport._destinations)
         # Straight from a pinned host copy into the device buffer: one upload,
         # no intermediate device tensor; queued, and settled once per bucket.
-        flat[start:end].copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
+        dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
     return bucket.payload_bytes
 
 
@@ -253,6 +256,8 @@ class PackedTransport(BucketSender):
         #: pack, e.g. to measure the packed path against it)
         self.one_copy = one_copy
         self._slots: list[_Slot | None] = [None, None]
+        #: (slot id, bucket index) -> (the laid bucket, the slot, its typed views by name)
+        self._dests: dict[tuple[int, int], tuple[Bucket, _Slot, dict]] = {}
         self._layout: dict[int, Bucket] = {}
         self._cap = 0
         self._cuda = False
@@ -322,6 +327,30 @@ class PackedTransport(BucketSender):
         self._cap = max(b.nbytes for b in self._layout.values())
         if any(s is not None and s.nbytes != self._cap for s in self._slots):
             await self._free_kept(engine)  # another bucket size: new buffers
+
+    def _destinations(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> dict | None:
+        """Typed views of the slot at the bucket's offsets, one per whole tensor, for an
+        extractor that converts on a GPU (``extracts_into``): its conversion kernels
+        write the engine's bytes straight into the staging buffer, so there is neither
+        a buffer of converted tensors to allocate (a cudaMalloc after every trainer
+        offload) nor a pack copy (one copy-engine pass, slow while the driver clears a
+        released KV pool). The views are made once per slot and bucket layout."""
+        if self.align != PADDED or not getattr(extractor, "extracts_into", False):
+            return None
+        device = getattr(extractor, "upload_to", None) or getattr(extractor, "device", None) \
+            or getattr(extractor, "source_device", None)
+        if device is None or torch.device(device).type != "cuda":
+            return None
+        s = self._slot(slot, ctx, torch.device(device))
+        laid = self._layout[bucket.index]
+        key = (id(s), bucket.index)
+        held = self._dests.get(key)
+        if held is not None and held[0] is laid and held[1] is s:
+            return held[2]
+        views = {e.spec.name: s.tensor[e.start:e.end].view(getattr(torch, e.spec.dtype)).view(e.spec.shape)
+                 for e in laid.entries if e.whole}
+        self._dests[key] = (laid, s, views)
+        return views
 
     def _slot(self, i: int, ctx: SyncContext, device: Any) -> _Slot:
         s = self._slots[i]
@@ -412,6 +441,7 @@ class PackedTransport(BucketSender):
             else:
                 s.close()
                 self._slots[i] = None
+        self._dests = {k: v for k, v in self._dests.items() if v[1] in self._slots}
         self._collect()
 
     def _collect(self) -> None:
@@ -436,6 +466,7 @@ class PackedTransport(BucketSender):
             if s is not None:
                 s.close()
                 self._slots[i] = None
+        self._dests = {}
         self._collect()
 
     async def abort(self) -> None:
