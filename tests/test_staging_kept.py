@@ -132,3 +132,46 @@ def test_a_run_already_in_the_buffer_is_not_copied_again():
         assert torch.equal(flat[e.start:e.end].view(torch.float32).view(e.spec.shape), want[e.spec.name])
     c = next(e for e in bucket.entries if e.spec.name == "c")
     assert torch.equal(flat[:c.start], before[:c.start])  # the in-place run untouched
+
+
+def test_the_engine_keeps_a_kept_buffers_views_until_it_lets_go_of_the_buffer():
+    """A buffer its sender keeps is viewed once per layout on the engine: the same views
+    sync after sync, reading each sync's bytes; a layout change makes new ones; an
+    ordinary end of sync keeps the mapping, ``release(kept=True)`` drops it; a buffer
+    not marked kept is viewed anew every time."""
+    import json
+
+    from colo.core.buckets import plan_buckets, spec
+    from colo.handles import ShmSegment
+    from colo.transports.packed import PackedReceiver, pack_into
+    from colo.transports.wire import TensorMeta
+
+    receiver = PackedReceiver()
+    seg = ShmSegment.create(1024)
+    try:
+        def request(shape, value, *, keep=True):
+            (bucket,) = plan_buckets([spec("x", shape, "float32")], 1024)
+            pack_into(seg.tensor, bucket, [("x", value)])
+            handle = {**seg.handle(), "keep": True} if keep else seg.handle()
+            return json.loads(json.dumps({"handle": handle,
+                                          "tensors": [m.to_json() for m in TensorMeta.of_bucket(bucket)]}))
+
+        a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        with receiver.receive(request((2, 3), a)) as first:
+            assert torch.equal(first[0][1], a)
+        receiver.release()  # the end of a sync: a kept buffer stays mapped
+        with receiver.receive(request((2, 3), a + 1)) as again:
+            assert again is first and torch.equal(again[0][1], a + 1)  # the same views, the new bytes
+        with receiver.receive(request((3, 2), a.reshape(3, 2))) as other:
+            assert other is not first and tuple(other[0][1].shape) == (3, 2)
+        receiver.release(kept=True)  # drop_handles: the engine lets go
+        with receiver.receive(request((3, 2), a.reshape(3, 2))) as fresh:
+            assert fresh is not other and torch.equal(fresh[0][1], a.reshape(3, 2))
+        receiver.release(kept=True)
+        with receiver.receive(request((3, 2), a.reshape(3, 2), keep=False)) as plain1:
+            pass
+        with receiver.receive(request((3, 2), a.reshape(3, 2), keep=False)) as plain2:
+            assert plain2 is not plain1
+    finally:
+        receiver.close()
+        seg.close()
