@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -29,6 +29,26 @@ case "${1:-tests}" in
     ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cuda_memory.py tests/test_staging_pipeline.py tests/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    ;;
+  small)  # issue 18's demo-model target: the demo's own syncs (transfer_s, verification beside it) in one
+    # 512 MiB bucket and in the default 1 MiB buckets, both source plans, every sync verified; and one
+    # timeline of the host path (bench/sync_timeline.py) for where the time goes
+    for plan in offload-first sync-first; do
+      for b in 512 1; do
+        python3 -m colo.cli demo --device cuda --quiet --steps 12 --verify every --plan $plan --bucket-mib $b \
+          --trace "$OUT/small-$plan-$b.jsonl" > /tmp/small.log 2>&1 || { echo "demo $plan $b failed"; tail -5 /tmp/small.log; }
+        python3 -c "
+import json, statistics as st, sys
+e = [json.loads(l) for l in open(sys.argv[1])]
+s = [x for x in e if x['event'] == 'sync.finished'][1:]
+t = sorted(x['transfer_s'] * 1e3 for x in s); v = [x['verify_s'] * 1e3 for x in s]
+print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} min {t[0]:.2f} max {t[-1]:.2f} over {len(t)} syncs '
+      f'(first sync excluded); verify ms median {st.median(v):.1f}; failed phases {sum(x[\"event\"] == \"phase.failed\" for x in e)}')
+" "$OUT/small-$plan-$b.jsonl" $plan $b
+      done
+    done
+    python3 bench/sync_timeline.py "$OUT/small-timeline.json" -- --device cuda --steps 12 --verify none --quiet \
+      --bucket-mib 512 --trace /tmp/small-timeline.jsonl | grep "^sync" | tail -3 | cut -c1-200
     ;;
   demos)
     demo gpu-demo --steps 8

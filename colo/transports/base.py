@@ -138,7 +138,7 @@ class BucketSender:
         self._carry: dict[str, Any] = {}
         #: (specs, bucket_bytes, buckets) of the last sync
         self._plan_cache: tuple[list, int, list[Bucket]] | None = None
-        #: gather and pack on the event loop (a one-bucket sync on a GPU), not in a thread
+        #: gather and pack on the event loop (one or small buckets on a GPU), not in a thread
         self._inline = False
 
     # -- hooks ---------------------------------------------------------------
@@ -172,11 +172,13 @@ class BucketSender:
         buckets = self._buckets(specs, ctx.bucket_bytes)
         self._engine = engine
         self._carry = {}
-        # One bucket on a GPU: nothing to overlap its gather and pack with, and both
-        # only queue device work, so they run here instead of hopping to a worker
-        # thread and back (about 0.3 ms a hop on an H100 host: a small model's sync
-        # is mostly such fixed costs, issue 18).
-        self._inline = len(buckets) == 1 and _gpu_process()
+        # On a GPU a gather and a pack only queue device work. For one bucket there is
+        # nothing to overlap them with, and a small bucket's take a fraction of a
+        # millisecond of host time, less than the hop to a worker thread and back
+        # (about 0.3 ms on an H100 host) that would keep the event loop free to read
+        # the previous bucket's acknowledgement meanwhile: a small model's sync is
+        # mostly such fixed costs (issue 18). Large buckets keep the hop.
+        self._inline = _gpu_process() and (len(buckets) == 1 or max(b.nbytes for b in buckets) <= INLINE_BYTES)
         # The engine checks every name, shape and dtype before the first byte moves.
         await engine.preflight(specs)
         try:
@@ -279,9 +281,18 @@ class BucketSender:
 
 
 def _gpu_process() -> bool:
-    """This process drives a GPU (its CUDA context exists): device work is queued, not done."""
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    """This process drives a GPU (its CUDA context exists: device work is queued, not
+    done) and no other rank: a rank's gather takes part in collectives with the others,
+    which stay off the event loop as they were measured on two GPUs."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    import torch.distributed as dist
 
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+#: a bucket this small is gathered and packed on the event loop, on a GPU
+INLINE_BYTES = 32 << 20
 
 #: how long a sender polls a CUDA event from the event loop before it waits in a
 #: thread: a small bucket's copies finish within it, and a poll costs microseconds
