@@ -239,13 +239,15 @@ class PackedTransport(BucketSender):
     name = "packed"
 
     def __init__(self, *, pipelined: bool = True, align: int = PADDED, one_copy: bool = True,
-                 keep_staging_bytes: int = KEEP_STAGING_BYTES):
+                 keep_staging_bytes: int | None = None):
         super().__init__(pipelined=pipelined)
-        if isinstance(keep_staging_bytes, bool) or not isinstance(keep_staging_bytes, int) \
-                or keep_staging_bytes < 0:
-            raise ValueError(f"keep_staging_bytes must be a non-negative int, got {keep_staging_bytes!r}")
+        if keep_staging_bytes is not None and (isinstance(keep_staging_bytes, bool)
+                                               or not isinstance(keep_staging_bytes, int) or keep_staging_bytes < 0):
+            raise ValueError(f"keep_staging_bytes must be a non-negative int or None, got {keep_staging_bytes!r}")
         #: staging buffers are kept from sync to sync while both together take at most
-        #: this much (0: freed after every sync)
+        #: this much (0: freed after every sync); None: KEEP_STAGING_BYTES on a GPU and
+        #: 0 on the CPU, where a buffer is a /dev/shm file that would outlive a sender
+        #: killed between syncs (a GPU buffer goes with its process)
         self.keep_staging_bytes = keep_staging_bytes
         if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise ValueError(f"align must be a positive power of two, got {align!r}")
@@ -360,7 +362,10 @@ class PackedTransport(BucketSender):
         if s is not None and s.device != device:
             raise RuntimeError(f"packed: staging slot {i} is on {s.device}, this bucket's tensors on {device}")
         if s is None:
-            kept = 2 * self._cap <= self.keep_staging_bytes
+            limit = self.keep_staging_bytes
+            if limit is None:
+                limit = KEEP_STAGING_BYTES if device.type == "cuda" else 0
+            kept = 2 * self._cap <= limit
             self._slots[i] = s = _Slot(self._cap, ctx, device, kept=kept)
             self._cuda = self._cuda or device.type == "cuda"
         elif not s.staged.counted:  # kept from the last sync
