@@ -195,29 +195,22 @@ def _probe_upload(trainer: Any) -> None:
             host.append(st["flat"][off:off + t.numel()])
             off += t.numel()
 
+    from upload_probe import event_ms  # bench/ is this script's folder
+
+    from colo.zero_copy import device_view
+
     def timed(label: str, fn: Any, out: dict) -> Any:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(s):
-            e0.record(s)
-            keep = fn()
-            e1.record(s)
-        e1.synchronize()
-        out[label] = round(e0.elapsed_time(e1), 3)
+        ms, keep = event_ms(s, fn)
+        out[label] = round(ms, 3)
         return keep
 
     out: dict = {"nvml_before": _nvml()}
-
-    class _Mapped:
-        # a CUDA view of pinned host bytes (UVA: the host address is the device address)
-        def __init__(self, t: Any):
-            self.__cuda_array_interface__ = {"shape": (t.numel(),), "typestr": "<f4", "data": (t.data_ptr(), False),
-                                             "version": 3, "strides": None}
-
-    mapped = [torch.as_tensor(_Mapped(t), device="cuda") for t in host]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    mapped = [device_view(t, dev).view(-1) for t in host]
     dst = [torch.empty(t.numel(), dtype=torch.bfloat16, device="cuda") for t in host]
     timed("zero_copy_foreach_convert_cold_ms", lambda: torch._foreach_copy_(dst, mapped), out)
     timed("zero_copy_foreach_convert_again_ms", lambda: torch._foreach_copy_(dst, mapped), out)
-    out["zero_copy_exact"] = all(torch.equal(d.cpu(), h.to(torch.bfloat16)) for d, h in zip(dst, host))
+    out["zero_copy_exact"] = all(torch.equal(d.cpu(), h.reshape(-1).to(torch.bfloat16)) for d, h in zip(dst, host))
     up = lambda: [t.to("cuda", non_blocking=True) for t in host]  # noqa: E731
     dev = timed("per_tensor_upload_ms", up, out)
     timed("per_tensor_upload_again_ms", up, out)

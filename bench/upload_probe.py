@@ -27,6 +27,17 @@ def demo_sizes() -> list[int]:
     return [p.numel() for p in build_trainer_model(demo_model_config("demo"), 0).parameters()]
 
 
+def event_ms(stream, fn):
+    """``(GPU milliseconds of what fn queues on stream, fn's result)``, timed with CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        a.record(stream)
+        keep = fn()
+        b.record(stream)
+    b.synchronize()
+    return a.elapsed_time(b), keep
+
+
 def gpu_ms(fn, reps: int = 5, fresh: bool = False) -> float:
     s = torch.cuda.Stream()
     out = []
@@ -35,15 +46,10 @@ def gpu_ms(fn, reps: int = 5, fresh: bool = False) -> float:
             # what the sync meets after the trainer's offload: an empty allocator cache
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(s):
-            a.record(s)
-            keep = fn()
-            b.record(s)
-        b.synchronize()
+        ms, keep = event_ms(s, fn)
         del keep
         if i:
-            out.append(a.elapsed_time(b))
+            out.append(ms)
     return statistics.median(out)
 
 
