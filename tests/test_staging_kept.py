@@ -180,3 +180,80 @@ def test_the_engine_keeps_a_kept_buffers_views_until_it_lets_go_of_the_buffer():
     finally:
         receiver.close()
         seg.close()
+
+
+async def test_kept_buffers_survive_a_refused_sync_and_abort_frees_them(small_engine):
+    """A sync the engine refuses (a shape it cannot take) leaves the kept buffers kept and
+    the next sync exact; the scheduler's abort after a failure frees them, the engine
+    having let go first, and a later sync makes new ones."""
+    client, config = small_engine
+    engine = Counting(client)
+    transport = make_transport("packed", keep_staging_bytes=KEEP)
+    try:
+        await sync(transport, engine, state_of(config, 1), 1)
+        kept = leftover_segments()
+        assert len(kept) == 2
+        grown = state_of(config, 2)
+        grown["lm_head.weight"] = torch.zeros(config.vocab_size + 1, config.hidden_size)
+        with pytest.raises(Exception, match="wrong shape"):
+            await sync(transport, engine, grown, 2)
+        assert leftover_segments() == kept  # refused before a byte moved: the buffers stay
+        state = state_of(config, 3)
+        await sync(transport, engine, state, 3)
+        assert await client.digest() == expected_digest(state, config, torch.float32)
+        assert leftover_segments() == kept and engine.ops == []
+        await transport.abort()
+        assert leftover_segments() == [] and engine.ops == ["drop_handles"]
+        state = state_of(config, 4)
+        await sync(transport, engine, state, 4)
+        assert await client.digest() == expected_digest(state, config, torch.float32)
+        assert len(leftover_segments()) == 2 and not set(leftover_segments()) & set(kept)
+    finally:
+        await transport.aclose()
+
+
+async def test_a_new_engine_opens_the_kept_buffers_afresh(tmp_path):
+    """The engine died between syncs (its mappings with it); a new engine process is sent
+    the same kept buffers and loads them exactly."""
+    from colo.engine.client import EngineClient
+    from colo.models import demo_config
+    from tests.conftest import SMALL_CFG
+
+    config = demo_config(**SMALL_CFG)
+    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
+             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
+    transport = make_transport("packed", keep_staging_bytes=KEEP)
+    first = await EngineClient.spawn(build)
+    second = None
+    try:
+        await sync(transport, first, state_of(config, 1), 1)
+        kept = leftover_segments()
+        first.kill()
+        await first.aclose()
+        second = await EngineClient.spawn(build)
+        state = state_of(config, 2)
+        await sync(transport, second, state, 2)
+        assert await second.digest() == expected_digest(state, config, torch.float32)
+        assert leftover_segments() == kept
+    finally:
+        await transport.aclose()
+        for engine in (first, second):
+            if engine is not None:
+                await engine.aclose()
+
+
+def test_convert_run_lays_results_out_as_the_planner_pads_them():
+    """One buffer, each result at the next 16-byte boundary in order (so a pack moves the
+    run in one copy), converted with the same rounding as a per-tensor ``to``; off the
+    GPU a host tensor has no device view."""
+    from colo.core.buckets import plan_buckets, spec
+    from colo.zero_copy import convert_run, device_view
+
+    src = [torch.randn(3), torch.randn(5, 7), torch.randn(1000)]
+    out = convert_run(src, torch.bfloat16, torch.device("cpu"), 16)
+    for got, want in zip(out, src):
+        assert got.shape == want.shape and torch.equal(got, want.to(torch.bfloat16))
+    (bucket,) = plan_buckets([spec(f"t{i}", t.shape, "bfloat16") for i, t in enumerate(src)], 1 << 20)
+    base = out[0].data_ptr()
+    assert [o.data_ptr() - base for o in out] == [e.start for e in bucket.entries]
+    assert device_view(torch.randn(4), torch.device("cpu")) is None
