@@ -153,11 +153,11 @@ def _install_gpu_marks(packed: Any) -> None:
         else:
             real_wait(self, other)
 
-    def queue_pack(flat: Any, bucket: Any, tensors: Any, stream: Any = None) -> Any:
+    def queue_pack(flat: Any, bucket: Any, tensors: Any, stream: Any = None, **kw: Any) -> Any:
         if stream is None or not flat.is_cuda:
-            return real_queue(flat, bucket, tensors, stream)
+            return real_queue(flat, bucket, tensors, stream, **kw)
         mark(stream, f"pack{bucket.index}.queued")
-        done = real_queue(flat, bucket, tensors, stream)
+        done = real_queue(flat, bucket, tensors, stream, **kw)
         mark(stream, f"pack{bucket.index}.copied")
         return done
 

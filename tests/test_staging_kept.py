@@ -257,3 +257,20 @@ def test_convert_run_lays_results_out_as_the_planner_pads_them():
     base = out[0].data_ptr()
     assert [o.data_ptr() - base for o in out] == [e.start for e in bucket.entries]
     assert device_view(torch.randn(4), torch.device("cpu")) is None
+
+
+def test_a_bucket_marked_in_place_is_not_walked_or_copied():
+    """queue_pack(in_place=True): the caller vouches that every tensor is already the
+    buffer's own view at its entry; nothing is copied (even a tensor that is not, here
+    on purpose, so the test can see that no copy ran)."""
+    from colo.core.buckets import plan_buckets, spec
+    from colo.transports.packed import queue_pack
+
+    specs = [spec("a", (4, 4), "float32"), spec("b", (9,), "float32")]
+    (bucket,) = plan_buckets(specs, 1 << 20)
+    flat = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    elsewhere = [("a", torch.ones(4, 4)), ("b", torch.ones(9))]
+    assert queue_pack(flat, bucket, elsewhere, None, in_place=True) is None
+    assert int(flat.count_nonzero()) == 0
+    queue_pack(flat, bucket, elsewhere, None)
+    assert int(flat.count_nonzero()) > 0

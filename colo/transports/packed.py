@@ -22,6 +22,7 @@ buckets as above.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -122,7 +123,8 @@ def entry_bytes(t: Any, e: Any) -> Any:
     return flat if e.whole else flat[e.offset:e.offset + e.nbytes]
 
 
-def queue_pack(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]], stream: Any = None) -> Any:
+def queue_pack(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]], stream: Any = None, *,
+               in_place: bool = False) -> Any:
     """Queue the copies of one bucket into ``flat``; return an event recorded after
     them on ``stream``, or None when the copies are already done (off the GPU, or
     with no upload stream: then the device is synchronised here).
@@ -131,17 +133,26 @@ def queue_pack(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]], st
     what produced the tensors, and the caller waits only for that stream's work,
     through the event, not for the whole device. Returning before the copies
     finish is what keeps the copy engine busy: the next bucket's upload is queued
-    behind this one while this one is still moving (issue 18)."""
+    behind this one while this one is still moving (issue 18).
+
+    ``in_place``: the caller knows every tensor already lies in ``flat`` at its
+    entry (the extractor wrote it there): nothing is copied, and the event still
+    follows what wrote them. Working that out per tensor (a byte view of each, the
+    runs) was most of a small bucket's host time."""
     if stream is None or not flat.is_cuda:
-        pack_into(flat, bucket, tensors)
+        if not in_place:
+            pack_into(flat, bucket, tensors)
         if flat.is_cuda:
             torch.cuda.synchronize(flat.device)
         return None
     stream.wait_stream(torch.cuda.current_stream(flat.device))
     with torch.cuda.stream(stream):
-        pack_into(flat, bucket, tensors)
+        if not in_place:
+            pack_into(flat, bucket, tensors)
         done = torch.cuda.Event()
         done.record(stream)
+    if in_place:
+        return done  # the slot's own views: nothing the allocator could hand out meanwhile
     # The caller drops the sources when this returns, before the queued copies have
     # read them. A source made on another stream (an extractor without an upload
     # device gathers on the default stream) would go back to that stream's pool, and
@@ -382,10 +393,15 @@ class PackedTransport(BucketSender):
         t0 = time.perf_counter()
         laid = self._layout[bucket.index]
         stream = self._upload_stream(device)
+        # every tensor the slot's own view at its entry (gathered in place): nothing to copy
+        dests = self._dests.get((id(s), bucket.index))
+        in_place = dests is not None and dests[1] is s and len(dests[2]) == len(tensors) == len(laid.entries) \
+            and all(dests[2].get(name) is t for name, t in tensors)
         if self._inline:
-            done = queue_pack(s.tensor, laid, tensors, stream)
+            done = queue_pack(s.tensor, laid, tensors, stream, in_place=in_place)
         elif self.pipelined:
-            done = await anyio.to_thread.run_sync(queue_pack, s.tensor, laid, tensors, stream)
+            done = await anyio.to_thread.run_sync(functools.partial(queue_pack, in_place=in_place),
+                                                  s.tensor, laid, tensors, stream)
         else:
             # serial (slime's way): nothing is queued behind this bucket, so it is
             # waited for where it was queued, in one thread hop
