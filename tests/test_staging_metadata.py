@@ -1,6 +1,7 @@
 """Bucket metadata cached across syncs (issue 18): names, shapes, dtypes and offsets
 do not change between steps, so after the first sync a request names its bucket's
-layout by key and the spec list goes as its key, on begin_load. A changed layout is
+layout by key, and the spec list goes as its key with the sync's begin, which
+rides on its first load. A changed layout is
 sent whole and replaces the cached one; a key the engine does not hold is refused,
 naming both keys, and never read through an old layout; a shape the engine cannot
 take is refused naming the tensor and both shapes, before a byte is written.
@@ -31,17 +32,17 @@ BUCKET = 16 << 10
 
 
 class Recording:
-    """The real client; every request it sends is kept as it went (JSON)."""
+    """The real client; every request it puts on the wire is kept as it went (JSON)."""
 
     def __init__(self, client, monkeypatch):
         self.client, self.sent = client, []
-        real = client.call
+        real = client._ch.request
 
-        async def call(op, *, on_sent=None, **fields):
+        async def request(op, *, on_sent=None, **fields):
             self.sent.append((op, json.loads(json.dumps(fields))))
             return await real(op, on_sent=on_sent, **fields)
 
-        monkeypatch.setattr(client, "call", call)
+        monkeypatch.setattr(client._ch, "request", request)
 
     def __getattr__(self, name):
         return getattr(self.client, name)
@@ -85,7 +86,14 @@ async def later_requests_name_their_layout_by_key(engine, client, config, name):
             sent = engine.take()
             loads = [f["request"] for op, f in sent if op == "transport_load"]
             preflights = [f for op, f in sent if op == "preflight"]
-            (begin,) = [f for op, f in sent if op == "begin_load"]
+            # one begin a sync, before the first load: it rides on that load, unless another
+            # request goes first (the first broadcast sync's transport_init builds the group)
+            begins = [f for op, f in sent if op == "begin_load" or (op == "transport_load" and f.get("begin_load"))]
+            first_load = next(i for i, (op, _) in enumerate(sent) if op == "transport_load")
+            assert len(begins) == 1 and sent.index(next(x for x in sent if x[1] is begins[0])) <= first_load
+            begin = begins[0]
+            if version > 1:
+                assert sent[first_load][1] is begin  # on the first load, no request of its own
             assert len(loads) == result.buckets > 2
             assert [r["layout"]["bucket"] for r in loads] == list(range(result.buckets))
             if version == 1:  # everything in full, once (the spec list: once per engine)
@@ -97,8 +105,8 @@ async def later_requests_name_their_layout_by_key(engine, client, config, name):
                 assert [r["layout"]["key"] for r in loads] == keys
             if version == 1 and name == "packed":  # the spec list in full, in its own request
                 (preflight,) = preflights
-                assert "specs" in preflight and "preflight_key" not in begin
-            else:  # a list the engine holds: its key rides on begin_load, no request of its own
+                assert "specs" in preflight and begin["preflight_key"] is None
+            else:  # a list the engine holds: its key rides on the begin, no request of its own
                 specs = StateTrainer(state).extractor().specs()
                 assert preflights == [] and begin["preflight_key"] == layout_key(
                     [[s.name, list(s.shape), s.dtype] for s in specs])
@@ -144,8 +152,12 @@ async def an_engine_holding_another_spec_list_gets_the_list_before_it_begins(eng
         state = state_of(config, 2)
         await sync(transport, engine, state, 2)
         assert await client.digest() == expected_digest(state, config, torch.float32)
-        ops = [(op, sorted(f)) for op, f in engine.take() if op in ("preflight", "begin_load")]
-        assert ops == [("begin_load", ["preflight_key"]), ("preflight", ["key", "specs"]), ("begin_load", [])]
+        ops = [(op, sorted(f)) for op, f in engine.take()]
+        # the first load carried the begin and the key and was refused before anything
+        # began; the list went whole, then the begin, then that load again
+        assert [op for op, _ in ops[:4]] == ["transport_load", "preflight", "begin_load", "transport_load"]
+        assert "preflight_key" in ops[0][1] and ops[1][1] == ["key", "specs"] and ops[2][1] == []
+        assert "begin_load" not in ops[3][1]
     finally:
         await transport.aclose()
 

@@ -181,6 +181,9 @@ class EngineClient:
         #: a cached spec list's key that preflight() left for begin_load() to carry: the
         #: engine checks it before it begins, in the same request (one round trip a sync)
         self._preflight_due: str | None = None
+        #: begin_load() was asked for and not yet sent: the sync's first transport_load
+        #: carries it (another round trip saved); any other request sends it first
+        self._begin_due = False
 
     @classmethod
     async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
@@ -294,6 +297,14 @@ class EngineClient:
         self._ch = await AsyncChannel.connect(self.socket_path, self._key)
 
     async def call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        if self._begin_due and op != "begin_load":
+            if op == "transport_load":
+                return await self._load_with_begin(on_sent, fields)
+            await self._send_begin()
+        return await self._call(op, on_sent=on_sent, **fields)
+
+    async def _call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        """One request and its answer, as it goes on the wire."""
         if self.closed:
             raise EngineDied(f"engine client is closed: cannot {op}")
         try:
@@ -421,27 +432,55 @@ class EngineClient:
 
     async def _preflight_whole(self, specs: list, wire: list, key: str) -> None:
         self._preflight = None
-        await self.call("preflight", specs=wire, key=key)
+        await self._call("preflight", specs=wire, key=key)
         self._preflight = (specs, wire, key)
 
     async def begin_load(self) -> None:
-        from colo.transports.wire import is_layout_not_cached
+        """Begin a load: sent with the sync's first ``transport_load`` (or before any other
+        request), carrying the preflight key that :meth:`preflight` left due. Nothing is
+        loaded before the engine has begun and checked the spec list."""
+        self._begin_due = True
 
+    async def _send_begin(self) -> None:
+        """The begin on its own (the next request was not a load)."""
+        from colo.transports.wire import is_preflight_not_cached
+
+        self._begin_due = False
         key, self._preflight_due = self._preflight_due, None
         if key is not None:
             try:
-                await self.call("begin_load", preflight_key=key)
+                await self._call("begin_load", preflight_key=key)
                 return
             except EngineError as e:
-                if not is_layout_not_cached(e):
+                if not is_preflight_not_cached(e):
                     raise
-            # the engine no longer holds that list (it was restarted or rebuilt): it
-            # began nothing; send the list whole, then begin
-            held = self._preflight
-            if held is None:
-                raise RuntimeError("begin_load: a preflight key was due with no spec list behind it")
-            await self._preflight_whole(*held)
-        await self.call("begin_load")
+            await self._resend_preflight()
+        await self._call("begin_load")
+
+    async def _load_with_begin(self, on_sent: Any, fields: dict) -> dict:
+        """The sync's first load, carrying its begin (and the spec list's key). An engine
+        that no longer holds that list began nothing and loaded nothing: the list goes
+        whole, then the begin, then this load again."""
+        from colo.transports.wire import is_preflight_not_cached
+
+        self._begin_due = False
+        key, self._preflight_due = self._preflight_due, None
+        try:
+            return await self._call("transport_load", on_sent=on_sent, begin_load=True, preflight_key=key, **fields)
+        except EngineError as e:
+            if key is None or not is_preflight_not_cached(e):
+                raise
+        await self._resend_preflight()
+        await self._call("begin_load")
+        return await self._call("transport_load", on_sent=on_sent, **fields)
+
+    async def _resend_preflight(self) -> None:
+        # the engine no longer holds the list it was named by key (it was restarted, or
+        # another list replaced it): send it whole
+        held = self._preflight
+        if held is None:
+            raise RuntimeError("begin_load: a preflight key was due with no spec list behind it")
+        await self._preflight_whole(*held)
 
     async def transport_init(self, transport: str, init_info: dict) -> None:
         """Build the engine's receiver for ``transport`` (a broadcast receiver joins the group here)."""

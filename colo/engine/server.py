@@ -115,12 +115,12 @@ class EngineServer:
     def op_preflight(self, specs: list[list] | None = None, key: str | None = None) -> dict:
         """Check a sync's (name, shape, dtype) list; ``key`` alone names the last list this
         engine accepted (a list that changed is sent whole again and checked again)."""
-        from colo.transports.wire import LayoutNotCached, layout_key
+        from colo.transports.wire import PreflightNotCached, layout_key
 
         if specs is None:
             if key is None or key != self._preflight_key:
-                raise LayoutNotCached(f"preflight key {key} is not the last spec list this engine accepted "
-                                      f"({self._preflight_key}); send the specs")
+                raise PreflightNotCached(f"preflight key {key} is not the last spec list this engine accepted "
+                                         f"({self._preflight_key}); send the specs")
             return {}
         parsed = []
         for name, shape, dtype in specs:
@@ -154,12 +154,18 @@ class EngineServer:
         self._set_receiver(transport, strategy, strategy.init_info_type.from_json(init_info))
         return {}
 
-    def op_transport_load(self, transport: str, request: dict) -> dict:
+    def op_transport_load(self, transport: str, request: dict, begin_load: bool = False,
+                          preflight_key: str | None = None) -> dict:
         """Receive one request through the transport's receiver and load what it yields.
 
-        Transports whose init info is empty get a receiver on first use."""
+        ``begin_load``: begin the load first (with ``preflight_key``, see
+        :meth:`op_begin_load`): a sync's first load carries its begin, one round trip
+        less per sync. Transports whose init info is empty get a receiver on first use."""
         from colo.transports import get_strategy
         from colo.transports.base import EmptyInitInfo
+
+        if begin_load is True:
+            self.op_begin_load(preflight_key=preflight_key)
 
         receiver = self._receivers.get(transport) if isinstance(transport, str) else None
         if receiver is None:

@@ -258,7 +258,8 @@ class ActorEngineClient(EngineClient):
     async def reconnect(self) -> None:
         """Each request is its own call: there is no connection to renew."""
 
-    async def call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+    async def _call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        # the wire-level request (EngineClient.call adds the deferred begin on top)
         if self.closed:
             raise EngineDied(f"engine actor {self.name} is closed: cannot {op}")
         if self.process.killed:

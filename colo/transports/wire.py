@@ -284,6 +284,11 @@ class LayoutNotCached(RequestError):
     """A request named a bucket layout by its key alone, and the engine does not hold it."""
 
 
+class PreflightNotCached(LayoutNotCached):
+    """A sync named its spec list by key alone, and the engine does not hold that list
+    (it began nothing): the client sends the list whole, then begins."""
+
+
 class LayoutCache:
     """The engine's side: per bucket index, the last layout a request carried in full.
 
@@ -376,4 +381,9 @@ class LayoutMemo:
 def is_layout_not_cached(e: BaseException) -> bool:
     """The engine's refusal of a layout named by key alone, raised in this process or
     answered by an engine process (``EngineError.error_type``)."""
-    return isinstance(e, LayoutNotCached) or getattr(e, "error_type", None) == "LayoutNotCached"
+    return isinstance(e, LayoutNotCached) or getattr(e, "error_type", None) in ("LayoutNotCached", "PreflightNotCached")
+
+
+def is_preflight_not_cached(e: BaseException) -> bool:
+    """The engine's refusal of a spec list named by key alone (see :class:`PreflightNotCached`)."""
+    return isinstance(e, PreflightNotCached) or getattr(e, "error_type", None) == "PreflightNotCached"
