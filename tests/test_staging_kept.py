@@ -81,20 +81,26 @@ async def test_small_staging_is_kept_mapped_and_reused_only_after_every_ack(smal
     assert engine.ops == ["drop_handles"]  # aclose: the engine let go first, then they were freed
 
 
-async def test_a_new_bucket_size_frees_the_kept_buffers_after_the_engine_lets_go(small_engine):
+@pytest.fixture
+async def kept(small_engine):
+    """(client, config, the counting engine, a packed sender that keeps its staging)."""
     client, config = small_engine
-    engine = Counting(client)
     transport = make_transport("packed", keep_staging_bytes=KEEP)
     try:
-        await sync(transport, engine, state_of(config, 1), 1)
-        before = leftover_segments()
-        state = state_of(config, 2)
-        result, budget = await sync(transport, engine, state, 2, bucket=2 * BUCKET)
-        assert await client.digest() == expected_digest(state, config, torch.float32)
-        after = leftover_segments()
-        assert engine.ops == ["drop_handles"] and len(after) == 2 and not set(after) & set(before)
+        yield client, config, Counting(client), transport
     finally:
         await transport.aclose()
+
+
+async def test_a_new_bucket_size_frees_the_kept_buffers_after_the_engine_lets_go(kept):
+    client, config, engine, transport = kept
+    await sync(transport, engine, state_of(config, 1), 1)
+    before = leftover_segments()
+    state = state_of(config, 2)
+    await sync(transport, engine, state, 2, bucket=2 * BUCKET)
+    assert await client.digest() == expected_digest(state, config, torch.float32)
+    after = leftover_segments()
+    assert engine.ops == ["drop_handles"] and len(after) == 2 and not set(after) & set(before)
 
 
 @pytest.mark.parametrize("keep", [2 * BUCKET - 1, None])
@@ -182,34 +188,29 @@ def test_the_engine_keeps_a_kept_buffers_views_until_it_lets_go_of_the_buffer():
         seg.close()
 
 
-async def test_kept_buffers_survive_a_refused_sync_and_abort_frees_them(small_engine):
+async def test_kept_buffers_survive_a_refused_sync_and_abort_frees_them(kept):
     """A sync the engine refuses (a shape it cannot take) leaves the kept buffers kept and
     the next sync exact; the scheduler's abort after a failure frees them, the engine
     having let go first, and a later sync makes new ones."""
-    client, config = small_engine
-    engine = Counting(client)
-    transport = make_transport("packed", keep_staging_bytes=KEEP)
-    try:
-        await sync(transport, engine, state_of(config, 1), 1)
-        kept = leftover_segments()
-        assert len(kept) == 2
-        grown = state_of(config, 2)
-        grown["lm_head.weight"] = torch.zeros(config.vocab_size + 1, config.hidden_size)
-        with pytest.raises(Exception, match="wrong shape"):
-            await sync(transport, engine, grown, 2)
-        assert leftover_segments() == kept  # refused before a byte moved: the buffers stay
-        state = state_of(config, 3)
-        await sync(transport, engine, state, 3)
-        assert await client.digest() == expected_digest(state, config, torch.float32)
-        assert leftover_segments() == kept and engine.ops == []
-        await transport.abort()
-        assert leftover_segments() == [] and engine.ops == ["drop_handles"]
-        state = state_of(config, 4)
-        await sync(transport, engine, state, 4)
-        assert await client.digest() == expected_digest(state, config, torch.float32)
-        assert len(leftover_segments()) == 2 and not set(leftover_segments()) & set(kept)
-    finally:
-        await transport.aclose()
+    client, config, engine, transport = kept
+    await sync(transport, engine, state_of(config, 1), 1)
+    held = leftover_segments()
+    assert len(held) == 2
+    grown = state_of(config, 2)
+    grown["lm_head.weight"] = torch.zeros(config.vocab_size + 1, config.hidden_size)
+    with pytest.raises(Exception, match="wrong shape"):
+        await sync(transport, engine, grown, 2)
+    assert leftover_segments() == held  # refused before a byte moved: the buffers stay
+    state = state_of(config, 3)
+    await sync(transport, engine, state, 3)
+    assert await client.digest() == expected_digest(state, config, torch.float32)
+    assert leftover_segments() == held and engine.ops == []
+    await transport.abort()
+    assert leftover_segments() == [] and engine.ops == ["drop_handles"]
+    state = state_of(config, 4)
+    await sync(transport, engine, state, 4)
+    assert await client.digest() == expected_digest(state, config, torch.float32)
+    assert len(leftover_segments()) == 2 and not set(leftover_segments()) & set(held)
 
 
 async def test_a_new_engine_opens_the_kept_buffers_afresh(tmp_path):
