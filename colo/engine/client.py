@@ -298,9 +298,9 @@ class EngineClient:
 
     async def call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
         if self._begin_due and op != "begin_load":
-            if op == "transport_load":
-                return await self._load_with_begin(on_sent, fields)
-            await self._send_begin()
+            if op == "transport_load":  # the sync's first load carries its begin
+                return await self._with_begin(op, on_sent, fields)
+            await self._with_begin("begin_load", None, {})  # the begin on its own, first
         return await self._call(op, on_sent=on_sent, **fields)
 
     async def _call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
@@ -441,38 +441,24 @@ class EngineClient:
         loaded before the engine has begun and checked the spec list."""
         self._begin_due = True
 
-    async def _send_begin(self) -> None:
-        """The begin on its own (the next request was not a load)."""
+    async def _with_begin(self, op: str, on_sent: Any, fields: dict) -> dict:
+        """``op`` (``begin_load``, or a ``transport_load`` that begins first) with the due
+        begin and the spec list's key. An engine that no longer holds that list began
+        nothing and loaded nothing: the list goes whole, then the begin, then the load
+        again."""
         from colo.transports.wire import is_preflight_not_cached
 
         self._begin_due = False
         key, self._preflight_due = self._preflight_due, None
-        if key is not None:
-            try:
-                await self._call("begin_load", preflight_key=key)
-                return
-            except EngineError as e:
-                if not is_preflight_not_cached(e):
-                    raise
-            await self._resend_preflight()
-        await self._call("begin_load")
-
-    async def _load_with_begin(self, on_sent: Any, fields: dict) -> dict:
-        """The sync's first load, carrying its begin (and the spec list's key). An engine
-        that no longer holds that list began nothing and loaded nothing: the list goes
-        whole, then the begin, then this load again."""
-        from colo.transports.wire import is_preflight_not_cached
-
-        self._begin_due = False
-        key, self._preflight_due = self._preflight_due, None
+        begin = {"preflight_key": key} if op == "begin_load" else {"begin_load": True, "preflight_key": key}
         try:
-            return await self._call("transport_load", on_sent=on_sent, begin_load=True, preflight_key=key, **fields)
+            return await self._call(op, on_sent=on_sent, **begin, **fields)
         except EngineError as e:
             if key is None or not is_preflight_not_cached(e):
                 raise
         await self._resend_preflight()
         await self._call("begin_load")
-        return await self._call("transport_load", on_sent=on_sent, **fields)
+        return {} if op == "begin_load" else await self._call(op, on_sent=on_sent, **fields)
 
     async def _resend_preflight(self) -> None:
         # the engine no longer holds the list it was named by key (it was restarted, or
