@@ -339,7 +339,7 @@ class PackedTransport(BucketSender):
         self._layout = {b.index: b if self.align == PADDED else relayout(b, align=self.align) for b in buckets}
         self._cap = max(b.nbytes for b in self._layout.values())
         if any(s is not None and s.nbytes != self._cap for s in self._slots):
-            await self._free_kept(engine)  # another bucket size: new buffers
+            await self._free_kept()  # another bucket size: new buffers
 
     def _destinations(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> dict | None:
         """Typed views of the slot at the bucket's offsets, one per whole tensor, for an
@@ -451,56 +451,44 @@ class PackedTransport(BucketSender):
             # copies a failed sync queued may still be writing a slot (or reading
             # the trainer's tensors): they finish before the memory goes back
             self._stream.synchronize()
+        # Small staging stays allocated and exported from sync to sync: the next sync
+        # allocates nothing (the trainer's offload empties the allocator's cache, so
+        # every sync paid cudaMalloc and a new IPC handle that the engine opened and
+        # closed again: a few ms of a small model's sync). Reused only from the next
+        # sync's first bucket on, after this sync's every acknowledgement.
+        self._close_slots(keep_kept=True)
+
+    def _close_slots(self, *, keep_kept: bool) -> None:
         for i, s in enumerate(self._slots):
             if s is None:
                 continue
-            if s.kept:
-                # Small staging stays allocated and exported from sync to sync: the
-                # next sync allocates nothing (the trainer's offload empties the
-                # allocator's cache, so every sync paid cudaMalloc and a new IPC
-                # handle that the engine opened and closed again: a few ms of a
-                # small model's sync). Reused only from the next sync's first
-                # bucket on, after this sync's every acknowledgement.
+            if keep_kept and s.kept:
                 s.uncount()
             else:
                 s.close()
                 self._slots[i] = None
         self._dests = {k: v for k, v in self._dests.items() if v[1] in self._slots}
-        self._collect()
-
-    def _collect(self) -> None:
         if self._cuda and not any(s is not None for s in self._slots):
             # the engine closed its mappings at end_load (or drop_handles);
             # without collecting, every sync leaks the exported blocks
             torch.cuda.ipc_collect()
             self._cuda = False
 
-    async def _free_kept(self, engine: Any) -> None:
+    async def _free_kept(self) -> None:
         """Free the kept slots: the engine lets go of its mappings first (a block the
         engine still maps is not returned to the device, only parked)."""
-        if not any(s is not None for s in self._slots):
-            return
-        if engine is not None:
-            with anyio.move_on_after(5):
-                try:
-                    await engine.drop_handles()
-                except Exception:  # a dead engine holds nothing any more
-                    pass
-        for i, s in enumerate(self._slots):
-            if s is not None:
-                s.close()
-                self._slots[i] = None
-        self._dests = {}
-        self._collect()
+        if any(s is not None for s in self._slots):
+            await super().abort()  # the engine's drop_handles, bounded; a dead engine holds nothing
+            self._close_slots(keep_kept=False)
 
     async def abort(self) -> None:
         await super().abort()  # the engine drops every mapping, the kept ones too
         with anyio.CancelScope(shield=True):
-            await self._free_kept(None)
+            self._close_slots(keep_kept=False)
 
     async def aclose(self) -> None:
         with anyio.CancelScope(shield=True):
-            await self._free_kept(self._engine)
+            await self._free_kept()
         await super().aclose()
 
 
