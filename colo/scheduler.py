@@ -376,7 +376,7 @@ class Scheduler:
         source = "device" if self.memory.is_resident("trainer.weights") else "host"
         ctxs = [SyncContext(step=step, weight_version=version, bucket_bytes=self.config.bucket_bytes,
                             source=source, staging=m.staging_budget(rank=r if self.world_size > 1 else None),
-                            clock=self._clock) for r, m in enumerate(self.memories)]
+                            clock=self._clock, flush_cache=True) for r, m in enumerate(self.memories)]
         self._stages_written = [0] * self.world_size
         for r, ctx in enumerate(ctxs):
             # a sender in this process: its records are written as they happen
@@ -384,8 +384,11 @@ class Scheduler:
         t0 = self._clock()
         results = await self._transfer(ctxs)
         # The prefix cache holds KV computed with the old weights: flush after the
-        # last load, so nothing computed before the change survives into rollout.
-        await self.engines.each("flush_cache")
+        # last load, so nothing computed before the change survives into rollout. A
+        # transport whose engine flushed as it ended the load saves the round trip; a
+        # second flush is harmless, so one rank that did not means every rank again.
+        if not all(res.cache_flushed for res in results):
+            await self.engines.each("flush_cache")
         transfer_s = self._clock() - t0
         # Verification is its own span (verify_s): a digest reads every engine weight,
         # which for a small model costs more than moving it; --verify first|none skips it.

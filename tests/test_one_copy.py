@@ -365,8 +365,14 @@ class HeldEngine(CountingEngine):
     """The real client, except that ``end_load`` is not passed on: the engine keeps
     the buffer mapped, as an engine that has not finished its load would."""
 
-    async def end_load(self):
+    async def end_load(self, flush_cache=False):
         pass
+
+    async def transport_load(self, name, request, **kw):
+        # nor the end riding on the last load
+        kw.pop("end", None)
+        kw.pop("flush_cache", None)
+        return await super().transport_load(name, request, **kw)
 
 
 @pytest.mark.gpu

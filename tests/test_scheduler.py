@@ -1,3 +1,5 @@
+import dataclasses
+
 import anyio
 import pytest
 
@@ -259,3 +261,36 @@ def test_a_trainer_and_an_engine_of_different_tp_sizes_are_refused_naming_both(t
                   [MemoryLedger(total_bytes=1 << 30) for _ in range(trainers)],
                   [FakeTransport() for _ in range(trainers)], plan="offload-first")
     assert f"the trainer has {trainers} ranks but the engine has {engines}" in str(e.value)
+
+
+class EndFlushingTransport(FakeTransport):
+    """A transport whose engine flushed its prefix cache as it ended the load (when asked)."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    async def sync(self, trainer, engine, ctx):
+        self.asked.append(ctx.flush_cache)
+        res = await super().sync(trainer, engine, ctx)
+        if ctx.flush_cache:
+            await engine.flush_cache()  # what an engine does at the end it was asked to flush with
+            engine.calls.append(("flushed-with-end",))
+        return dataclasses.replace(res, cache_flushed=ctx.flush_cache)
+
+
+@pytest.mark.parametrize("transport", [FakeTransport, EndFlushingTransport])
+async def test_the_prefix_cache_is_flushed_once_after_every_sync_by_the_engine_s_end_or_by_the_scheduler(
+        transport):
+    s, trainer, engine, *_ = make(transport=transport())
+    async with s:
+        for _ in range(2):
+            await s.cycle()
+    # the sync sits between the weights' wake and the KV cache's: exactly one flush there,
+    # the engine's own with the end of the load where the transport says it flushed
+    in_sync = ([("flush",), ("flushed-with-end",)] if transport is EndFlushingTransport else [("flush",)])
+    cycle = [("generate", None), ("flush",), ("release", ("kv_cache", "cuda_graph", "weights")),
+             ("resume", ("weights",)), *in_sync, ("resume", ("kv_cache", "cuda_graph"))]
+    assert [(c[0], None) if c[0] == "generate" else c for c in engine.calls] == cycle * 2
+    if transport is EndFlushingTransport:
+        assert s.transport.asked == [True, True]  # the scheduler asked for it every sync

@@ -278,16 +278,20 @@ class _InProcessEngine:
     async def begin_load(self):
         self.core.begin_load()
 
-    async def transport_load(self, name, request, on_sent=None):
+    async def transport_load(self, name, request, on_sent=None, *, end=False, flush_cache=False):
         assert name == "packed"
         request = json.loads(json.dumps(request))
         self.requests.append(request)
         if on_sent is not None:
             on_sent()
         with self.receiver.receive(request) as named:
-            return {"tensors": self.core.load_weights(named)}
+            reply = {"tensors": self.core.load_weights(named)}
+        if end:
+            await self.end_load(flush_cache)
+            reply["ended"] = True
+        return reply
 
-    async def end_load(self):
+    async def end_load(self, flush_cache=False):
         self.core.end_load()
 
 

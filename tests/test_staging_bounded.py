@@ -135,14 +135,14 @@ class LateCopyEngine:
     async def begin_load(self):
         self.core.begin_load()
 
-    async def end_load(self):
+    async def end_load(self, flush_cache=False):
         self.receiver.release()
         self.core.end_load()
 
     async def drop_handles(self):
         self.receiver.release()
 
-    async def transport_load(self, name, request, on_sent=None):
+    async def transport_load(self, name, request, on_sent=None, *, end=False, flush_cache=False):
         request = json.loads(json.dumps(request))
         bucket = self.request_bucket[self.requests]
         self.requests += 1
@@ -154,7 +154,11 @@ class LateCopyEngine:
                 await anyio.sleep(0.002)
         self.waited += bucket < last
         with self.receiver.receive(request) as named:
-            return {"tensors": self.core.load_weights(named)}
+            reply = {"tensors": self.core.load_weights(named)}
+        if end:
+            await self.end_load(flush_cache)
+            reply["ended"] = True
+        return reply
 
 
 class OneBufferPacked(PackedTransport):

@@ -20,10 +20,11 @@ from colo.core.memory import StagingBudget
 from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
 from colo.handles import ShmSegment, leftover_segments
-from colo.models import build_trainer_model
+from colo.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 from colo.transports.packed import PackedReceiver, pack_into
 from colo.transports.wire import LayoutNotCached, RequestError, TensorMeta, layout_key
+from tests.conftest import SMALL_CFG
 from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
@@ -56,9 +57,9 @@ def state_of(config, seed):
     return {n: p.detach().clone() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
 
 
-async def sync(transport, engine, state, version):
+async def sync(transport, engine, state, version, flush_cache=False):
     ctx = SyncContext(step=version, weight_version=version, bucket_bytes=BUCKET, source="host",
-                      staging=StagingBudget(None))
+                      staging=StagingBudget(None), flush_cache=flush_cache)
     return await transport.sync(StateTrainer(state), engine, ctx), ctx
 
 
@@ -81,9 +82,18 @@ async def later_requests_name_their_layout_by_key(engine, client, config, name):
     try:
         for version in (1, 2, 3):
             state = state_of(config, version)  # new weights every sync, the same layout
-            result, ctx = await sync(transport, engine, state, version)
+            flush = version != 2  # the scheduler asks the engine to flush its prefix cache
+            result, ctx = await sync(transport, engine, state, version, flush_cache=flush)
             assert await client.digest() == expected_digest(state, config, torch.float32), version
             sent = engine.take()
+            # one end a sync, after the last load: packed's rides on that load (with the
+            # flush, where asked), broadcast's is a request of its own
+            ends = [(i, f) for i, (op, f) in enumerate(sent) if op == "end_load" or f.get("end_load")]
+            last_load = max(i for i, (op, _) in enumerate(sent) if op == "transport_load")
+            assert len(ends) == 1 and ends[0][0] >= last_load
+            assert (sent[ends[0][0]][0] == "transport_load") is (name == "packed")
+            assert ends[0][1]["flush_cache"] is flush and result.cache_flushed is flush
+            assert not any(op == "flush_cache" for op, _ in sent)
             loads = [f["request"] for op, f in sent if op == "transport_load"]
             preflights = [f for op, f in sent if op == "preflight"]
             # one begin a sync, before the first load: it rides on that load, unless another
@@ -335,3 +345,66 @@ def test_the_sender_describes_a_bucket_once_and_a_changed_one_in_full():
     grown = plan_buckets([spec("a", (4, 5), "float32"), spec("b", (8,), "float32")], 1 << 20)[0]
     changed, key3 = memo.fields(engine, grown)
     assert key3 != key and changed["tensors"][0]["shape"] == [4, 5] and key3 == layout_key(changed["tensors"])
+
+
+class ServerSide:
+    """The engine server's ops in this process, each request and answer through JSON as on
+    the wire: the engine's own handling of a load that carries the sync's end."""
+
+    def __init__(self, server):
+        self.server, self.sent = server, []
+
+    def _do(self, op, **fields):
+        msg = json.loads(json.dumps({"id": len(self.sent), "op": op, **fields}))
+        self.sent.append(msg)
+        reply = self.server.handle(msg)
+        if not reply["ok"]:
+            raise EngineError(op, reply["error_type"], reply["error"])
+        return reply
+
+    async def preflight(self, specs):
+        self._do("preflight", specs=[[s.name, list(s.shape), s.dtype] for s in specs])
+
+    async def begin_load(self):
+        self._do("begin_load")
+
+    async def transport_load(self, transport, request, on_sent=None, *, end=False, flush_cache=False):
+        if on_sent is not None:
+            on_sent()
+        ends = {"end_load": True, "flush_cache": flush_cache} if end else {}
+        return self._do("transport_load", transport=transport, request=request, **ends)
+
+    async def end_load(self, flush_cache=False):
+        self._do("end_load", flush_cache=flush_cache)
+
+    async def drop_handles(self):
+        self._do("drop_handles")
+
+
+@pytest.mark.parametrize("flush", [True, False], ids=["flush", "no-flush"])
+async def test_the_last_load_ends_the_load_and_flushes_the_prefix_cache_in_the_engine(flush):
+    from colo.engine.core import EngineCore
+    from colo.engine.server import EngineServer
+
+    config = demo_config(**SMALL_CFG)
+    core = EngineCore(config, dtype=torch.float32, device="cpu", total_bytes=64 << 20, mem_fraction_static=0.5)
+    engine = ServerSide(EngineServer(core))
+    transport = make_transport("packed")
+    try:
+        for version in (1, 2):
+            state = state_of(config, version)
+            held = core.model.slots.alloc(9)  # K/V of a prompt computed under the old weights
+            result, ctx = await sync(transport, engine, state, version, flush_cache=flush)
+            assert core.digest() == expected_digest(state, config, torch.float32)
+            assert not core.model.loading  # ended: a second end is refused
+            with pytest.raises(EngineError, match="end_load called without begin_load"):
+                await engine.end_load()
+            ops = [m["op"] for m in engine.sent]
+            assert ops.count("end_load") == 1 and ops[-2] == "transport_load" and engine.sent[-2]["end_load"]
+            assert result.cache_flushed is flush
+            # flushed: every slot free again; not asked: the old assignment stands
+            assert core.model.slots.free_slots == core.model.num_slots - (0 if flush else 9 * version)
+            engine.sent.clear()
+            del held
+    finally:
+        await transport.aclose()

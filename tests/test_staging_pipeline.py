@@ -56,9 +56,9 @@ class LateEngine:
     def __getattr__(self, name):
         return getattr(self.client, name)
 
-    async def transport_load(self, name, request, on_sent=None):
+    async def transport_load(self, name, request, on_sent=None, **end):
         await anyio.sleep(self.delay)
-        return await self.client.transport_load(name, request, on_sent=on_sent)
+        return await self.client.transport_load(name, request, on_sent=on_sent, **end)
 
 
 class OneBufferPacked(PackedTransport):

@@ -145,7 +145,7 @@ KILLED_WRITER = textwrap.dedent("""
         async def preflight(self, specs): pass
         async def transport_init(self, name, info): pass
         async def begin_load(self): pass
-        async def end_load(self): pass
+        async def end_load(self, flush_cache=False): pass
         async def transport_load(self, name, request, on_sent=None):
             on_sent()
             return {"tensors": len(request["tensors"])}
@@ -206,7 +206,7 @@ def test_keep_retires_old_checkpoints_out_of_the_step_namespace(tmp_path):
         async def preflight(self, specs): pass
         async def transport_init(self, name, info): pass
         async def begin_load(self): pass
-        async def end_load(self): pass
+        async def end_load(self, flush_cache=False): pass
 
         async def transport_load(self, name, request, on_sent=None):
             on_sent()

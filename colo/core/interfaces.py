@@ -56,6 +56,8 @@ class SyncResult:
     stages: tuple[StageRecord, ...] = ()
     #: the most staging memory held at once
     staging_peak: int = 0
+    #: the engine flushed its prefix cache as it ended the load (``SyncContext.flush_cache``)
+    cache_flushed: bool = False
 
 
 class StagingPool(Protocol):
@@ -90,6 +92,10 @@ class SyncContext:
     #: scheduler writes it while the device still holds what the stage held. A
     #: context rebuilt in another process has none; its records come back as data.
     on_stage: Callable[[StageRecord], None] | None = None
+    #: the scheduler flushes the engine's prefix cache after the last load; a transport
+    #: may have the engine flush it as it ends the load instead (one round trip less per
+    #: sync, measured 0.5 ms on an H100) and says so in ``SyncResult.cache_flushed``
+    flush_cache: bool = False
 
     def record(self, bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
         rec = StageRecord(int(bucket), stage, int(nbytes), int(tensors), float(duration_s), self.clock(),
@@ -98,10 +104,10 @@ class SyncContext:
         if self.on_stage is not None:
             self.on_stage(rec)
 
-    def result(self, *, bytes: int, buckets: int, tensors: int) -> SyncResult:
+    def result(self, *, bytes: int, buckets: int, tensors: int, cache_flushed: bool = False) -> SyncResult:
         peak = getattr(self.staging, "peak_bytes", self.staging.held_bytes)
         return SyncResult(bytes=bytes, buckets=buckets, tensors=tensors, stages=tuple(self.stages),
-                          staging_peak=peak)
+                          staging_peak=peak, cache_flushed=cache_flushed)
 
 
 @runtime_checkable
@@ -174,7 +180,10 @@ class EngineReceiver(Protocol):
     first byte moves), ``begin_load``, any number of ``transport_load`` (one
     request of transport ``transport``, plain JSON; the reply names the
     tensors loaded), ``end_load`` (the engine accepts the whole sync or
-    raises). ``transport_init``/``transport_close`` set up and tear down what a
+    raises; with ``flush_cache`` it then flushes its prefix cache). A sync's
+    last ``transport_load`` may carry the end itself (``end=True``): the
+    engine loads, then ends as ``end_load`` would, and its reply says
+    ``ended``. ``transport_init``/``transport_close`` set up and tear down what a
     transport keeps across syncs (a process group, a checkpoint root).
     ``drop_handles`` lets go of every buffer a failed sync left mapped.
     """
@@ -182,10 +191,10 @@ class EngineReceiver(Protocol):
     async def preflight(self, specs: Sequence[TensorSpec]) -> None: ...
     async def begin_load(self) -> None: ...
     async def transport_init(self, transport: str, init_info: dict) -> None: ...
-    async def transport_load(self, transport: str, request: dict, on_sent: Callable[[], None] | None = None
-                             ) -> dict: ...
+    async def transport_load(self, transport: str, request: dict, on_sent: Callable[[], None] | None = None,
+                             *, end: bool = False, flush_cache: bool = False) -> dict: ...
     async def transport_close(self, transport: str) -> None: ...
-    async def end_load(self) -> None: ...
+    async def end_load(self, flush_cache: bool = False) -> None: ...
     async def drop_handles(self) -> None: ...
 
 

@@ -472,15 +472,19 @@ class EngineClient:
         """Build the engine's receiver for ``transport`` (a broadcast receiver joins the group here)."""
         await self.call("transport_init", transport=transport, init_info=init_info)
 
-    async def transport_load(self, transport: str, request: dict, on_sent: Any = None) -> dict:
-        """One request through the transport's receiver into the engine's parameters."""
-        return await self.call("transport_load", transport=transport, request=request, on_sent=on_sent)
+    async def transport_load(self, transport: str, request: dict, on_sent: Any = None, *, end: bool = False,
+                             flush_cache: bool = False) -> dict:
+        """One request through the transport's receiver into the engine's parameters;
+        ``end``: the sync's last, which ends the load too (and flushes the prefix cache
+        with ``flush_cache``): its reply says ``ended``."""
+        ends = {"end_load": True, "flush_cache": bool(flush_cache)} if end else {}
+        return await self.call("transport_load", transport=transport, request=request, on_sent=on_sent, **ends)
 
     async def transport_close(self, transport: str) -> None:
         await self.call("transport_close", transport=transport)
 
-    async def end_load(self) -> None:
-        await self.call("end_load")
+    async def end_load(self, flush_cache: bool = False) -> None:
+        await self.call("end_load", flush_cache=bool(flush_cache))
 
     async def drop_handles(self) -> None:
         await self.call("drop_handles")

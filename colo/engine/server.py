@@ -155,12 +155,15 @@ class EngineServer:
         return {}
 
     def op_transport_load(self, transport: str, request: dict, begin_load: bool = False,
-                          preflight_key: str | None = None) -> dict:
+                          preflight_key: str | None = None, end_load: bool = False,
+                          flush_cache: bool = False) -> dict:
         """Receive one request through the transport's receiver and load what it yields.
 
         ``begin_load``: begin the load first (with ``preflight_key``, see
         :meth:`op_begin_load`): a sync's first load carries its begin, one round trip
-        less per sync. Transports whose init info is empty get a receiver on first use."""
+        less per sync. ``end_load``: end it afterwards, as :meth:`op_end_load` (with
+        ``flush_cache``): a sync's last load carries its end, one more round trip less.
+        Transports whose init info is empty get a receiver on first use."""
         from colo.transports import get_strategy
         from colo.transports.base import EmptyInitInfo
 
@@ -186,7 +189,12 @@ class EngineServer:
                 # copies out of it must have finished, not merely been queued.
                 torch.cuda.synchronize(self.core.model.device)
         done = time.perf_counter()
-        return {"handoff_s": opened - t0, "load_s": done - opened, "tensors": n}
+        reply = {"handoff_s": opened - t0, "load_s": done - opened, "tensors": n}
+        if end_load is True:
+            # a refused end (a tensor missing) answers this request with its error: the
+            # load above happened, the sync did not, and the sender treats it as failed
+            reply.update(self.op_end_load(flush_cache=flush_cache), ended=True)
+        return reply
 
     def op_transport_close(self, transport: str) -> dict:
         receiver = self._receivers.pop(transport, None) if isinstance(transport, str) else None
@@ -194,10 +202,15 @@ class EngineServer:
             receiver.close()
         return {}
 
-    def op_end_load(self) -> dict:
+    def op_end_load(self, flush_cache: bool = False) -> dict:
+        """End the load (the engine accepts the whole sync or raises); ``flush_cache``: then
+        flush the prefix cache, as SGLang's weight update does by default, instead of a
+        request of its own after the sync."""
         self._detach_all()
         self.core.end_load()
-        return {}
+        if flush_cache is True:
+            self.core.flush_cache()
+        return {"flushed": flush_cache is True}
 
     def op_drop_handles(self) -> dict:
         self._detach_all(kept=True)

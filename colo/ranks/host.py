@@ -301,13 +301,13 @@ class RankHost:
         return {"value": out}
 
     async def op_sync(self, step: int, weight_version: int, bucket_bytes: int, source: str,
-                      staging: dict, kill_engine_after: int | None = None) -> dict:
+                      staging: dict, kill_engine_after: int | None = None, flush_cache: bool = False) -> dict:
         """One sync from this trainer rank to this engine rank; the stage records come back as data
         (their ``at`` as seconds since the sync began here, for the driver's clock)."""
         budget = StagingBudget(staging["limit"], phase="sync", total=staging["total"], in_use=staging["in_use"],
                                rank=staging["rank"])
         ctx = SyncContext(step=step, weight_version=weight_version, bucket_bytes=bucket_bytes, source=source,
-                          staging=budget)
+                          staging=budget, flush_cache=flush_cache is True)
         t0 = ctx.clock()
         trainer = _Drain(self.trainer)
         engine = self.engine if kill_engine_after is None else _KillAfter(self.engine, kill_engine_after)
@@ -321,7 +321,8 @@ class RankHost:
             err["stages"] = _stages_json(ctx.stages, t0)
             return {"failed": err}
         return {"bytes": res.bytes, "buckets": res.buckets, "tensors": res.tensors,
-                "staging_peak": res.staging_peak, "stages": _stages_json(res.stages, t0)}
+                "staging_peak": res.staging_peak, "stages": _stages_json(res.stages, t0),
+                "cache_flushed": res.cache_flushed}
 
     async def op_abort(self) -> dict:
         await self.transport.abort()

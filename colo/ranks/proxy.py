@@ -225,7 +225,7 @@ class RemoteTransport:
         self.kills_sent += kill is not None
         reply = await self.worker.call("sync", step=ctx.step, weight_version=ctx.weight_version,
                                        bucket_bytes=ctx.bucket_bytes, source=ctx.source, staging=staging,
-                                       kill_engine_after=kill)
+                                       kill_engine_after=kill, flush_cache=ctx.flush_cache)
         failed = reply.get("failed")
         ctx.stages[:] = [StageRecord(int(bk), str(st), int(n), int(k), float(d), t0 + float(at), int(held))
                          for bk, st, n, k, d, at, held in (failed or reply)["stages"]]
@@ -233,7 +233,8 @@ class RemoteTransport:
             raise rebuild_error(self.worker.rank, "sync", failed)
         b.peak_bytes = max(b.peak_bytes, int(reply["staging_peak"]))
         return SyncResult(bytes=int(reply["bytes"]), buckets=int(reply["buckets"]), tensors=int(reply["tensors"]),
-                          stages=tuple(ctx.stages), staging_peak=int(reply["staging_peak"]))
+                          stages=tuple(ctx.stages), staging_peak=int(reply["staging_peak"]),
+                          cache_flushed=reply.get("cache_flushed") is True)
 
     async def abort(self) -> None:
         try:

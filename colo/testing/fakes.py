@@ -137,6 +137,8 @@ class ProtocolEngine:
         self._receivers: dict[str, Any] = {}
         self._version: int | None = 0
         self._loading: set[str] | None = None
+        #: prefix-cache flushes, asked on their own or with the end of a load
+        self.flushes = 0
 
     # -- EngineSide --------------------------------------------------------------
     def tag_bytes(self):
@@ -149,7 +151,7 @@ class ProtocolEngine:
         self._resident |= set(tags)
 
     async def flush_cache(self):
-        pass
+        self.flushes += 1
 
     async def generate(self, step):
         if "kv_cache" not in self._resident or self._version is None:
@@ -191,7 +193,7 @@ class ProtocolEngine:
         self._receivers[transport] = await anyio.to_thread.run_sync(
             lambda: strategy.create_receiver(info, device="cpu"))
 
-    async def transport_load(self, transport, request, on_sent=None):
+    async def transport_load(self, transport, request, on_sent=None, *, end=False, flush_cache=False):
         from colo.transports import get_strategy
         from colo.transports.wire import EmptyInitInfo
 
@@ -220,20 +222,25 @@ class ProtocolEngine:
                     done += 1
                 return done
 
-        return {"tensors": await anyio.to_thread.run_sync(receive)}
+        reply = {"tensors": await anyio.to_thread.run_sync(receive)}
+        if end:
+            await self.end_load(flush_cache=flush_cache)
+            reply["ended"] = True
+        return reply
 
     async def transport_close(self, transport):
         receiver = self._receivers.pop(transport, None)
         if receiver is not None:
             receiver.close()
 
-    async def end_load(self):
+    async def end_load(self, flush_cache=False):
         missing = set(self.params) - (self._loading or set())
         self._loading = None
         if missing:
             raise ValueError(f"protocol engine: the sync did not cover {sorted(missing)}")
         for receiver in self._receivers.values():
             receiver.release()
+        self.flushes += bool(flush_cache)
 
     async def drop_handles(self):
         for receiver in self._receivers.values():

@@ -212,6 +212,15 @@ class _Wrapped:
         injector, side = self._injector, self._side
 
         async def call(*args: Any, **kw: Any) -> Any:
+            if name == "transport_load" and kw.get("end"):
+                # a sync's last load carrying its end goes as the load and then the end,
+                # so a fault in sync still fires after a bucket loaded (at the end of
+                # a one-bucket sync) and leaves the engine really half-updated
+                flush = kw.pop("flush_cache", False)
+                kw.pop("end")
+                reply = await call(*args, **kw)
+                await getattr(self, "end_load")(flush_cache=flush)
+                return {**reply, "ended": True}
             await injector.before(side, name)
             return await attr(*args, **kw)
 

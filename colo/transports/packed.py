@@ -248,6 +248,7 @@ class PackedTransport(BucketSender):
     per bucket for a thread hop, a host wait and the next gather (issue 18)."""
 
     name = "packed"
+    ends_on_last_load = True
 
     def __init__(self, *, pipelined: bool = True, align: int = PADDED, one_copy: bool = True,
                  keep_staging_bytes: int | None = None):
@@ -329,9 +330,11 @@ class PackedTransport(BucketSender):
             await wait_event(written)
         # exported per sync: the engine closes it at end_load (the receiver's release),
         # which is what lets a later pause give the memory back
+        self._last_bucket, self._ended = bucket.index, False
         await self._load(engine, bucket, bucket, flat.export(), ctx)
-        await engine.end_load()
-        return ctx.result(bytes=bucket.payload_bytes, buckets=1, tensors=len(specs))
+        if not self._ended:
+            await engine.end_load(flush_cache=ctx.flush_cache)
+        return ctx.result(bytes=bucket.payload_bytes, buckets=1, tensors=len(specs), cache_flushed=ctx.flush_cache)
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         # The sender's plan fixes which tensors share a bucket; this transport
@@ -434,16 +437,18 @@ class PackedTransport(BucketSender):
         (``laid``), or only the layout's key once the engine holds it."""
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
         fields, key = self._memo.fields(engine, laid)
+        end = self._end_of(bucket, ctx)
         try:
-            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
+            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent, **end)
         except Exception as e:
             # the engine lost the layout (its receiver was rebuilt): it refused before
             # reading a byte (or opening the handle), so the same bucket goes again, with its tensors
             if "tensors" in fields or not is_layout_not_cached(e):
                 raise
             fields, key = self._memo.fields(engine, laid, full=True)
-            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent)
+            reply = await engine.transport_load(self.name, {"handle": handle, **fields}, on_sent=on_sent, **end)
         self._memo.acked(bucket.index, key)
+        self._loaded(reply)
         on_ack(reply)
 
     def _cleanup(self) -> None:
