@@ -445,3 +445,100 @@ def test_flush_cache_drops_every_slot_assignment(config):
     assert model.slots.free_slots == model.num_slots - 30
     model.flush_cache()
     assert model.slots.free_slots == model.num_slots and model.slots.alloc(5) == 0
+
+
+
+# -- the same views, sync after sync (a kept staging buffer) ---------------------------
+
+def _one_buffer(state):
+    """Every tensor as a view of one flat buffer, as a kept staging buffer's views are."""
+    flat = torch.empty(sum(t.numel() for t in state.values()))
+    views, off = [], 0
+    for name, t in state.items():
+        views.append((name, flat[off:off + t.numel()].view(t.shape)))
+        off += t.numel()
+    return flat, views
+
+
+def _sync(core, batch, state, views, scale):
+    for name, v in views:  # the sender writes new weights into the same buffer
+        v.copy_(state[name] * scale)
+    core.begin_load()
+    n = core.load_weights(batch)
+    core.end_load()
+    return n
+
+
+def _scaled(state, scale):
+    return {n: t * scale for n, t in state.items()}
+
+
+def _counting_dests(monkeypatch, model):
+    calls = []
+    real = model._whole_dest
+
+    def whole_dest(params, name):
+        calls.append(name)
+        return real(params, name)
+
+    monkeypatch.setattr(model, "_whole_dest", whole_dest)
+    return calls
+
+
+def test_the_same_views_load_new_values_every_sync_and_are_checked_and_placed_once(config, state, monkeypatch):
+    core = make_core(config)
+    flat, views = _one_buffer(state)
+    placed = _counting_dests(monkeypatch, core.model)
+    for k, scale in enumerate((1.0, -2.0, 0.5)):
+        assert _sync(core, views, state, views, scale) == len(state)
+        assert core.digest() == expected_digest(_scaled(state, scale), config, torch.float32)
+        # the first sync placed every tensor; the later ones reused what it found
+        assert len(placed) == len(state), k
+
+
+def test_a_refilled_list_a_repeat_in_one_load_and_a_new_allocation_are_checked_again(config, state):
+    core = make_core(config)
+    flat, views = _one_buffer(state)
+    _sync(core, views, state, views, 1.0)
+    # the same list object with one entry swapped for a tensor of the wrong shape
+    name = "model.norm.weight"
+    i = next(k for k, (n, _) in enumerate(views) if n == name)
+    kept = views[i]
+    views[i] = (name, torch.ones(63))
+    core.begin_load()
+    with pytest.raises(WeightMismatch) as err:
+        core.load_weights(views)
+    assert err.value.wrong_shape == ("model.norm.weight (63,) (expected (64,))",)
+    with pytest.raises(WeightMismatch):  # the refused load ends incomplete
+        core.end_load()
+    views[i] = kept
+    # the same list twice in one load: the second is refused as duplicates, nothing written
+    _sync(core, views, state, views, 2.0)
+    part = views[:3]
+    core.begin_load()
+    core.load_weights(part)
+    before = core.digest()
+    for _, v in part:
+        v.mul_(3)
+    with pytest.raises(WeightMismatch) as err:
+        core.load_weights(part)
+    assert err.value.duplicate == tuple(n for n, _ in part)
+    assert core.digest() == before
+    with pytest.raises(WeightMismatch):
+        core.end_load()
+    # weights released and allocated again: the new blocks are written, not the old ones
+    core.release(["weights"])
+    core.resume(["weights"])
+    assert _sync(core, views, state, views, -1.0) == len(state)
+    assert core.digest() == expected_digest(_scaled(state, -1.0), config, torch.float32)
+    assert before != core.digest()
+
+
+def test_the_engine_does_not_keep_a_loaded_buffer_alive(config, state):
+    core = make_core(config)
+    flat, views = _one_buffer(state)
+    _sync(core, views, state, views, 1.0)
+    gone = weakref.ref(flat)
+    del flat, views
+    gc.collect()
+    assert gone() is None  # a receiver that lets go of a mapping frees it

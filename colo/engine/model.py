@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -414,6 +415,51 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 FOREACH_BYTES = 16 << 20
 
 
+class _BatchMemo:
+    """One checked batch of whole tensors and how it was written, for the next sync that
+    loads the very same tensors again.
+
+    A receiver that keeps a sender's buffer mapped hands over the same views every
+    sync (``PackedReceiver``: the same buffer, the same layout). Their names, shapes
+    and dtypes, and where each goes, are then what they were when this batch was
+    checked; what can differ is the session (a name already loaded in it). So the
+    next load of those views checks the session in one set operation and writes in
+    one foreach call: the per-tensor checks were most of a small model's engine load
+    (51 tensors, 0.8 of its 1.5 ms round trip on an H100, issue 18).
+
+    The views are held weakly: a receiver that lets go of a mapping must be able to
+    free it, and a batch whose views are gone is never matched again."""
+
+    __slots__ = ("names", "refs", "dests", "name_set", "small", "small_dst", "other")
+
+    def __init__(self, items: list, dests: dict, small: list[int], small_dst: list, other: list[int]):
+        self.names = [n for n, _ in items]
+        self.refs = [weakref.ref(t) for _, t in items]
+        self.dests, self.name_set = dests, frozenset(self.names)
+        #: positions in the batch: copied in one foreach call (into ``small_dst``), or one by one
+        self.small, self.small_dst, self.other = small, small_dst, other
+
+    def fits(self, batch: Any, dests: dict, session: _LoadSession) -> bool:
+        # the same (name, tensor) pairs, the same allocation of the weights (``_dests``
+        # is renewed with it), and a session in which none of these names arrived yet
+        # and nothing is half-loaded
+        if type(batch) is not list or len(batch) != len(self.refs) or dests is not self.dests:
+            return False
+        for (name, tensor), n, ref in zip(batch, self.names, self.refs):
+            if tensor is not ref() or name != n:
+                return False
+        return not session.partial and session.loaded.isdisjoint(self.name_set)
+
+    def load(self, model: EngineModel, params: dict, batch: list, session: _LoadSession) -> int:
+        with torch.no_grad():
+            for i in self.other:
+                model._write(params, *batch[i])
+            if self.small:
+                torch._foreach_copy_(self.small_dst, [batch[i][1] for i in self.small])
+        session.loaded |= self.name_set
+        return len(self.names)
+
+
 class _LoadSession:
     def __init__(self) -> None:
         self.loaded: set[str] = set()
@@ -462,6 +508,8 @@ class EngineModel:
         self._params: dict[str, torch.Tensor] | None = None
         #: HF name -> the view of its row block in ``_params`` (dropped with the weights)
         self._dests: dict[str, torch.Tensor] = {}
+        #: the last whole batch loaded, checked (see ``_BatchMemo``)
+        self._batch_memo: _BatchMemo | None = None
         self._pool: torch.Tensor | None = None
         self._load: _LoadSession | None = None
         self.allocate_weights()
@@ -496,6 +544,7 @@ class EngineModel:
         if self._params is not None:
             raise EngineStateError("engine weights are already allocated")
         self._dests = {}
+        self._batch_memo = None
         if self._resume_held("weights"):
             self._params = self._held.pop("weights")
             return
@@ -509,6 +558,7 @@ class EngineModel:
         self._hold("weights", self._params)
         self._params = None
         self._dests = {}
+        self._batch_memo = None
         self._load = None  # a half-done load has nothing left to finish
         self._return_to_device()
 
@@ -620,6 +670,9 @@ class EngineModel:
         session = self._load
         if session is None:
             raise EngineStateError("load_weights called outside begin_load() / end_load()")
+        memo = self._batch_memo
+        if memo is not None and memo.fits(named_tensors, self._dests, session):
+            return memo.load(self, params, named_tensors, session)
         items = _named_items(named_tensors)
         seen: set[str] = set()
         duplicate, unexpected, wrong_shape = [], [], []
@@ -652,15 +705,19 @@ class EngineModel:
         # was host-bound (issue 18: 4.8 ms for 1.5 ms of copies on an H200)
         small_dst: list[torch.Tensor] = []
         small_src: list[torch.Tensor] = []
+        small: list[int] = []  # their positions in the batch, and the others'
+        other: list[int] = []
         with torch.no_grad():
-            for name, tensor in items:
+            for i, (name, tensor) in enumerate(items):
                 dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
                 if (dest is not None and tensor.dtype == dest.dtype and tensor.device == dest.device
                         and tensor.numel() * tensor.element_size() < FOREACH_BYTES):
                     small_dst.append(dest)
                     small_src.append(tensor)
+                    small.append(i)
                 else:
                     self._write(params, name, tensor)
+                    other.append(i)
                 if isinstance(tensor, Piece) and tensor.end < numel(tensor.shape):
                     session.partial[name] = tensor.end
                     continue
@@ -670,6 +727,8 @@ class EngineModel:
             if small_dst:
                 # distinct destinations: the order of the copies does not matter
                 torch._foreach_copy_(small_dst, small_src)
+        if type(named_tensors) is list and done == len(items) and not any(isinstance(t, Piece) for _, t in items):
+            self._batch_memo = _BatchMemo(items, self._dests, small, small_dst, other)
         return done
 
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
