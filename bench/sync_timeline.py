@@ -1,12 +1,14 @@
 """Where a small model's sync goes: the demo, run with its host path timed piece by piece.
 
-    python bench/sync_timeline.py OUT.json [--probe-upload] -- [colo demo arguments]
+    python bench/sync_timeline.py OUT.json [--probe-upload] [--profile] -- [colo demo arguments]
 
 Runs ``colo demo`` in this process with timers wrapped around the pieces of the
 driver's host path that the stage records do not separate: every engine round
 trip (by op), every hop to a worker thread (queued -> running -> done -> back on
 the event loop, by function), the staging slots' allocation, the sender's
-cleanup, the trainer's ``extractor()``. Writes, per sync, the sum of each piece
+cleanup, the trainer's ``extractor()``, the cyclic garbage collector's passes. ``--profile`` also runs every sync after the
+first under cProfile (the event loop's thread: where a small sync's host work runs)
+and writes the functions with the most own time. Writes, per sync, the sum of each piece
 and the whole sync's transfer time, and one sync's full timeline. The engine's own
 share of a load comes back in its reply (``load_s``) and is kept with the round trip.
 
@@ -107,13 +109,32 @@ def _install() -> None:
             _probe_upload(self.trainers[0])
         _reference()
         seg0 = _segments()
+        prof = PROFILE if PROFILE is not None and SYNCS else None
         t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
         try:
             return await real_transfer(self, ctxs)
         finally:
+            if prof is not None:
+                prof.disable()
             SYNCS.append((t0, time.perf_counter(), _segments() - seg0))
 
     sched.Scheduler._transfer = transfer
+
+    import gc
+
+    gc_started: dict[str, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        # the cyclic collector's passes in this process (the driver's event loop stops for them)
+        if phase == "start":
+            gc_started["t"] = time.perf_counter()
+        elif "t" in gc_started:
+            _span("gc", f"gen{info.get('generation')}", gc_started.pop("t"), time.perf_counter(),
+                  collected=info.get("collected"))
+
+    gc.callbacks.append(on_gc)
 
     from colo.trainers.base import PolicyTrainer
 
@@ -166,6 +187,22 @@ def _install_gpu_marks(packed: Any) -> None:
 
 
 PROBE_UPLOAD = False
+PROFILE: Any = None  # a cProfile.Profile with --profile
+
+
+def _profile_top(n: int = 45) -> list[dict]:
+    """The functions with the most own time over the profiled syncs (per sync)."""
+    import pstats
+
+    if PROFILE is None:
+        return []
+    syncs = max(1, len(SYNCS) - 1)
+    st = pstats.Stats(PROFILE)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append({"fn": f"{file.rsplit('/', 2)[-1]}:{line}:{fn}", "calls_per_sync": round(nc / syncs, 1),
+                     "own_ms_per_sync": round(tt * 1e3 / syncs, 4), "cum_ms_per_sync": round(ct * 1e3 / syncs, 4)})
+    return sorted(rows, key=lambda r: -r["own_ms_per_sync"])[:n]
 PROBES: list[tuple[float, dict]] = []  # (host time, GPU ms of each probe)
 
 
@@ -299,7 +336,8 @@ def summarise() -> dict:
             timeline.append({**{k: v for k, v in sp.items() if k not in ("t0", "t1", "thread")},
                              "start_ms": round((sp["t0"] - s0) * 1e3, 3), "ms": round((sp["t1"] - sp["t0"]) * 1e3, 3)})
     gpu = _gpu_timeline(*SYNCS[len(SYNCS) // 2][:2]) if SYNCS else []
-    return {"syncs": per_sync, "timeline_of_middle_sync": timeline, "upload_stream_of_middle_sync": gpu}
+    return {"syncs": per_sync, "timeline_of_middle_sync": timeline, "upload_stream_of_middle_sync": gpu,
+            "profile_own_time": _profile_top()}
 
 
 def _write(out: str, argv: list[str], code: Any) -> None:
@@ -316,10 +354,14 @@ def _write(out: str, argv: list[str], code: Any) -> None:
 def main() -> int:
     import os
 
-    global PROBE_UPLOAD
+    global PROBE_UPLOAD, PROFILE
     out, rest = sys.argv[1], sys.argv[2:]
     if rest and rest[0] == "--probe-upload":
         PROBE_UPLOAD, rest = True, rest[1:]
+    if rest and rest[0] == "--profile":
+        import cProfile
+
+        PROFILE, rest = cProfile.Profile(), rest[1:]
     if rest and rest[0] == "--no-empty-cache":
         # an experiment: the trainer's offload keeps its allocator cache
         import torch
