@@ -179,3 +179,76 @@ def test_upload_to_and_device_are_exclusive_and_upload_to_keeps_tensors_on_the_h
     assert ex.upload_to == torch.device("cpu")
     (name, t), = ex.extract(["w"])
     assert name == "w" and t.device.type == "cpu" and torch.equal(t, src["w"])
+
+
+# -- the same request again (sync after sync) ------------------------------------------
+
+def _counting_full(monkeypatch, ex):
+    calls = []
+    real = ex._full
+
+    def full(name, t):
+        calls.append(name)
+        return real(name, t)
+
+    monkeypatch.setattr(ex, "_full", full)
+    return calls
+
+
+def test_the_same_request_of_the_same_source_is_not_looked_up_again_and_reads_the_new_values(monkeypatch):
+    host = reference(6)  # a paused trainer's host backup: the same tensors every sync
+    ex = PlainExtractor(host, dtype=torch.float32)
+    names = ["model.norm.weight", "lm_head.weight"]
+    full = _counting_full(monkeypatch, ex)
+    first = dict(ex.extract(names))
+    assert full == names
+    host["model.norm.weight"].add_(1.0)  # the next step's weights, written in place
+    again = dict(ex.extract(names))
+    assert full == names  # nothing looked up, converted or checked again
+    assert_bit_equal(again["model.norm.weight"], host["model.norm.weight"])
+    assert again["lm_head.weight"].data_ptr() == host["lm_head.weight"].data_ptr()
+    assert_bit_equal(first["model.norm.weight"], again["model.norm.weight"])  # both are the source itself
+
+
+def test_a_swapped_moved_or_resized_source_and_another_request_are_extracted_afresh(monkeypatch):
+    host = reference(7)
+    ex = PlainExtractor(host, dtype=torch.float32)
+    names = ["model.norm.weight", "lm_head.weight"]
+    full = _counting_full(monkeypatch, ex)
+    list(ex.extract(names))
+    host["model.norm.weight"] = torch.arange(8.0)  # another tensor under the name
+    got = dict(ex.extract(names))
+    assert_bit_equal(got["model.norm.weight"], torch.arange(8.0)) and len(full) == 4
+    host["lm_head.weight"].set_(torch.zeros(37, 8))  # the same object over other memory
+    got = dict(ex.extract(names))
+    assert_bit_equal(got["lm_head.weight"], torch.zeros(37, 8)) and len(full) == 6
+    host["lm_head.weight"].set_(torch.zeros(38, 8))  # resized in place: refused by name, not sent
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        list(ex.extract(names))
+    host["lm_head.weight"].set_(torch.ones(37, 8))
+    assert dict(ex.extract(names[::-1])).keys() == {*names}  # another request: looked up
+
+
+def test_a_request_whose_results_are_new_tensors_is_converted_every_time(monkeypatch):
+    host = reference(8)
+    ex = PlainExtractor(host, dtype=torch.bfloat16)  # a conversion on the host: a new tensor each time
+    names = ["model.norm.weight"]
+    full = _counting_full(monkeypatch, ex)
+    a = dict(ex.extract(names))["model.norm.weight"]
+    host["model.norm.weight"].mul_(2)
+    b = dict(ex.extract(names))["model.norm.weight"]
+    assert full == names * 2 and a.data_ptr() != b.data_ptr()
+    assert_bit_equal(b, host["model.norm.weight"].to(torch.bfloat16))
+
+
+def test_the_extractor_does_not_keep_a_source_alive():
+    import gc
+    import weakref
+
+    host = reference(9)
+    ex = PlainExtractor(host, dtype=torch.float32)
+    list(ex.extract(["lm_head.weight"]))
+    gone = weakref.ref(host["lm_head.weight"])
+    host["lm_head.weight"] = torch.zeros(37, 8)  # the trainer drops its old backup
+    gc.collect()
+    assert gone() is None

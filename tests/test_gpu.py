@@ -177,3 +177,36 @@ def test_zero_copy_conversion_reads_pinned_host_bytes_exactly():
         assert device_view(torch.randn(4), dev) is None  # pageable: not addressable from the GPU
     finally:
         saver.resume("test.zero_copy")
+
+
+def test_the_same_request_into_the_same_staging_converts_the_new_host_bytes_without_a_lookup(monkeypatch):
+    from colo.extractors.plain import PlainExtractor
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    host = {f"w{i}": torch.randn(n).pin_memory() for i, n in enumerate((3, 1000, 4096 * 33))}
+    ex = PlainExtractor(host, dtype=torch.bfloat16, device=dev)  # the paused trainer's pinned backup
+    staging = torch.empty(sum(t.numel() for t in host.values()), dtype=torch.bfloat16, device=dev)
+    into, off = {}, 0
+    for name, t in host.items():
+        into[name] = staging[off:off + t.numel()]
+        off += t.numel()
+    names = list(host)
+    looked_up = []
+    real = ex._convert_batch
+    monkeypatch.setattr(ex, "_convert_batch", lambda *a: looked_up.append(1) or real(*a))
+    for step in range(3):
+        for t in host.values():
+            t.mul_(-1.5)  # the next step's weights, in the same pinned backup
+        got = dict(ex.extract(names, into))
+        torch.cuda.synchronize()
+        assert looked_up == [1]  # the first extract only: the later ones repeat its one copy
+        for name, t in host.items():
+            assert got[name] is into[name]
+            assert torch.equal(into[name].cpu(), t.to(torch.bfloat16)), (step, name)
+    # staging freed and made again (another bucket size): looked up afresh, into the new views
+    del got
+    into = {n: torch.empty_like(v) for n, v in into.items()}
+    got = dict(ex.extract(names, into))
+    torch.cuda.synchronize()
+    assert looked_up == [1, 1] and all(got[n] is into[n] for n in names)
+    assert all(torch.equal(into[n].cpu(), host[n].to(torch.bfloat16)) for n in names)
