@@ -294,3 +294,39 @@ async def test_the_prefix_cache_is_flushed_once_after_every_sync_by_the_engine_s
     assert [(c[0], None) if c[0] == "generate" else c for c in engine.calls] == cycle * 2
     if transport is EndFlushingTransport:
         assert s.transport.asked == [True, True]  # the scheduler asked for it every sync
+
+
+class CollectorWatchingTransport(FakeTransport):
+    """Records whether the garbage collector could run while the sync moved its bytes."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.collector_on = []
+
+    async def sync(self, trainer, engine, ctx):
+        import gc
+
+        self.collector_on.append(gc.isenabled())
+        return await super().sync(trainer, engine, ctx)
+
+
+async def test_the_garbage_collector_is_paused_for_the_transfer_and_back_on_after_it_even_after_a_failure():
+    import gc
+
+    assert gc.isenabled()
+    s, *_ = make(transport=CollectorWatchingTransport())
+    async with s:
+        await s.cycle()
+        assert s.transport.collector_on == [False] and gc.isenabled()
+        s.transport.fail_at_bucket = 1
+        with pytest.raises(RuntimeError, match="receiver failed in bucket 1"):
+            await s.cycle()
+    assert s.transport.collector_on == [False, False] and gc.isenabled()
+    gc.disable()  # a caller that keeps it off finds it off afterwards
+    try:
+        s, *_ = make(transport=CollectorWatchingTransport())
+        async with s:
+            await s.cycle()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
