@@ -79,7 +79,9 @@ def _install() -> None:
     async def call(self: Any, op: str, **fields: Any) -> dict:
         t0 = time.perf_counter()
         reply = await real_call(self, op, **fields)
-        _span("rt", op, t0, time.perf_counter(), engine_s=(reply.get("handoff_s") or 0) + (reply.get("load_s") or 0))
+        parts = {f"engine_{k}": reply[k] for k in ("begin_s", "handoff_s", "queue_s", "wait_s", "end_s") if k in reply}
+        _span("rt", op, t0, time.perf_counter(), engine_s=(reply.get("handoff_s") or 0) + (reply.get("load_s") or 0),
+              **parts)
         return reply
 
     EngineClient.call = call
@@ -319,7 +321,8 @@ def summarise() -> dict:
             a = agg[key]
             a["n"] += 1
             a["total_ms"] += (sp["t1"] - sp["t0"]) * 1e3
-            for k in ("wait", "run", "back", "engine_s"):
+            for k in ("wait", "run", "back", "engine_s", "engine_begin_s", "engine_handoff_s", "engine_queue_s",
+                      "engine_wait_s", "engine_end_s"):
                 if k in sp:
                     a[f"{k}_ms"] += sp[k] * 1e3
 

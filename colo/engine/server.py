@@ -167,6 +167,7 @@ class EngineServer:
         from colo.transports import get_strategy
         from colo.transports.base import EmptyInitInfo
 
+        began = time.perf_counter()
         if begin_load is True:
             self.op_begin_load(preflight_key=preflight_key)
 
@@ -184,16 +185,20 @@ class EngineServer:
             # reuse or free whatever ``named`` views
             n = self.core.load_weights(named)
             del named
+            queued = time.perf_counter()
             if self.core.model.device.type == "cuda":
                 # The ack promises the sender may reuse or free the memory: the
                 # copies out of it must have finished, not merely been queued.
                 torch.cuda.synchronize(self.core.model.device)
         done = time.perf_counter()
-        reply = {"handoff_s": opened - t0, "load_s": done - opened, "tensors": n}
+        # where the engine's time went (a sync's timeline, bench/sync_timeline.py): load_s
+        # is the copies queued (queue_s) and waited for (wait_s)
+        reply = {"handoff_s": opened - t0, "load_s": done - opened, "queue_s": queued - opened,
+                 "wait_s": done - queued, "begin_s": t0 - began, "tensors": n}
         if end_load is True:
             # a refused end (a tensor missing) answers this request with its error: the
             # load above happened, the sync did not, and the sender treats it as failed
-            reply.update(self.op_end_load(flush_cache=flush_cache), ended=True)
+            reply.update(self.op_end_load(flush_cache=flush_cache), ended=True, end_s=time.perf_counter() - done)
         return reply
 
     def op_transport_close(self, transport: str) -> dict:
