@@ -252,3 +252,30 @@ def test_the_extractor_does_not_keep_a_source_alive():
     host["lm_head.weight"] = torch.zeros(37, 8)  # the trainer drops its old backup
     gc.collect()
     assert gone() is None
+
+
+def test_a_rank_s_counting_view_of_the_extractor_hands_the_staging_views_through():
+    # the two-GPU demo's ranks wrap the trainer's extractor to count its calls; the
+    # wrapper once dropped ``into`` and every hf and fsdp sync on two H200s failed
+    from colo.ranks.host import _Drain
+
+    class Trainer:
+        def __init__(self, ex):
+            self.ex = ex
+
+        def extractor(self):
+            return self.ex
+
+    host = reference(10)
+    seen = []
+    ex = PlainExtractor(host, dtype=torch.float32)
+    real = ex.extract
+    ex.extract = lambda names, into=None: seen.append(into) or real(names, into)
+    drain = _Drain(Trainer(ex))
+    counting = drain.extractor()
+    assert counting.extracts_into is True
+    into = {"model.norm.weight": torch.empty(8)}
+    got = dict(counting.extract(["model.norm.weight"], into))
+    dict(counting.extract(["lm_head.weight"]))
+    assert seen == [into, None] and drain.extracted == 2
+    assert_bit_equal(got["model.norm.weight"], host["model.norm.weight"])

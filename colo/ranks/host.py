@@ -130,8 +130,10 @@ class _Drain:
             def specs(self) -> Any:
                 return inner.specs()
 
-            def extract(self, names: Sequence[str]) -> Any:
-                out = list(inner.extract(names))
+            def extract(self, names: Sequence[str], into: Any = None) -> Any:
+                # ``into`` (a staging buffer's views, for an extractor that writes there:
+                # ``extracts_into``) goes through as the transport gave it
+                out = list(inner.extract(names) if into is None else inner.extract(names, into))
                 drain.extracted += 1
                 return iter(out)
 
