@@ -14,3 +14,17 @@ class StateTrainer:
 
     def extractor(self):
         return self._extractor
+
+
+def calls_of(monkeypatch, obj, attr, arg):
+    """Spy on ``obj.attr`` (an instance's method, still called): the list of each call's
+    positional argument ``arg``, as the calls happen."""
+    seen = []
+    real = getattr(obj, attr)
+
+    def spy(*args):
+        seen.append(args[arg])
+        return real(*args)
+
+    monkeypatch.setattr(obj, attr, spy)
+    return seen

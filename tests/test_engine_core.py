@@ -13,6 +13,7 @@ from colo.engine.core import EngineCore
 from colo.engine.model import (Dims, EngineModel, EngineStateError, KVPoolTooSmall, WeightMismatch,
                                expected_digest, expected_hf_specs)
 from colo.models import build_trainer_model, demo_config
+from tests.syncparts import calls_of
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
@@ -473,22 +474,10 @@ def _scaled(state, scale):
     return {n: t * scale for n, t in state.items()}
 
 
-def _counting_dests(monkeypatch, model):
-    calls = []
-    real = model._whole_dest
-
-    def whole_dest(params, name):
-        calls.append(name)
-        return real(params, name)
-
-    monkeypatch.setattr(model, "_whole_dest", whole_dest)
-    return calls
-
-
 def test_the_same_views_load_new_values_every_sync_and_are_checked_and_placed_once(config, state, monkeypatch):
     core = make_core(config)
     flat, views = _one_buffer(state)
-    placed = _counting_dests(monkeypatch, core.model)
+    placed = calls_of(monkeypatch, core.model, "_whole_dest", 1)
     for k, scale in enumerate((1.0, -2.0, 0.5)):
         assert _sync(core, views, state, views, scale) == len(state)
         assert core.digest() == expected_digest(_scaled(state, scale), config, torch.float32)

@@ -9,6 +9,7 @@ from colo.core.buckets import plan_buckets
 from colo.extractors import PlainExtractor
 from colo.core.interfaces import WeightExtractor
 from tests.dist_helpers import TinyLlama, assert_bit_equal
+from tests.syncparts import calls_of
 
 
 def reference(seed=0, **kw) -> dict[str, torch.Tensor]:
@@ -183,23 +184,11 @@ def test_upload_to_and_device_are_exclusive_and_upload_to_keeps_tensors_on_the_h
 
 # -- the same request again (sync after sync) ------------------------------------------
 
-def _counting_full(monkeypatch, ex):
-    calls = []
-    real = ex._full
-
-    def full(name, t):
-        calls.append(name)
-        return real(name, t)
-
-    monkeypatch.setattr(ex, "_full", full)
-    return calls
-
-
 def test_the_same_request_of_the_same_source_is_not_looked_up_again_and_reads_the_new_values(monkeypatch):
     host = reference(6)  # a paused trainer's host backup: the same tensors every sync
     ex = PlainExtractor(host, dtype=torch.float32)
     names = ["model.norm.weight", "lm_head.weight"]
-    full = _counting_full(monkeypatch, ex)
+    full = calls_of(monkeypatch, ex, "_full", 0)
     first = dict(ex.extract(names))
     assert full == names
     host["model.norm.weight"].add_(1.0)  # the next step's weights, written in place
@@ -214,7 +203,7 @@ def test_a_swapped_moved_or_resized_source_and_another_request_are_extracted_afr
     host = reference(7)
     ex = PlainExtractor(host, dtype=torch.float32)
     names = ["model.norm.weight", "lm_head.weight"]
-    full = _counting_full(monkeypatch, ex)
+    full = calls_of(monkeypatch, ex, "_full", 0)
     list(ex.extract(names))
     host["model.norm.weight"] = torch.arange(8.0)  # another tensor under the name
     got = dict(ex.extract(names))
@@ -233,7 +222,7 @@ def test_a_request_whose_results_are_new_tensors_is_converted_every_time(monkeyp
     host = reference(8)
     ex = PlainExtractor(host, dtype=torch.bfloat16)  # a conversion on the host: a new tensor each time
     names = ["model.norm.weight"]
-    full = _counting_full(monkeypatch, ex)
+    full = calls_of(monkeypatch, ex, "_full", 0)
     a = dict(ex.extract(names))["model.norm.weight"]
     host["model.norm.weight"].mul_(2)
     b = dict(ex.extract(names))["model.norm.weight"]
