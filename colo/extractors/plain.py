@@ -10,8 +10,8 @@ trainer's side; integer and bool buffers keep their dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
 import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch

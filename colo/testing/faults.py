@@ -219,7 +219,7 @@ class _Wrapped:
                 flush = kw.pop("flush_cache", False)
                 kw.pop("end")
                 reply = await call(*args, **kw)
-                await getattr(self, "end_load")(flush_cache=flush)
+                await self.end_load(flush_cache=flush)
                 return {**reply, "ended": True}
             await injector.before(side, name)
             return await attr(*args, **kw)

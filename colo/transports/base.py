@@ -194,8 +194,7 @@ class BucketSender:
             await engine.begin_load()
             await pipeline(buckets, lambda b, s: self._prepare(extractor, b, s, ctx),
                            lambda b, s: self._handoff(engine, b, s, ctx), pipelined=self.pipelined)
-            if not self._ended:
-                await engine.end_load(flush_cache=ctx.flush_cache)
+            await self._end_load(engine, ctx)
             await self._commit(ctx, buckets)
         finally:
             with anyio.CancelScope(shield=True):
@@ -213,6 +212,11 @@ class BucketSender:
         if not self.ends_on_last_load or bucket.index != self._last_bucket:
             return {}
         return {"end": True, "flush_cache": ctx.flush_cache}
+
+    async def _end_load(self, engine: Any, ctx: SyncContext) -> None:
+        """The load's end (with the flush where asked), unless the last load request carried it."""
+        if not self._ended:
+            await engine.end_load(flush_cache=ctx.flush_cache)
 
     def _loaded(self, reply: dict) -> None:
         """Note a load's reply: one that ended the load leaves nothing for ``end_load``."""

@@ -332,8 +332,7 @@ class PackedTransport(BucketSender):
         # which is what lets a later pause give the memory back
         self._last_bucket, self._ended = bucket.index, False
         await self._load(engine, bucket, bucket, flat.export(), ctx)
-        if not self._ended:
-            await engine.end_load(flush_cache=ctx.flush_cache)
+        await self._end_load(engine, ctx)
         return ctx.result(bytes=bucket.payload_bytes, buckets=1, tensors=len(specs), cache_flushed=ctx.flush_cache)
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
