@@ -11,6 +11,9 @@ for this handle kind.
 Staging buffers must be plain ``cudaMalloc`` allocations: memory inside a
 torch_memory_saver region is a virtual-memory mapping that
 ``cudaIpcGetMemHandle`` cannot export.
+
+The second kind, ``pinned_shm`` (:class:`PinnedShm`), is host memory: a shared
+segment both processes page-lock, which the engine copies straight out of.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import torch
 
-from colo.handles import HandleError, register_rebuilder
+from colo.handles import HandleError, ShmSegment, register_rebuilder, shm_room
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -84,3 +87,74 @@ class CudaAttachment:
 
 
 register_rebuilder("cuda_ipc", CudaAttachment)
+
+
+# -- pinned host memory another process can map ------------------------------------------
+
+def _cudart_ok(err: Any, what: str) -> None:
+    if int(err) != 0:
+        raise HandleError(f"{what} failed: {torch.cuda.cudart().cudaGetErrorString(err)}")
+
+
+class PinnedShm:
+    """A ``/dev/shm`` segment page-locked with ``cudaHostRegister``: pinned host memory
+    that another process maps and registers too.
+
+    Why: the host copy of paused weights is what an ``offload-first`` sync uploads. In
+    private pinned memory (``torch.empty(pin_memory=True)``) only the trainer can read
+    it, so the sync uploads it into device staging buffers and the engine copies out of
+    those: two copies, a cudaMalloc and an IPC open per buffer every sync, and the last
+    bucket's load exposed at the end. Shared and registered on both sides, the engine
+    copies straight out of it into its parameters at the pinned host-to-device rate
+    (issue 18, item 1). Registering is slow (it pins every page), so both sides
+    register once and keep the mapping from sync to sync (the handle says ``keep``).
+
+    Off a GPU (a CPU engine reading it) the segment is mapped and not registered."""
+
+    kind = "pinned_shm"
+
+    def __init__(self, seg: ShmSegment, *, register: bool):
+        self.seg = seg
+        self.name, self.nbytes = seg.name, seg.nbytes
+        self.tensor: torch.Tensor | None = seg.tensor
+        self._ptr: int | None = None
+        if register:
+            try:
+                ptr = self.tensor.data_ptr()
+                _cudart_ok(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0),
+                           f"cudaHostRegister of {self.nbytes} B of shared memory {self.name}")
+            except BaseException:
+                self.tensor = None
+                seg.close()
+                raise
+            self._ptr = ptr
+
+    @property
+    def registered(self) -> bool:
+        return self._ptr is not None
+
+    @classmethod
+    def create(cls, nbytes: int) -> PinnedShm:
+        room = shm_room()
+        if nbytes > room:
+            raise HandleError(f"pinned shared host memory: /dev/shm has {room} B free, {nbytes} B needed")
+        return cls(ShmSegment.create(nbytes), register=True)
+
+    def handle(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "nbytes": self.nbytes, "keep": True}
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            # unregistered before the pages are unmapped, whoever still holds a view
+            _cudart_ok(torch.cuda.cudart().cudaHostUnregister(self._ptr), f"cudaHostUnregister of {self.name}")
+            self._ptr = None
+        self.tensor = None
+        self.seg.close()
+
+
+def _open_pinned(handle: dict) -> PinnedShm:
+    seg = ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False)
+    return PinnedShm(seg, register=torch.cuda.is_available() and torch.cuda.is_initialized())
+
+
+register_rebuilder("pinned_shm", _open_pinned)

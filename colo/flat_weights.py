@@ -19,8 +19,17 @@ resuming reallocates and copies back. Every parameter view shares the buffer's
 ``_free_storage``/``_alloc_storage`` relied on); ``tests/test_one_copy.py``
 checks that rather than trusting it.
 
+The pinned host backup is itself shared (``share_host``, the default): a
+``/dev/shm`` segment page-locked on both sides (:class:`colo.cuda_ipc.PinnedShm`).
+An ``offload-first`` sync then needs no packing either: the engine copies each
+tensor straight out of the backup into its parameters, one host-to-device copy
+of the model and no device staging (issue 18, item 1). Where ``/dev/shm`` has
+no room for it the backup is private pinned memory (``host_unshared``
+says why) and the sync stages it through device buffers as before.
+
 On the CPU the buffer is a ``/dev/shm`` segment that the engine process maps;
-pause and resume free nothing there (as for the CPU trainers' other state).
+pause and resume free nothing there (as for the CPU trainers' other state), and
+a paused buffer is still what the engine reads.
 """
 
 from __future__ import annotations
@@ -46,9 +55,16 @@ class FlatWeights:
     all still there."""
 
     def __init__(self, layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
-                 device: torch.device | str, align: int = ALIGN):
+                 device: torch.device | str, align: int = ALIGN, share_host: bool = True):
         if isinstance(align, bool) or not isinstance(align, int) or align < ALIGN or align & (align - 1):
             raise ValueError(f"align must be a power of two of at least {ALIGN} bytes, got {align!r}")
+        if not isinstance(share_host, bool):
+            raise ValueError(f"share_host must be a bool, got {share_host!r}")
+        #: the pinned host backup of paused GPU weights is a shared segment the engine reads
+        self.share_host = share_host
+        #: why the backup is private pinned memory after all (None: shared, or not made yet)
+        self.host_unshared: str | None = None if share_host else "share_host=False"
+        self._host_seg: Any = None
         if not layout:
             raise ValueError("flat weights: no tensors to lay out (empty model)")
         self.device = torch.device(device)
@@ -97,13 +113,13 @@ class FlatWeights:
     # -- building --------------------------------------------------------------
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], *, device: torch.device | str | None = None,
-                     align: int = ALIGN) -> FlatWeights:
+                     align: int = ALIGN, share_host: bool = True) -> FlatWeights:
         """A new buffer holding copies of ``tensors`` (on ``device``, default theirs)."""
         if not tensors:
             raise ValueError("flat weights: no tensors to lay out (empty model)")
         first = next(iter(tensors.values()))
         flat = cls({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
-                   device=device if device is not None else first.device, align=align)
+                   device=device if device is not None else first.device, align=align, share_host=share_host)
         with torch.no_grad():
             for n, t in tensors.items():
                 flat.tensors[n].copy_(t)
@@ -111,13 +127,14 @@ class FlatWeights:
 
     @classmethod
     def adopt(cls, module: torch.nn.Module, *, device: torch.device | str | None = None,
-              align: int = ALIGN) -> FlatWeights:
+              align: int = ALIGN, share_host: bool = True) -> FlatWeights:
         """Move every parameter of ``module`` (a tied one once) into a new buffer:
         ``param.data`` becomes its view, so the optimizer, the forward and the
         extractor all read and write the flat buffer from now on. The old
         storage is freed when nothing else holds it."""
         params = dict(module.named_parameters())
-        flat = cls.from_tensors({n: p.detach() for n, p in params.items()}, device=device, align=align)
+        flat = cls.from_tensors({n: p.detach() for n, p in params.items()}, device=device, align=align,
+                                share_host=share_host)
         for n, p in params.items():
             p.data = flat.tensors[n]
         flat._owners = params
@@ -145,25 +162,41 @@ class FlatWeights:
                     f"[{a}, {b})): it was replaced or resized after the buffer was built; build the flat "
                     f"weights again after changing the model")
 
+    def readable(self) -> torch.Tensor | None:
+        """The bytes an engine can read the weights from now: the buffer while it is
+        resident (and on the CPU always), the shared host backup while paused on a GPU;
+        None when paused into a private backup."""
+        if not self.paused or self.device.type != "cuda":
+            return self._flat
+        return self._host if self._host_seg is not None else None
+
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
-        """The byte range of ``t`` in the resident buffer, or None when ``t`` is not a
-        contiguous view of it (a converted copy, a host tensor, another buffer's)."""
-        if self.paused or t.device != self.device or not t.is_contiguous():
+        """The byte range of ``t`` in :meth:`readable`, or None when ``t`` is not a
+        contiguous view of it (a converted copy, a stale device view of paused
+        weights, another buffer's)."""
+        buf = self.readable()
+        if buf is None or t.device != buf.device or not t.is_contiguous():
             return None
-        if t.untyped_storage()._cdata != self._flat.untyped_storage()._cdata:
+        if t.untyped_storage()._cdata != buf.untyped_storage()._cdata:
             return None
         start = t.storage_offset() * t.element_size()
         end = start + t.numel() * t.element_size()
         return (start, end) if end <= self.nbytes else None
 
     def export(self) -> dict:
-        """One handle for the whole buffer. On a GPU every call wraps the block in a
-        new IPC reference count (torch's ``_share_cuda_``): send it to exactly one
-        engine, which drops it at ``end_load``; the caller first makes sure no
-        queued kernel still writes the weights (the engine reads outside our
-        stream order)."""
-        if self.paused:
-            raise RuntimeError("flat weights are paused: there is nothing on the device to export")
+        """One handle for the whole of :meth:`readable`.
+
+        Resident on a GPU, every call wraps the block in a new IPC reference count
+        (torch's ``_share_cuda_``): send it to exactly one engine, which drops it
+        at ``end_load``; the caller first makes sure no queued kernel still writes
+        the weights (the engine reads outside our stream order). Paused, it is the
+        shared host backup's handle, which the engine keeps mapped from sync to
+        sync (registering it again each time would cost more than the sync)."""
+        if self.paused and self.device.type == "cuda":
+            if self._host_seg is None:
+                raise RuntimeError(f"flat weights are paused into a private host backup ({self.host_unshared}): "
+                                   f"there is nothing another process can read")
+            return self._host_seg.handle()
         if self._seg is not None:
             return self._seg.handle()
         from colo.cuda_ipc import export_cuda
@@ -185,7 +218,7 @@ class FlatWeights:
             # kernels still reading or writing the weights finish before the copy
             torch.cuda.synchronize(self.device)
             if self._host is None:
-                self._host = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+                self._host = self._new_host()
             self._host.copy_(self._flat)
             before = torch.cuda.memory_allocated(self.device)
             self._flat.untyped_storage().resize_(0)
@@ -206,6 +239,31 @@ class FlatWeights:
                     f"that failed before the engine opened the handle, an engine that died holding it")
             return
         self.paused = True
+
+    def _new_host(self) -> torch.Tensor:
+        """The pinned host backup, made at the first pause and kept: a shared segment
+        when ``share_host`` and /dev/shm has room, else private pinned memory."""
+        if self.share_host:
+            from colo.cuda_ipc import PinnedShm
+            from colo.errors import HandleError
+
+            try:
+                self._host_seg = PinnedShm.create(self.nbytes)
+                self.host_unshared = None
+                return self._host_seg.tensor
+            except (HandleError, OSError) as e:
+                self.host_unshared = f"{type(e).__name__}: {e}"
+        return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        """The whole host copy, flat (None on a GPU before the first pause made it)."""
+        return self._flat if self.device.type == "cpu" else self._host
+
+    @property
+    def host_shared(self) -> bool:
+        """The host backup exists and another process can read it."""
+        return self._host_seg is not None
 
     def resume(self) -> None:
         """Take the device memory again and copy the weights back (queued on the
@@ -242,6 +300,9 @@ class FlatWeights:
         self.tensors = {}
         self._host = None
         self._host_views = None
+        if self._host_seg is not None:
+            self._host_seg.close()
+            self._host_seg = None
         if self._seg is not None:
             self._flat = None
             self._seg.close()

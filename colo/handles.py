@@ -73,6 +73,17 @@ class ShmSegment:
             self.owner = False
 
 
+def shm_room() -> int:
+    """Bytes ``/dev/shm`` can still take. A segment is created sparse: one larger than
+    this is only found out when a page is touched, by a SIGBUS that kills the process,
+    so whoever creates a large one asks first (a container's /dev/shm is often 64 MiB)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
 def _open_shm(handle: dict) -> ShmSegment:
     return ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False)
 

@@ -33,9 +33,10 @@ BUCKET = 64 << 10
 class FlatTrainer:
     """A real model with its parameters in one flat buffer and a real AdamW over them."""
 
-    def __init__(self, config, seed: int, *, device="cpu", dtype=torch.float32, engine_dtype=torch.float32):
+    def __init__(self, config, seed: int, *, device="cpu", dtype=torch.float32, engine_dtype=torch.float32,
+                 share_host: bool = True):
         self.model = build_trainer_model(config, seed=seed).to(dtype)
-        self.flat_weights = FlatWeights.adopt(self.model, device=device)
+        self.flat_weights = FlatWeights.adopt(self.model, device=device, share_host=share_host)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.engine_dtype = engine_dtype
 
@@ -109,7 +110,9 @@ def test_flat_weights_hold_the_parameters_as_aligned_views_that_an_optimizer_upd
         flat.pause()
         with pytest.raises(RuntimeError, match="already paused"):
             flat.pause()
-        assert flat.locate(w) is None  # a paused buffer is no sync source
+        # paused on the CPU the buffer is its own host copy: still what the engine reads
+        assert flat.readable() is flat._flat and flat.locate(w) == flat.slots["lm_head.weight"]
+        assert flat.export() == flat._seg.handle()
         assert all(torch.equal(flat.host_tensors()[n], t) for n, t in want.items())
         flat.resume()
         assert all(torch.equal(p.detach(), want[n]) for n, p in trainer.model.named_parameters())
@@ -172,7 +175,7 @@ async def test_sync_first_from_flat_weights_is_one_request_with_nothing_staged(c
 
 
 @on_cpu_engine
-async def test_a_conversion_or_a_paused_buffer_falls_back_to_packing_and_still_arrives_exact(cpu_engine):
+async def test_a_conversion_falls_back_to_packing_and_a_paused_buffer_is_still_read_in_place(cpu_engine):
     client, config = cpu_engine
     # bf16 trainer, float32 engine: every tensor is converted, so none lies in the buffer
     trainer = FlatTrainer(config, 2, dtype=torch.bfloat16, engine_dtype=torch.float32)
@@ -185,14 +188,16 @@ async def test_a_conversion_or_a_paused_buffer_falls_back_to_packing_and_still_a
         assert result.buckets > 2 and len(engine.requests) == result.buckets
         assert budget.peak_bytes > 0 and budget.held_bytes == 0
         assert {r.stage for r in ctx.stages} == {"gather", "pack", "handoff", "load"}
-        # a same-dtype trainer whose buffer is paused (the offload-first source) packs too
+        # a same-dtype trainer whose buffer is paused (the offload-first source): on the CPU
+        # the buffer is its own host copy, so the engine still reads it in one request
         same = FlatTrainer(config, 4)
         same.flat_weights.pause()
         engine.requests.clear()
         ctx, budget = context(2)
         result = await transport.sync(same, engine, ctx)
         assert await client.digest() == expected_digest(same.state(), config, torch.float32)
-        assert result.buckets > 2 and len(engine.requests) == result.buckets and budget.peak_bytes > 0
+        assert result.buckets == 1 == len(engine.requests) and budget.peak_bytes == 0
+        assert engine.requests[0]["handle"] == same.flat_weights.export()
         # and a transport told not to load from the buffer packs a resident one
         same.flat_weights.resume()
         packing = PackedTransport(one_copy=False)
@@ -350,6 +355,37 @@ def test_flat_weights_refuse_bad_input():
         FlatWeights({"w": ((2,), "float32")}, device="cpu")
     with pytest.raises(ValueError, match="one_copy must be a bool"):
         PackedTransport(one_copy="yes")
+    with pytest.raises(ValueError, match="share_host must be a bool, got 'yes'"):
+        FlatWeights({"w": ((2,), torch.float32)}, device="cpu", share_host="yes")
+    assert leftover_segments() == []
+
+
+def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_cannot_hold(monkeypatch):
+    """The engine side of the shared pinned backup, on the CPU (no registration here: a
+    process without a CUDA context maps the segment as it is)."""
+    import colo.cuda_ipc
+    from colo.cuda_ipc import PinnedShm
+    from colo.handles import HandleError, ShmSegment, open_handle
+
+    seg = ShmSegment.create(4096)
+    mine = PinnedShm(seg, register=False)
+    try:
+        mine.tensor.copy_(torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+        handle = mine.handle()
+        assert handle == {"kind": "pinned_shm", "name": seg.name, "nbytes": 4096, "keep": True}
+        theirs = open_handle(handle)
+        assert isinstance(theirs, PinnedShm) and not theirs.registered and not theirs.seg.owner
+        assert torch.equal(theirs.tensor, mine.tensor)
+        theirs.close()
+        with pytest.raises(HandleError, match="not a colo segment name"):
+            open_handle({**handle, "name": "../etc/passwd"})
+    finally:
+        mine.close()
+    assert leftover_segments() == []
+    # a /dev/shm too small for the backup is said before a page is touched (a SIGBUS otherwise)
+    monkeypatch.setattr(colo.cuda_ipc, "shm_room", lambda: 1 << 20)
+    with pytest.raises(HandleError, match=r"/dev/shm has 1048576 B free, 2097152 B needed"):
+        PinnedShm.create(2 << 20)
     assert leftover_segments() == []
 
 
@@ -441,3 +477,106 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         await transport.aclose()
         await client.aclose()
         flat.close()
+
+
+class PausingTrainer(FlatTrainer):
+    """While its weights are paused, its extractor hands over the views of their pinned
+    host backup (what a training loop's offload-first sync reads, as BenchTrainer does)."""
+
+    def extractor(self):
+        if self.flat_weights.paused:
+            return PlainExtractor(self.flat_weights.host_tensors(), dtype=self.engine_dtype,
+                                  upload_to=self.flat_weights.device)
+        return super().extractor()
+
+
+def mapped_by(pid: int, segment: str) -> bool:
+    """Whether process ``pid`` maps shared-memory segment ``segment`` now (its /proc maps)."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as fh:
+        return any(segment in line for line in fh)
+
+
+@pytest.mark.gpu
+@gpu
+async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_nothing_staged():
+    from colo.engine.client import EngineClient
+
+    config = demo_config(**GPU_CFG)
+    trainer = PausingTrainer(config, 5, device="cuda")
+    flat = trainer.flat_weights
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
+                                       "total_bytes": 2 << 30, "mem_fraction_static": 0.5, "checkpoint": None})
+    transport = PackedTransport()
+    try:
+        for step in (1, 2):
+            trainer.step()  # new weights each time: the second sync must carry them, not the first's
+            want = trainer.state()
+            flat.pause()
+            assert flat.host_shared and flat.host_unshared is None
+            seg = flat.export()
+            assert seg["kind"] == "pinned_shm" and seg["keep"] is True and seg["nbytes"] == flat.nbytes
+            # registered: page-locked, so the engine's copies out of it run at the pinned rate
+            assert all(t.is_pinned() for t in flat.host_tensors().values())
+            ctx, budget = context(step)
+            engine = CountingEngine(client)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            result = await transport.sync(trainer, engine, ctx)
+            assert torch.cuda.max_memory_allocated() == before  # not a byte of device staging
+            assert await client.digest() == expected_digest(want, config, torch.float32), step
+            assert len(engine.requests) == 1 and engine.requests[0]["handle"] == seg
+            assert (result.buckets, result.staging_peak, budget.peak_bytes) == (1, 0, 0)
+            assert result.bytes == sum(t.numel() * 4 for t in want.values())
+            assert [(r.bucket, r.stage) for r in ctx.stages] == [(0, "gather"), (0, "handoff"), (0, "load")]
+            # the engine keeps the backup mapped from sync to sync (registering it is the slow part)
+            assert mapped_by(client.process.pid, seg["name"])
+            flat.resume()
+            assert all(torch.equal(p.detach().cpu(), want[n]) for n, p in trainer.model.named_parameters())
+        # the transport's close lets the engine go of it; the trainer's close removes it
+        await transport.aclose()
+        assert not mapped_by(client.process.pid, seg["name"])
+        flat.close()
+        assert leftover_segments() == []
+    finally:
+        await transport.aclose()
+        await client.aclose()
+        flat.close()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("why", ["asked", "no room"])
+async def test_a_private_pinned_backup_is_packed_through_device_staging_and_arrives_exact(why, monkeypatch):
+    import colo.cuda_ipc
+    from colo.engine.client import EngineClient
+
+    config = demo_config(**GPU_CFG)
+    if why == "no room":  # a container's small /dev/shm: the backup is private pinned memory, and says so
+        monkeypatch.setattr(colo.cuda_ipc, "shm_room", lambda: 64 << 20)
+    trainer = PausingTrainer(config, 6, device="cuda", share_host=why != "asked")
+    flat = trainer.flat_weights
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
+                                       "total_bytes": 2 << 30, "mem_fraction_static": 0.5, "checkpoint": None})
+    transport = PackedTransport()
+    try:
+        trainer.step()
+        want = trainer.state()
+        flat.pause()
+        assert not flat.host_shared and flat.readable() is None
+        assert flat.host_unshared == ("share_host=False" if why == "asked" else
+                                      f"HandleError: pinned shared host memory: /dev/shm has {64 << 20} B free, "
+                                      f"{flat.nbytes} B needed")
+        with pytest.raises(RuntimeError, match="private host backup"):
+            flat.export()
+        ctx, budget = context(1)
+        engine = CountingEngine(client)
+        result = await transport.sync(trainer, engine, ctx)
+        assert await client.digest() == expected_digest(want, config, torch.float32)
+        assert result.buckets == len(engine.requests) > 2 and budget.peak_bytes > 0
+        assert {r["handle"]["kind"] for r in engine.requests} == {"cuda_ipc"}
+    finally:
+        await transport.aclose()
+        await client.aclose()
+        flat.close()
+    assert leftover_segments() == []

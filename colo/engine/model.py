@@ -745,12 +745,18 @@ class EngineModel:
         """Copy one checked HF tensor (or a piece of it: its run of elements, in
         place) into its row block (a TP rank copies out its slice)."""
         dest = self._whole_dest(params, name)
+        src = tensor.data if isinstance(tensor, Piece) else tensor
+        # From host memory, queued, not one copy and one host wait per tensor: the copy
+        # engine then streams a few hundred tensors out of a pinned backup back to back
+        # (the server waits for the device before it acknowledges). A pageable source
+        # is still read before the call returns (CUDA stages it), so it may go at once.
+        queued = src.device.type == "cpu" and dest.device.type == "cuda"
         if isinstance(tensor, Piece):
             # a row block of a contiguous parameter is contiguous: the tensor's
             # row-major elements are the block's, one for one
-            dest.view(-1)[tensor.offset:tensor.end].copy_(tensor.data)
+            dest.view(-1)[tensor.offset:tensor.end].copy_(src, non_blocking=queued)
             return
-        dest.copy_(tensor)
+        dest.copy_(src, non_blocking=queued)
 
     def end_load(self) -> int:
         """Close the load; raise one ``WeightMismatch`` unless every expected name came exactly once."""

@@ -8,15 +8,17 @@ bucket i is handed off and loaded, bucket i+1 is gathered and packed into the
 other one. A buffer is reused only after the engine acknowledged the bucket it
 held — reusing it earlier would overwrite weights the engine is still reading.
 
-One copy (issue 18, item 2): when the trainer keeps its weights in one flat,
-exportable buffer (``trainer.flat_weights``, :mod:`colo.flat_weights`) and every
-tensor the extractor yields is a contiguous view of it (same dtype as the
+One copy (issue 18, items 1 and 2): when the trainer keeps its weights in one
+flat, exportable buffer (``trainer.flat_weights``, :mod:`colo.flat_weights`) and
+every tensor the extractor yields is a contiguous view of it (same dtype as the
 engine's, nothing gathered or converted), there is nothing to pack: the
 buffer's one handle goes to the engine in ONE request whose metadata gives each
 tensor's byte range in it, and the engine copies straight out of the trainer's
-memory into its parameters. No staging buffer, one device copy of the model.
-Anything else (a conversion, a TP gather, a pinned host source) is packed in
-buckets as above.
+memory into its parameters. No staging buffer, one copy of the model: a device
+copy in ``sync-first``; in ``offload-first`` a host-to-device copy out of the
+paused weights' shared pinned backup, which the engine keeps mapped across
+syncs. Anything else (a conversion, a TP gather, a private pinned host copy)
+is packed in buckets as above.
 """
 
 from __future__ import annotations
@@ -279,10 +281,12 @@ class PackedTransport(BucketSender):
         self._memo = LayoutMemo()
         #: (extractor, flat weights, their one-copy bucket or None) of the last walk, weakly
         self._one_copy_memo: tuple[Any, Any, Bucket | None] | None = None
+        #: the engine keeps a trainer buffer mapped across syncs (a flat weights' host backup)
+        self._engine_keeps = False
 
     async def sync(self, trainer: Any, engine: Any, ctx: SyncContext) -> Any:
         flat = getattr(trainer, "flat_weights", None) if self.one_copy else None
-        if flat is not None and not flat.paused:
+        if flat is not None and flat.readable() is not None:
             # a parameter replaced after the buffer was built is refused here, by name,
             # not silently packed from wherever it lives now
             flat.check()
@@ -331,7 +335,11 @@ class PackedTransport(BucketSender):
         # exported per sync: the engine closes it at end_load (the receiver's release),
         # which is what lets a later pause give the memory back
         self._last_bucket, self._ended = bucket.index, False
-        await self._load(engine, bucket, bucket, flat.export(), ctx)
+        handle = flat.export()
+        if handle.get("keep") is True:
+            # the shared host backup: the engine keeps it mapped until drop_handles (aclose)
+            self._engine_keeps = True
+        await self._load(engine, bucket, bucket, handle, ctx)
         await self._end_load(engine, ctx)
         return ctx.result(bytes=bucket.payload_bytes, buckets=1, tensors=len(specs), cache_flushed=ctx.flush_cache)
 
@@ -481,13 +489,15 @@ class PackedTransport(BucketSender):
     async def _free_kept(self) -> None:
         """Free the kept slots: the engine lets go of its mappings first (a block the
         engine still maps is not returned to the device, only parked)."""
-        if any(s is not None for s in self._slots):
+        if any(s is not None for s in self._slots) or self._engine_keeps:
             await super().abort()  # the engine's drop_handles, bounded; a dead engine holds nothing
+            self._engine_keeps = False
             self._close_slots(keep_kept=False)
 
     async def abort(self) -> None:
         await super().abort()  # the engine drops every mapping, the kept ones too
         with anyio.CancelScope(shield=True):
+            self._engine_keeps = False
             self._close_slots(keep_kept=False)
 
     async def aclose(self) -> None:
@@ -497,16 +507,15 @@ class PackedTransport(BucketSender):
 
 
 def one_copy_bucket(flat: Any, extractor: Any) -> Bucket | None:
-    """The sync as one bucket laid out by the trainer's flat buffer, or None when
-    some tensor the extractor yields is not a contiguous view of it (converted,
-    gathered, on the host): then the sync is packed.
+    """The sync as one bucket laid out by the trainer's flat buffer (or, paused, by
+    its shared host backup: ``flat.readable()``), or None when some tensor the
+    extractor yields is not a contiguous view of it (converted, gathered, a private
+    host copy): then the sync is packed.
 
     The extractor is walked lazily and left at the first tensor that does not
     fit, so a sync that falls back converts one tensor here, not the model.
     Only single-rank extractors get here (a trainer with flat weights), so
     leaving the walk early skips no other rank's collective."""
-    if getattr(extractor, "upload_to", None) is not None:
-        return None  # a host source, uploaded by the transport
     specs = list(extractor.specs())
     if not specs:
         return None  # the packed path says why an empty model cannot be synced
@@ -574,8 +583,8 @@ class PackedReceiver:
     @contextlib.contextmanager
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
         req = request if isinstance(request, PackedRequest) else self._parse(request)
-        if req.handle.get("kind") == "cuda_ipc":
-            import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc rebuilder
+        if req.handle.get("kind") in ("cuda_ipc", "pinned_shm"):
+            import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc and pinned_shm rebuilders
         seg = self._attach(req.handle)
         # Views into the sender's buffer: valid until the ack, which the server
         # sends only after the loader copied them into the parameters.
@@ -607,9 +616,9 @@ class PackedReceiver:
         """Close this sync's mappings; a buffer its sender keeps across syncs stays
         mapped (reopening it costs each sync an IPC open and close) unless ``kept``."""
         for name in [n for n in self._attached if kept or n not in self._kept]:
-            self._attached.pop(name).close()
+            self._views.pop(name, None)  # the views first: a mapping with views left cannot close
             self._kept.discard(name)
-            self._views.pop(name, None)
+            self._attached.pop(name).close()
 
     def close(self) -> None:
         self.release(kept=True)
