@@ -60,7 +60,9 @@ def gpu_models() -> dict[str, tuple[str, dict]]:
 #: (label, transport, options, plans it runs under). One-copy runs first under sync-first,
 #: into an engine that holds other weights, so the digest taken after it shows it delivered;
 #: under offload-first it would pack exactly like packed-pipelined, so it is not run there.
-VARIANTS = [("packed-one-copy", "packed", {"pipelined": True}, ("sync-first",)),
+#: the one-copy row is colo's default: under sync-first the engine reads the trainer's flat
+#: device buffer, under offload-first the paused weights' shared pinned host backup
+VARIANTS = [("packed-one-copy", "packed", {"pipelined": True}, ("sync-first", "offload-first")),
             ("ipc", "ipc", {}, ("sync-first", "offload-first")),
             ("packed-serial", "packed", {"pipelined": False, "one_copy": False}, ("sync-first", "offload-first")),
             ("packed-pipelined", "packed", {"pipelined": True, "one_copy": False}, ("sync-first", "offload-first"))]
@@ -157,6 +159,7 @@ class BenchTrainer:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.optimizer_bytes = 2 * self.weight_bytes
         self._resident_extractor = self._host_extractor = None
+        self.first_pause_s: float | None = None
 
     def param_specs(self):
         return self.specs
@@ -182,7 +185,10 @@ class BenchTrainer:
         return self.flat_weights.paused
 
     def pause_weights(self) -> None:
+        t = time.perf_counter()
         self.flat_weights.pause()
+        if self.first_pause_s is None:  # it makes (and registers) the pinned host backup
+            self.first_pause_s = time.perf_counter() - t
 
     def resume_weights(self) -> None:
         self.flat_weights.resume()
@@ -231,16 +237,46 @@ class EngineCalls:
         return reply
 
 
+class AdjacentH2D:
+    """The pinned host-to-device rate measured right before and right after each timed
+    sync, out of the very memory an offload-first sync reads (the paused weights' host
+    backup, its first ``nbytes``).
+
+    Why: on the H100 the rate of one and the same copy drifted from 55 to 46 GB/s
+    within a minute (bench/h2d_probe.py, 2026-11-24), so a limit measured once at the
+    start can sit 10 % away from the rate a sync later gets. Each sync's time over the
+    floor at the rate adjacent to it in time says what the sync itself adds."""
+
+    def __init__(self, host: Any, nbytes: int = 2 * GiB):
+        self.src = host[:min(nbytes, host.numel())]
+        self.dst = torch.empty(self.src.numel(), dtype=torch.uint8, device="cuda")
+
+    def rate(self) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        self.dst.copy_(self.src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        return self.src.numel() / (a.elapsed_time(b) / 1000) / 1e9
+
+    def close(self) -> None:
+        self.dst = self.src = None
+        torch.cuda.empty_cache()
+
+
 async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, bucket_bytes: int,
-                    reps: int) -> dict:
+                    reps: int, adjacent: AdjacentH2D | None = None) -> dict:
     stages: list = []
+    rates: list[tuple[float, float]] = []  # the adjacent rate before and after each timed sync
     calls = EngineCalls(engine)
     engine = calls
     times, peaks, collect = [], [], []
     result = None
+    first_s = None
     for i in range(reps + 1):  # the first is a warm-up
         ctx = SyncContext(step=i, weight_version=1, bucket_bytes=bucket_bytes, source=source,
                           staging=StagingBudget(None))
+        before = adjacent.rate() if adjacent is not None and i else None
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -248,30 +284,43 @@ async def time_sync(transport: Any, trainer: Any, engine: Any, *, source: str, b
         result = await transport.sync(trainer, engine, ctx)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
+        if before is not None:
+            rates.append((before, adjacent.rate()))
         t1 = time.perf_counter()
         torch.cuda.ipc_collect()
         torch.cuda.empty_cache()  # what slime does after a sync: its cost, beside the sync's
         collect_s = time.perf_counter() - t1
         if not i:
             calls.totals.clear()  # the warm-up's calls are not counted
+            first_s = elapsed  # beside the timed ones: what a first sync pays once (a mapping, a registration)
         else:
             times.append(elapsed)
             collect.append(collect_s)
+            # the adjacent probe's scratch is allocated before the peak is reset: not counted
             peaks.append(torch.cuda.max_memory_allocated() - base)
             stages.extend(ctx.stages)
             # the last timed sync, stage by stage: [bucket, stage, start_s, end_s] from its start
             timeline = [[r.bucket, r.stage, round(r.at - r.duration_s - c0, 6), round(r.at - c0, 6)]
                         for r in ctx.stages]
     sec = statistics.median(times)
+    adjacent_fields = {}
+    if rates:
+        nbytes = result.bytes
+        # each sync over its floor at the mean of the rates measured just before and after it
+        over = [t / (nbytes / ((a + b) / 2 * 1e9)) for t, (a, b) in zip(times, rates)]
+        adjacent_fields = {"adjacent_h2d_GBps": [[round(a, 2), round(b, 2)] for a, b in rates],
+                           "sync_over_adjacent_h2d_floor_all": over,
+                           "sync_over_adjacent_h2d_floor": statistics.median(over)}
     # where the time goes: each stage's total over the timed syncs, per sync
     by_stage: dict[str, float] = {}
     for rec in stages:
         by_stage[rec.stage] = by_stage.get(rec.stage, 0.0) + rec.duration_s / reps
     return {"sync_s": sec, "stage_s_per_sync": by_stage,
             "engine_calls_s_per_sync": {k: v / reps for k, v in calls.totals.items()},
-            "timeline": timeline, "sync_s_all": times,
+            "timeline": timeline, "sync_s_all": times, "first_sync_s": first_s,
             "ipc_collect_and_empty_cache_s": statistics.median(collect), "bytes": result.bytes, "buckets": result.buckets,
-            "tensors": result.tensors, "GBps": result.bytes / sec / 1e9, "peak_extra_bytes": max(peaks)}
+            "tensors": result.tensors, "GBps": result.bytes / sec / 1e9, "peak_extra_bytes": max(peaks),
+            **adjacent_fields}
 
 
 async def time_phases(trainer: BenchTrainer, engine: Any, cycles: int = 3) -> list[dict]:
@@ -316,16 +365,18 @@ async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float
     from colo.transports import make_transport
 
     rows = []
+    adjacent = None
     for plan, source in (("sync-first", "device"), ("offload-first", "host")):
         if source == "host" and not trainer.weights_paused:
             trainer.pause_weights()
+            adjacent = AdjacentH2D(trainer.flat_weights.host)
         for label, name, opts, plans in VARIANTS:
             if plan not in plans:
                 continue
             transport = make_transport(name, **opts)
             try:
                 r = await time_sync(transport, trainer, engine, source=source,
-                                    bucket_bytes=int(bucket_mib * MiB), reps=reps)
+                                    bucket_bytes=int(bucket_mib * MiB), reps=reps, adjacent=adjacent)
             finally:
                 if hasattr(transport, "aclose"):
                     await transport.aclose()
@@ -334,6 +385,8 @@ async def time_variants(trainer: Any, engine: Any, saver: Any, bucket_mib: float
                 r["engine_digest"] = await engine.digest()
             rows.append(r)
             print(json.dumps({"row": r}), flush=True)  # in the log even if the run is cut short
+    if adjacent is not None:
+        adjacent.close()
     return rows
 
 
@@ -353,12 +406,27 @@ def target_ratios(rows: list[dict], limits: dict, bucket_mib: float, floors: dic
     if one is not None:
         out["sync_first_one_copy_vs_d2d_limit"] = one["GBps"] / d2d_model_limit
         out["sync_first_one_copy_vs_packed_pipelined"] = pipe_sf["sync_s"] / one["sync_s"]
+    one_of = by.get(("offload-first", "packed-one-copy"))
+    # the run's host-to-device limit applied to these bytes: the stricter floor (the
+    # model's own single copy below came out slower than the limit in some runs)
+    limit_s = pipe_of["bytes"] / (limits["pinned_h2d_GBps"] * 1e9)
+    out["offload_first_sync_over_run_limit"] = pipe_of["sync_s"] / limit_s
+    if "sync_over_adjacent_h2d_floor" in pipe_of:
+        out["offload_first_sync_over_adjacent_h2d_floor"] = pipe_of["sync_over_adjacent_h2d_floor"]
+    if one_of is not None and "sync_over_adjacent_h2d_floor" in one_of:
+        out["offload_first_one_copy_sync_over_adjacent_h2d_floor"] = one_of["sync_over_adjacent_h2d_floor"]
+    if one_of is not None:
+        out["offload_first_one_copy_vs_pinned_h2d"] = one_of["GBps"] / limits["pinned_h2d_GBps"]
+        out["offload_first_one_copy_sync_over_run_limit"] = one_of["sync_s"] / limit_s
+        out["offload_first_one_copy_vs_packed_pipelined"] = pipe_of["sync_s"] / one_of["sync_s"]
     if floors is not None:
         # the model's own floors, measured with its exact byte count: sync / floor (1.0 is the floor)
         out["offload_first_sync_over_h2d_floor"] = pipe_of["sync_s"] / floors["h2d_s"]
         out["sync_first_sync_over_d2d_floor"] = pipe_sf["sync_s"] / floors["d2d_s"]
         if one is not None:
             out["sync_first_one_copy_over_d2d_floor"] = one["sync_s"] / floors["d2d_s"]
+        if one_of is not None:
+            out["offload_first_one_copy_sync_over_h2d_floor"] = one_of["sync_s"] / floors["h2d_s"]
     return out
 
 
@@ -402,6 +470,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
         await engine.aclose()
     ratios = target_ratios(rows, limits, bucket_mib, floors)
     colo_of = next(r for r in rows if (r["plan"], r["transport"]) == ("offload-first", "packed-pipelined"))
+    one_of = next((r for r in rows if (r["plan"], r["transport"]) == ("offload-first", "packed-one-copy")), None)
     peer = None
     if peer_configs:
         peer = run_peer_row(trainer, config.to_dict(), want, peer_configs, colo_of["sync_s"])
@@ -409,11 +478,18 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
                       and r["config"]["bucket_gib"] is None]
         if persistent:  # the issue's comparison: its persistent process group, its own bucket choice
             ratios["checkpoint_engine_persistent_over_colo_offload_first"] = persistent[0]["update_s"] / colo_of["sync_s"]
+            if one_of is not None:
+                ratios["checkpoint_engine_persistent_over_colo_offload_first_one_copy"] = \
+                    persistent[0]["update_s"] / one_of["sync_s"]
+    flat = trainer.flat_weights
     return {
         "name": name, "shapes": label + ("" if layers is None else f" ({layers} layers)"), **shapes,
         "dtype": "bfloat16", "bytes": model_bytes, "tensors": len(trainer.specs),
         "trainer_state_bytes": trainer.weight_bytes + trainer.optimizer_bytes, "floors": floors,
         "syncs": rows, "digest_verified": digest_ok, "phases": phases, "ratios": ratios, "peer": peer,
+        # whether offload-first's one-copy row read a shared pinned backup (else it packed, and says why)
+        "host_backup": {"shared": flat.host_shared, "unshared_reason": flat.host_unshared,
+                        "first_pause_s": trainer.first_pause_s},
     }
 
 
