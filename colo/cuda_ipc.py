@@ -19,6 +19,7 @@ segment both processes page-lock, which the engine copies straight out of.
 from __future__ import annotations
 
 import base64
+import weakref
 from typing import Any
 
 import torch
@@ -128,6 +129,11 @@ class PinnedShm:
                 seg.close()
                 raise
             self._ptr = ptr
+        # A backup dropped without close() (a trainer object let go of) would otherwise
+        # keep its pages registered and its file in /dev/shm, which holds them in RAM
+        # until the machine's next boot: seen as a benchmark killed by the OOM killer
+        # after its first model's 15 GB backup outlived the model.
+        self._release = weakref.finalize(self, _release_pinned, self._ptr, seg)
 
     @property
     def registered(self) -> bool:
@@ -144,12 +150,19 @@ class PinnedShm:
         return {"kind": self.kind, "name": self.name, "nbytes": self.nbytes, "keep": True}
 
     def close(self) -> None:
-        if self._ptr is not None:
-            # unregistered before the pages are unmapped, whoever still holds a view
-            _cudart_ok(torch.cuda.cudart().cudaHostUnregister(self._ptr), f"cudaHostUnregister of {self.name}")
-            self._ptr = None
         self.tensor = None
-        self.seg.close()
+        self._ptr = None
+        self._release()
+
+
+def _release_pinned(ptr: int | None, seg: ShmSegment) -> None:
+    """Unregister (before the pages are unmapped, whoever still holds a view), then
+    close the segment: its owner unlinks the file."""
+    try:
+        if ptr is not None:
+            _cudart_ok(torch.cuda.cudart().cudaHostUnregister(ptr), f"cudaHostUnregister of {seg.name}")
+    finally:
+        seg.close()
 
 
 def _open_pinned(handle: dict) -> PinnedShm:

@@ -382,6 +382,11 @@ def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_ca
     finally:
         mine.close()
     assert leftover_segments() == []
+    # one let go of without close() takes its file with it (its pages would stay in RAM)
+    dropped = PinnedShm(ShmSegment.create(4096), register=False)
+    assert len(leftover_segments()) == 1
+    del dropped
+    assert leftover_segments() == []
     # a /dev/shm too small for the backup is said before a page is touched (a SIGBUS otherwise)
     monkeypatch.setattr(colo.cuda_ipc, "shm_room", lambda: 1 << 20)
     with pytest.raises(HandleError, match=r"/dev/shm has 1048576 B free, 2097152 B needed"):

@@ -112,6 +112,18 @@ def measure_limits(nbytes: int = 2 * GiB, reps: int = 10) -> dict:
             "d2d_copy_GBps_read_plus_write": 2 * nbytes / d2d / 1e9}
 
 
+def host_available() -> int | None:
+    """MemAvailable of this machine, in bytes (None where /proc/meminfo is not there)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def _release_cached() -> None:
     """Give back what the caching allocators keep of freed buffers, device and pinned host."""
     torch.cuda.empty_cache()
@@ -444,7 +456,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     config = demo_config(**shapes)
     model_bytes = sum(s.nbytes for s in expected_hf_specs(config, torch.bfloat16))
     floors = measure_floors(model_bytes)
-    print(json.dumps({"model": name, "floors": floors}), flush=True)
+    print(json.dumps({"model": name, "floors": floors, "host_available_bytes": host_available()}), flush=True)
     trainer = BenchTrainer(config, saver, tag=f"trainer-{name}")
     saver.pause(trainer.optimizer_tag)  # kept on the host while we sync
     free, total = torch.cuda.mem_get_info()
@@ -482,14 +494,18 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
                 ratios["checkpoint_engine_persistent_over_colo_offload_first_one_copy"] = \
                     persistent[0]["update_s"] / one_of["sync_s"]
     flat = trainer.flat_weights
+    host_backup = {"shared": flat.host_shared, "unshared_reason": flat.host_unshared,
+                   "first_pause_s": trainer.first_pause_s}
+    # the next model's trainer gets the host memory back: the 7B's 15 GB backup outliving
+    # its model left the 1.5B's run to the OOM killer on a 128 GiB machine
+    flat.close()
     return {
         "name": name, "shapes": label + ("" if layers is None else f" ({layers} layers)"), **shapes,
         "dtype": "bfloat16", "bytes": model_bytes, "tensors": len(trainer.specs),
         "trainer_state_bytes": trainer.weight_bytes + trainer.optimizer_bytes, "floors": floors,
         "syncs": rows, "digest_verified": digest_ok, "phases": phases, "ratios": ratios, "peer": peer,
         # whether offload-first's one-copy row read a shared pinned backup (else it packed, and says why)
-        "host_backup": {"shared": flat.host_shared, "unshared_reason": flat.host_unshared,
-                        "first_pause_s": trainer.first_pause_s},
+        "host_backup": host_backup,
     }
 
 
