@@ -55,7 +55,11 @@ def main(out: str) -> None:
     from colo.apps.bench_gpu import gpu_models
     from colo.models import demo_config
 
-    info: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import datetime as dt
+
+    info: dict = {"kind": "bench/h2d_probe.py", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                  "device": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(),
+                  "torch": torch.__version__}
     for cmd in (["nvidia-smi", "topo", "-m"], ["lscpu"]):
         try:
             info[cmd[0]] = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout[-3000:]
