@@ -624,4 +624,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from colo.cuda_memory import exit_past_the_saver
+
+    sys.exit(exit_past_the_saver(main()))

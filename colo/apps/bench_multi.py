@@ -1001,4 +1001,6 @@ def main(argv: Any = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from colo.cuda_memory import exit_past_the_saver
+
+    sys.exit(exit_past_the_saver(main()))

@@ -761,12 +761,9 @@ def run_demo(args: Any) -> int:
         # a refusal carries its exit code (a trace another run holds is bad input: 2)
         code = exit_code(out.error) if out.error is not None else EXIT_OK
     if cfg.device == "cuda":
-        # The run is over and written down; torch_memory_saver's pools, torn
-        # down at interpreter exit, end the process with status 1 ("only support
-        # interesting region") whatever happened before. Leave without them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        from colo.cuda_memory import exit_past_the_saver
+
+        exit_past_the_saver(code)  # the run is over and written down
     return code
 
 
