@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 
@@ -18,17 +17,11 @@ import torch
 
 
 def gbps(nbytes: int, fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(nbytes / (a.elapsed_time(b) / 1000) / 1e9)
-    return statistics.median(out)
+    """GB/s of ``fn``'s copy of ``nbytes``: the benchmark's own timing (one warm-up, then
+    the median of ``reps`` runs between CUDA events)."""
+    from colo.apps.bench_gpu import median_time
+
+    return nbytes / median_time(fn, reps) / 1e9
 
 
 def numa_pages(ptr: int) -> dict:
@@ -52,7 +45,7 @@ def numa_pages(ptr: int) -> dict:
 def main(out: str) -> None:
     from colo.cuda_ipc import PinnedShm
     from colo.engine.model import expected_hf_specs
-    from colo.apps.bench_gpu import gpu_models
+    from colo.apps.bench_gpu import _release_cached, gpu_models
     from colo.models import demo_config
 
     import datetime as dt
@@ -119,7 +112,7 @@ def main(out: str) -> None:
             shm.close()
         else:
             del host
-            torch._C._host_emptyCache()
+            _release_cached()
     info["rows"] = rows
     with open(out, "w") as fh:
         json.dump(info, fh, indent=1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,8 +44,6 @@ def exit_past_the_saver(code: int) -> int:
     torch-memory-saver 0.0.10) whatever the program returned: a GPU benchmark whose
     every digest checked, and 23 GPU tests that all passed, exited 1 on an H100.
     Whatever the process had to write is written before this is called."""
-    import sys
-
     if "torch_memory_saver" not in sys.modules:
         return code
     sys.stdout.flush()

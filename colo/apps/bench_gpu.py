@@ -57,11 +57,10 @@ def gpu_models() -> dict[str, tuple[str, dict]]:
 
     return {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
             "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", dict(DEMO_MODELS["qwen2-1.5b"]))}
-#: (label, transport, options, plans it runs under). One-copy runs first under sync-first,
-#: into an engine that holds other weights, so the digest taken after it shows it delivered;
-#: under offload-first it would pack exactly like packed-pipelined, so it is not run there.
-#: the one-copy row is colo's default: under sync-first the engine reads the trainer's flat
-#: device buffer, under offload-first the paused weights' shared pinned host backup
+#: (label, transport, options, plans it runs under). One-copy is colo's default and runs first
+#: under each plan, so the digest taken after it shows it delivered: under sync-first the engine
+#: reads the trainer's flat device buffer, under offload-first the paused weights' shared pinned
+#: host backup (each time into an engine that holds other weights).
 VARIANTS = [("packed-one-copy", "packed", {"pipelined": True}, ("sync-first", "offload-first")),
             ("ipc", "ipc", {}, ("sync-first", "offload-first")),
             ("packed-serial", "packed", {"pipelined": False, "one_copy": False}, ("sync-first", "offload-first")),
@@ -425,9 +424,9 @@ def target_ratios(rows: list[dict], limits: dict, bucket_mib: float, floors: dic
     out["offload_first_sync_over_run_limit"] = pipe_of["sync_s"] / limit_s
     if "sync_over_adjacent_h2d_floor" in pipe_of:
         out["offload_first_sync_over_adjacent_h2d_floor"] = pipe_of["sync_over_adjacent_h2d_floor"]
-    if one_of is not None and "sync_over_adjacent_h2d_floor" in one_of:
-        out["offload_first_one_copy_sync_over_adjacent_h2d_floor"] = one_of["sync_over_adjacent_h2d_floor"]
     if one_of is not None:
+        if "sync_over_adjacent_h2d_floor" in one_of:
+            out["offload_first_one_copy_sync_over_adjacent_h2d_floor"] = one_of["sync_over_adjacent_h2d_floor"]
         out["offload_first_one_copy_vs_pinned_h2d"] = one_of["GBps"] / limits["pinned_h2d_GBps"]
         out["offload_first_one_copy_sync_over_run_limit"] = one_of["sync_s"] / limit_s
         out["offload_first_one_copy_vs_packed_pipelined"] = pipe_of["sync_s"] / one_of["sync_s"]
