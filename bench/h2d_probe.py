@@ -43,10 +43,10 @@ def numa_pages(ptr: int) -> dict:
 
 
 def main(out: str) -> None:
-    from colo.cuda_ipc import PinnedShm
+    from colo.device.cuda_ipc import PinnedShm
     from colo.engine.model import expected_hf_specs
     from colo.apps.bench_gpu import _release_cached, gpu_models
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     import datetime as dt
 

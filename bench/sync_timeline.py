@@ -236,7 +236,7 @@ def _probe_upload(trainer: Any) -> None:
 
     from upload_probe import event_ms  # bench/ is this script's folder
 
-    from colo.zero_copy import device_view
+    from colo.device.zero_copy import device_view
 
     def timed(label: str, fn: Any, out: dict) -> Any:
         ms, keep = event_ms(s, fn)

@@ -22,7 +22,7 @@ SIZES = None  # filled from the demo model
 
 
 def demo_sizes() -> list[int]:
-    from colo.models import build_trainer_model, demo_model_config
+    from colo.trainers.models import build_trainer_model, demo_model_config
 
     return [p.numel() for p in build_trainer_model(demo_model_config("demo"), 0).parameters()]
 
@@ -83,7 +83,7 @@ def main() -> int:
     one = gpu_ms(lambda: flat.to("cuda", non_blocking=True))
     result["one_pinned_buffer_one_copy_ms"] = round(one, 3)
     # torch_memory_saver's backup of a paused region
-    from colo.cuda_memory import Saver
+    from colo.device.cuda_memory import Saver
 
     saver = Saver()
     with saver.region("probe.weights", cpu_backup=True):

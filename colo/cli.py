@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from colo.core.phases import PLANS
-from colo.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
+from colo.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
 from colo.transports import REGISTRY as TRANSPORTS
 
 
@@ -172,7 +172,7 @@ def _exit(code: int) -> int:
     """``code``, or the process ends with it here when a GPU command loaded the memory
     saver (whose teardown at interpreter exit would turn any status into 1)."""
     if "torch_memory_saver" in sys.modules:
-        from colo.cuda_memory import exit_past_the_saver
+        from colo.device.cuda_memory import exit_past_the_saver
 
         return exit_past_the_saver(code)
     return code

@@ -4,7 +4,7 @@ The scheduler never talks to one rank: it calls a verb on a group, and the
 group calls it on every rank at once and waits for all of them (a rank that
 takes part in a collective cannot be left behind while another is cancelled).
 One GPU is the group of one. The first real error is raised — the original
-exception for a group of one, :class:`~colo.errors.RankFailed` naming the rank
+exception for a group of one, :class:`~colo.core.errors.RankFailed` naming the rank
 otherwise — and what every rank did is kept in ``last_outcomes`` for the trace.
 
 A rank is anything that satisfies the side protocol of
@@ -19,7 +19,7 @@ from typing import Any
 
 import anyio
 
-from colo.errors import RankFailed
+from colo.core.errors import RankFailed
 
 
 def _describe(exc: BaseException) -> str:

@@ -35,7 +35,7 @@ from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-e
 from colo.core.memory import MemoryLedger
 from colo.core.phases import (EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, next_phase,
                               trigger_for, validate_plan)
-from colo.errors import IllegalTransition, InvariantViolation, OutOfMemory
+from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory
 from colo.groups import EngineGroup, TrainerGroup, together
 from colo.trace.writer import TraceWriter
 

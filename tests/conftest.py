@@ -3,8 +3,8 @@
 import pytest
 
 from colo.engine.client import EngineClient
-from colo.handles import leftover_segments
-from colo.models import demo_config
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import demo_config
 
 #: a model small enough that an engine process starts in a few seconds
 SMALL_CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -58,6 +58,6 @@ def pytest_unconfigure(config):
     the saver's teardown at interpreter exit would make it 1 after every test passed
     (seen on an H100: "23 passed", exit status 1)."""
     if _EXIT_STATUS:
-        from colo.cuda_memory import exit_past_the_saver
+        from colo.device.cuda_memory import exit_past_the_saver
 
         exit_past_the_saver(_EXIT_STATUS[-1])

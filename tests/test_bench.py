@@ -10,8 +10,8 @@ import torch
 import colo.apps.bench as bench
 from colo.core.buckets import plan_buckets
 from colo.cli import main
-from colo.handles import leftover_segments
-from colo.models import demo_config
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import demo_config
 
 TINY = bench.BenchModel(name="tiny", description="a test-sized Qwen2",
                         config=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

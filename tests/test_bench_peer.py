@@ -13,7 +13,7 @@ from transformers import Qwen2ForCausalLM
 from colo.apps import bench_gpu
 from colo.apps.bench_peer import Copier, PeerConfig, check_configs, digest_config, pick_handle, read_update_log
 from colo.engine.model import expected_digest, expected_hf_specs
-from colo.models import demo_config
+from colo.trainers.models import demo_config
 
 
 def test_qwen2_1_5b_shapes_are_transformers_own_with_tied_embeddings():

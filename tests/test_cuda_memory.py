@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from colo.cuda_memory import Saver, refuse_expandable_segments
+from colo.device.cuda_memory import Saver, refuse_expandable_segments
 
 
 @pytest.mark.parametrize("var", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from colo.apps.demo import DemoConfig, run
-from colo.handles import leftover_segments
+from colo.proc.handles import leftover_segments
 from colo.core.invariants import InvariantChecker
 from colo.trace.writer import read_trace
 

@@ -6,7 +6,7 @@ import pytest
 
 from colo.engine.model import Dims
 from colo.engine.server import CONFIG_FIELDS, model_config
-from colo.models import DEMO_MODELS, demo_model_config
+from colo.trainers.models import DEMO_MODELS, demo_model_config
 
 
 @pytest.mark.parametrize("name", sorted(DEMO_MODELS))

@@ -12,7 +12,7 @@ from colo.core.buckets import spec
 from colo.engine.core import EngineCore
 from colo.engine.model import (Dims, EngineModel, EngineStateError, KVPoolTooSmall, WeightMismatch,
                                expected_digest, expected_hf_specs)
-from colo.models import build_trainer_model, demo_config
+from colo.trainers.models import build_trainer_model, demo_config
 from tests.syncparts import calls_of
 
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

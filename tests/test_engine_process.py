@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from colo.core.buckets import plan_buckets
-from colo.channel import ChannelError, answer, recv_frame, send_frame
+from colo.proc.channel import ChannelError, answer, recv_frame, send_frame
 from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
-from colo.handles import HandleError, ShmSegment, leftover_segments, open_handle
-from colo.models import build_trainer_model
+from colo.proc.handles import HandleError, ShmSegment, leftover_segments, open_handle
+from colo.trainers.models import build_trainer_model
 from colo.transports.base import TensorMeta
 from colo.transports.packed import PackedRequest, pack_into
 

@@ -18,8 +18,8 @@ from colo.engine.client import EngineClient, EngineError
 from colo.engine.core import EngineCore
 from colo.engine.model import Dims, WeightMismatch, expected_digest, expected_hf_specs
 from colo.extractors.plain import PlainExtractor
-from colo.handles import leftover_segments
-from colo.models import build_trainer_model, demo_config
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.trainers.hf import ReferenceTrainer
 from colo.transports import make_transport
 from tests.conftest import SMALL_CFG

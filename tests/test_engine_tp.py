@@ -53,14 +53,14 @@ def probe(vocab_size: int) -> torch.Tensor:
 
 
 def config_for(name: str):
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     return demo_config(**{**SMALL, **CASES[name][0]})
 
 
 def trainer_state(name: str) -> dict[str, torch.Tensor]:
     """What the trainer sends: every named parameter, perturbed so a misplaced row shows."""
-    from colo.models import build_trainer_model
+    from colo.trainers.models import build_trainer_model
 
     model = build_trainer_model(config_for(name), seed=0)
     scale = CASES[name][2]
@@ -264,7 +264,7 @@ def test_a_full_tensor_of_the_wrong_shape_is_refused_by_name(tp2):
     ({"intermediate_size": 100}, 8, "tensor-parallel size 8 does not divide intermediate_size 100"),
 ])
 def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_anything_is_loaded(overrides, tp, message):
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     config = demo_config(**{**SMALL, **overrides})
     if message is None:
@@ -281,7 +281,7 @@ def test_a_tp_size_that_does_not_split_the_heads_is_refused_before_anything_is_l
 
 
 def test_tp_above_one_needs_a_matching_process_group():
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     with pytest.raises(ValueError, match="tp_size 2 needs an initialised torch.distributed process group"):
         TPEngineCore(demo_config(**SMALL), tp_rank=1, tp_size=2, dtype=torch.float32, total_bytes=TOTAL,

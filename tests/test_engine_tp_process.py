@@ -22,10 +22,10 @@ from colo.core.buckets import spec as mkspec
 from colo.engine.client import EngineClient
 from colo.engine.core import EngineCore
 from colo.engine.tp import expected_shard_digest
-from colo.errors import EngineDied
+from colo.core.errors import EngineDied
 from colo.groups import EngineGroup
-from colo.handles import ShmSegment, leftover_segments
-from colo.models import build_trainer_model, demo_config
+from colo.proc.handles import ShmSegment, leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.base import TensorMeta
 from colo.transports.packed import PackedRequest, pack_into
 from tests.conftest import SMALL_CFG

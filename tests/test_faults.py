@@ -22,9 +22,9 @@ from colo.apps.demo import DemoConfig, ReinforceTask, make_verifier, run
 from colo.engine.client import EngineClient
 from colo.engine.model import expected_digest
 from colo.testing.faults import KINDS, POSSIBLE, Fault, FaultInjector
-from colo.handles import leftover_segments
+from colo.proc.handles import leftover_segments
 from colo.core.memory import MemoryLedger
-from colo.models import build_trainer_model, demo_config
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import IllegalTransition, Phase
 from colo.offline.replay import replay
 from colo.scheduler import Scheduler

@@ -31,8 +31,8 @@ def free_bytes():
 
 
 def test_cuda_ipc_handle_names_the_gpu_by_uuid_and_maps_it_back():
-    from colo.cuda_ipc import export_cuda, gpu_uuid, local_index
-    from colo.handles import HandleError
+    from colo.device.cuda_ipc import export_cuda, gpu_uuid, local_index
+    from colo.proc.handles import HandleError
 
     buf = torch.empty(4096, dtype=torch.uint8, device="cuda")
     h = export_cuda(buf)
@@ -88,7 +88,7 @@ def test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync(trainer, p
 def test_engine_with_a_different_cuda_visible_devices_loads_over_ipc(tmp_path):
     # The engine sees the GPU through its UUID, the trainer through its index:
     # handles keyed by index would name the wrong (or no) device.
-    from colo.cuda_ipc import gpu_uuid
+    from colo.device.cuda_ipc import gpu_uuid
 
     events = demo(tmp_path, "--steps", "1", "--mem-fraction-static", "0.5",
                   "--engine-visible-devices", "GPU-" + gpu_uuid(torch.cuda.current_device()).removeprefix("GPU-"))
@@ -105,7 +105,7 @@ def test_device_memory_does_not_grow_over_fifty_syncs(tmp_path):
 
 
 def test_saver_pause_returns_device_memory_and_keeps_a_pinned_backup():
-    from colo.cuda_memory import Saver
+    from colo.device.cuda_memory import Saver
 
     saver = Saver()
     n = 256 * MiB
@@ -155,8 +155,8 @@ def test_demo_on_cuda_in_one_bucket_verifies_every_sync(plan, tmp_path):
 
 
 def test_zero_copy_conversion_reads_pinned_host_bytes_exactly():
-    from colo.cuda_memory import Saver
-    from colo.zero_copy import convert_from_host, device_view
+    from colo.device.cuda_memory import Saver
+    from colo.device.zero_copy import convert_from_host, device_view
 
     dev = torch.device("cuda", torch.cuda.current_device())
     saver = Saver()

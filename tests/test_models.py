@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from colo.models import DEMO_DEFAULTS, build_trainer_model, demo_config
+from colo.trainers.models import DEMO_DEFAULTS, build_trainer_model, demo_config
 
 SMALL = dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32)

@@ -1,7 +1,7 @@
 """Qwen3-MoE (issue 15) on the CPU: megatron-core's own MoE with expert parallelism -> colo's
 extractor -> colo's TP-MoE engine, each checked against an external ground truth.
 
-- Names: the per-expert checkpoint names colo syncs (``colo.models.moe_checkpoint_names``)
+- Names: the per-expert checkpoint names colo syncs (``colo.trainers.models.moe_checkpoint_names``)
   load into transformers' ``Qwen3MoeForCausalLM`` with nothing missing or unexpected.
 - Trainer side: megatron-core 0.16 builds the tiny Qwen3-MoE (its local layer spec with
   ``num_experts``, ``qk_layernorm``, SequentialMLP experts) at TP=2 for attention and EP=2
@@ -36,7 +36,7 @@ BATCH, SEQ, NEW = 2, 10, 4
 
 
 def _config():
-    from colo.models import moe_model_config
+    from colo.trainers.models import moe_model_config
 
     return moe_model_config(NAME)
 
@@ -142,7 +142,7 @@ def worker(rank: int, world: int, tmp_path, fields: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from colo.models import MOE_MODELS
+    from colo.trainers.models import MOE_MODELS
 
     return mc.run_workers(worker, tmp_path_factory.mktemp("moe"), {**MOE_MODELS[NAME], "model_type": "qwen3_moe"})
 
@@ -157,7 +157,7 @@ def hf(ranks, tmp_path_factory):
 
 
 def test_checkpoint_names_load_into_transformers_qwen3_moe_with_nothing_missing(tmp_path):
-    from colo.models import moe_checkpoint_names, moe_checkpoint_state
+    from colo.trainers.models import moe_checkpoint_names, moe_checkpoint_state
 
     cfg = _config()
     state = moe_checkpoint_state(cfg, 0)
@@ -173,7 +173,7 @@ def test_checkpoint_names_load_into_transformers_qwen3_moe_with_nothing_missing(
 def test_the_30b_shape_is_qwen3_30b_a3b():
     from colo.engine.model import WeightMap
     from colo.engine.moe import MoEDims
-    from colo.models import moe_checkpoint_names, moe_model_config
+    from colo.trainers.models import moe_checkpoint_names, moe_model_config
 
     cfg = moe_model_config("qwen3-30b-a3b")
     dims = MoEDims.from_config(cfg)
@@ -188,7 +188,7 @@ def test_the_30b_shape_is_qwen3_30b_a3b():
 def test_engine_tp1_equals_transformers_and_tp_layout_refuses_what_does_not_split(tmp_path):
     from colo.engine.moe import MoEEngineCore
     from colo.engine.tp import TPLayout, TPLayoutError
-    from colo.models import moe_checkpoint_state, moe_model_config
+    from colo.trainers.models import moe_checkpoint_state, moe_model_config
 
     cfg = _config()
     state = moe_checkpoint_state(cfg, 0)
@@ -247,7 +247,7 @@ def test_bench_synthetic_layout_is_megatron_cores_own(ranks):
 
 def test_moe_configs_the_engine_cannot_run_are_refused_naming_the_field():
     from colo.engine.moe import MoEDims
-    from colo.models import moe_model_config
+    from colo.trainers.models import moe_model_config
 
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
         MoEDims.from_config(moe_model_config(NAME, mlp_only_layers=[1]))
@@ -266,7 +266,7 @@ def test_the_engine_build_from_the_sent_config_dict_is_the_moe_engine():
     from colo.engine.model import expected_hf_specs
     from colo.engine.moe import MoEEngineCore
     from colo.engine.server import build_core
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     cfg = _config()
     build = {"dtype": "float32", "device": "cpu", "total_bytes": 64 << 20, "mem_fraction_static": 0.9}

@@ -2,7 +2,7 @@
 trainer's flat weight buffer, in one request, with nothing staged.
 
 Real parts: a real model whose parameters were moved into a
-:class:`colo.flat_weights.FlatWeights` buffer (a ``/dev/shm`` segment on the
+:class:`colo.device.flat_weights.FlatWeights` buffer (a ``/dev/shm`` segment on the
 CPU, one plain CUDA allocation on a GPU), a real AdamW stepping them in place,
 a real engine process reading the buffer through its handle. The weights are
 checked against the engine's digest of what it loaded, bit for bit.
@@ -18,9 +18,9 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
-from colo.flat_weights import FlatWeights
-from colo.handles import leftover_segments
-from colo.models import build_trainer_model, demo_config
+from colo.device.flat_weights import FlatWeights
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport
 from tests.conftest import SMALL_CFG
 
@@ -324,7 +324,7 @@ def test_a_fallback_is_decided_at_the_first_tensor_outside_the_buffer():
 
 
 async def test_the_trainer_memory_backend_pauses_the_weights_tag_through_the_flat_weights():
-    from colo.cuda_memory import TrainerMemory
+    from colo.device.cuda_memory import TrainerMemory
 
     class NoSaver:  # the optimizer tag is not asked for here; the weights must not reach a saver
         paused: set = set()
@@ -363,9 +363,9 @@ def test_flat_weights_refuse_bad_input():
 def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_cannot_hold(monkeypatch):
     """The engine side of the shared pinned backup, on the CPU (no registration here: a
     process without a CUDA context maps the segment as it is)."""
-    import colo.cuda_ipc
-    from colo.cuda_ipc import PinnedShm
-    from colo.handles import HandleError, ShmSegment, open_handle
+    import colo.device.cuda_ipc
+    from colo.device.cuda_ipc import PinnedShm
+    from colo.proc.handles import HandleError, ShmSegment, open_handle
 
     seg = ShmSegment.create(4096)
     mine = PinnedShm(seg, register=False)
@@ -388,7 +388,7 @@ def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_ca
     del dropped
     assert leftover_segments() == []
     # a /dev/shm too small for the backup is said before a page is touched (a SIGBUS otherwise)
-    monkeypatch.setattr(colo.cuda_ipc, "shm_room", lambda: 1 << 20)
+    monkeypatch.setattr(colo.device.cuda_ipc, "shm_room", lambda: 1 << 20)
     with pytest.raises(HandleError, match=r"/dev/shm has 1048576 B free, 2097152 B needed"):
         PinnedShm.create(2 << 20)
     assert leftover_segments() == []
@@ -553,12 +553,12 @@ async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_
 @gpu
 @pytest.mark.parametrize("why", ["asked", "no room"])
 async def test_a_private_pinned_backup_is_packed_through_device_staging_and_arrives_exact(why, monkeypatch):
-    import colo.cuda_ipc
+    import colo.device.cuda_ipc
     from colo.engine.client import EngineClient
 
     config = demo_config(**GPU_CFG)
     if why == "no room":  # a container's small /dev/shm: the backup is private pinned memory, and says so
-        monkeypatch.setattr(colo.cuda_ipc, "shm_room", lambda: 64 << 20)
+        monkeypatch.setattr(colo.device.cuda_ipc, "shm_room", lambda: 64 << 20)
     trainer = PausingTrainer(config, 6, device="cuda", share_host=why != "asked")
     flat = trainer.flat_weights
     client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",

@@ -10,7 +10,7 @@ FORBIDDEN = ["torch", "torch.cuda", "anyio", "torch_memory_saver", "structlog"]
 #: every module of the pure core, found on disk: a new module is checked without being listed
 CORE = sorted(f"colo.core.{m.name}" for m in pkgutil.iter_modules(colo.core.__path__))
 #: pure modules outside the core package: errors, and the offline tools over traces
-OFFLINE = ["colo.errors", "colo.offline.replay", "colo.offline.tune", "colo.offline.export",
+OFFLINE = ["colo.core.errors", "colo.offline.replay", "colo.offline.tune", "colo.offline.export",
            "colo.offline.summary"]
 
 

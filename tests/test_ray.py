@@ -33,7 +33,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
 from tests.multirank import shared_run, two_rank_run  # noqa: E402
-from colo.errors import RankDied, RankFailed  # noqa: E402
+from colo.core.errors import RankDied, RankFailed  # noqa: E402
 from colo.offline.replay import replay  # noqa: E402
 
 #: small rollouts: four processes share two cores, and a TP=2 engine all-reduces per layer per token

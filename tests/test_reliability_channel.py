@@ -12,10 +12,10 @@ import time
 import anyio
 import pytest
 
-from colo.channel import MAX_FRAME, AsyncChannel, ChannelError, new_key
+from colo.proc.channel import MAX_FRAME, AsyncChannel, ChannelError, new_key
 from colo.engine.client import EngineClient
-from colo.errors import EngineDied
-from colo.models import demo_config
+from colo.core.errors import EngineDied
+from colo.trainers.models import demo_config
 
 from tests.conftest import SMALL_CFG
 

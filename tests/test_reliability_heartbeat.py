@@ -10,8 +10,9 @@ import pytest
 
 from colo.apps import demo
 from colo.apps.demo import DemoConfig, run
-from colo.engine.client import EngineClient, process_state
-from colo.errors import EngineDied
+from colo.engine.client import EngineClient
+from colo.proc.lifecycle import process_state
+from colo.core.errors import EngineDied
 
 from tests.test_reliability_process import _build
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from colo.handles import SHM_DIR
+from colo.proc.handles import SHM_DIR
 
 from tests.test_reliability_process import REPO, _gone
 

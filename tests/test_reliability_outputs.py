@@ -21,8 +21,8 @@ import colo.apps.bench as bench
 import colo.apps.demo as demo
 from colo.apps.demo import DemoConfig, run
 from colo.core.interfaces import RolloutResult
-from colo.errors import EXIT_BAD_INPUT, UsageError
-from colo.models import build_trainer_model, demo_config
+from colo.core.errors import EXIT_BAD_INPUT, UsageError
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.trace.writer import TraceWriter, read_trace
 from colo.trainers.hf import ReferenceTrainer
 

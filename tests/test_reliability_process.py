@@ -15,12 +15,12 @@ import anyio
 import psutil
 import pytest
 
-from colo.channel import ChannelError
+from colo.proc.channel import ChannelError
 from colo.cli import main as cli_main
 from colo.apps.demo import DemoConfig
 from colo.engine.client import EngineClient
-from colo.errors import EngineDied
-from colo.models import demo_config
+from colo.core.errors import EngineDied
+from colo.trainers.models import demo_config
 
 from tests.conftest import SMALL_CFG
 

@@ -27,8 +27,8 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.model import expected_digest
-from colo.handles import ShmSegment, leftover_segments
-from colo.models import build_trainer_model, demo_config
+from colo.proc.handles import ShmSegment, leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedReceiver, PackedTransport, pack_into
 from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
 from tests.syncparts import StateTrainer

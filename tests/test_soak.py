@@ -26,7 +26,7 @@ _LOOP = r"""
 import json, os, sys, anyio
 from bench.soak import engine_pids, rss_bytes
 from colo.apps.demo import DemoConfig, run
-from colo.handles import leftover_segments
+from colo.proc.handles import leftover_segments
 
 cycles, warmup, trace, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 seen = {}

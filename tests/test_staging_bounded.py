@@ -23,10 +23,10 @@ from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.model import expected_digest
 from colo.engine.tp import ShardPlan, TPLayout, _write_slice, shard_state_from_hf
-from colo.errors import OutOfMemory
+from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor
-from colo.handles import leftover_segments
-from colo.models import build_trainer_model, demo_config
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 from colo.transports.disk import load_checkpoint
 from colo.transports.ipc import IpcReceiver, IpcTransport
@@ -232,7 +232,7 @@ def test_sources_in_one_flat_buffer_go_as_one_copy_per_bucket_and_land_exactly()
     """A trainer whose weights are views of one buffer laid out like the bucket (colo's
     flat weights, Megatron's DDP buffer) is packed with one copy per bucket, pieces of a
     tensor larger than the bucket included; every entry's bytes are the tensor's."""
-    from colo.flat_weights import FlatWeights
+    from colo.device.flat_weights import FlatWeights
     from colo.transports.packed import pack_into, source_runs
 
     config = demo_config(num_hidden_layers=2)

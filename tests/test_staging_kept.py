@@ -18,8 +18,8 @@ import torch
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.model import expected_digest
-from colo.handles import leftover_segments
-from colo.models import build_trainer_model
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import build_trainer_model
 from colo.transports import make_transport
 from tests.syncparts import StateTrainer
 
@@ -153,7 +153,7 @@ def test_the_engine_keeps_a_kept_buffers_views_until_it_lets_go_of_the_buffer():
     import json
 
     from colo.core.buckets import plan_buckets, spec
-    from colo.handles import ShmSegment
+    from colo.proc.handles import ShmSegment
     from colo.transports.packed import PackedReceiver, pack_into
     from colo.transports.wire import TensorMeta
 
@@ -217,7 +217,7 @@ async def test_a_new_engine_opens_the_kept_buffers_afresh(tmp_path):
     """The engine died between syncs (its mappings with it); a new engine process is sent
     the same kept buffers and loads them exactly."""
     from colo.engine.client import EngineClient
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
     from tests.conftest import SMALL_CFG
 
     config = demo_config(**SMALL_CFG)
@@ -248,7 +248,7 @@ def test_convert_run_lays_results_out_as_the_planner_pads_them():
     run in one copy), converted with the same rounding as a per-tensor ``to``; off the
     GPU a host tensor has no device view."""
     from colo.core.buckets import plan_buckets, spec
-    from colo.zero_copy import convert_run, device_view
+    from colo.device.zero_copy import convert_run, device_view
 
     src = [torch.randn(3), torch.randn(5, 7), torch.randn(1000)]
     out = convert_run(src, torch.bfloat16, torch.device("cpu"), 16)

@@ -19,8 +19,8 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
-from colo.handles import ShmSegment, leftover_segments
-from colo.models import build_trainer_model, demo_config
+from colo.proc.handles import ShmSegment, leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 from colo.transports.packed import PackedReceiver, pack_into
 from colo.transports.wire import LayoutNotCached, RequestError, TensorMeta, layout_key

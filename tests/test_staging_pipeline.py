@@ -20,7 +20,7 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
-from colo.models import build_trainer_model, demo_config
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport
 from tests.conftest import SMALL_CFG
 

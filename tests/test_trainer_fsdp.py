@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from colo.core.interfaces import RolloutResult
 from colo.engine.client import RolloutData
-from colo.models import build_trainer_model, demo_config
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.trainers import BUILDERS
 from colo.trainers import build as build_trainer
 from colo.trainers.hf import ReferenceTrainer, ReinforceConfig

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
-from colo.models import build_trainer_model, demo_config  # noqa: E402
+from colo.trainers.models import build_trainer_model, demo_config  # noqa: E402
 from colo.trainers import BUILDERS, build  # noqa: E402
 from colo.trainers.hf import ReferenceTrainer  # noqa: E402
 
@@ -215,7 +215,7 @@ async def test_demo_runs_with_the_megatron_trainer_and_every_sync_verifies(tmp_p
     import colo.apps.demo as demo
     from colo.core.invariants import InvariantChecker
     from colo.engine.model import expected_digest
-    from colo.handles import leftover_segments
+    from colo.proc.handles import leftover_segments
     from colo.trace.writer import read_trace
 
     built = []

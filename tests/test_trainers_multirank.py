@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from colo.core.interfaces import RolloutResult
 from colo.engine.client import RolloutData
-from colo.models import demo_config
+from colo.trainers.models import demo_config
 from colo.trainers import build
 from tests.dist_helpers import run_workers
 

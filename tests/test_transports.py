@@ -15,11 +15,11 @@ from colo.apps.demo import DemoConfig, run
 from colo.engine.client import EngineError
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
-from colo.handles import leftover_segments
+from colo.proc.handles import leftover_segments
 from colo.core.interfaces import SyncContext
 from colo.core.invariants import InvariantChecker
 from colo.core.memory import MemoryLedger, StagingBudget
-from colo.models import build_trainer_model, demo_config
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import Phase
 from colo.scheduler import Scheduler
 from colo.trace.writer import TraceWriter, read_trace
@@ -332,7 +332,7 @@ def test_packed_receiver_keeps_two_buffers_of_one_segment_apart():
     # A CUDA IPC handle names the allocator's segment; two staging buffers cut
     # from one segment differ only by offset. The receiver's cache must not
     # hand bucket i+1 the attachment of bucket i (found on an H100, sync-first).
-    from colo.handles import REBUILDERS, register_rebuilder
+    from colo.proc.handles import REBUILDERS, register_rebuilder
     from colo.transports.packed import PackedReceiver
 
     opened = []

@@ -15,9 +15,9 @@ from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineClient
 from colo.engine.model import expected_digest
 from colo.extractors.plain import PlainExtractor
-from colo.handles import leftover_segments
+from colo.proc.handles import leftover_segments
 from colo.core.memory import MemoryLedger
-from colo.models import build_trainer_model, demo_config
+from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import Phase
 from colo.scheduler import Scheduler
 from colo.trace.writer import TraceWriter, read_trace

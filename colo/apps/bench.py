@@ -37,7 +37,7 @@ import anyio
 import torch
 
 from colo.transports.disk import write_durable
-from colo.errors import EXIT_FAILED, EXIT_OK, UsageError
+from colo.core.errors import EXIT_FAILED, EXIT_OK, UsageError
 from colo.core.memory import StagingBudget
 from colo.core.interfaces import SyncContext
 
@@ -48,7 +48,7 @@ from colo.core.units import MiB
 class BenchModel:
     name: str
     description: str
-    #: Qwen2Config fields over the demo defaults (``colo.models.demo_config``)
+    #: Qwen2Config fields over the demo defaults (``colo.trainers.models.demo_config``)
     config: dict
     bucket_mib: float
     repeat: int
@@ -71,7 +71,7 @@ class Case:
 
 
 MODELS: dict[str, BenchModel] = {
-    "demo": BenchModel(name="demo", description="the demo's Qwen2 (colo.models.DEMO_DEFAULTS)", config={},
+    "demo": BenchModel(name="demo", description="the demo's Qwen2 (colo.trainers.models.DEMO_DEFAULTS)", config={},
                        bucket_mib=1.0, repeat=5),
     # TinyLlama's layer shapes as a Qwen2 (qkv bias, untied lm_head): 1.1 B parameters
     "qwen2-1b": BenchModel(name="qwen2-1b", description="Qwen2 with TinyLlama-1.1B layer shapes (GQA 32/4)",
@@ -205,7 +205,7 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                       progress: Any = None) -> dict:
     from colo.engine.client import EngineClient
     from colo.engine.model import expected_digest
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     say = progress or (lambda *_: None)
     config = demo_config(**model.config)

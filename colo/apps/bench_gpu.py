@@ -2,7 +2,7 @@
 verl- and slime-style baselines, and the timing of every other phase of the cycle.
 
 Models: Qwen2-7B's and Qwen2-1.5B's shapes (the latter with tied embeddings,
-``colo.models.DEMO_MODELS``) in bf16, random weights; the engine is colo's
+``colo.trainers.models.DEMO_MODELS``) in bf16, random weights; the engine is colo's
 engine in its own process, its memory in torch_memory_saver regions; the
 trainer's weights and AdamW state are in regions with a pinned host backup.
 Measured in the same run: pinned host->device and device->host bandwidth and
@@ -16,7 +16,7 @@ pipelining (slime's way), ``packed`` pipelined (colo, packing), and under
 ``sync-first`` ``packed`` one-copy (colo: the engine loads straight out of the
 trainer's flat weight buffer, nothing packed; issue 18, item 2). The baselines
 and the pipelined row are told not to use the flat buffer, so they still pack.
-The trainer's weights are that flat buffer (``colo.flat_weights``), paused to
+The trainer's weights are that flat buffer (``colo.device.flat_weights``), paused to
 its own pinned host copy. Beside them, per model, a
 real peer: MoonshotAI's checkpoint-engine from the same pinned weights into a
 receiver process on the same GPU (``colo.apps.bench_peer``).
@@ -48,12 +48,12 @@ GPU_MODEL_NAMES: tuple[str, ...] = ("qwen2-7b", "qwen2-1.5b")
 def gpu_models() -> dict[str, tuple[str, dict]]:
     """name -> (what the results call its shapes, Qwen2Config overrides).
 
-    Qwen2-1.5B is the demo's 1.5B size (``colo.models.DEMO_MODELS``: tied
-    embeddings, no lm_head of its own). colo.models is imported here, not with
+    Qwen2-1.5B is the demo's 1.5B size (``colo.trainers.models.DEMO_MODELS``: tied
+    embeddings, no lm_head of its own). colo.trainers.models is imported here, not with
     this module: the peer's receiver is a spawned process, which imports the
     parent's main module again, and transformers in the receiver would lengthen
     the ``gc.collect()`` checkpoint-engine runs there on every update."""
-    from colo.models import DEMO_MODELS
+    from colo.trainers.models import DEMO_MODELS
 
     return {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
             "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", dict(DEMO_MODELS["qwen2-1.5b"]))}
@@ -146,7 +146,7 @@ def measure_floors(nbytes: int, reps: int = 5) -> dict:
 
 class BenchTrainer:
     """A trainer's state without a training loop: weights in one flat, exportable buffer
-    (``colo.flat_weights``: what the one-copy sync reads), AdamW moments in a saver region.
+    (``colo.device.flat_weights``: what the one-copy sync reads), AdamW moments in a saver region.
 
     The region is ``<tag>.optimizer``: a second model's trainer in the same
     process takes another tag, so that pausing one never touches the other's
@@ -154,7 +154,7 @@ class BenchTrainer:
 
     def __init__(self, config: Any, saver: Any, tag: str = "trainer"):
         from colo.engine.model import expected_hf_specs
-        from colo.flat_weights import FlatWeights
+        from colo.device.flat_weights import FlatWeights
 
         self.saver = saver
         self.weights_tag, self.optimizer_tag = f"{tag}.weights", f"{tag}.optimizer"
@@ -446,7 +446,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     """One model: its floors, colo's syncs under both plans, the cycle's phases, then the peer."""
     from colo.engine.client import EngineClient
     from colo.engine.model import expected_digest, expected_hf_specs
-    from colo.models import demo_config
+    from colo.trainers.models import demo_config
 
     label, base = gpu_models()[name]
     shapes = dict(base)
@@ -543,7 +543,7 @@ def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs:
 async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None,
                 models: Sequence[str] = GPU_MODEL_NAMES, peer: bool = True) -> dict:
     from colo.apps.bench_peer import DEFAULT_CONFIGS
-    from colo.cuda_memory import Saver
+    from colo.device.cuda_memory import Saver
 
     unknown = [m for m in models if m not in GPU_MODEL_NAMES]
     if unknown or not models:
@@ -623,6 +623,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from colo.cuda_memory import exit_past_the_saver
+    from colo.device.cuda_memory import exit_past_the_saver
 
     sys.exit(exit_past_the_saver(main()))

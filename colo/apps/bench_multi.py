@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from colo.core.memory import GiB, MiB
-from colo.errors import EXIT_FAILED, EXIT_OK
+from colo.core.errors import EXIT_FAILED, EXIT_OK
 from colo.ranks.host import RankHost
 
 #: (label, transport, options) of the rows timed through ``op_time_sync``
@@ -73,14 +73,14 @@ PLANS = (("sync-first", "device"), ("offload-first", "host"))
 SLACK_BYTES = 64 * MiB
 
 
-#: ``--model`` under ``--gpus``: Qwen2 shapes (dense) and Qwen3-MoE shapes (colo.models.MOE_MODELS)
+#: ``--model`` under ``--gpus``: Qwen2 shapes (dense) and Qwen3-MoE shapes (colo.trainers.models.MOE_MODELS)
 MODELS = ("qwen2-7b", "tiny", "qwen3-30b-a3b", "qwen3-moe-tiny")
 
 
 def model_config(model: str, layers: int | None = None) -> Any:
     from colo.apps.bench_gpu import QWEN2_7B
-    from colo.errors import UsageError
-    from colo.models import MOE_MODELS, demo_config, moe_model_config
+    from colo.core.errors import UsageError
+    from colo.trainers.models import MOE_MODELS, demo_config, moe_model_config
 
     if model in MOE_MODELS:
         return moe_model_config(model, **({} if layers is None else {"num_hidden_layers": layers}))
@@ -348,7 +348,7 @@ class _Peer:
         self._ch = channel
 
     async def call(self, op: str, **fields: Any) -> dict:
-        from colo.errors import EngineError
+        from colo.core.errors import EngineError
 
         reply = await self._ch.request(op, **fields)
         if not reply.get("ok"):
@@ -367,13 +367,13 @@ class _Export:
         self.flat: Any = flat
         self.seg: Any = None
         if flat.is_cuda:
-            from colo.cuda_ipc import export_cuda
+            from colo.device.cuda_ipc import export_cuda
 
             self.handle = export_cuda(flat)
             # the engine reads it from another process, outside our stream order
             torch.cuda.current_stream().synchronize()
         else:
-            from colo.handles import ShmSegment
+            from colo.proc.handles import ShmSegment
 
             self.seg = ShmSegment.create(flat.numel())
             self.seg.tensor.copy_(flat)
@@ -517,7 +517,7 @@ class BenchHost(RankHost):
 
     async def _slime_connect(self, engines: list[dict]) -> list[Any]:
         """Rank 0 takes over every engine rank's connection (an engine serves one at a time)."""
-        from colo.channel import AsyncChannel
+        from colo.proc.channel import AsyncChannel
 
         if self.spec.rank != 0:
             await self.engine.disconnect()  # handed to rank 0 for this row; reconnected after
@@ -696,7 +696,7 @@ class MultiBench:
 
     async def start(self) -> list[dict]:
         from colo.apps.demo_multi import visible_gpus
-        from colo.engine.client import free_port
+        from colo.proc.lifecycle import free_port
         from colo.ranks.host import RankSpec
         from colo.ranks.proxy import Worker
 
@@ -936,7 +936,7 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
     GPUs than ``--gpus`` (the 8-GPU Qwen3-30B-A3B run on a smaller machine), or a GPU
     count the model's heads / experts do not split into."""
     from colo.engine.tp import TPLayout
-    from colo.errors import UsageError
+    from colo.core.errors import UsageError
 
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -957,7 +957,7 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
 
 def run_bench_multi_cli(args: Any) -> int:
     """``colo bench --gpus N [--device cpu|cuda] [--model qwen2-7b|tiny] [--bucket-mib M] [--reps R]``."""
-    from colo.errors import UsageError
+    from colo.core.errors import UsageError
 
     model = args.model
     if model == "demo":  # bench's own default: the device's natural model here
@@ -978,7 +978,7 @@ def main(argv: Any = None) -> int:
     --gpus``, plus ``--layers`` (a reduced-depth rehearsal: ``bench/gpu_run.sh moe2``)."""
     import argparse
 
-    from colo.errors import EXIT_BAD_INPUT, UsageError
+    from colo.core.errors import EXIT_BAD_INPUT, UsageError
 
     p = argparse.ArgumentParser(prog="python -m colo.apps.bench_multi")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -1001,6 +1001,6 @@ def main(argv: Any = None) -> int:
 
 
 if __name__ == "__main__":
-    from colo.cuda_memory import exit_past_the_saver
+    from colo.device.cuda_memory import exit_past_the_saver
 
     sys.exit(exit_past_the_saver(main()))

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from colo.engine.client import free_port, scoped_env
+from colo.proc.lifecycle import free_port, scoped_env
 
 #: the process-group modes, by the name the results use -> ParameterServer's auto_pg
 MODES: dict[str, bool] = {"persistent": False, "per-update": True}

@@ -30,20 +30,20 @@ import anyio
 import torch
 
 from colo.core.phases import PLANS
-from colo.errors import EXIT_BAD_INPUT, EXIT_OK, UsageError, exit_code
+from colo.core.errors import EXIT_BAD_INPUT, EXIT_OK, UsageError, exit_code
 from colo.transports import REGISTRY as TRANSPORTS
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
-from colo.errors import EngineDied
-from colo.handles import leftover_segments
-from colo.leftovers import dir_prefix, sweep
+from colo.core.errors import EngineDied
+from colo.proc.handles import leftover_segments
+from colo.proc.lifecycle import dir_prefix, sweep
 from colo.core.invariants import InvariantViolation
 from colo.core.memory import OWNERS_TAGS, GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
 from colo.offline.summary import PhaseSummary
 from colo.trace.writer import TraceWriter
-from colo.errors import VerificationError
+from colo.core.errors import VerificationError
 from colo.apps.demo_multi import LAUNCHERS, MULTI_FAULTS, MultiDemoRun
 
 #: Simulated always-resident device memory on the CPU (the CUDA context,
@@ -93,7 +93,7 @@ class DemoConfig:
     plan: str = "offload-first"
     transport: str = "packed"
     trainer: str = "hf"
-    #: the demo's size (``colo.models.DEMO_MODELS``): ``demo`` (tiny) or ``qwen2-1.5b``
+    #: the demo's size (``colo.trainers.models.DEMO_MODELS``): ``demo`` (tiny) or ``qwen2-1.5b``
     model: str = "demo"
     bucket_mib: float = 1.0
     mem_fraction_static: float = 0.8
@@ -136,7 +136,7 @@ class DemoConfig:
 
         if self.trainer not in BUILDERS:
             raise ValueError(f"trainer must be one of {', '.join(BUILDERS)}, got {self.trainer!r}")
-        from colo.models import DEMO_MODELS
+        from colo.trainers.models import DEMO_MODELS
 
         if self.model not in DEMO_MODELS:
             raise ValueError(f"model must be one of {', '.join(DEMO_MODELS)}, got {self.model!r}")
@@ -197,7 +197,7 @@ class DemoConfig:
             raise ValueError(f"--gpus {g}: this machine has {torch.cuda.device_count()} visible CUDA device(s)")
         if g > 1:
             from colo.engine.tp import TPLayout
-            from colo.models import demo_model_config
+            from colo.trainers.models import demo_model_config
 
             # a TP=g engine must split the heads evenly: refused before any process starts
             TPLayout.from_config(demo_model_config(self.model), tp_rank=0, tp_size=g)
@@ -301,7 +301,7 @@ def check_fits(cfg: DemoConfig, model_config: Any) -> None:
     engine that dies while starting."""
     from colo.dtypes import as_dtype
     from colo.engine.model import Dims, KVPoolPlan, WeightMap
-    from colo.errors import KVPoolTooSmall
+    from colo.core.errors import KVPoolTooSmall
 
     try:
         total, reserved, _ = device_budget(cfg)
@@ -427,7 +427,7 @@ class DemoRun:
     trace, scheduler, and the audit of an injected fault."""
 
     def __init__(self, cfg: DemoConfig):
-        from colo.models import demo_model_config
+        from colo.trainers.models import demo_model_config
 
         self.cfg = cfg
         self.model_config = demo_model_config(cfg.model)
@@ -496,7 +496,7 @@ class DemoRun:
 
     def _ledger(self) -> MemoryLedger:
         if self.cfg.device == "cuda":
-            from colo.cuda_memory import cuda_ledger
+            from colo.device.cuda_memory import cuda_ledger
 
             # R is what the device holds now beyond the engine's regions: both
             # CUDA contexts, the allocator caches.
@@ -744,7 +744,7 @@ def run_demo(args: Any) -> int:
         print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        from colo.models import demo_model_config
+        from colo.trainers.models import demo_model_config
 
         check_fits(cfg, demo_model_config(cfg.model))  # before the trainer, the engine or the trace
     except UsageError as e:
@@ -761,7 +761,7 @@ def run_demo(args: Any) -> int:
         # a refusal carries its exit code (a trace another run holds is bad input: 2)
         code = exit_code(out.error) if out.error is not None else EXIT_OK
     if cfg.device == "cuda":
-        from colo.cuda_memory import exit_past_the_saver
+        from colo.device.cuda_memory import exit_past_the_saver
 
         exit_past_the_saver(code)  # the run is over and written down
     return code

@@ -27,9 +27,9 @@ import torch
 from colo.core.config import SchedulerConfig
 from colo.core.memory import MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
-from colo.errors import InvariantViolation, VerificationError
+from colo.core.errors import InvariantViolation, VerificationError
 from colo.groups import together
-from colo.leftovers import dir_prefix, sweep
+from colo.proc.lifecycle import dir_prefix, sweep
 from colo.offline.summary import PhaseSummary
 from colo.scheduler import Scheduler, describe
 from colo.trace.writer import TraceWriter, rank_path
@@ -42,7 +42,7 @@ LAUNCHERS = ("process", "ray")
 
 def visible_gpus(n: int) -> list[str]:
     """The first ``n`` GPUs of this machine by UUID; a clear error when there are fewer."""
-    from colo.errors import UsageError
+    from colo.core.errors import UsageError
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n > have:
@@ -56,7 +56,7 @@ class MultiDemoRun:
     traces, the scheduler; the same surface as :class:`colo.apps.demo.DemoRun`."""
 
     def __init__(self, cfg: Any, gpus: int):
-        from colo.models import demo_model_config
+        from colo.trainers.models import demo_model_config
 
         if cfg.fault is not None and cfg.fault not in MULTI_FAULTS:
             raise ValueError(f"--gpus {gpus} supports the fault(s) {', '.join(MULTI_FAULTS)}, got {cfg.fault!r}")
@@ -70,7 +70,7 @@ class MultiDemoRun:
         self.trainers: list[Any] = []
         self.engines: list[Any] = []
         self.transports: list[Any] = []
-        # what a SIGKILLed run left goes first; this run's dir names this pid (colo.leftovers)
+        # what a SIGKILLed run left goes first; this run's dir names this pid (colo.proc.lifecycle)
         sweep()
         self.workdir = tempfile.mkdtemp(prefix=dir_prefix("demo"))
         self.final_digest: str | None = None
@@ -79,7 +79,7 @@ class MultiDemoRun:
 
     # -- set-up ------------------------------------------------------------------
     async def start(self) -> None:
-        from colo.engine.client import free_port
+        from colo.proc.lifecycle import free_port
         from colo.engine.tp import TPLayout
 
         cfg = self.cfg
@@ -161,7 +161,7 @@ class MultiDemoRun:
     def _ledger(self, r: int) -> MemoryLedger:
         total, reserved, name = self.budgets[r]
         if self.cfg.device == "cuda":
-            from colo.cuda_memory import cuda_ledger
+            from colo.device.cuda_memory import cuda_ledger
 
             return cuda_ledger(accounted_bytes=sum(self.engines[r].tag_bytes().values()), device_name=name,
                                device_index=r)
@@ -265,7 +265,7 @@ class MultiDemoRun:
     async def _restart_engines(self, rec: dict) -> None:
         """A TP group cannot take one new member: every rank starts a new engine rank
         in a new group, empty and stale; the recovery sync fills all of them."""
-        from colo.engine.client import free_port
+        from colo.proc.lifecycle import free_port
 
         # the new group meets at engine rank 0: on its node when Ray placed it (maybe not this one)
         init = (await self.workers[0].rendezvous() if self.cfg.launcher == "ray"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from colo.core.phases import EFFECTS, Need, Phase, is_legal, parse_phase
 from colo.core.schema import BUCKET_STAGES
-from colo.errors import InvariantViolation  # noqa: F401 (re-exported)
+from colo.core.errors import InvariantViolation  # noqa: F401 (re-exported)
 
 _STAGE_INDEX = {s: i for i, s in enumerate(BUCKET_STAGES)}
 

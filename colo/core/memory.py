@@ -5,7 +5,7 @@ how many bytes each holds, and what a resume or a staging buffer would cost.
 It refuses a double pause or a double resume (the real memory saver aborts the
 process on that) and raises :class:`OutOfMemory` before a side effect would
 exceed the budget. No I/O, no torch: the CPU simulation *is* this ledger with a
-chosen ``total_bytes``; the GPU backend (``colo.cuda_memory``) feeds it the
+chosen ``total_bytes``; the GPU backend (``colo.device.cuda_memory``) feeds it the
 device's real numbers.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from colo.core.units import GiB, MiB, fmt_bytes  # noqa: F401 (re-exported)
-from colo.errors import OutOfMemory, TagStateError
+from colo.core.errors import OutOfMemory, TagStateError
 
 OWNERS_TAGS: dict[str, tuple[str, ...]] = {
     "engine": ("weights", "kv_cache", "cuda_graph"),

@@ -22,7 +22,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from colo.errors import IllegalTransition
+from colo.core.errors import IllegalTransition
 
 
 class Phase(str, enum.Enum):

@@ -19,71 +19,18 @@ from typing import Any, Protocol
 
 import anyio
 
-from colo.channel import AsyncChannel, ChannelError, new_key
+from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import RolloutResult, TensorSpec
-from colo.errors import EngineDied, EngineError
-from colo.leftovers import dir_prefix
+from colo.core.errors import EngineDied, EngineError
+from colo.proc.lifecycle import (SOCKET_NAME, free_port, process_state, scoped_env, socket_dir,  # noqa: F401
+                                 start_with_env)
 
-#: what the engine binds, inside its socket directory
-SOCKET_NAME = "engine.sock"
-#: bytes of an AF_UNIX path, without its NUL: sun_path is 108 bytes on Linux, 104 on macOS
-_SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107
-#: where to put the socket when $TMPDIR is too long for one: short, and present on any POSIX system
-_SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 #: after a broken channel, how long to wait for the engine process to be seen dead
 DEATH_WAIT_S = 1.0
 #: how often a waiting request looks at the engine process, and how long the engine
 #: may be seen stopped (SIGSTOP, a job-control stop) before it counts as dead
 HEARTBEAT_S = 0.5
 STOPPED_LIMIT_S = 3.0
-
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``D``, ``T``, ``Z`` ...),
-    from ``/proc/<pid>/stat``; None where there is no such process or no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text.rsplit(b")", 1)[-1].split()  # the command name in (...) may hold spaces
-    return fields[0].decode("ascii", "replace") if fields else None
-
-
-def socket_dir() -> str:
-    """A new private (0700) directory whose ``engine.sock.tmp`` fits in an AF_UNIX path.
-
-    ``$TMPDIR`` first; a long one (a CI runner's, a notebook's) does not fit
-    the 107 bytes Linux allows, so then ``$XDG_RUNTIME_DIR`` (per user, 0700),
-    then the usual short system directories. The directory is made by
-    ``mkdtemp``: 0700 and ours, wherever it is.
-    """
-    prefix = dir_prefix("engine")  # the driver's pid: the start-up sweep removes it once that is dead
-    suffix = "/" + prefix + "XXXXXXXX/" + SOCKET_NAME + ".tmp"  # mkdtemp adds 8 characters
-    tried = []
-    for base in (tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"), *_SHORT_DIRS):
-        if not base or base in tried:
-            continue
-        tried.append(base)
-        if len(os.fsencode(os.path.abspath(base) + suffix)) > _SUN_PATH_MAX:
-            continue
-        try:
-            return tempfile.mkdtemp(prefix=prefix, dir=os.path.abspath(base))
-        except OSError:
-            continue
-    raise ChannelError(f"no directory for the engine's socket: an AF_UNIX path is at most {_SUN_PATH_MAX} "
-                       f"bytes and none of {', '.join(tried)} is short enough and writable; "
-                       "set TMPDIR to a short directory")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (for a process-group rendezvous;
-    ``""``: on every interface, for peers on other nodes)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class RolloutTask(Protocol):
@@ -107,34 +54,6 @@ class RolloutData:
 def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str, str] | None) -> Any:
     proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True, name="colo-engine")
     return start_with_env(proc, env)
-
-
-@contextmanager
-def scoped_env(values: Mapping[str, str | None] | None) -> Iterator[None]:
-    """``os.environ`` with ``values`` set (None: unset) for the block, then as it was."""
-    values = values or {}
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def start_with_env(proc: Any, env: dict[str, str] | None) -> Any:
-    """``proc.start()`` with ``env`` added to the child's environment only."""
-    # a spawned child copies os.environ at start(): set it for that moment only
-    with scoped_env(env):
-        proc.start()
-    return proc
 
 
 async def _await_hello(proc: Any, path: str, key: bytes, start_timeout_s: float, build: dict) -> tuple:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from colo.core.buckets import itemsize, numel, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name  # noqa: F401 (re-exported)
-from colo.errors import EngineStateError, KVPoolTooSmall, WeightMismatch  # noqa: F401 (re-exported)
+from colo.core.errors import EngineStateError, KVPoolTooSmall, WeightMismatch  # noqa: F401 (re-exported)
 from colo.transports.wire import Piece
 
 

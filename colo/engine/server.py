@@ -4,18 +4,13 @@ Like SGLang's scheduler process, it does one request at a time. It survives
 bad peers: a client without the key is refused, a frame that is not JSON
 (a pickle, say) is answered with an error and logged, and the engine keeps
 serving. Bucket handles are opened by the transports' receivers, through
-``colo.handles.open_handle`` only.
+``colo.proc.handles.open_handle`` only.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import shutil
-import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -24,17 +19,9 @@ from typing import Any
 import torch
 
 from colo.core.buckets import ITEMSIZE, itemsize, numel
-from colo.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
+from colo.proc.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
 from colo.core.interfaces import TensorSpec
-
-_LOG: Any = None  # a file opened by serve() when the client asked for one
-
-
-def log(event: str, **fields: Any) -> None:
-    # JSON lines, to the client's log file or to stderr; flushed so a killed
-    # engine leaves its last words behind.
-    print(json.dumps({"event": event, "pid": os.getpid(), **fields}), file=_LOG or sys.stderr, flush=True)
-
+from colo.proc.lifecycle import die_with_parent, log, open_log, remove_run_dir_if_orphaned, remove_sockdir
 
 def torch_dtype(name: str) -> torch.dtype:
     if name not in ITEMSIZE:
@@ -324,11 +311,11 @@ def build_core(build: dict, init_state: Any = None) -> Any:
         init_state = load_file(checkpoint)
     saver = None
     if build.get("memory") == "saver":
-        from colo.cuda_memory import Saver
+        from colo.device.cuda_memory import Saver
 
         saver = Saver()
     if str(build["device"]).startswith("cuda"):
-        import colo.cuda_ipc  # noqa: F401  (registers the cuda_ipc handle kind)
+        import colo.device.cuda_ipc  # noqa: F401  (registers the cuda_ipc handle kind)
     if build.get("tp") is not None:
         return _build_tp_core(build, init_state, saver)
     config = model_config(build["config"])
@@ -387,113 +374,6 @@ def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
                         saver=saver)
 
 
-#: how often the engine checks that the process that started it is still there
-PARENT_POLL_S = 0.2
-#: after asking itself to stop (the parent is gone), how long the engine waits for its
-#: own cleanup before leaving without it
-ORPHAN_GRACE_S = 5.0
-_PR_SET_PDEATHSIG = 1
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir.
-    # One is enough: the parent-death signal and the watchdog can both send one, and a
-    # second SystemExit raised inside that cleanup would cut it short (a dir left behind).
-    global _SIGNALLED
-    _SIGNALLED = True
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
-
-
-def _remove_sockdir(sock_path: str) -> None:
-    d = os.path.dirname(os.path.abspath(sock_path))
-    if os.path.basename(d).startswith("colo-engine-"):  # only the directory made for this engine
-        shutil.rmtree(d, ignore_errors=True)
-
-
-#: (the parent pid this process watches, the run's work dir): see remove_run_dir_if_orphaned
-_ORPHAN: tuple[int | None, str | None] = (None, None)
-#: a SIGTERM (the parent-death signal, the watchdog, a kill) is ending this process
-_SIGNALLED = False
-
-
-def remove_run_dir_if_orphaned() -> None:
-    """The driver died without its own cleanup (SIGKILL): the processes it started are
-    the last of the run, and the last thing they do is remove the run's work dir
-    (``colo-demo-*`` only, never a path of another shape) and sweep what dead
-    owners left (:func:`colo.leftovers.sweep`: its segments, its dirs)."""
-    parent_pid, run_dir = _ORPHAN
-    if not _SIGNALLED or not run_dir or parent_pid is None or not os.path.basename(os.path.normpath(run_dir)).startswith("colo-demo-"):
-        return
-    # The parent-death signal comes when the parent's *thread* ends, which can be a
-    # moment before its process is gone: wait a little for that, never long.
-    deadline = time.monotonic() + 2.0
-    while not _parent_gone(parent_pid):
-        if time.monotonic() > deadline:
-            return  # the parent lives: the dir is still its own
-        time.sleep(0.05)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    # and what the next run's start-up sweep would remove: the dead parent's staging
-    # segments (this process had them mapped), dirs of runs whose owner is gone
-    from colo.leftovers import sweep
-
-    sweep()
-
-
-def _parent_gone(parent_pid: int) -> bool:
-    """Re-parented, or the parent is a zombie or gone (Linux's /proc; elsewhere: re-parented only)."""
-    if os.getppid() != parent_pid:
-        return True
-    try:
-        with open(f"/proc/{parent_pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return sys.platform.startswith("linux")
-    return state in ("Z", "X")
-
-
-def die_with_parent(parent_pid: int | None, sock_path: str, run_dir: str | None = None) -> None:
-    """End this engine when the process that started it ends, however it ends.
-
-    Linux's parent-death signal (SIGTERM, handled as a clean exit) fires when the
-    *thread* that forked this process ends, not the process, and only on Linux;
-    so a watchdog thread also compares the parent pid with the one the client
-    passed, and stops the engine when it changed (re-parented to init or a
-    subreaper). If the clean exit does not come within ``ORPHAN_GRACE_S`` (the
-    main thread stuck in a native call), the watchdog removes the socket
-    directory itself and leaves. An orphan also removes ``run_dir``, the driver's
-    work dir, which a driver killed outright could not.
-    """
-    global _ORPHAN
-    _ORPHAN = (parent_pid, run_dir)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # the watchdog below still covers it
-    if parent_pid is None:
-        return
-
-    def watch() -> None:
-        global _SIGNALLED
-        while os.getppid() == parent_pid:
-            time.sleep(PARENT_POLL_S)
-        log("engine.orphaned", parent_pid=parent_pid, new_parent_pid=os.getppid())
-        # set here too: a main thread stuck in a native call never runs the handler,
-        # and the leftovers below must still go
-        _SIGNALLED = True
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(ORPHAN_GRACE_S)
-        _remove_sockdir(sock_path)
-        remove_run_dir_if_orphaned()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="colo-engine-parent-watch", daemon=True).start()
-
-
 def serve(sock_path: str, key: bytes, build: dict) -> None:
     """Process entry point: build the engine, listen, serve until shutdown.
 
@@ -503,7 +383,7 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
     try:
         _serve(sock_path, key, build)
     finally:
-        _remove_sockdir(sock_path)
+        remove_sockdir(sock_path)
         remove_run_dir_if_orphaned()
         if threading.current_thread() is threading.main_thread():
             # cleaned up: a parent-death signal during interpreter exit just ends the process
@@ -511,9 +391,7 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
 
 
 def _serve(sock_path: str, key: bytes, build: dict) -> None:
-    global _LOG
-    if build.get("log_path"):
-        _LOG = open(build["log_path"], "a", encoding="utf-8")
+    open_log(build.get("log_path"))
     core = build_core(build)
     server = EngineServer(core)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

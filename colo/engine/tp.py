@@ -64,7 +64,7 @@ from colo.engine.model import (TIED, DTypeLike, Dims, EngineModel,
                                WeightMap, _check_specs, _digest, _named_items, as_dtype, dtype_name)
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
-from colo.errors import BadInput
+from colo.core.errors import BadInput
 from colo.transports.wire import Piece
 
 #: The ``Dims`` axes that tensor parallelism splits; every other axis (hidden_size) is whole on each rank.

@@ -19,8 +19,8 @@ import torch
 from colo.core.buckets import ALIGN, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import as_dtype, dtype_name  # noqa: F401 (re-exported)
-from colo.errors import UnknownTensor
-from colo.zero_copy import convert_from_host, convert_run, copy_all, device_view
+from colo.core.errors import UnknownTensor
+from colo.device.zero_copy import convert_from_host, convert_run, copy_all, device_view
 
 DTypeLike = torch.dtype | str | None
 
@@ -43,7 +43,7 @@ def to_engine(t: torch.Tensor, engine: torch.dtype | None, device: torch.device 
     slower to upload) and the conversion itself is faster on the device.
 
     A pinned host tensor due for conversion is not uploaded at all: the
-    conversion kernel reads it across PCIe where it lies (:mod:`colo.zero_copy`)."""
+    conversion kernel reads it across PCIe where it lies (:mod:`colo.device.zero_copy`)."""
     t = t.detach()
     if device is not None and t.device != device:
         target = engine_dtype_of(t.dtype, engine)
@@ -210,8 +210,8 @@ class PlainExtractor:
     def _convert_batch(self, sources: list[tuple[str, str, torch.Tensor]], into: Mapping[str, torch.Tensor],
                        groups: list[tuple[list[str], torch.device]] | None = None) -> dict[str, torch.Tensor]:
         """The request's tensors that are due for a conversion on a GPU, converted in one
-        batch (:func:`colo.zero_copy.convert_run`): pinned host tensors read in place by
-        the kernel (:func:`colo.zero_copy.device_view`), device tensors where they are;
+        batch (:func:`colo.device.zero_copy.convert_run`): pinned host tensors read in place by
+        the kernel (:func:`colo.device.zero_copy.device_view`), device tensors where they are;
         one buffer and one multi-tensor copy instead of an upload, a conversion and an
         allocation per tensor, and the results lie back to back at the planner's
         alignment, so the pack moves them as one run. Empty when nothing qualifies

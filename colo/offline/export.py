@@ -24,7 +24,7 @@ import stat
 import sys
 import tempfile
 
-from colo.errors import UsageError
+from colo.core.errors import UsageError
 from colo.offline.replay import BadTrace, LoadedTrace, load_trace
 
 PHASE_TID = 1

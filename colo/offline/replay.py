@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colo.core.invariants import InvariantChecker
-from colo.errors import EXIT_FAILED, EXIT_OK, BadTrace, UsageError
+from colo.core.errors import EXIT_FAILED, EXIT_OK, BadTrace, UsageError
 from colo.offline.summary import PhaseSummary
 from colo.trace.reader import LoadedTrace, TraceStream, load_trace  # noqa: F401 (re-exported)
 

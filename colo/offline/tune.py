@@ -42,7 +42,7 @@ from colo.core.phases import EFFECTS, PLANS, Effect, Phase
 from colo.offline.replay import BadTrace, LoadedTrace, load_trace
 from colo.core.schema import BUCKET_STAGES, SCHEMA
 from colo.offline.summary import START
-from colo.errors import TuneError, UsageError
+from colo.core.errors import TuneError, UsageError
 
 KV = "engine.kv_cache"
 WEIGHTS = "engine.weights"
@@ -181,7 +181,7 @@ def _points(trace: LoadedTrace) -> Device:
         if admitted:
             admission = p
         if name == "phase.finished" and ev.get("phase") == Phase.TRAINER_OFFLOAD.value:
-            # the trainer's pause empties its allocator cache (colo.cuda_memory.TrainerMemory)
+            # the trainer's pause empties its allocator cache (colo.device.cuda_memory.TrainerMemory)
             after_sync = False
     if weights is None:
         raise TuneError(f"{trace.path}: no engine.weights in the trace; expected the engine's weights "

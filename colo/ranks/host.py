@@ -29,7 +29,7 @@ import torch
 from colo.core.buckets import plan_buckets
 from colo.core.interfaces import RolloutResult, SyncContext
 from colo.core.memory import StagingBudget
-from colo.errors import OutOfMemory
+from colo.core.errors import OutOfMemory
 
 #: how long a trainer collective may wait for a rank that stopped issuing them
 #: (the last resort: a failing rank keeps issuing its collectives, see _Drain)
@@ -188,7 +188,7 @@ class RankHost:
     # -- start ---------------------------------------------------------------------
     async def start(self) -> dict:
         from colo.apps.demo import ReinforceTask
-        from colo.models import config_from_dict
+        from colo.trainers.models import config_from_dict
         from colo.transports import make_transport
 
         s = self.spec
@@ -267,7 +267,7 @@ class RankHost:
     def _gpu_uuid(self) -> str | None:
         if self.spec.device != "cuda":
             return None
-        from colo.cuda_ipc import gpu_uuid
+        from colo.device.cuda_ipc import gpu_uuid
 
         return gpu_uuid(0)
 
@@ -422,7 +422,7 @@ def _stages_json(stages: Sequence[Any], t0: float) -> list[list]:
 
 def describe_error(exc: BaseException) -> dict:
     """An error as data: its class name, message, and the fields the driver rebuilds it from."""
-    from colo.errors import RankFailed
+    from colo.core.errors import RankFailed
 
     cause = exc.cause if isinstance(exc, RankFailed) else exc
     out: dict[str, Any] = {"error_type": type(cause).__name__, "error": str(cause) or type(cause).__name__}

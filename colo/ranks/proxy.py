@@ -11,8 +11,8 @@ objects per rank the :class:`~colo.scheduler.Scheduler` drives unchanged.
 
 An error a worker answers with is rebuilt as the colo error it was
 (``EngineDied``, ``OutOfMemory`` with its numbers, ...) or a
-:class:`~colo.errors.RankError` naming the rank; a worker that is gone is
-:class:`~colo.errors.RankDied`.
+:class:`~colo.core.errors.RankError` naming the rank; a worker that is gone is
+:class:`~colo.core.errors.RankDied`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 import anyio
 
-from colo.channel import AsyncChannel, new_key
+from colo.proc.channel import AsyncChannel, new_key
 from colo.core.interfaces import RolloutResult, StageRecord, SyncContext, SyncResult, TensorSpec
-from colo.errors import (ChannelError, EngineDied, EngineError, OutOfMemory, RankDied, RankError,
+from colo.core.errors import (ChannelError, EngineDied, EngineError, OutOfMemory, RankDied, RankError,
                          VerificationError)
 from colo.ranks.host import RankSpec, rollout_from_json, rollout_to_json
 
@@ -38,7 +38,7 @@ _BY_NAME = {"EngineDied": EngineDied, "VerificationError": VerificationError}
 
 
 def _start(spec: dict, path: str, key: bytes, env: dict[str, str] | None) -> Any:
-    from colo.engine.client import start_with_env
+    from colo.proc.lifecycle import start_with_env
     from colo.ranks.worker import serve
 
     # not daemonic: the worker starts its engine rank as a child of its own
@@ -58,7 +58,7 @@ class Worker:
     @classmethod
     async def spawn(cls, spec: RankSpec, *, env: dict[str, str] | None = None,
                     connect_timeout_s: float = 120.0) -> Worker:
-        from colo.engine.client import SOCKET_NAME, socket_dir
+        from colo.proc.lifecycle import SOCKET_NAME, socket_dir
 
         key, sockdir = new_key(), socket_dir()
         proc = None

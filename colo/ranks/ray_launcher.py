@@ -59,9 +59,10 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from colo.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
-from colo.engine.client import DEATH_WAIT_S, EngineClient, process_state
-from colo.errors import EngineDied, EngineError, RankDied
+from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
+from colo.engine.client import DEATH_WAIT_S, EngineClient
+from colo.proc.lifecycle import process_state
+from colo.core.errors import EngineDied, EngineError, RankDied
 
 #: building a rank (a model, two process groups, an engine) takes minutes on a busy host
 START_TIMEOUT_S = 600.0
@@ -112,7 +113,7 @@ async def reserve(bundles: list[dict[str, float]], *, strategy: str = "PACK",
 
 
 def _free_ports(n: int) -> list[int]:
-    from colo.engine.client import free_port
+    from colo.proc.lifecycle import free_port
 
     # on every interface: the ranks of other nodes connect to them
     return [free_port("") for _ in range(n)]
@@ -147,7 +148,7 @@ class EngineActor:
 
     Frames, not Python objects: the engine validates them as it validates its socket's
     (strict JSON, bounded depth, no NaN), and a bucket's handle is rebuilt only by the
-    allow-listed ``colo.handles.open_handle``, whatever carried the frame."""
+    allow-listed ``colo.proc.handles.open_handle``, whatever carried the frame."""
 
     def __init__(self) -> None:
         self.server: Any = None
@@ -161,10 +162,9 @@ class EngineActor:
 
         if str(build["device"]) == "cpu":
             torch.set_num_threads(1)  # N trainer ranks and N engine ranks share the host's cores
-        if build.get("log_path"):
-            import colo.engine.server as server
+        from colo.proc.lifecycle import open_log
 
-            server._LOG = open(build["log_path"], "a", encoding="utf-8")  # else Ray's worker log
+        open_log(build.get("log_path"))  # else Ray's worker log
         init = None
         if state is not None:
             from safetensors.torch import load
@@ -176,7 +176,7 @@ class EngineActor:
         return {**reply, **placement()}
 
     def request(self, frame: bytes) -> bytes:
-        from colo.engine.server import log
+        from colo.proc.lifecycle import log
 
         try:
             msg = decode(_unframe(frame))

@@ -1,12 +1,12 @@
 """One rank's process: a :class:`~colo.ranks.host.RankHost` served over the authenticated channel.
 
 The driver starts the process, connects (the channel and its challenge are
-the engine's: :mod:`colo.channel`), and sends ``start`` — every rank at once,
+the engine's: :mod:`colo.proc.channel`), and sends ``start`` — every rank at once,
 since building a rank takes part in collectives — then one request per verb.
 The process serves that one connection; when it closes (the driver ended) or
 on ``shutdown`` the host is closed, shielded: its engine rank, its staging
 and its process groups go with it. Like the engine, the worker dies with the
-driver however the driver dies (:func:`colo.engine.server.die_with_parent`).
+driver however the driver dies (:func:`colo.proc.lifecycle.die_with_parent`).
 
 The worker is not a daemonic process: it starts its engine rank as a child.
 """
@@ -21,19 +21,19 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from colo.channel import FrameRefused, Gate, recv_frame, send_frame
-from colo.errors import ChannelError
+from colo.proc.channel import FrameRefused, Gate, recv_frame, send_frame
+from colo.core.errors import ChannelError
 
 
 def serve(sock_path: str, key: bytes, spec: dict) -> None:
     """Process entry point."""
-    from colo.engine.server import _remove_sockdir, die_with_parent, remove_run_dir_if_orphaned
+    from colo.proc.lifecycle import die_with_parent, remove_run_dir_if_orphaned, remove_sockdir
 
     die_with_parent(spec.pop("parent_pid", None), sock_path, spec.get("workdir"))
     try:
         anyio.run(_serve, sock_path, key, spec)
     finally:
-        _remove_sockdir(sock_path)
+        remove_sockdir(sock_path)
         remove_run_dir_if_orphaned()
 
 

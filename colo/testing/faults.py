@@ -37,7 +37,7 @@ import anyio
 import anyio.lowlevel
 
 from colo.core.phases import EFFECTS, Phase
-from colo.errors import InjectedFault
+from colo.core.errors import InjectedFault
 
 KINDS = ("kill-engine", "raise", "deadline", "oom", "cancel")
 

@@ -1,5 +1,5 @@
 """Reading ``colo.trace/1``: every line validated, with the file and line of
-anything wrong (:class:`~colo.errors.BadTrace`, exit 2).
+anything wrong (:class:`~colo.core.errors.BadTrace`, exit 2).
 
 Forgiving in exactly one way: a run that crashed mid-write leaves its last line
 cut, and that line is dropped with a warning. Strict about the rest: numbers
@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from colo.channel import JSONLimitError, strict_loads
+from colo.proc.channel import JSONLimitError, strict_loads
 from colo.core.phases import Phase
 from colo.core.schema import EVENTS, SCHEMA
-from colo.errors import BadTrace
+from colo.core.errors import BadTrace
 
 _PHASES = frozenset(p.value for p in Phase)
 _EVENT_LIST = ", ".join(sorted(EVENTS))

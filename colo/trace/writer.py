@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import structlog
 
-from colo.errors import UsageError
+from colo.core.errors import UsageError
 from colo.core.schema import BUCKET_STAGES, EVENTS, SCHEMA  # noqa: F401 (re-exported)
 
 Listener = Callable[[dict], None]

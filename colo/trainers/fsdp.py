@@ -246,13 +246,13 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    from colo.models import build_trainer_model
+    from colo.trainers.models import build_trainer_model
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     saver = None
     if device == "cuda":
-        from colo.cuda_memory import Saver
+        from colo.device.cuda_memory import Saver
 
         saver = Saver()  # first: it refuses expandable segments before anything is allocated
     group = None if dist.is_initialized() else _OwnedProcessGroup(device)
@@ -261,7 +261,7 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
         if saver is None:
             model = shard(build_trainer_model(model_config, seed), mesh)
             return FSDPTrainer(model, engine_dtype=engine_dtype, group=group), None
-        from colo.cuda_memory import TrainerMemory
+        from colo.device.cuda_memory import TrainerMemory
 
         # fully_shard moves each group's parameters to the GPU and copies them
         # into their shards here: the shards are the region's allocations.

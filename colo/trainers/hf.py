@@ -68,13 +68,13 @@ class ReferenceTrainer(PolicyTrainer):
             # nothing to convert: the transport uploads straight into its buffer
             return PlainExtractor(host, dtype=dtype, upload_to=device)
         # a conversion is due: the conversion kernel reads the pinned backup in place
-        # (colo.zero_copy; a host-side conversion would be pageable and slow to upload)
+        # (colo.device.zero_copy; a host-side conversion would be pageable and slow to upload)
         return PlainExtractor(host, dtype=dtype, device=device)
 
     def _host_key(self) -> tuple | None:
         """What the host extractor was built over: the same parameters, and the saver's
         backups at the same addresses (the first and the last one checked each sync).
-        With a retained backup (colo.cuda_memory.Saver's default) they stay from pause to
+        With a retained backup (colo.device.cuda_memory.Saver's default) they stay from pause to
         pause, so the extractor, its host views and their device views are made once:
         building them was 1.8 ms of a 6.8 ms sync of the demo model on an H100. None
         (build anew) when the saver does not retain its backups."""
@@ -141,13 +141,13 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
 
     With torch.distributed initialised over N > 1 ranks, this rank of an
     N-rank data-parallel trainer (see the module docstring)."""
-    from colo.models import build_trainer_model
+    from colo.trainers.models import build_trainer_model
 
     group = _data_parallel_world()
     if device == "cpu":
         model = build_trainer_model(model_config, seed)
         return ReferenceTrainer(model, engine_dtype=engine_dtype, dp_group=group), None
-    from colo.cuda_memory import Saver, TrainerMemory
+    from colo.device.cuda_memory import Saver, TrainerMemory
 
     saver = Saver()
     with saver.region("trainer.weights", cpu_backup=True):

@@ -545,7 +545,7 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
     (see the module docstring), else one rank. On a GPU its weights and AdamW state
     live in memory-saver regions with a pinned host backup, so offload and onload
     are real pauses. Call ``close()`` when done."""
-    from colo.models import build_trainer_model
+    from colo.trainers.models import build_trainer_model
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
@@ -561,7 +561,7 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
             trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype)
             _check_readback(trainer, hf)
             return trainer, None
-        from colo.cuda_memory import Saver, TrainerMemory
+        from colo.device.cuda_memory import Saver, TrainerMemory
 
         saver = Saver()
         with saver.region("trainer.weights", cpu_backup=True):

@@ -44,7 +44,7 @@ from colo.core.buckets import Bucket, itemsize
 from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
 from colo.transports.wire import piece_of
-from colo.errors import IncompleteCheckpoint
+from colo.core.errors import IncompleteCheckpoint
 
 FORMAT = "colo.checkpoint/1"
 MANIFEST = "manifest.json"

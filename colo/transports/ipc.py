@@ -5,7 +5,7 @@ each (~0.15–0.2 ms apiece on a GPU) and loads it. With thousands of tensors
 the handles, not the bytes, dominate the sync: that cost is what ``packed``
 removes, and this transport exists to measure it.
 
-On a GPU a tensor is exported where it lies (``colo.cuda_ipc``, keyed by GPU
+On a GPU a tensor is exported where it lies (``colo.device.cuda_ipc``, keyed by GPU
 UUID); on the CPU it is copied into its own ``/dev/shm`` segment. Buckets are
 still planned and pipelined like the other transports, so the only
 difference from ``packed`` is the number of handles: bucket i+1 is gathered
@@ -30,7 +30,7 @@ import anyio.to_thread
 import torch
 
 from colo.core.buckets import Bucket
-from colo.handles import ShmSegment, open_handle
+from colo.proc.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta, views
 
@@ -71,7 +71,7 @@ class _Exported:
         self.tensor: Any = None
         try:
             if device.type == "cuda" and flat.numel() > 0:
-                from colo.cuda_ipc import export_cuda
+                from colo.device.cuda_ipc import export_cuda
 
                 # A copy into a plain cudaMalloc block, always: the tensor may
                 # be the trainer's own parameter inside a memory-saver region (a
@@ -191,7 +191,7 @@ class IpcReceiver:
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
         req = request if isinstance(request, IpcRequest) else IpcRequest.from_json(request)
         if req.handle.get("kind") == "cuda_ipc":
-            import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc rebuilder
+            import colo.device.cuda_ipc  # noqa: F401  registers the cuda_ipc rebuilder
         seg = open_handle(req.handle)
         try:
             # one-use mapping: the sender frees the memory once we acknowledge

@@ -9,7 +9,7 @@ other one. A buffer is reused only after the engine acknowledged the bucket it
 held — reusing it earlier would overwrite weights the engine is still reading.
 
 One copy (issue 18, items 1 and 2): when the trainer keeps its weights in one
-flat, exportable buffer (``trainer.flat_weights``, :mod:`colo.flat_weights`) and
+flat, exportable buffer (``trainer.flat_weights``, :mod:`colo.device.flat_weights`) and
 every tensor the extractor yields is a contiguous view of it (same dtype as the
 engine's, nothing gathered or converted), there is nothing to pack: the
 buffer's one handle goes to the engine in ONE request whose metadata gives each
@@ -35,7 +35,7 @@ import anyio.to_thread
 import torch
 
 from colo.core.buckets import Bucket, Entry
-from colo.handles import ShmSegment, open_handle
+from colo.proc.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
                                   check_bucket_tensors, parse_tensors, timed_ack, views, wait_event)
@@ -90,7 +90,7 @@ def source_runs(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> list[tupl
     the bucket are merged into one run, gaps included (a gap is padding on both sides).
 
     Why: a trainer that keeps its weights (or their pinned host copy) in one flat
-    buffer laid out with the bucket's alignment, as ``colo.flat_weights`` and
+    buffer laid out with the bucket's alignment, as ``colo.device.flat_weights`` and
     Megatron's DDP do, has every bucket's tensors back to back, and one copy of a
     bucket costs the copy engine one setup instead of one per tensor (about 25 us
     each, measured on an H100 uploading 338 tensors: 0.94 of one copy of the same
@@ -199,7 +199,7 @@ class _Slot:
         self.pending: tuple[Any, float] | None = None
         try:
             if device.type == "cuda":
-                from colo.cuda_ipc import export_cuda
+                from colo.device.cuda_ipc import export_cuda
 
                 self.cuda = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 self._handle = export_cuda(self.cuda)
@@ -584,7 +584,7 @@ class PackedReceiver:
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
         req = request if isinstance(request, PackedRequest) else self._parse(request)
         if req.handle.get("kind") in ("cuda_ipc", "pinned_shm"):
-            import colo.cuda_ipc  # noqa: F401  registers the cuda_ipc and pinned_shm rebuilders
+            import colo.device.cuda_ipc  # noqa: F401  registers the cuda_ipc and pinned_shm rebuilders
         seg = self._attach(req.handle)
         # Views into the sender's buffer: valid until the ack, which the server
         # sends only after the loader copied them into the parameters.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from colo.core.buckets import ALIGN, ITEMSIZE, Bucket, Entry, itemsize, numel
-from colo.errors import RequestError
+from colo.core.errors import RequestError
 
 
 def get_field(d: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:

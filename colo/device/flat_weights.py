@@ -10,7 +10,7 @@ Why not the memory saver's regions: they are virtual-memory mappings
 (``cuMemCreate`` without a shareable handle type) that neither
 ``cudaIpcGetMemHandle`` nor ``cuMemExportToShareableHandle`` can export. The
 flat buffer is ONE plain caching-allocator block (``torch.empty`` outside any
-region), exported like a staging buffer (:func:`colo.cuda_ipc.export_cuda`).
+region), exported like a staging buffer (:func:`colo.device.cuda_ipc.export_cuda`).
 Pausing it is done here instead of by the saver: copy to a pinned host backup
 (allocated once and kept across cycles, as the saver's retained backup is),
 free the storage with ``resize_(0)`` and hand the block back to the driver;
@@ -20,7 +20,7 @@ resuming reallocates and copies back. Every parameter view shares the buffer's
 checks that rather than trusting it.
 
 The pinned host backup is itself shared (``share_host``, the default): a
-``/dev/shm`` segment page-locked on both sides (:class:`colo.cuda_ipc.PinnedShm`).
+``/dev/shm`` segment page-locked on both sides (:class:`colo.device.cuda_ipc.PinnedShm`).
 An ``offload-first`` sync then needs no packing either: the engine copies each
 tensor straight out of the backup into its parameters, one host-to-device copy
 of the model and no device staging (issue 18, item 1). Where ``/dev/shm`` has
@@ -94,7 +94,7 @@ class FlatWeights:
             # a plain caching-allocator block (never a memory-saver region): one IPC handle covers it
             self._flat = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         else:
-            from colo.handles import ShmSegment
+            from colo.proc.handles import ShmSegment
 
             self._seg = ShmSegment.create(self.nbytes)
             self._flat = self._seg.tensor
@@ -199,7 +199,7 @@ class FlatWeights:
             return self._host_seg.handle()
         if self._seg is not None:
             return self._seg.handle()
-        from colo.cuda_ipc import export_cuda
+        from colo.device.cuda_ipc import export_cuda
 
         return export_cuda(self._flat)
 
@@ -244,8 +244,8 @@ class FlatWeights:
         """The pinned host backup, made at the first pause and kept: a shared segment
         when ``share_host`` and /dev/shm has room, else private pinned memory."""
         if self.share_host:
-            from colo.cuda_ipc import PinnedShm
-            from colo.errors import HandleError
+            from colo.device.cuda_ipc import PinnedShm
+            from colo.core.errors import HandleError
 
             try:
                 self._host_seg = PinnedShm.create(self.nbytes)

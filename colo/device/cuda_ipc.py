@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from colo.handles import HandleError, ShmSegment, register_rebuilder, shm_room
+from colo.proc.handles import HandleError, ShmSegment, register_rebuilder, shm_room
 
 
 def _b64(b: bytes | None) -> str | None:

@@ -107,7 +107,7 @@ class Saver:
 class TrainerMemory:
     """The trainer's side of the backend: pause/resume its tags, host views when paused.
 
-    ``flats`` maps a tag (``"weights"``) to the :class:`colo.flat_weights.FlatWeights`
+    ``flats`` maps a tag (``"weights"``) to the :class:`colo.device.flat_weights.FlatWeights`
     that hold it instead of a saver region: an exportable buffer the engine
     reads straight from in ``sync-first``, paused and resumed by itself."""
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from colo.errors import HandleError
+from colo.core.errors import HandleError
 
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")

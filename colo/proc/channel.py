@@ -5,7 +5,7 @@ proves it holds the per-run key by answering the server's random challenge
 with HMAC-SHA256; a peer without the key is refused before any request is
 read. Tensor handles travel as plain JSON (a kind and a few fields) and are
 rebuilt on the engine side only by the allow-listed functions in
-``colo.handles`` — there is no path from the channel to ``pickle``.
+``colo.proc.handles`` — there is no path from the channel to ``pickle``.
 
 The engine side is a plain blocking socket (the engine is a loop that does one
 thing at a time, like SGLang's scheduler); the trainer side is an anyio
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from colo.errors import ChannelError
+from colo.core.errors import ChannelError
 
 MAX_FRAME = 64 << 20  # metadata only; 64 MiB is far beyond any real bucket's table
 #: nesting that no frame or trace event colo writes comes near (a request is ~5 deep)
@@ -51,7 +51,7 @@ class JSONLimitError(ValueError):
     """Well-formed JSON beyond what colo reads: too deep, a number too long, NaN or Infinity.
 
     Internal: the channel turns it into :class:`ChannelError`, the trace reader
-    into :class:`~colo.errors.BadTrace`."""
+    into :class:`~colo.core.errors.BadTrace`."""
 
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')

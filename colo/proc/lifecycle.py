@@ -1,0 +1,328 @@
+"""A run's processes, and what they leave behind: one module for their whole lifetime.
+
+colo starts processes of its own (the engine, rank workers) and makes files for
+them (socket directories, work dirs, ``/dev/shm`` segments). This module holds
+every rule about that lifetime, so that the engine's client, the engine's server
+and the rank workers follow the same ones:
+
+- where a socket directory goes (an AF_UNIX path is at most 107 bytes);
+- how a child is started with an environment of its own (spawn copies ``os.environ``);
+- how a child ends with the process that started it, however that one ends
+  (:func:`die_with_parent`), and removes the run's work dir if it was the last;
+- what a killed run leaves on disk and the sweep that removes it at the next
+  start (:func:`sweep`).
+
+A SIGKILL runs no cleanup: the driver's ``colo-demo-<pid>-XXXXXXXX`` work dir
+(with the initial checkpoint), an engine socket dir ``colo-engine-<pid>-XXXXXXXX``
+and ``/dev/shm/colo-<pid>-<uuid>`` segments stay. Each name carries the pid of
+the process that made it, so a later run can tell a leftover (its owner is dead)
+from the live state of a run beside it (its owner is alive), and remove only the
+former. Only these exact name shapes are touched, only those owned by this user,
+and never this process's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from colo.core.errors import ChannelError
+from colo.proc.handles import SHM_DIR
+
+#: what the engine binds, inside its socket directory
+SOCKET_NAME = "engine.sock"
+#: bytes of an AF_UNIX path, without its NUL: sun_path is 108 bytes on Linux, 104 on macOS
+_SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107
+#: where to put the socket when $TMPDIR is too long for one: short, and present on any POSIX system
+_SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+#: ``tempfile.mkdtemp(prefix=f"colo-demo-{pid}-")``: mkdtemp adds 8 of [a-z0-9_]
+_DIR_NAME = re.compile(r"^colo-(?:demo|engine)-([0-9]+)-[a-z0-9_]{8}$")
+#: :meth:`colo.proc.handles.ShmSegment.create`'s names
+_SHM_NAME = re.compile(r"^colo-([0-9]+)-[0-9a-f]{32}$")
+
+
+def dir_prefix(kind: str) -> str:
+    """The ``mkdtemp`` prefix of a ``kind`` (demo, engine) dir this process owns."""
+    return f"colo-{kind}-{os.getpid()}-"
+
+
+def owner_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (another user's counts as alive). A zombie does
+    not: it ran no cleanup and never will; a SIGKILLed driver is one until its parent
+    reaps it, and its orphaned engine sweeps in that moment."""
+    if pid <= 0:
+        return True  # not a pid we wrote: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[:1] not in ([b"Z"], [b"X"])
+    except OSError:
+        return True  # no /proc to ask: exists, so alive
+
+
+def _dead_owner(name: str, pattern: re.Pattern[str]) -> bool:
+    m = pattern.match(name)
+    if m is None:
+        return False
+    pid = int(m.group(1))
+    return pid != os.getpid() and not owner_alive(pid)
+
+
+def _mine(path: str) -> bool:
+    try:
+        return os.lstat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def sweep(dirs: tuple[str, ...] | None = None) -> list[str]:
+    """Remove colo's work dirs and segments whose owning process is dead; the paths removed.
+
+    ``dirs``: where work dirs are looked for (default: the temp dir, and the
+    short directories an engine socket dir may have fallen back to)."""
+    if dirs is None:
+        dirs = tuple(dict.fromkeys([tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR") or "",
+                                    *_SHORT_DIRS]))
+    removed = []
+    for base in dirs:
+        try:
+            names = os.listdir(base) if base else []
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(base, name)
+            if _dead_owner(name, _DIR_NAME) and _mine(path) and not os.path.islink(path) and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+                if not os.path.exists(path):
+                    removed.append(path)
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        if _dead_owner(name, _SHM_NAME) and _mine(path):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (``R``, ``S``, ``D``, ``T``, ``Z`` ...),
+    from ``/proc/<pid>/stat``; None where there is no such process or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(b")", 1)[-1].split()  # the command name in (...) may hold spaces
+    return fields[0].decode("ascii", "replace") if fields else None
+
+
+def socket_dir() -> str:
+    """A new private (0700) directory whose ``engine.sock.tmp`` fits in an AF_UNIX path.
+
+    ``$TMPDIR`` first; a long one (a CI runner's, a notebook's) does not fit
+    the 107 bytes Linux allows, so then ``$XDG_RUNTIME_DIR`` (per user, 0700),
+    then the usual short system directories. The directory is made by
+    ``mkdtemp``: 0700 and ours, wherever it is.
+    """
+    prefix = dir_prefix("engine")  # the driver's pid: the start-up sweep removes it once that is dead
+    suffix = "/" + prefix + "XXXXXXXX/" + SOCKET_NAME + ".tmp"  # mkdtemp adds 8 characters
+    tried = []
+    for base in (tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"), *_SHORT_DIRS):
+        if not base or base in tried:
+            continue
+        tried.append(base)
+        if len(os.fsencode(os.path.abspath(base) + suffix)) > _SUN_PATH_MAX:
+            continue
+        try:
+            return tempfile.mkdtemp(prefix=prefix, dir=os.path.abspath(base))
+        except OSError:
+            continue
+    raise ChannelError(f"no directory for the engine's socket: an AF_UNIX path is at most {_SUN_PATH_MAX} "
+                       f"bytes and none of {', '.join(tried)} is short enough and writable; "
+                       "set TMPDIR to a short directory")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (for a process-group rendezvous;
+    ``""``: on every interface, for peers on other nodes)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def scoped_env(values: Mapping[str, str | None] | None) -> Iterator[None]:
+    """``os.environ`` with ``values`` set (None: unset) for the block, then as it was."""
+    values = values or {}
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_with_env(proc: Any, env: dict[str, str] | None) -> Any:
+    """``proc.start()`` with ``env`` added to the child's environment only."""
+    # a spawned child copies os.environ at start(): set it for that moment only
+    with scoped_env(env):
+        proc.start()
+    return proc
+
+
+# -- a child's own log -------------------------------------------------------------
+
+_LOG: Any = None  # a file opened by open_log() when the starter asked for one
+
+
+def open_log(path: str | None) -> None:
+    """Send this process's :func:`log` lines to ``path`` (appended) instead of stderr."""
+    global _LOG
+    if path:
+        _LOG = open(path, "a", encoding="utf-8")
+
+
+def log(event: str, **fields: Any) -> None:
+    # JSON lines, to the starter's log file or to stderr; flushed so a killed
+    # process leaves its last words behind.
+    print(json.dumps({"event": event, "pid": os.getpid(), **fields}), file=_LOG or sys.stderr, flush=True)
+
+
+# -- a child ends with its parent ---------------------------------------------------
+
+#: how often the engine checks that the process that started it is still there
+PARENT_POLL_S = 0.2
+#: after asking itself to stop (the parent is gone), how long the engine waits for its
+#: own cleanup before leaving without it
+ORPHAN_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir.
+    # One is enough: the parent-death signal and the watchdog can both send one, and a
+    # second SystemExit raised inside that cleanup would cut it short (a dir left behind).
+    global _SIGNALLED
+    _SIGNALLED = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
+def remove_sockdir(sock_path: str) -> None:
+    d = os.path.dirname(os.path.abspath(sock_path))
+    if os.path.basename(d).startswith("colo-engine-"):  # only the directory made for this engine
+        shutil.rmtree(d, ignore_errors=True)
+
+
+#: (the parent pid this process watches, the run's work dir): see remove_run_dir_if_orphaned
+_ORPHAN: tuple[int | None, str | None] = (None, None)
+#: a SIGTERM (the parent-death signal, the watchdog, a kill) is ending this process
+_SIGNALLED = False
+
+
+def remove_run_dir_if_orphaned() -> None:
+    """The driver died without its own cleanup (SIGKILL): the processes it started are
+    the last of the run, and the last thing they do is remove the run's work dir
+    (``colo-demo-*`` only, never a path of another shape) and sweep what dead
+    owners left (:func:`colo.proc.lifecycle.sweep`: its segments, its dirs)."""
+    parent_pid, run_dir = _ORPHAN
+    if not _SIGNALLED or not run_dir or parent_pid is None or not os.path.basename(os.path.normpath(run_dir)).startswith("colo-demo-"):
+        return
+    # The parent-death signal comes when the parent's *thread* ends, which can be a
+    # moment before its process is gone: wait a little for that, never long.
+    deadline = time.monotonic() + 2.0
+    while not _parent_gone(parent_pid):
+        if time.monotonic() > deadline:
+            return  # the parent lives: the dir is still its own
+        time.sleep(0.05)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    # and what the next run's start-up sweep would remove: the dead parent's staging
+    # segments (this process had them mapped), dirs of runs whose owner is gone
+    sweep()
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    """Re-parented, or the parent is a zombie or gone (Linux's /proc; elsewhere: re-parented only)."""
+    if os.getppid() != parent_pid:
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return sys.platform.startswith("linux")
+    return state in ("Z", "X")
+
+
+def die_with_parent(parent_pid: int | None, sock_path: str, run_dir: str | None = None) -> None:
+    """End this engine when the process that started it ends, however it ends.
+
+    Linux's parent-death signal (SIGTERM, handled as a clean exit) fires when the
+    *thread* that forked this process ends, not the process, and only on Linux;
+    so a watchdog thread also compares the parent pid with the one the client
+    passed, and stops the engine when it changed (re-parented to init or a
+    subreaper). If the clean exit does not come within ``ORPHAN_GRACE_S`` (the
+    main thread stuck in a native call), the watchdog removes the socket
+    directory itself and leaves. An orphan also removes ``run_dir``, the driver's
+    work dir, which a driver killed outright could not.
+    """
+    global _ORPHAN
+    _ORPHAN = (parent_pid, run_dir)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still covers it
+    if parent_pid is None:
+        return
+
+    def watch() -> None:
+        global _SIGNALLED
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        log("engine.orphaned", parent_pid=parent_pid, new_parent_pid=os.getppid())
+        # set here too: a main thread stuck in a native call never runs the handler,
+        # and the leftovers below must still go
+        _SIGNALLED = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        remove_sockdir(sock_path)
+        remove_run_dir_if_orphaned()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="colo-engine-parent-watch", daemon=True).start()
