@@ -1,7 +1,76 @@
 """colo: the colocated trainer/engine GPU handoff as an explicit, traced state machine.
 
-Import what you need from its modules; this package imports nothing heavy so
-that the pure core (phases, invariants, buckets, memory ledger) stays pure.
+The public API is :data:`__all__`. Each name is imported from its module on
+first use, so ``import colo`` pulls in nothing heavy: the pure core (phases,
+invariants, ledger, buckets) stays importable without torch, and ``colo
+replay`` never pays for it.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: public name -> "module:attribute"
+_API = {
+    # the scheduler and its configuration
+    "Scheduler": "colo.scheduler:Scheduler",
+    "SchedulerConfig": "colo.core.config:SchedulerConfig",
+    "Phase": "colo.core.phases:Phase",
+    "PLANS": "colo.core.phases:PLANS",
+    "IllegalTransition": "colo.core.phases:IllegalTransition",
+    # what the scheduler drives: the sides, the transport, one sync's context
+    "TrainerSide": "colo.core.interfaces:TrainerSide",
+    "EngineSide": "colo.core.interfaces:EngineSide",
+    "EngineReceiver": "colo.core.interfaces:EngineReceiver",
+    "WeightExtractor": "colo.core.interfaces:WeightExtractor",
+    "Transport": "colo.core.interfaces:Transport",
+    "TensorSpec": "colo.core.interfaces:TensorSpec",
+    "RolloutResult": "colo.core.interfaces:RolloutResult",
+    "SyncContext": "colo.core.interfaces:SyncContext",
+    "SyncResult": "colo.core.interfaces:SyncResult",
+    # memory
+    "MemoryLedger": "colo.core.memory:MemoryLedger",
+    "StagingBudget": "colo.core.memory:StagingBudget",
+    # traces, offline
+    "TraceWriter": "colo.trace.writer:TraceWriter",
+    "replay": "colo.offline.replay:replay",
+    "tune": "colo.offline.tune:tune",
+    # transports and extractors
+    "make_transport": "colo.transports:make_transport",
+    "get_strategy": "colo.transports:get_strategy",
+    "PlainExtractor": "colo.extractors.plain:PlainExtractor",
+    "FSDPExtractor": "colo.extractors.fsdp:FSDPExtractor",
+    "MegatronExtractor": "colo.extractors.megatron:MegatronExtractor",
+    # engines: colo's own (a process behind a client) and the kit any engine hosts
+    "EngineClient": "colo.engine.client:EngineClient",
+    "EngineKit": "colo.engine.kit:EngineKit",
+    "LoadSession": "colo.engine.kit:LoadSession",
+    "WeightSink": "colo.engine.kit:WeightSink",
+    # errors
+    "ColoError": "colo.core.errors:ColoError",
+    "BadInput": "colo.core.errors:BadInput",
+    "EngineError": "colo.core.errors:EngineError",
+    "EngineDied": "colo.core.errors:EngineDied",
+    "VerificationError": "colo.core.errors:VerificationError",
+    "WeightMismatch": "colo.core.errors:WeightMismatch",
+    "OutOfMemory": "colo.core.errors:OutOfMemory",
+}
+
+__all__ = sorted(_API) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module, attr = _API[name].split(":")
+    except KeyError:
+        raise AttributeError(f"module 'colo' has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # once imported, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

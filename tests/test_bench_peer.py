@@ -12,7 +12,7 @@ from transformers import Qwen2ForCausalLM
 
 from colo.apps import bench_gpu
 from colo.apps.bench_peer import Copier, PeerConfig, check_configs, digest_config, pick_handle, read_update_log
-from colo.engine.model import expected_digest, expected_hf_specs
+from colo.engine.weights import expected_digest, expected_hf_specs
 from colo.trainers.models import demo_config
 
 

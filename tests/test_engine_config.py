@@ -4,7 +4,7 @@ it must see the same model either way, and a config missing a field is refused."
 
 import pytest
 
-from colo.engine.model import Dims
+from colo.engine.dims import Dims
 from colo.engine.server import CONFIG_FIELDS, model_config
 from colo.trainers.models import DEMO_MODELS, demo_model_config
 

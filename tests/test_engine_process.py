@@ -11,7 +11,7 @@ import torch
 from colo.core.buckets import plan_buckets
 from colo.proc.channel import ChannelError, answer, recv_frame, send_frame
 from colo.engine.client import EngineError
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.proc.handles import HandleError, ShmSegment, leftover_segments, open_handle
 from colo.trainers.models import build_trainer_model
 from colo.transports.base import TensorMeta

@@ -16,7 +16,9 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.client import EngineClient, EngineError
 from colo.engine.core import EngineCore
-from colo.engine.model import Dims, WeightMismatch, expected_digest, expected_hf_specs
+from colo.core.errors import WeightMismatch
+from colo.engine.dims import Dims
+from colo.engine.weights import expected_digest, expected_hf_specs
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
 from colo.trainers.models import build_trainer_model, demo_config

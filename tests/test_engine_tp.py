@@ -17,8 +17,9 @@ import torch
 
 from colo.core.buckets import spec
 from colo.engine.core import EngineCore
-from colo.engine.model import (Dims, EngineStateError, WeightMismatch, engine_state_from_hf, expected_digest,
-                               expected_hf_specs)
+from colo.core.errors import EngineStateError, WeightMismatch
+from colo.engine.dims import Dims
+from colo.engine.weights import engine_state_from_hf, expected_digest, expected_hf_specs
 from colo.engine.tp import TPEngineCore, TPLayout, TPLayoutError, expected_shard_digest, shard_state_from_hf
 from tests.dist_helpers import run_workers
 

@@ -171,8 +171,8 @@ def test_checkpoint_names_load_into_transformers_qwen3_moe_with_nothing_missing(
 
 
 def test_the_30b_shape_is_qwen3_30b_a3b():
-    from colo.engine.model import WeightMap
-    from colo.engine.moe import MoEDims
+    from colo.engine.weights import WeightMap
+    from colo.engine.dims import MoEDims
     from colo.trainers.models import moe_checkpoint_names, moe_model_config
 
     cfg = moe_model_config("qwen3-30b-a3b")
@@ -246,7 +246,7 @@ def test_bench_synthetic_layout_is_megatron_cores_own(ranks):
 
 
 def test_moe_configs_the_engine_cannot_run_are_refused_naming_the_field():
-    from colo.engine.moe import MoEDims
+    from colo.engine.dims import MoEDims
     from colo.trainers.models import moe_model_config
 
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
@@ -263,7 +263,7 @@ def test_the_engine_build_from_the_sent_config_dict_is_the_moe_engine():
     """An engine process builds from ``config.to_dict()`` without transformers: a Qwen3-MoE's
     dict must give the MoE core with the same specs as from the config, and the dense one a dense core."""
     from colo.engine.core import EngineCore
-    from colo.engine.model import expected_hf_specs
+    from colo.engine.weights import expected_hf_specs
     from colo.engine.moe import MoEEngineCore
     from colo.engine.server import build_core
     from colo.trainers.models import demo_config

@@ -16,7 +16,7 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.device.flat_weights import FlatWeights
 from colo.proc.handles import leftover_segments

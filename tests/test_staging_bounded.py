@@ -21,7 +21,7 @@ from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.engine.tp import ShardPlan, TPLayout, _write_slice, shard_state_from_hf
 from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor

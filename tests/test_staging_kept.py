@@ -17,7 +17,7 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.proc.handles import leftover_segments
 from colo.trainers.models import build_trainer_model
 from colo.transports import make_transport

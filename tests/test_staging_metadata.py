@@ -18,7 +18,7 @@ from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.client import EngineError
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.proc.handles import ShmSegment, leftover_segments
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport

@@ -18,7 +18,7 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport

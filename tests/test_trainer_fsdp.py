@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from colo.core.interfaces import RolloutResult
-from colo.engine.client import RolloutData
+from colo.tasks import RolloutData
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.trainers import BUILDERS
 from colo.trainers import build as build_trainer

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from colo.core.interfaces import RolloutResult
-from colo.engine.client import RolloutData
+from colo.tasks import RolloutData
 from colo.trainers.models import demo_config
 from colo.trainers import build
 from tests.dist_helpers import run_workers

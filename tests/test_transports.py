@@ -13,7 +13,7 @@ import torch
 from colo.core.buckets import plan_buckets
 from colo.apps.demo import DemoConfig, run
 from colo.engine.client import EngineError
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
 from colo.core.interfaces import SyncContext

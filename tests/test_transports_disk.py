@@ -13,7 +13,7 @@ import torch
 
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineClient
-from colo.engine.model import expected_digest
+from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
 from colo.core.memory import MemoryLedger

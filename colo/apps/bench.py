@@ -90,7 +90,7 @@ class SourceTrainer:
     """The trainer side a transport needs: a float32 copy of every tensor, extracted per bucket."""
 
     def __init__(self, config: Any, *, source_dtype: str, engine_dtype: str, seed: int = 0):
-        from colo.engine.model import expected_hf_specs
+        from colo.engine.weights import expected_hf_specs
 
         g = torch.Generator().manual_seed(seed)
         self.state = {s.name: torch.empty(s.shape, dtype=getattr(torch, source_dtype)).uniform_(-0.05, 0.05,
@@ -187,11 +187,12 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
 
 
 def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
-    from colo.engine.model import Dims, expected_hf_specs
+    from colo.engine.dims import dims_from_config
+    from colo.engine.weights import expected_hf_specs
 
     dtype = getattr(torch, model.engine_dtype)
     weights = sum(s.nbytes for s in expected_hf_specs(config, dtype))
-    dims = Dims.from_config(config)
+    dims = dims_from_config(config)
     # the smallest KV pool the engine accepts (one sequence of max length), twice over:
     # the benchmark never generates, and the host's memory is for the weights
     kv = 2 * dims.max_positions * dims.slot_bytes(dtype)
@@ -204,7 +205,7 @@ def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
 async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
                       progress: Any = None) -> dict:
     from colo.engine.client import EngineClient
-    from colo.engine.model import expected_digest
+    from colo.engine.weights import expected_digest
     from colo.trainers.models import demo_config
 
     say = progress or (lambda *_: None)

@@ -153,7 +153,7 @@ class BenchTrainer:
     (the memory saver aborts on a second pause)."""
 
     def __init__(self, config: Any, saver: Any, tag: str = "trainer"):
-        from colo.engine.model import expected_hf_specs
+        from colo.engine.weights import expected_hf_specs
         from colo.device.flat_weights import FlatWeights
 
         self.saver = saver
@@ -445,7 +445,7 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
                       layers: int | None, peer_configs: Sequence[Any]) -> dict:
     """One model: its floors, colo's syncs under both plans, the cycle's phases, then the peer."""
     from colo.engine.client import EngineClient
-    from colo.engine.model import expected_digest, expected_hf_specs
+    from colo.engine.weights import expected_digest, expected_hf_specs
     from colo.trainers.models import demo_config
 
     label, base = gpu_models()[name]

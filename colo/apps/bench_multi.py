@@ -323,7 +323,7 @@ def streamed_shard_digest(ex: Any, config: Any, dtype: torch.dtype, rank: int, s
     time (a collective: every rank calls it): each full tensor's slice for engine rank
     ``rank`` is copied to the host and the tensor dropped, so a rank never holds the whole
     model (Qwen3-30B-A3B's 61 GB, on each of 8 GPUs and then 8 times in host memory)."""
-    from colo.engine.model import _digest
+    from colo.engine.weights import _digest
     from colo.engine.tp import ShardPlan, TPLayout, _write_slice
 
     plan = ShardPlan.build(TPLayout.from_config(config, tp_rank=rank, tp_size=size))
@@ -674,7 +674,7 @@ async def _each(peers: list[Any], fn: Any) -> list:
 def engine_build(config: Any, gpus: int) -> dict:
     """Every engine rank's build: its KV pool twice one sequence of max length (the
     benchmark never generates; the GPU's memory is for the weights and the syncs)."""
-    from colo.engine.model import WeightMap
+    from colo.engine.weights import WeightMap
     from colo.engine.tp import TPLayout
 
     local = TPLayout.from_config(config, tp_rank=0, tp_size=gpus).local  # refuses a TP that does not divide
@@ -708,7 +708,7 @@ class MultiBench:
             spec = RankSpec(rank=r, world_size=self.n, device=self.device, trainer="synthetic-megatron",
                             model_config=self.config.to_dict(), seed=self.seed, engine_dtype="bfloat16",
                             transport="packed", trainer_init=inits[0], engine_init=inits[1], engine_build=build,
-                            task={"vocab_size": self.config.vocab_size, "batch": 1, "prompt_len": 4,
+                            task={"name": "reinforce", "vocab_size": self.config.vocab_size, "batch": 1, "prompt_len": 4,
                                   "new_tokens": 1, "seed": self.seed},
                             workdir=self.workdir, trainer_builder=f"{__name__}:build_trainer",
                             host_class=f"{__name__}:BenchHost")

@@ -161,7 +161,7 @@ def _receiver(conn: Any, specs: list[tuple[str, tuple[int, ...]]], config: dict,
         import zmq
         from checkpoint_engine import update_weights_from_ipc
 
-        from colo.engine.model import expected_digest  # imports no transformers
+        from colo.engine.weights import expected_digest
 
         torch.cuda.set_device(device_index)
         dest = {name: torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for name, shape in specs}

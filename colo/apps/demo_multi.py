@@ -24,6 +24,7 @@ from typing import Any
 import anyio
 import torch
 
+from colo.apps.demo_setup import MULTI_FAULTS
 from colo.core.config import SchedulerConfig
 from colo.core.memory import MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
@@ -34,10 +35,6 @@ from colo.offline.summary import PhaseSummary
 from colo.scheduler import Scheduler, describe
 from colo.trace.writer import TraceWriter, rank_path
 
-#: the one fault a multi-rank demo injects (more kinds need injection inside the workers)
-MULTI_FAULTS = ("kill-engine@sync",)
-#: who starts the ranks: local worker processes, or Ray actors (``colo.ranks.ray_launcher``)
-LAUNCHERS = ("process", "ray")
 
 
 def visible_gpus(n: int) -> list[str]:
@@ -96,7 +93,7 @@ class MultiDemoRun:
         self.sched = self._scheduler()
 
     def _budget(self, r: int) -> tuple[int, int, str]:
-        from colo.apps.demo import device_budget
+        from colo.apps.demo_setup import device_budget
 
         if self.cfg.device != "cuda":
             return device_budget(self.cfg)
@@ -113,8 +110,8 @@ class MultiDemoRun:
             transport=cfg.transport, trainer_init=trainer_init, engine_init=engine_init,
             engine_build={"total_bytes": self.budgets[r][0], "mem_fraction_static": cfg.mem_fraction_static,
                           "memory": "saver" if cfg.device == "cuda" else "free"},
-            task={"vocab_size": self.model_config.vocab_size, "batch": cfg.batch, "prompt_len": cfg.prompt_len,
-                  "new_tokens": cfg.new_tokens, "seed": cfg.seed},
+            task={"name": "reinforce", "vocab_size": self.model_config.vocab_size, "batch": cfg.batch,
+                  "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "seed": cfg.seed},
             workdir=self.workdir)
 
     async def _spawn_workers(self, specs: list[Any]) -> None:
@@ -149,14 +146,14 @@ class MultiDemoRun:
         return results
 
     def _proxies(self, hellos: list[dict]) -> None:
-        from colo.apps.demo import _CycleSeeded
+        from colo.apps.demo_setup import CycleSeeded
         from colo.ranks.proxy import RemoteEngine, RemoteTrainer, RemoteTransport
 
         self.hellos = hellos
         self.trainers = [RemoteTrainer(w, h) for w, h in zip(self.workers, hellos)]
         self.engines = [RemoteEngine(w, h) for w, h in zip(self.workers, hellos)]
         self.transports = [RemoteTransport(w, self.cfg.transport) for w in self.workers]
-        self._seeded = [_CycleSeeded(e, lambda: len(self.rewards)) for e in self.engines]
+        self._seeded = [CycleSeeded(e, lambda: len(self.rewards)) for e in self.engines]
 
     def _ledger(self, r: int) -> MemoryLedger:
         total, reserved, name = self.budgets[r]
@@ -165,7 +162,7 @@ class MultiDemoRun:
 
             return cuda_ledger(accounted_bytes=sum(self.engines[r].tag_bytes().values()), device_name=name,
                                device_index=r)
-        from colo.apps.demo import SimulatedDevice
+        from colo.apps.demo_setup import SimulatedDevice
 
         leftover = int(self.cfg.trainer_leftover_mib * MiB)
         trainer = self.trainers[r]
@@ -190,7 +187,7 @@ class MultiDemoRun:
     async def verify(self, digests: list[str]) -> None:
         """Every engine rank holds its shard of the trainer's weights, and the TP
         engine computes the trainer's logits on the probe batch."""
-        from colo.apps.demo import LOGIT_TOLERANCES, probe_batch
+        from colo.apps.demo_setup import LOGIT_TOLERANCES, probe_batch
 
         wants = [r["digest"] for r in await self._each_worker("expected_digest")]
         for rank, (got, want) in enumerate(zip(digests, wants)):
@@ -293,11 +290,11 @@ class MultiDemoRun:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
     def outcome(self) -> Any:
-        from colo.apps.demo import DemoOutcome
+        from colo.apps.demo_setup import DemoOutcome
 
         # the summary is rank 0's; every rank's trace sits beside it (run.rank1.jsonl ...)
         return DemoOutcome(self.rewards, self.summary, rank_path(self.cfg.trace_path, 0, self.n), self.error, [],
                            self.final_digest)
 
 
-__all__ = ["LAUNCHERS", "MULTI_FAULTS", "MultiDemoRun", "visible_gpus"]
+__all__ = ["MultiDemoRun", "visible_gpus"]

@@ -10,20 +10,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import sys
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
 from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import RolloutResult, TensorSpec
+from colo.tasks import RolloutData, RolloutTask
 from colo.core.errors import EngineDied, EngineError
-from colo.proc.lifecycle import (SOCKET_NAME, free_port, process_state, scoped_env, socket_dir,  # noqa: F401
-                                 start_with_env)
+from colo.proc.lifecycle import SOCKET_NAME, free_port, process_state, socket_dir, start_with_env
 
 #: after a broken channel, how long to wait for the engine process to be seen dead
 DEATH_WAIT_S = 1.0
@@ -31,24 +27,6 @@ DEATH_WAIT_S = 1.0
 #: may be seen stopped (SIGSTOP, a job-control stop) before it counts as dead
 HEARTBEAT_S = 0.5
 STOPPED_LIMIT_S = 3.0
-
-
-class RolloutTask(Protocol):
-    """What to generate and how to score it (the demo's task is one)."""
-
-    max_new_tokens: int
-    temperature: float
-
-    def prompts(self, step: int) -> list[list[int]]: ...
-    def rewards(self, prompts: list[list[int]], completions: list[list[int]]) -> list[float]: ...
-    def seed(self, step: int) -> int: ...
-
-
-@dataclass(frozen=True)
-class RolloutData:
-    prompts: list[list[int]]
-    completions: list[list[int]]
-    rewards: list[float]
 
 
 def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str, str] | None) -> Any:

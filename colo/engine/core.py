@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from colo.core.memory import OWNERS_TAGS
-from colo.engine.model import (DTypeLike, EngineModel, EngineStateError, WeightMismatch,  # noqa: F401
-                               dtype_name)
+from colo.core.errors import EngineStateError, WeightMismatch  # noqa: F401 (re-exported)
+from colo.dtypes import DTypeLike, dtype_name  # noqa: F401
+from colo.engine.model import EngineModel  # noqa: F401
 from colo.core.interfaces import TensorSpec
 
 TAGS = OWNERS_TAGS["engine"]  # the one vocabulary of tags (colo.core.memory)
@@ -53,6 +54,11 @@ class EngineCore:
             self.load_weights(init_state)
             self.end_load()
             self._version = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (the engine kit maps a sync's buffers onto it)."""
+        return self.model.device
 
     # -- memory tags -----------------------------------------------------------
 

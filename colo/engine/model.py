@@ -2,9 +2,9 @@
 
 Like SGLang's and vLLM's model files, q/k/v live in one ``qkv_proj`` and
 gate/up in one ``gate_up_proj``; the loader maps each trainer (HF) tensor to
-its row block through a table (:data:`LAYER_TABLE`), so a weight sync must
-deliver every HF name exactly once and the engine can say precisely which
-ones it did not get.
+its row block through a table (:mod:`colo.engine.weights`), so a weight sync
+must deliver every HF name exactly once and the engine can say precisely
+which ones it did not get (the accounting is :class:`colo.engine.kit.LoadSession`).
 With tied word embeddings (Qwen2/Qwen2.5 0.5B-3B) one parameter,
 ``model.embed_tokens.weight``, is both the embedding and lm_head: it is
 loaded, held and hashed once, and a separate ``lm_head.weight`` is refused.
@@ -18,391 +18,22 @@ it. Nothing here touches ``torch.cuda`` at import; the device is a parameter.
 from __future__ import annotations
 
 import contextlib
-
-import hashlib
-import json
 import math
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from colo.core.buckets import itemsize, numel, spec
+from colo.core.errors import EngineStateError
 from colo.core.interfaces import TensorSpec
-from colo.dtypes import DTypeLike, as_dtype, dtype_name  # noqa: F401 (re-exported)
-from colo.core.errors import EngineStateError, KVPoolTooSmall, WeightMismatch  # noqa: F401 (re-exported)
+from colo.dtypes import DTypeLike, as_dtype, dtype_name
+from colo.engine.dims import Dims, dims_from_config
+from colo.engine.kit import LoadSession
+from colo.engine.kvpool import KVPoolPlan, SlotAllocator
+from colo.engine.weights import WeightMap, _check_specs, _digest, _named_items, _spec_triples
 from colo.transports.wire import Piece
-
-
-# ---------------------------------------------------------------------------
-# Shapes
-
-
-@dataclass(frozen=True, kw_only=True)
-class Dims:
-    """The numbers of a Qwen2 config the engine needs, validated once."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    max_positions: int
-    rms_norm_eps: float
-    rope_theta: float
-    #: one parameter, ``model.embed_tokens.weight``, is both the embedding and lm_head
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_positions"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ValueError(f"rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, {self.rope_theta}")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise ValueError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> Dims:
-        """Read a ``transformers.Qwen2Config``, refusing what this engine does not implement.
-        A Qwen3-MoE config (or its ``to_dict()``) is read as :class:`colo.engine.moe.MoEDims`."""
-        if cls is Dims and getattr(config, "model_type", None) == "qwen3_moe":
-            from colo.engine.moe import MoEDims
-
-            return MoEDims.from_config(config)
-        unsupported = []
-        if getattr(config, "use_sliding_window", False):
-            unsupported.append("use_sliding_window=True")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            unsupported.append(f"hidden_act={config.hidden_act!r} (only 'silu')")
-        rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            unsupported.append(f"rope_type={rope.get('rope_type')!r} (only 'default')")
-        if unsupported:
-            raise ValueError("engine model does not support " + "; ".join(unsupported))
-        theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-        if theta is None:
-            raise ValueError("config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                   num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-                   num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
-                   intermediate_size=config.intermediate_size,
-                   max_positions=config.max_position_embeddings,
-                   rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(theta),
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
-
-    @property
-    def q_rows(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_rows(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def tables(self) -> tuple[tuple, tuple, tuple]:
-        """The name tables (head, per layer, tail) of this model; a MoE's are its own."""
-        return HEAD_TABLE, LAYER_TABLE, TAIL_TABLE
-
-    def slot_bytes(self, dtype: DTypeLike) -> int:
-        """Bytes one token occupies in the KV pool: K and V, every layer."""
-        return self.num_layers * 2 * self.kv_rows * itemsize(dtype_name(dtype))
-
-
-# ---------------------------------------------------------------------------
-# The name map
-
-#: Per decoder layer: engine parameter suffix, its HF parts in row order as
-#: (HF suffix, the ``Dims`` attribute giving that part's rows), and the
-#: ``Dims`` attributes of the trailing dimensions every part shares. A 1:1
-#: parameter is a fusion of one part. Row blocks follow SGLang's layout:
-#: qkv_proj = [q; k; v], gate_up_proj = [gate; up].
-LAYER_TABLE: tuple[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], ...] = (
-    ("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", "q_rows"),
-                                   ("self_attn.k_proj.weight", "kv_rows"),
-                                   ("self_attn.v_proj.weight", "kv_rows")), ("hidden_size",)),
-    ("self_attn.qkv_proj.bias", (("self_attn.q_proj.bias", "q_rows"),
-                                 ("self_attn.k_proj.bias", "kv_rows"),
-                                 ("self_attn.v_proj.bias", "kv_rows")), ()),
-    ("self_attn.o_proj.weight", (("self_attn.o_proj.weight", "hidden_size"),), ("q_rows",)),
-    ("mlp.gate_up_proj.weight", (("mlp.gate_proj.weight", "intermediate_size"),
-                                 ("mlp.up_proj.weight", "intermediate_size")), ("hidden_size",)),
-    ("mlp.down_proj.weight", (("mlp.down_proj.weight", "hidden_size"),), ("intermediate_size",)),
-    ("input_layernorm.weight", (("input_layernorm.weight", "hidden_size"),), ()),
-    ("post_attention_layernorm.weight", (("post_attention_layernorm.weight", "hidden_size"),), ()),
-)
-#: Outside the layers, in the order the engine's parameters are kept (and hashed).
-HEAD_TABLE = (("model.embed_tokens.weight", (("model.embed_tokens.weight", "vocab_size"),), ("hidden_size",)),)
-TAIL_TABLE = (
-    ("model.norm.weight", (("model.norm.weight", "hidden_size"),), ()),
-    ("lm_head.weight", (("lm_head.weight", "vocab_size"),), ("hidden_size",)),
-)
-#: With tied word embeddings: HF name -> the engine parameter that already holds
-#: its tensor. Such a name has no parameter of its own and is not accepted in a sync.
-TIED = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-@dataclass(frozen=True)
-class Shard:
-    """Where one HF tensor lands: rows ``[row_offset, row_offset + shape[0])`` of ``param``."""
-
-    hf_name: str
-    param: str
-    row_offset: int
-    shape: tuple[int, ...]  # the HF tensor's shape
-
-
-@dataclass(frozen=True)
-class WeightMap:
-    #: engine parameter name -> shape, in the engine's fixed order
-    params: Mapping[str, tuple[int, ...]]
-    #: HF name -> shard, in the engine's order (parts of a fused parameter in row order)
-    shards: Mapping[str, Shard]
-    #: HF names that are another parameter under a second name (tied embeddings)
-    tied: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, dims: Dims) -> WeightMap:
-        params: dict[str, tuple[int, ...]] = {}
-        shards: dict[str, Shard] = {}
-        tied = dict(TIED) if dims.tie_word_embeddings else {}
-
-        def add(table, prefix: str) -> None:
-            for suffix, parts, trailing in table:
-                name = prefix + suffix
-                if name in tied:
-                    continue
-                tail = tuple(getattr(dims, a) for a in trailing)
-                offset = 0
-                for hf_suffix, rows_attr in parts:
-                    rows = getattr(dims, rows_attr)
-                    hf_name = prefix + hf_suffix
-                    shards[hf_name] = Shard(hf_name, name, offset, (rows, *tail))
-                    offset += rows
-                params[name] = (offset, *tail)
-
-        head, layer_table, tail = dims.tables()
-        add(head, "")
-        for layer in range(dims.num_layers):
-            add(layer_table, f"model.layers.{layer}.")
-        add(tail, "")
-        return cls(params, shards, tied)
-
-    def lm_head(self) -> str:
-        """The engine parameter the logits are computed with."""
-        return self.tied.get("lm_head.weight", "lm_head.weight")
-
-    def unexpected(self, name: str) -> str:
-        """How an HF name the map has no shard for is listed in a ``WeightMismatch``."""
-        if name in self.tied:
-            # Refused rather than compared: preflight sees only names and shapes, and a
-            # trainer that sends a separate lm_head for a tied config has either untied
-            # it (the engine would silently drop its values) or sends the same bytes twice.
-            return (f"{name} (the config ties word embeddings: {self.tied[name]} is also the "
-                    f"{name.split('.')[0]}; send it once, without {name})")
-        return name
-
-    def nbytes(self, dtype: DTypeLike) -> int:
-        size = itemsize(dtype_name(dtype))
-        return sum(numel(shape) * size for shape in self.params.values())
-
-    def hf_specs(self, dtype: DTypeLike) -> list[TensorSpec]:
-        name = dtype_name(dtype)
-        return [spec(s.hf_name, s.shape, name) for s in self.shards.values()]
-
-
-def expected_hf_specs(config: Any, dtype: DTypeLike = torch.bfloat16) -> list[TensorSpec]:
-    """Every HF name the engine expects in a sync, with its shape and the engine dtype."""
-    return WeightMap.build(Dims.from_config(config)).hf_specs(dtype)
-
-
-def _check_specs(wmap: WeightMap, incoming: Iterable[Any], dtype: str | None, context: str) -> None:
-    """Compare (name, shape[, dtype]) entries against the map; raise one WeightMismatch.
-
-    ``dtype=None`` skips the dtype check (the in-process loader converts).
-    """
-    seen: set[str] = set()
-    duplicate, unexpected, wrong_shape, wrong_dtype = [], [], [], []
-    for name, shape, got_dtype in incoming:
-        if name in seen:
-            duplicate.append(name)
-            continue
-        seen.add(name)
-        shard = wmap.shards.get(name)
-        if shard is None:
-            unexpected.append(wmap.unexpected(name))
-            continue
-        if tuple(shape) != shard.shape:
-            wrong_shape.append(f"{name} {tuple(shape)} (expected {shard.shape})")
-        if dtype is not None and got_dtype != dtype:
-            wrong_dtype.append(f"{name} {got_dtype} (expected {dtype})")
-    missing = [n for n in wmap.shards if n not in seen]
-    err = WeightMismatch(context, missing=missing, unexpected=unexpected, duplicate=duplicate,
-                         wrong_shape=wrong_shape, wrong_dtype=wrong_dtype)
-    if not err.empty:
-        raise err
-
-
-def _spec_triples(specs: Iterable[Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
-    for s in specs:
-        if isinstance(s, TensorSpec):
-            yield s.name, tuple(s.shape), s.dtype
-        else:
-            name, shape, dt = s
-            yield name, tuple(shape), dtype_name(dt)
-
-
-def _named_items(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
-    return list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-
-
-def engine_state_from_hf(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         config: Any, dtype: DTypeLike = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Fuse trainer tensors into engine parameters on CPU, exactly as the loader would.
-
-    Each HF tensor is converted to ``dtype`` on its own before concatenation,
-    as the loader's per-slice ``copy_`` does, so the bits agree.
-    """
-    wmap = WeightMap.build(Dims.from_config(config))
-    items = _named_items(hf_named_tensors)
-    _check_specs(wmap, ((n, t.shape, None) for n, t in items), None, "trainer state does not match the engine")
-    target = as_dtype(dtype)
-    by_name = dict(items)
-    out: dict[str, torch.Tensor] = {}
-    parts: dict[str, list[torch.Tensor]] = {name: [] for name in wmap.params}
-    for shard in wmap.shards.values():  # row order within each parameter
-        parts[shard.param].append(by_name[shard.hf_name].detach().to(device="cpu", dtype=target))
-    for name, pieces in parts.items():
-        out[name] = torch.cat(pieces, dim=0).contiguous()
-    return out
-
-
-def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    h = hashlib.sha256()
-    for name, tensor in named:
-        t = tensor.detach().to("cpu").contiguous()
-        # a length-prefixed header makes (name, dtype, shape) boundaries unambiguous
-        header = json.dumps([name, dtype_name(t.dtype), list(t.shape)]).encode()
-        h.update(len(header).to_bytes(8, "little"))
-        h.update(header)
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                    config: Any, dtype: DTypeLike = torch.bfloat16) -> str:
-    """The digest an engine holding these trainer tensors reports (``EngineModel.digest``)."""
-    return _digest(engine_state_from_hf(hf_named_tensors, config, dtype).items())
-
-
-# ---------------------------------------------------------------------------
-# KV pool sizing
-
-
-@dataclass(frozen=True, kw_only=True)
-class KVPoolPlan:
-    """SGLang's static split: KV pool = total x mem_fraction_static - weights.
-
-    SGLang measures free memory after loading the weights and keeps
-    ``total x (1 - mem_fraction_static)`` back for activations and the rest;
-    with nothing else resident that is the formula above. The pool holds a
-    whole number of token slots, so ``kv_bytes`` is the budget rounded down to
-    a multiple of ``slot_bytes`` (short of it by less than one slot).
-    """
-
-    total_bytes: int
-    mem_fraction_static: float
-    weight_bytes: int
-    slot_bytes: int
-    #: one sequence of the model's maximum length must fit
-    min_slots: int
-
-    def __post_init__(self) -> None:
-        for name in ("total_bytes", "weight_bytes", "slot_bytes", "min_slots"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        mfs = self.mem_fraction_static
-        if isinstance(mfs, bool) or not isinstance(mfs, (int, float)) or not 0 < mfs <= 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1], got {mfs!r}")
-        if self.budget_bytes <= 0:
-            raise KVPoolTooSmall(
-                f"mem_fraction_static {mfs} of {self.total_bytes} bytes is {self.static_bytes} bytes, "
-                f"which does not exceed the weights' {self.weight_bytes} bytes: no room for a KV pool")
-        if self.num_slots < self.min_slots:
-            raise KVPoolTooSmall(
-                f"KV pool budget {self.budget_bytes} bytes holds {self.num_slots} token slots of "
-                f"{self.slot_bytes} bytes; one sequence of max length needs {self.min_slots}: "
-                f"raise mem_fraction_static (now {mfs}) or the device size")
-
-    @property
-    def static_bytes(self) -> int:
-        return int(self.total_bytes * self.mem_fraction_static)
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.static_bytes - self.weight_bytes
-
-    @property
-    def num_slots(self) -> int:
-        return self.budget_bytes // self.slot_bytes
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes
-
-
-class SlotAllocator:
-    """First-fit allocator of contiguous slot ranges over the pool."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
-        self.reset()
-
-    def reset(self) -> None:
-        self._free: list[tuple[int, int]] = [(0, self.num_slots)]  # sorted (start, length)
-
-    @property
-    def free_slots(self) -> int:
-        return sum(n for _, n in self._free)
-
-    def alloc(self, n: int) -> int:
-        for i, (start, length) in enumerate(self._free):
-            if length >= n:
-                if length == n:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + n, length - n)
-                return start
-        raise EngineStateError(f"KV pool has no {n} contiguous free slots "
-                               f"({self.free_slots} of {self.num_slots} free)")
-
-    def free(self, start: int, n: int) -> None:
-        self._free.append((start, n))
-        self._free.sort()
-        merged: list[tuple[int, int]] = []
-        for s, length in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((s, length))
-        self._free = merged
-
-
-# ---------------------------------------------------------------------------
-# The model
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -439,7 +70,7 @@ class _BatchMemo:
         #: positions in the batch: copied in one foreach call (into ``small_dst``), or one by one
         self.small, self.small_dst, self.other = small, small_dst, other
 
-    def fits(self, batch: Any, dests: dict, session: _LoadSession) -> bool:
+    def fits(self, batch: Any, dests: dict, session: LoadSession) -> bool:
         # the same (name, tensor) pairs, the same allocation of the weights (``_dests``
         # is renewed with it), and a session in which none of these names arrived yet
         # and nothing is half-loaded
@@ -450,7 +81,7 @@ class _BatchMemo:
                 return False
         return not session.partial and session.loaded.isdisjoint(self.name_set)
 
-    def load(self, model: EngineModel, params: dict, batch: list, session: _LoadSession) -> int:
+    def load(self, model: EngineModel, params: dict, batch: list, session: LoadSession) -> int:
         with torch.no_grad():
             for i in self.other:
                 model._write(params, *batch[i])
@@ -458,16 +89,6 @@ class _BatchMemo:
                 torch._foreach_copy_(self.small_dst, [batch[i][1] for i in self.small])
         session.loaded |= self.name_set
         return len(self.names)
-
-
-class _LoadSession:
-    def __init__(self) -> None:
-        self.loaded: set[str] = set()
-        self.duplicate: list[str] = []
-        self.unexpected: list[str] = []
-        self.wrong_shape: list[str] = []
-        #: elements written so far of each tensor arriving in pieces (bounded staging)
-        self.partial: dict[str, int] = {}
 
 
 class EngineModel:
@@ -486,7 +107,7 @@ class EngineModel:
         self._held: dict[str, Any] = {}
         # a ``Dims`` is taken as is: a tensor-parallel rank (colo.engine.tp) builds
         # this model on its shard's numbers (its heads, its slice of the vocabulary)
-        self.dims = config if isinstance(config, Dims) else Dims.from_config(config)
+        self.dims = config if isinstance(config, Dims) else dims_from_config(config)
         self.dtype = as_dtype(dtype)
         if not self.dtype.is_floating_point:
             raise ValueError(f"engine dtype must be a floating point dtype, got {dtype_name(self.dtype)}")
@@ -511,7 +132,7 @@ class EngineModel:
         #: the last whole batch loaded, checked (see ``_BatchMemo``)
         self._batch_memo: _BatchMemo | None = None
         self._pool: torch.Tensor | None = None
-        self._load: _LoadSession | None = None
+        self._load: LoadSession | None = None
         self.allocate_weights()
         self.allocate_kv()
 
@@ -651,7 +272,8 @@ class EngineModel:
         self._require_weights("begin a load")
         if self._load is not None:
             raise EngineStateError("a load is already in progress (begin_load called twice without end_load)")
-        self._load = _LoadSession()
+        self._load = LoadSession({n: s.shape for n, s in self.sync_map.shards.items()},
+                                 describe_unexpected=self.sync_map.unexpected)
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each (HF name, tensor) into its row block, converting dtype and device.
@@ -674,30 +296,7 @@ class EngineModel:
         if memo is not None and memo.fits(named_tensors, self._dests, session):
             return memo.load(self, params, named_tensors, session)
         items = _named_items(named_tensors)
-        seen: set[str] = set()
-        duplicate, unexpected, wrong_shape = [], [], []
-        for name, tensor in items:
-            piece = isinstance(tensor, Piece)
-            if name in seen or name in session.loaded or (not piece and name in session.partial):
-                duplicate.append(name)
-                continue
-            seen.add(name)
-            shard = self.sync_map.shards.get(name)
-            if shard is None:
-                unexpected.append(self.sync_map.unexpected(name))
-            elif tuple(tensor.shape) != shard.shape:
-                wrong_shape.append(f"{name} {tuple(tensor.shape)} (expected {shard.shape})")
-            elif piece and (tensor.offset != session.partial.get(name, 0) or tensor.end > numel(shard.shape)
-                            or tensor.data.dim() != 1):
-                wrong_shape.append(f"{name}: a piece of elements [{tensor.offset}, {tensor.end}) where the "
-                                   f"next piece of its {numel(shard.shape)} elements starts at "
-                                   f"{session.partial.get(name, 0)}")
-        if duplicate or unexpected or wrong_shape:
-            session.duplicate += duplicate
-            session.unexpected += unexpected
-            session.wrong_shape += wrong_shape
-            raise WeightMismatch("load_weights refused the batch (nothing from it was written)",
-                                 duplicate=duplicate, unexpected=unexpected, wrong_shape=wrong_shape)
+        session.check(items)
         done = 0
         # small whole tensors (norms, biases, k/v projections) are copied in one foreach
         # call: one host call instead of one per tensor, whose host cost (about 10 us
@@ -718,12 +317,7 @@ class EngineModel:
                 else:
                     self._write(params, name, tensor)
                     other.append(i)
-                if isinstance(tensor, Piece) and tensor.end < numel(tensor.shape):
-                    session.partial[name] = tensor.end
-                    continue
-                session.partial.pop(name, None)
-                session.loaded.add(name)
-                done += 1
+                done += session.advance(name, tensor)
             if small_dst:
                 # distinct destinations: the order of the copies does not matter
                 torch._foreach_copy_(small_dst, small_src)
@@ -764,14 +358,7 @@ class EngineModel:
         if session is None:
             raise EngineStateError("end_load called without begin_load()")
         self._load = None
-        missing = [n if n not in session.partial else
-                   f"{n} (only its first {session.partial[n]} of {numel(self.sync_map.shards[n].shape)} elements)"
-                   for n in self.sync_map.shards if n not in session.loaded]
-        err = WeightMismatch("weight sync incomplete", missing=missing, unexpected=session.unexpected,
-                             duplicate=session.duplicate, wrong_shape=session.wrong_shape)
-        if not err.empty:
-            raise err
-        return len(session.loaded)
+        return session.finish()
 
     @property
     def loading(self) -> bool:

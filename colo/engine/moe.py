@@ -34,94 +34,16 @@ benchmarks never generate.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from colo.engine.core import EngineCore
-from colo.engine.model import HEAD_TABLE, TAIL_TABLE, DTypeLike, Dims, EngineModel
+from colo.dtypes import DTypeLike
+from colo.engine.dims import MoEDims, is_moe_config  # noqa: F401 (re-exported)
+from colo.engine.model import EngineModel
 from colo.engine.tp import TPEngineCore, TPEngineModel
-
-
-def is_moe_config(config: Any) -> bool:
-    """A Qwen3-MoE config, or its ``to_dict()`` read as attributes (the engine's build)."""
-    return getattr(config, "model_type", None) == "qwen3_moe"
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEDims(Dims):
-    """``Dims`` of a Qwen3-MoE. ``intermediate_size`` is each expert's (``moe_intermediate_size``):
-    it is the axis tensor parallelism splits, as the dense MLP's is."""
-
-    num_experts: int
-    top_k: int
-    norm_topk_prob: bool
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("num_experts", "top_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"num_experts_per_tok ({self.top_k}) exceeds num_experts ({self.num_experts})")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
-
-    @classmethod
-    def from_config(cls, config: Any) -> MoEDims:
-        """Read a ``transformers.Qwen3MoeConfig``, refusing what this engine does not implement."""
-        import types
-
-        unsupported = []
-        if getattr(config, "attention_bias", False):
-            unsupported.append("attention_bias=True")
-        if getattr(config, "mlp_only_layers", None):
-            unsupported.append(f"mlp_only_layers={list(config.mlp_only_layers)} (every layer must be sparse)")
-        if getattr(config, "decoder_sparse_step", 1) != 1:
-            unsupported.append(f"decoder_sparse_step={config.decoder_sparse_step} (every layer must be sparse)")
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-        missing = [k for k, v in (("num_experts", experts),
-                                  ("num_experts_per_tok", getattr(config, "num_experts_per_tok", None)),
-                                  ("moe_intermediate_size", getattr(config, "moe_intermediate_size", None)),
-                                  ("head_dim", getattr(config, "head_dim", None))) if v is None]
-        if missing:
-            unsupported.append(f"a config without {', '.join(missing)}")
-        if unsupported:
-            raise ValueError("engine MoE model does not support " + "; ".join(unsupported))
-        # the attention and the rest read as a dense model's, whose MLP width is an expert's
-        dense = types.SimpleNamespace(**{k: getattr(config, k, None) for k in (
-            "use_sliding_window", "hidden_act", "rope_parameters", "rope_theta", "head_dim", "vocab_size",
-            "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")})
-        dense.hidden_act = dense.hidden_act or "silu"
-        dense.intermediate_size = config.moe_intermediate_size
-        base = Dims.from_config(dense)
-        fields = {f: getattr(base, f) for f in Dims.__dataclass_fields__}
-        return cls(**fields, num_experts=int(experts), top_k=int(config.num_experts_per_tok),
-                   norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)))
-
-    def tables(self) -> tuple[tuple, tuple, tuple]:
-        e = range(self.num_experts)
-        layer = (
-            ("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", "q_rows"),
-                                           ("self_attn.k_proj.weight", "kv_rows"),
-                                           ("self_attn.v_proj.weight", "kv_rows")), ("hidden_size",)),
-            ("self_attn.o_proj.weight", (("self_attn.o_proj.weight", "hidden_size"),), ("q_rows",)),
-            ("self_attn.q_norm.weight", (("self_attn.q_norm.weight", "head_dim"),), ()),
-            ("self_attn.k_norm.weight", (("self_attn.k_norm.weight", "head_dim"),), ()),
-            ("mlp.gate.weight", (("mlp.gate.weight", "num_experts"),), ("hidden_size",)),
-            ("mlp.experts.w13_weight", tuple(p for i in e for p in (
-                (f"mlp.experts.{i}.gate_proj.weight", "intermediate_size"),
-                (f"mlp.experts.{i}.up_proj.weight", "intermediate_size"))), ("hidden_size",)),
-            ("mlp.experts.w2_weight", tuple((f"mlp.experts.{i}.down_proj.weight", "hidden_size") for i in e),
-             ("intermediate_size",)),
-            ("input_layernorm.weight", (("input_layernorm.weight", "hidden_size"),), ()),
-            ("post_attention_layernorm.weight", (("post_attention_layernorm.weight", "hidden_size"),), ()),
-        )
-        return HEAD_TABLE, layer, TAIL_TABLE
 
 
 class _MoEForward:

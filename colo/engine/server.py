@@ -10,18 +10,19 @@ serving. Bucket handles are opened by the transports' receivers, through
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
-import time
 import traceback
 from typing import Any
 
 import torch
 
-from colo.core.buckets import ITEMSIZE, itemsize, numel
+from colo.core.buckets import ITEMSIZE
+from colo.engine.kit import EngineKit
 from colo.proc.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
-from colo.core.interfaces import TensorSpec
 from colo.proc.lifecycle import die_with_parent, log, open_log, remove_run_dir_if_orphaned, remove_sockdir
+
 
 def torch_dtype(name: str) -> torch.dtype:
     if name not in ITEMSIZE:
@@ -30,40 +31,17 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class EngineServer:
+    """colo's own engine behind its control channel: the engine's verbs (memory tags,
+    generation, version, digest) on its :class:`EngineCore`, and the receiving half of
+    every sync through the engine kit (:class:`colo.engine.kit.EngineKit`), the same
+    class an adapter hosts inside another engine's worker."""
+
     def __init__(self, core: Any):
         self.core = core
-        #: transport name -> its engine-side receiver (``colo.transports``)
-        self._receivers: dict[str, Any] = {}
+        self.kit = EngineKit(core)
         self.running = True
-        #: the key of the last spec list preflight accepted: a sync whose specs did not
-        #: change since then sends only the key (issue 18: metadata cached across syncs)
-        self._preflight_key: str | None = None
 
-    # -- handles ---------------------------------------------------------------
-    def _detach_all(self, *, kept: bool = False) -> None:
-        # per-sync resources of every receiver (mapped segments); a process
-        # group or a checkpoint root outlives the sync, and so does a buffer the
-        # sender keeps from sync to sync, unless ``kept``
-        for receiver in self._receivers.values():
-            receiver.release(kept=kept)
-
-    def _close_receivers(self) -> None:
-        for receiver in self._receivers.values():
-            try:
-                receiver.close()
-            except Exception as e:  # closing one must not keep the others open
-                log("transport.close_failed", error=f"{type(e).__name__}: {e}")
-        self._receivers.clear()
-
-    def _set_receiver(self, transport: str, strategy: Any, info: Any) -> Any:
-        old = self._receivers.pop(transport, None)
-        if old is not None:
-            old.close()
-        receiver = strategy.create_receiver(info, device=self.core.model.device)
-        self._receivers[transport] = receiver
-        return receiver
-
-    # -- ops -------------------------------------------------------------------
+    # -- the engine's own verbs ---------------------------------------------------
     def op_hello(self) -> dict:
         return {"tag_bytes": dict(self.core.tag_bytes()), "weight_version": self.core.weight_version,
                 "param_specs": [[s.name, list(s.shape), s.dtype] for s in self.core.param_specs()]}
@@ -99,119 +77,33 @@ class EngineServer:
     def op_digest(self) -> dict:
         return {"digest": self.core.digest()}
 
+    # -- the receiving half: the engine kit ------------------------------------------
     def op_preflight(self, specs: list[list] | None = None, key: str | None = None) -> dict:
-        """Check a sync's (name, shape, dtype) list; ``key`` alone names the last list this
-        engine accepted (a list that changed is sent whole again and checked again)."""
-        from colo.transports.wire import PreflightNotCached, layout_key
-
-        if specs is None:
-            if key is None or key != self._preflight_key:
-                raise PreflightNotCached(f"preflight key {key} is not the last spec list this engine accepted "
-                                         f"({self._preflight_key}); send the specs")
-            return {}
-        parsed = []
-        for name, shape, dtype in specs:
-            parsed.append(TensorSpec(name=name, shape=tuple(shape), dtype=dtype,
-                                     nbytes=numel(shape) * itemsize(dtype)))
-        self._preflight_key = None
-        self.core.preflight(parsed)
-        if key is not None:
-            if key != layout_key(specs):
-                raise ValueError(f"preflight key {key} is not the hash of its specs ({layout_key(specs)})")
-            self._preflight_key = key
-        return {}
+        return self.kit.preflight(specs, key)
 
     def op_begin_load(self, preflight_key: str | None = None) -> dict:
-        """Begin a load; ``preflight_key`` first names the spec list this engine last
-        accepted (a sync whose specs did not change checks them in this request)."""
-        if preflight_key is not None:
-            self.op_preflight(key=preflight_key)
-        self.core.begin_load()
-        return {}
+        return self.kit.begin_load(preflight_key)
 
-    # -- transports (colo.transports: a strategy's engine-side receiver) ---------
     def op_transport_init(self, transport: str, init_info: dict) -> dict:
-        """Build the receiver of ``transport`` from its init info (replacing an old one).
-
-        A broadcast receiver joins the sender's process group here: the sender
-        must be joining it at the same time."""
-        from colo.transports import get_strategy
-
-        strategy = get_strategy(transport)
-        self._set_receiver(transport, strategy, strategy.init_info_type.from_json(init_info))
-        return {}
+        return self.kit.transport_init(transport, init_info)
 
     def op_transport_load(self, transport: str, request: dict, begin_load: bool = False,
                           preflight_key: str | None = None, end_load: bool = False,
                           flush_cache: bool = False) -> dict:
-        """Receive one request through the transport's receiver and load what it yields.
-
-        ``begin_load``: begin the load first (with ``preflight_key``, see
-        :meth:`op_begin_load`): a sync's first load carries its begin, one round trip
-        less per sync. ``end_load``: end it afterwards, as :meth:`op_end_load` (with
-        ``flush_cache``): a sync's last load carries its end, one more round trip less.
-        Transports whose init info is empty get a receiver on first use."""
-        from colo.transports import get_strategy
-        from colo.transports.base import EmptyInitInfo
-
-        began = time.perf_counter()
-        if begin_load is True:
-            self.op_begin_load(preflight_key=preflight_key)
-
-        receiver = self._receivers.get(transport) if isinstance(transport, str) else None
-        if receiver is None:
-            strategy = get_strategy(transport)  # the allow-list: only registered transports
-            if strategy.init_info_type is not EmptyInitInfo:
-                raise ValueError(f"transport {transport!r} is not initialised on the engine: "
-                                 f"call transport_init first")
-            receiver = self._set_receiver(transport, strategy, EmptyInitInfo())
-        t0 = time.perf_counter()
-        with receiver.receive(request) as named:
-            opened = time.perf_counter()
-            # copy_ into the engine's parameters: after the reply the sender may
-            # reuse or free whatever ``named`` views
-            n = self.core.load_weights(named)
-            del named
-            queued = time.perf_counter()
-            if self.core.model.device.type == "cuda":
-                # The ack promises the sender may reuse or free the memory: the
-                # copies out of it must have finished, not merely been queued.
-                torch.cuda.synchronize(self.core.model.device)
-        done = time.perf_counter()
-        # where the engine's time went (a sync's timeline, bench/sync_timeline.py): load_s
-        # is the copies queued (queue_s) and waited for (wait_s)
-        reply = {"handoff_s": opened - t0, "load_s": done - opened, "queue_s": queued - opened,
-                 "wait_s": done - queued, "begin_s": t0 - began, "tensors": n}
-        if end_load is True:
-            # a refused end (a tensor missing) answers this request with its error: the
-            # load above happened, the sync did not, and the sender treats it as failed
-            reply.update(self.op_end_load(flush_cache=flush_cache), ended=True, end_s=time.perf_counter() - done)
-        return reply
+        return self.kit.transport_load(transport, request, begin_load, preflight_key, end_load, flush_cache)
 
     def op_transport_close(self, transport: str) -> dict:
-        receiver = self._receivers.pop(transport, None) if isinstance(transport, str) else None
-        if receiver is not None:
-            receiver.close()
-        return {}
+        return self.kit.transport_close(transport)
 
     def op_end_load(self, flush_cache: bool = False) -> dict:
-        """End the load (the engine accepts the whole sync or raises); ``flush_cache``: then
-        flush the prefix cache, as SGLang's weight update does by default, instead of a
-        request of its own after the sync."""
-        self._detach_all()
-        self.core.end_load()
-        if flush_cache is True:
-            self.core.flush_cache()
-        return {"flushed": flush_cache is True}
+        return self.kit.end_load(flush_cache)
 
     def op_drop_handles(self) -> dict:
-        self._detach_all(kept=True)
-        return {}
+        return self.kit.drop_handles()
 
     def op_shutdown(self) -> dict:
         self.running = False
-        self._detach_all(kept=True)
-        self._close_receivers()
+        self.kit.close()
         return {}
 
     # -- loop ------------------------------------------------------------------
@@ -269,7 +161,7 @@ class EngineServer:
             conn.sendall(self.reply_bytes(msg))
 
 
-#: the config fields the engine's model reads (colo.engine.model.Dims.from_config)
+#: the config fields the engine's model reads (colo.engine.dims.Dims.from_config)
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "max_position_embeddings", "rms_norm_eps")
 
@@ -417,8 +309,7 @@ def _serve(sock_path: str, key: bytes, build: dict) -> None:
     finally:
         gate.close()
         listener.close()
-        server._detach_all(kept=True)
-        server._close_receivers()
+        server.kit.close()
         if build.get("tp") is not None:
             import torch.distributed as dist
 

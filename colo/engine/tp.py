@@ -60,8 +60,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from colo.engine.core import EngineCore
-from colo.engine.model import (TIED, DTypeLike, Dims, EngineModel,
-                               WeightMap, _check_specs, _digest, _named_items, as_dtype, dtype_name)
+from colo.dtypes import DTypeLike, as_dtype, dtype_name
+from colo.engine.dims import TIED, Dims, dims_from_config
+from colo.engine.model import EngineModel
+from colo.engine.weights import WeightMap, _check_specs, _digest, _named_items
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
 from colo.core.errors import BadInput
@@ -110,7 +112,7 @@ class TPLayout:
 
     @classmethod
     def from_config(cls, config: Any, *, tp_rank: int, tp_size: int) -> TPLayout:
-        full = config if isinstance(config, Dims) else Dims.from_config(config)
+        full = dims_from_config(config)
         return cls(full=full, tp_rank=tp_rank, tp_size=tp_size)
 
     @property

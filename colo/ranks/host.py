@@ -29,6 +29,7 @@ import torch
 from colo.core.buckets import plan_buckets
 from colo.core.interfaces import RolloutResult, SyncContext
 from colo.core.memory import StagingBudget
+from colo.tasks import make_task
 from colo.core.errors import OutOfMemory
 
 #: how long a trainer collective may wait for a rank that stopped issuing them
@@ -54,7 +55,7 @@ class RankSpec:
     engine_init: str
     #: the engine build every rank shares (total_bytes, mem_fraction_static, memory)
     engine_build: dict
-    #: the rollout task: vocab_size, batch, prompt_len, new_tokens, seed
+    #: the rollout task by name and its arguments (``colo.tasks.make_task``): name, vocab_size, batch, ...
     task: dict
     #: where rank 0 writes the initial checkpoint the engine ranks start from
     workdir: str
@@ -91,7 +92,7 @@ def rollout_to_json(r: RolloutResult) -> dict:
 
 
 def rollout_from_json(d: dict) -> RolloutResult:
-    from colo.engine.client import RolloutData
+    from colo.tasks import RolloutData
 
     data = d.get("data")
     return RolloutResult(reward=float(d["reward"]), tokens=int(d["tokens"]),
@@ -187,7 +188,6 @@ class RankHost:
 
     # -- start ---------------------------------------------------------------------
     async def start(self) -> dict:
-        from colo.apps.demo import ReinforceTask
         from colo.trainers.models import config_from_dict
         from colo.transports import make_transport
 
@@ -195,9 +195,7 @@ class RankHost:
         self.model_config = config_from_dict(s.model_config)  # Qwen2, or Qwen3-MoE by its model_type
         self._join_trainer_group()
         self.trainer, self.saver = self._build_trainer()
-        t = s.task
-        self.task = ReinforceTask(t["vocab_size"], batch=t["batch"], prompt_len=t["prompt_len"],
-                                  new_tokens=t["new_tokens"], seed=t["seed"])
+        self.task = make_task(**s.task)
         ckpt = await anyio.to_thread.run_sync(self._initial_checkpoint)
         if self.saver is not None:
             # colocated start: the trainer offloads so the engine can size its pool
@@ -343,7 +341,7 @@ class RankHost:
 
     async def op_full_digest(self) -> dict:
         """The TP=1 engine digest of the trainer's full weights (a collective): equal on every rank."""
-        from colo.engine.model import expected_digest
+        from colo.engine.weights import expected_digest
 
         def compute() -> str:
             return expected_digest(self.trainer.hf_state(), self.model_config,

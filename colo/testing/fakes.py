@@ -116,29 +116,86 @@ class FakeTransport:
         self.aborted += 1
 
 
+class _DictSink:
+    """The smallest engine the kit can host: one tensor per HF name, written in place
+    (pieces too), accounted by the kit's :class:`~colo.engine.kit.LoadSession`."""
+
+    def __init__(self, specs: Sequence[TensorSpec]):
+        import torch
+
+        self.device = torch.device("cpu")
+        self.specs = {s.name: s for s in specs}
+        self.params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        self.session: Any = None
+        self.flushes = 0
+
+    def preflight(self, specs):
+        got = {(s.name, tuple(s.shape), s.dtype) for s in specs}
+        want = {(s.name, tuple(s.shape), s.dtype) for s in self.specs.values()}
+        if got != want:
+            raise ValueError(f"protocol engine: preflight mismatch: {sorted(got ^ want)[:4]}")
+
+    def begin_load(self):
+        from colo.engine.kit import LoadSession
+
+        self.session = LoadSession({n: s.shape for n, s in self.specs.items()})
+
+    def load_weights(self, named):
+        from colo.transports.wire import Piece
+
+        items = list(named)
+        self.session.check(items)
+        done = 0
+        for name, tensor in items:
+            if isinstance(tensor, Piece):  # a run of a tensor larger than the bucket, in place
+                self.params[name].view(-1)[tensor.offset:tensor.end].copy_(tensor.data)
+            else:
+                self.params[name].copy_(tensor.view(self.params[name].shape))
+            done += self.session.advance(name, tensor)
+        return done
+
+    def end_load(self):
+        session, self.session = self.session, None
+        if session is None:
+            raise ValueError("protocol engine: end_load without begin_load")
+        return session.finish()
+
+    def flush_cache(self):
+        self.flushes += 1
+
+
 class ProtocolEngine:
     """An in-process engine that holds real tensors and implements exactly the
     declared engine protocols (``EngineSide`` and ``EngineReceiver``), nothing
     more: a transport that works against it works against any engine that
-    satisfies them.
+    satisfies them. Its receiving half is the engine kit
+    (:class:`colo.engine.kit.EngineKit`) around a dict of tensors, as an adapter
+    hosts it inside another engine.
 
-    Receivers are built from the transport's own strategy, as the engine
-    process does; receiving runs in a worker thread, because a receiver may
-    join a collective that the sender in this same process joins at once.
+    Kit calls run in a worker thread, because a receiver may join a collective
+    that the sender in this same process joins at once.
     """
 
     def __init__(self, specs: Sequence[TensorSpec], *, kv_cache: int = 64, cuda_graph: int = 0):
-        import torch
+        from colo.engine.kit import EngineKit
 
-        self._specs = {s.name: s for s in specs}
-        self.params = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}
+        self._sink = _DictSink(specs)
+        self.kit = EngineKit(self._sink)
         self._sizes = {"weights": sum(s.nbytes for s in specs), "kv_cache": kv_cache, "cuda_graph": cuda_graph}
         self._resident = set(self._sizes)
-        self._receivers: dict[str, Any] = {}
         self._version: int | None = 0
-        self._loading: set[str] | None = None
-        #: prefix-cache flushes, asked on their own or with the end of a load
-        self.flushes = 0
+
+    @property
+    def params(self):
+        return self._sink.params
+
+    @property
+    def flushes(self) -> int:
+        """Prefix-cache flushes, asked on their own or with the end of a load."""
+        return self._sink.flushes
+
+    async def _kit(self, fn, *args, **kwargs):
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 
     # -- EngineSide --------------------------------------------------------------
     def tag_bytes(self):
@@ -151,7 +208,7 @@ class ProtocolEngine:
         self._resident |= set(tags)
 
     async def flush_cache(self):
-        self.flushes += 1
+        self._sink.flush_cache()
 
     async def generate(self, step):
         if "kv_cache" not in self._resident or self._version is None:
@@ -172,77 +229,26 @@ class ProtocolEngine:
     async def set_weight_version(self, version):
         self._version = version
 
-    # -- EngineReceiver ----------------------------------------------------------
+    # -- EngineReceiver: the kit -----------------------------------------------------
     async def preflight(self, specs):
-        got = {(s.name, tuple(s.shape), s.dtype) for s in specs}
-        want = {(s.name, tuple(s.shape), s.dtype) for s in self._specs.values()}
-        if got != want:
-            raise ValueError(f"protocol engine: preflight mismatch: {sorted(got ^ want)[:4]}")
+        await self._kit(self._sink.preflight, list(specs))
 
     async def begin_load(self):
-        self._loading = set()
+        await self._kit(self.kit.begin_load)
 
     async def transport_init(self, transport, init_info):
-        from colo.transports import get_strategy
-
-        strategy = get_strategy(transport)
-        info = strategy.init_info_type.from_json(init_info)
-        old = self._receivers.pop(transport, None)
-        if old is not None:
-            old.close()
-        self._receivers[transport] = await anyio.to_thread.run_sync(
-            lambda: strategy.create_receiver(info, device="cpu"))
+        await self._kit(self.kit.transport_init, transport, init_info)
 
     async def transport_load(self, transport, request, on_sent=None, *, end=False, flush_cache=False):
-        from colo.transports import get_strategy
-        from colo.transports.wire import EmptyInitInfo
-
-        if transport not in self._receivers:
-            strategy = get_strategy(transport)
-            if strategy.init_info_type is not EmptyInitInfo:
-                raise ValueError(f"transport {transport!r} is not initialised: call transport_init first")
-            self._receivers[transport] = strategy.create_receiver(EmptyInitInfo(), device="cpu")
-        receiver = self._receivers[transport]
         if on_sent is not None:
             on_sent()
-
-        def receive() -> int:
-            from colo.transports.wire import Piece
-
-            done = 0
-            with receiver.receive(request) as named:
-                for name, tensor in named:
-                    if isinstance(tensor, Piece):  # a run of a tensor larger than the bucket, in place
-                        self.params[name].view(-1)[tensor.offset:tensor.end].copy_(tensor.data)
-                        if tensor.end < self.params[name].numel():
-                            continue
-                    else:
-                        self.params[name].copy_(tensor.view(self.params[name].shape))
-                    self._loading.add(name)
-                    done += 1
-                return done
-
-        reply = {"tensors": await anyio.to_thread.run_sync(receive)}
-        if end:
-            await self.end_load(flush_cache=flush_cache)
-            reply["ended"] = True
-        return reply
+        return await self._kit(self.kit.transport_load, transport, request, end_load=end, flush_cache=flush_cache)
 
     async def transport_close(self, transport):
-        receiver = self._receivers.pop(transport, None)
-        if receiver is not None:
-            receiver.close()
+        await self._kit(self.kit.transport_close, transport)
 
     async def end_load(self, flush_cache=False):
-        missing = set(self.params) - (self._loading or set())
-        self._loading = None
-        if missing:
-            raise ValueError(f"protocol engine: the sync did not cover {sorted(missing)}")
-        for receiver in self._receivers.values():
-            receiver.release()
-        self.flushes += bool(flush_cache)
+        await self._kit(self.kit.end_load, flush_cache)
 
     async def drop_handles(self):
-        for receiver in self._receivers.values():
-            receiver.release(kept=True)
-
+        await self._kit(self.kit.drop_handles)

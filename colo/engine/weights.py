@@ -1,0 +1,177 @@
+"""The engine's name map: where each trainer (Hugging Face) tensor lands in the fused
+parameters, the checks a sync's spec list must pass, and the trainer-side mirror of
+the engine's load (its fused state and digest computed from HF tensors on the CPU).
+
+Like SGLang's and vLLM's model files, q/k/v live in one ``qkv_proj`` and gate/up in
+one ``gate_up_proj``; the map says which row block of which parameter each HF name
+fills, so the engine can say precisely which names a sync did not deliver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from colo.core.buckets import itemsize, numel, spec
+from colo.core.errors import WeightMismatch
+from colo.core.interfaces import TensorSpec
+from colo.dtypes import DTypeLike, as_dtype, dtype_name
+from colo.engine.dims import TIED, Dims, dims_from_config
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where one HF tensor lands: rows ``[row_offset, row_offset + shape[0])`` of ``param``."""
+
+    hf_name: str
+    param: str
+    row_offset: int
+    shape: tuple[int, ...]  # the HF tensor's shape
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    #: engine parameter name -> shape, in the engine's fixed order
+    params: Mapping[str, tuple[int, ...]]
+    #: HF name -> shard, in the engine's order (parts of a fused parameter in row order)
+    shards: Mapping[str, Shard]
+    #: HF names that are another parameter under a second name (tied embeddings)
+    tied: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, dims: Dims) -> WeightMap:
+        params: dict[str, tuple[int, ...]] = {}
+        shards: dict[str, Shard] = {}
+        tied = dict(TIED) if dims.tie_word_embeddings else {}
+
+        def add(table, prefix: str) -> None:
+            for suffix, parts, trailing in table:
+                name = prefix + suffix
+                if name in tied:
+                    continue
+                tail = tuple(getattr(dims, a) for a in trailing)
+                offset = 0
+                for hf_suffix, rows_attr in parts:
+                    rows = getattr(dims, rows_attr)
+                    hf_name = prefix + hf_suffix
+                    shards[hf_name] = Shard(hf_name, name, offset, (rows, *tail))
+                    offset += rows
+                params[name] = (offset, *tail)
+
+        head, layer_table, tail = dims.tables()
+        add(head, "")
+        for layer in range(dims.num_layers):
+            add(layer_table, f"model.layers.{layer}.")
+        add(tail, "")
+        return cls(params, shards, tied)
+
+    def lm_head(self) -> str:
+        """The engine parameter the logits are computed with."""
+        return self.tied.get("lm_head.weight", "lm_head.weight")
+
+    def unexpected(self, name: str) -> str:
+        """How an HF name the map has no shard for is listed in a ``WeightMismatch``."""
+        if name in self.tied:
+            # Refused rather than compared: preflight sees only names and shapes, and a
+            # trainer that sends a separate lm_head for a tied config has either untied
+            # it (the engine would silently drop its values) or sends the same bytes twice.
+            return (f"{name} (the config ties word embeddings: {self.tied[name]} is also the "
+                    f"{name.split('.')[0]}; send it once, without {name})")
+        return name
+
+    def nbytes(self, dtype: DTypeLike) -> int:
+        size = itemsize(dtype_name(dtype))
+        return sum(numel(shape) * size for shape in self.params.values())
+
+    def hf_specs(self, dtype: DTypeLike) -> list[TensorSpec]:
+        name = dtype_name(dtype)
+        return [spec(s.hf_name, s.shape, name) for s in self.shards.values()]
+
+
+def expected_hf_specs(config: Any, dtype: DTypeLike = torch.bfloat16) -> list[TensorSpec]:
+    """Every HF name the engine expects in a sync, with its shape and the engine dtype."""
+    return WeightMap.build(dims_from_config(config)).hf_specs(dtype)
+
+
+def _check_specs(wmap: WeightMap, incoming: Iterable[Any], dtype: str | None, context: str) -> None:
+    """Compare (name, shape[, dtype]) entries against the map; raise one WeightMismatch.
+
+    ``dtype=None`` skips the dtype check (the in-process loader converts).
+    """
+    seen: set[str] = set()
+    duplicate, unexpected, wrong_shape, wrong_dtype = [], [], [], []
+    for name, shape, got_dtype in incoming:
+        if name in seen:
+            duplicate.append(name)
+            continue
+        seen.add(name)
+        shard = wmap.shards.get(name)
+        if shard is None:
+            unexpected.append(wmap.unexpected(name))
+            continue
+        if tuple(shape) != shard.shape:
+            wrong_shape.append(f"{name} {tuple(shape)} (expected {shard.shape})")
+        if dtype is not None and got_dtype != dtype:
+            wrong_dtype.append(f"{name} {got_dtype} (expected {dtype})")
+    missing = [n for n in wmap.shards if n not in seen]
+    err = WeightMismatch(context, missing=missing, unexpected=unexpected, duplicate=duplicate,
+                         wrong_shape=wrong_shape, wrong_dtype=wrong_dtype)
+    if not err.empty:
+        raise err
+
+
+def _spec_triples(specs: Iterable[Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    for s in specs:
+        if isinstance(s, TensorSpec):
+            yield s.name, tuple(s.shape), s.dtype
+        else:
+            name, shape, dt = s
+            yield name, tuple(shape), dtype_name(dt)
+
+
+def _named_items(named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]):
+    return list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+
+
+def engine_state_from_hf(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                         config: Any, dtype: DTypeLike = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Fuse trainer tensors into engine parameters on CPU, exactly as the loader would.
+
+    Each HF tensor is converted to ``dtype`` on its own before concatenation,
+    as the loader's per-slice ``copy_`` does, so the bits agree.
+    """
+    wmap = WeightMap.build(dims_from_config(config))
+    items = _named_items(hf_named_tensors)
+    _check_specs(wmap, ((n, t.shape, None) for n, t in items), None, "trainer state does not match the engine")
+    target = as_dtype(dtype)
+    by_name = dict(items)
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, list[torch.Tensor]] = {name: [] for name in wmap.params}
+    for shard in wmap.shards.values():  # row order within each parameter
+        parts[shard.param].append(by_name[shard.hf_name].detach().to(device="cpu", dtype=target))
+    for name, pieces in parts.items():
+        out[name] = torch.cat(pieces, dim=0).contiguous()
+    return out
+
+
+def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        # a length-prefixed header makes (name, dtype, shape) boundaries unambiguous
+        header = json.dumps([name, dtype_name(t.dtype), list(t.shape)]).encode()
+        h.update(len(header).to_bytes(8, "little"))
+        h.update(header)
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                    config: Any, dtype: DTypeLike = torch.bfloat16) -> str:
+    """The digest an engine holding these trainer tensors reports (``EngineModel.digest``)."""
+    return _digest(engine_state_from_hf(hf_named_tensors, config, dtype).items())
