@@ -44,7 +44,7 @@ def numa_pages(ptr: int) -> dict:
 
 def main(out: str) -> None:
     from colo.device.cuda_ipc import PinnedShm
-    from colo.engine.model import expected_hf_specs
+    from colo.engine.weights import expected_hf_specs
     from colo.apps.bench_gpu import _release_cached, gpu_models
     from colo.trainers.models import demo_config
 
