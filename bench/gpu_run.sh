@@ -59,8 +59,8 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
     done
     ;;
   bench)  # Qwen2-7B and Qwen2-1.5B shapes: colo's syncs, their floors, checkpoint-engine beside them;
-    # further arguments go to colo.apps.bench_gpu (--layers 2 --reps 1: a quick check of the whole path)
-    python3 -m colo.apps.bench_gpu "$OUT/bench-gpu.json" "${@:2}" 2>&1 | tee "$OUT/bench-gpu.log" | tail -60
+    # further arguments go to bench.gpu_sync (--layers 2 --reps 1: a quick check of the whole path)
+    python3 -m bench.gpu_sync "$OUT/bench-gpu.json" "${@:2}" 2>&1 | tee "$OUT/bench-gpu.log" | tail -60
     ;;
   multi)  # two GPUs: every trainer under both source plans, a killed engine rank, a GPU count too large
     python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
@@ -84,16 +84,16 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
     ;;
   moe2)  # issue 15's rehearsal on two GPUs (nvidia-h200-x2): the Qwen3-30B-A3B shape cut to 4 layers
     # (128 experts of 768 each, 6.2 GB), trainer TP=2 + EP=2, engine TP-MoE over 2; the same code as bench8
-    python3 -m colo.apps.bench_multi --device cuda --gpus 2 --model qwen3-30b-a3b --layers "${2:-4}" \
+    python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen3-30b-a3b --layers "${2:-4}" \
       --out "$OUT/bench-moe2.json" 2>&1 | tee "$OUT/bench-moe2.log" | tail -40
     ;;
   bench8)  # issue 15 on nvidia-h200-x8: Qwen3-30B-A3B shapes (61 GB bf16), trainer TP=8 + EP=8, engine TP=8
     # (TP-MoE); refused with exit 2 on a machine with fewer than 8 GPUs
-    python3 -m colo.cli bench --device cuda --gpus 8 --model qwen3-30b-a3b --out "$OUT/bench-moe8.json" 2>&1 \
+    python3 -m bench.multi_gpu --device cuda --gpus 8 --model qwen3-30b-a3b --out "$OUT/bench-moe8.json" 2>&1 \
       | tee "$OUT/bench-moe8.log" | tail -40
     ;;
   bench2)  # two GPUs: trainer TP=2 (Megatron layout), engine TP=2, Qwen2-7B shapes
-    python3 -m colo.cli bench --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \
+    python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \
       | tee "$OUT/bench-gpu2.log" | tail -40
     ;;
 esac

@@ -19,7 +19,7 @@ import torch
 def gbps(nbytes: int, fn, reps: int = 5) -> float:
     """GB/s of ``fn``'s copy of ``nbytes``: the benchmark's own timing (one warm-up, then
     the median of ``reps`` runs between CUDA events)."""
-    from colo.apps.bench_gpu import median_time
+    from colo.apps.bench import median_time
 
     return nbytes / median_time(fn, reps) / 1e9
 
@@ -45,7 +45,8 @@ def numa_pages(ptr: int) -> dict:
 def main(out: str) -> None:
     from colo.device.cuda_ipc import PinnedShm
     from colo.engine.weights import expected_hf_specs
-    from colo.apps.bench_gpu import _release_cached, gpu_models
+    from bench.gpu_sync import gpu_models
+    from colo.apps.bench import release_cached
     from colo.trainers.models import demo_config
 
     import datetime as dt
@@ -112,7 +113,7 @@ def main(out: str) -> None:
             shm.close()
         else:
             del host
-            _release_cached()
+            release_cached()
     info["rows"] = rows
     with open(out, "w") as fh:
         json.dump(info, fh, indent=1)

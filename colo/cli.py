@@ -2,7 +2,9 @@
 
 Exit codes everywhere: 0 success, 1 a failed check or run, 2 bad input or usage.
 Each subcommand lives in its own module and is imported only when used, so
-``colo replay`` never pays for torch.
+``colo replay`` never pays for torch. A flag that needs an optional extra that
+is not installed is refused before anything starts, with the line that
+installs it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from collections.abc import Sequence
 from colo.core.phases import PLANS
 from colo.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
 from colo.transports import REGISTRY as TRANSPORTS
+
+#: choices the parser lists without importing what they name (torch, transformers)
+TRAINERS = ("hf", "megatron", "fsdp")
+DEMO_SIZES = ("demo", "qwen2-1.5b")
+BENCH_MODELS = ("demo", "qwen2-1b", "qwen2-1.5b", "qwen2-7b")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,79 +84,163 @@ def _bounded(kind, least, most):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="colo", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+DESCRIPTION = ("colo: the colocated RL trainer/engine GPU handoff as an explicit, traced state machine. "
+               "Run a colocated RL loop, check and export its trace, tune the engine's memory, "
+               "benchmark the weight sync.")
 
-    d = sub.add_parser("demo", help="run a real colocated RL loop on a built-in small model")
-    d.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    d.add_argument("--steps", type=_positive(int, 10**6), default=8)
-    d.add_argument("--plan", choices=PLANS, default="offload-first")
-    d.add_argument("--transport", choices=TRANSPORTS, default="packed")
-    d.add_argument("--trainer", default="hf", help="hf (transformers), megatron (megatron-core), fsdp (FSDP2)")
-    d.add_argument("--model", default="demo", help="demo (tiny, the default) or qwen2-1.5b (Qwen2-1.5B shapes, "
-                   "random weights: a trainer that is a real share of one GPU)")
-    d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=1.0)
-    d.add_argument("--mem-fraction-static", type=_fraction, default=0.8)
-    d.add_argument("--device-mem-gib", type=_positive(float, MAX_GIB), default=None,
-                   help="simulated device size on the CPU (default: sized for the demo model)")
-    d.add_argument("--trace", default=None, help="trace path (default: traces/demo-<plan>.jsonl)")
-    d.add_argument("--seed", type=_bounded(int, 0, 2**32 - 1), default=0)
-    d.add_argument("--fault", default=None, metavar="KIND@PHASE")
-    d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
-                   help="CUDA_VISIBLE_DEVICES of the engine process only (e.g. a GPU UUID)")
-    d.add_argument("--phase-deadline", type=_positive(float, MAX_DEADLINE_S), default=600.0, metavar="SECONDS",
-                   help="fail any phase that runs longer than this (default 600)")
-    d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",
-                   help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "
-                        "(with --device cpu, gloo and simulated devices)")
-    d.add_argument("--launcher", choices=("process", "ray"), default="process",
-                   help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo[ray])")
-    d.add_argument("--address", default=None, help="the Ray cluster to join (default: start a local one)")
+
+class _Help(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help already says it (a default
+    that is computed) or the flag is a switch; the lines keep their width."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=34, width=100)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _fault_help() -> str:
+    from colo.testing.faults import KINDS, POSSIBLE
+
+    kinds = "; ".join(f"{k} (at {', '.join(POSSIBLE[k]) if len(POSSIBLE[k]) < 8 else 'any phase'})" for k in KINDS)
+    return f"fail one phase once on purpose and recover (needs --verify every): KIND@PHASE, KIND one of {kinds}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: a shortened flag is refused, never taken for another
+    # (``--engine`` must not silently mean ``--engine-visible-devices``)
+    p = _Parser(prog="colo", description=DESCRIPTION, formatter_class=_Help, allow_abbrev=False)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description, formatter_class=_Help,
+                              allow_abbrev=False)
+
+    d = command("demo", "run a real colocated RL loop on a built-in small model",
+                "A real colocated RL loop: a trainer in this process, colo's engine in another, weights handed "
+                "over through --transport in the order of --plan, every sync verified. Prints a per-phase "
+                "summary and the reward per step; writes the trace.")
+    d.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the trainer and the engine run (cpu: a simulated device of --device-mem-gib)")
+    d.add_argument("--steps", type=_positive(int, 10**6), default=8, help="RL steps (cycles) to run")
+    d.add_argument("--plan", choices=PLANS, default="offload-first", help="the order of the phases after train")
+    d.add_argument("--transport", choices=TRANSPORTS, default="packed", help="how the weights travel in a sync")
+    d.add_argument("--trainer", choices=TRAINERS, default="hf",
+                   help="hf (transformers), megatron (megatron-core: colo[megatron]), fsdp (FSDP2)")
+    d.add_argument("--model", choices=DEMO_SIZES, default="demo",
+                   help="demo (2.9 M parameters) or qwen2-1.5b (Qwen2-1.5B shapes, random weights: a GPU's size)")
+    d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=1.0, metavar="MIB",
+                   help="sync bucket size")
+    d.add_argument("--mem-fraction-static", type=_fraction, default=0.8, metavar="F",
+                   help="the engine's static share of the device (weights + KV pool), as SGLang's flag")
+    d.add_argument("--device-mem-gib", type=_positive(float, MAX_GIB), default=None, metavar="GIB",
+                   help="simulated device size on the CPU (default: 0.25, sized for the demo model)")
+    d.add_argument("--trace", default=None, metavar="PATH", help="trace path (default: traces/demo-<plan>.jsonl)")
+    d.add_argument("--engine-log", default=None, metavar="PATH",
+                   help="the engine processes' own log lines (default: beside the trace, <trace>.engine.log; "
+                        "- for the console)")
+    d.add_argument("--seed", type=_bounded(int, 0, 2**32 - 1), default=0, help="seed of the model, prompts and sampling")
+    d.add_argument("--fault", default=None, metavar="KIND@PHASE", help=_fault_help())
     d.add_argument("--verify", choices=("every", "first", "none"), default="every",
                    help="which syncs are verified: the engine's digest against the trainer's and the probe "
-                        "logits (default every; timed on its own as verify_s in sync.finished)")
+                        "logits (timed on its own as verify_s in sync.finished)")
+    d.add_argument("--phase-deadline", type=_positive(float, MAX_DEADLINE_S), default=600.0, metavar="SECONDS",
+                   help="fail any phase that runs longer than this")
+    d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
+                   help="CUDA_VISIBLE_DEVICES of the engine process only (a GPU index or UUID)")
+    d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",
+                   help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "
+                        "(with --device cpu: gloo and simulated devices)")
+    d.add_argument("--launcher", choices=("process", "ray"), default="process",
+                   help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo[ray])")
+    d.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="the Ray cluster to join (default: start a local one)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
     d.set_defaults(module="colo.apps.demo", func="run_demo")
 
-    r = sub.add_parser("replay", help="check traces against the phase table and invariants")
-    r.add_argument("traces", nargs="+")
-    r.add_argument("--json", action="store_true")
+    r = command("replay", "check traces against the phase table and invariants",
+                "Re-run traces through the phase table and the invariants the scheduler checks live. "
+                "Exit 0 valid, 1 on the first violation (line N: ...), 2 on unreadable input.")
+    r.add_argument("traces", nargs="+", metavar="TRACE", help="colo.trace/1 files (the ranks of one run together)")
+    r.add_argument("--json", action="store_true", help="print {valid, violations: [{line, message}], ...}")
     r.set_defaults(module="colo.offline.replay", func="run_replay")
 
-    e = sub.add_parser("export", help="Chrome trace JSON that Perfetto opens")
-    e.add_argument("trace")
-    e.add_argument("-o", "--output", required=True)
+    e = command("export", "write Chrome trace JSON that Perfetto opens",
+                "Convert a trace to Chrome trace JSON: phases, bucket stages and memory counters, for ui.perfetto.dev.")
+    e.add_argument("trace", metavar="TRACE", help="a colo.trace/1 file")
+    e.add_argument("-o", "--output", required=True, metavar="OUT.json", help="where the JSON goes")
     e.set_defaults(module="colo.offline.export", func="run_export")
 
-    t = sub.add_parser("tune", help="recommend mem_fraction_static and a bucket size")
-    t.add_argument("traces", nargs="*")
-    t.add_argument("--margin-gib", type=_bounded(float, -MAX_GIB, MAX_GIB), default=None)
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--gpu-gib", type=_positive(float, MAX_GIB), default=None)
-    t.add_argument("--model-gib", type=_positive(float, MAX_GIB), default=None)
-    t.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=None)
-    t.add_argument("--plan", choices=PLANS, default=None)
+    t = command("tune", "recommend mem_fraction_static and a bucket size",
+                "From traces (or the what-if flags alone): the largest mem_fraction_static that keeps every phase "
+                "within the device, a bucket size, and the phase that binds, with the arithmetic.")
+    t.add_argument("traces", nargs="*", metavar="TRACE", help="traces of runs on the device to tune for")
+    t.add_argument("--margin-gib", type=_bounded(float, -MAX_GIB, MAX_GIB), default=None, metavar="GIB",
+                   help="headroom to keep free (default: 2%% of the device, at most 1 GiB)")
+    t.add_argument("--json", action="store_true", help="print {mem_fraction_static, bucket_mib, binding_phase, ...}")
+    t.add_argument("--gpu-gib", type=_positive(float, MAX_GIB), default=None, metavar="GIB",
+                   help="what-if: the device size (with --model-gib, no trace needed)")
+    t.add_argument("--model-gib", type=_positive(float, MAX_GIB), default=None, metavar="GIB",
+                   help="what-if: the engine's weights")
+    t.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=None, metavar="MIB",
+                   help="what-if: the sync bucket size")
+    t.add_argument("--plan", choices=PLANS, default=None, help="what-if: the plan")
     t.set_defaults(module="colo.offline.tune", func="run_tune")
 
-    b = sub.add_parser("bench", help="sync throughput and peak memory, transport against transport")
-    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    b.add_argument("--model", default="demo")
-    b.add_argument("--transports", nargs="+", default=None)
-    b.add_argument("--out", default=None)
-    b.add_argument("--gpus", type=_positive(int, 8), default=None, metavar="N",
-                   help="trainer TP=N and engine TP=N, one rank per GPU (colo.apps.bench_multi; "
-                        "--model qwen2-7b|tiny|qwen3-30b-a3b|qwen3-moe-tiny; a MoE's trainer adds EP=N)")
-    b.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=512.0)
-    b.add_argument("--reps", type=_positive(int, 100), default=3)
+    b = command("bench", "time the sync, transport against transport, on this machine",
+                "Whole syncs from a trainer's copy into colo's engine in another process, for each transport, "
+                "beside the link's limits measured in the same run; writes the result as JSON.")
+    b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the engine runs")
+    b.add_argument("--model", default="demo", metavar="NAME[,NAME]",
+                   help=f"one of {', '.join(BENCH_MODELS)}, a comma-separated list, or all")
+    b.add_argument("--transports", nargs="+", default=None, metavar="T",
+                   help=f"transports to time, of {', '.join(TRANSPORTS)} (default: ipc packed broadcast disk on cpu, "
+                        "ipc packed on cuda)")
+    b.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=None, metavar="MIB",
+                   help="bucket size (default: the model's own: 1 for demo, 64 for qwen2-1b, 512 for the rest)")
+    b.add_argument("--reps", type=_positive(int, 100), default=None, metavar="N",
+                   help="timed syncs per transport after one warm-up (default: the model's own, 3-5)")
+    b.add_argument("--out", default=None, metavar="PATH",
+                   help="result JSON (default: bench/results/<device>-sync-<date>.json, never replacing one)")
     b.set_defaults(module="colo.apps.bench", func="run_bench")
     return p
 
 
+#: (command, flag, value) -> (module it needs, the extra that installs it, what it is)
+EXTRAS = {
+    ("demo", "trainer", "megatron"): ("megatron.core", "megatron", "megatron-core"),
+    ("demo", "launcher", "ray"): ("ray", "ray", "Ray"),
+}
+
+
+def missing_extra(args: argparse.Namespace) -> str | None:
+    """The refusal for a flag whose optional extra is not installed, or None."""
+    import importlib.util
+
+    for (command, flag, value), (module, extra, what) in EXTRAS.items():
+        if args.command != command or getattr(args, flag, None) != value:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent package that is missing or hidden
+            found = False
+        if not found:
+            return (f"--{flag.replace('_', '-')} {value} needs {what}, an optional extra that is not installed: "
+                    f"pip install 'colo[{extra}]'")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "bench" and args.gpus is not None:  # many ranks: its own benchmark
-        args.module, args.func = "colo.apps.bench_multi", "run_bench_multi_cli"
+    refusal = missing_extra(args)
+    if refusal is not None:
+        print(f"colo {args.command}: {refusal}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         module = importlib.import_module(args.module)
     except ModuleNotFoundError as e:

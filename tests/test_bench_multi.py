@@ -1,10 +1,10 @@
-"""``colo bench --gpus 2``: the multi-rank benchmark runs end to end (CPU, gloo; and on two GPUs)."""
+"""``python -m bench.multi_gpu --gpus 2``: the multi-rank benchmark runs end to end (CPU, gloo; and on two GPUs)."""
 
 import json
 
 import pytest
 
-from colo.cli import main
+from bench.multi_gpu import main as bench_main
 
 ROWS = {(p, t) for p in ("sync-first", "offload-first") for t in ("colo-packed", "slime-style", "ipc-per-tensor")}
 
@@ -31,8 +31,8 @@ def _check(result: dict, rows: set = ROWS) -> None:
 
 def test_bench_gpus_2_cpu(tmp_path, capsys, no_leftover_segments):
     out = tmp_path / "multi.json"
-    code = main(["bench", "--device", "cpu", "--gpus", "2", "--model", "tiny", "--reps", "1",
-                 "--bucket-mib", "0.5", "--out", str(out)])
+    code = bench_main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--reps", "1",
+                       "--bucket-mib", "0.5", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     _check(result)
@@ -46,7 +46,7 @@ def test_bench_gpus_2_cpu(tmp_path, capsys, no_leftover_segments):
 
 
 def test_bench_gpus_bad_model():
-    assert main(["bench", "--device", "cpu", "--gpus", "2", "--model", "demo-xl"]) == 2
+    assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "demo-xl"]) == 2
 
 
 MOE_ROWS = {(p, t) for p in ("sync-first", "offload-first") for t in ("colo-packed", "slime-style")}
@@ -56,8 +56,8 @@ def test_bench_gpus_2_moe_cpu(tmp_path, no_leftover_segments):
     """The Qwen3-MoE path of the benchmark on two gloo ranks: trainer TP=2 with EP=2 experts,
     engine TP-MoE over 2 ranks, every row's shard digests checked on both engine ranks."""
     out = tmp_path / "moe.json"
-    code = main(["bench", "--device", "cpu", "--gpus", "2", "--model", "qwen3-moe-tiny", "--reps", "1",
-                 "--bucket-mib", "0.05", "--out", str(out)])
+    code = bench_main(["--device", "cpu", "--gpus", "2", "--model", "qwen3-moe-tiny", "--reps", "1",
+                       "--bucket-mib", "0.05", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     _check(result, MOE_ROWS)
@@ -72,15 +72,12 @@ def test_bench_gpus_2_moe_cpu(tmp_path, no_leftover_segments):
 
 
 def test_bench_moe_8_gpus_refused_on_a_smaller_machine(capsys):
-    from colo.apps.bench_multi import main as bench_main
-
     # this machine has no GPU: the 8-GPU run is refused before any process starts, saying why
-    assert main(["bench", "--device", "cuda", "--gpus", "8", "--model", "qwen3-30b-a3b"]) == 2
     assert bench_main(["--device", "cuda", "--gpus", "8", "--model", "qwen3-30b-a3b"]) == 2
     err = capsys.readouterr().err
     assert "qwen3-30b-a3b" in err or "CUDA" in err
     # the layout of the 8-GPU run is one megatron-core can build: TP=4 (4 query groups), DP=2, EP=8
-    from colo.apps.bench_multi import check_machine, megatron_shards, model_config, trainer_tp
+    from bench.multi_gpu import check_machine, megatron_shards, model_config, trainer_tp
 
     cfg = model_config("qwen3-30b-a3b")
     assert trainer_tp(cfg, 8) == 4 and trainer_tp(cfg, 2) == 2 and trainer_tp(model_config("qwen2-7b"), 2) == 2
@@ -96,7 +93,7 @@ def test_bench_moe_8_gpus_refused_on_a_smaller_machine(capsys):
 
 @pytest.mark.gpu2
 def test_bench_gpus_2_cuda(tmp_path):
-    from colo.apps.bench_multi import run_bench_multi
+    from bench.multi_gpu import run_bench_multi
 
     result, _ = run_bench_multi("cuda", 2, "qwen2-7b", 64, 1, str(tmp_path / "multi.json"), layers=2)
     _check(result)
@@ -106,7 +103,7 @@ def test_bench_gpus_2_cuda(tmp_path):
 @pytest.mark.gpu2
 def test_bench_gpus_2_moe_cuda(tmp_path):
     """The Qwen3-30B-A3B shape cut to 2 layers on two GPUs (the moe2 rehearsal, shorter)."""
-    from colo.apps.bench_multi import run_bench_multi
+    from bench.multi_gpu import run_bench_multi
 
     result, _ = run_bench_multi("cuda", 2, "qwen3-30b-a3b", 64, 1, str(tmp_path / "moe.json"), layers=2)
     _check(result, MOE_ROWS)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from colo.apps import bench_gpu
-from colo.apps.bench_peer import Copier, PeerConfig, check_configs, digest_config, pick_handle, read_update_log
+from bench import gpu_sync as bench_gpu
+from bench.peer import Copier, PeerConfig, check_configs, digest_config, pick_handle, read_update_log
 from colo.engine.weights import expected_digest, expected_hf_specs
 from colo.trainers.models import demo_config
 

@@ -9,7 +9,7 @@ extractor -> colo's TP-MoE engine, each checked against an external ground truth
   its own forward gives the logits. What ``MegatronExtractor`` yields on every rank (experts
   broadcast from their owner over the EP group, attention all-gathered over TP) is loaded
   into transformers' ``Qwen3MoeForCausalLM``, whose logits must equal megatron-core's.
-  The benchmark's synthetic trainer layout (``bench_multi.megatron_shards``) must be
+  The benchmark's synthetic trainer layout (``bench.multi_gpu.megatron_shards``) must be
   megatron-core's: same names, shapes and parallel attributes on each rank.
 - Engine side: in the same two processes, colo's TP=2 MoE engine (TP-MoE: every expert's
   intermediate split over the ranks) loads its shard from the extracted full tensors; each
@@ -100,7 +100,7 @@ def worker(rank: int, world: int, tmp_path, fields: dict) -> dict:
     # the config's fields as attributes, as the engine's build reads them: the workers do
     # not import transformers (seconds apiece on a loaded 2-core box)
     cfg = types.SimpleNamespace(**fields)
-    from colo.apps.bench_multi import trainer_tp
+    from bench.multi_gpu import trainer_tp
 
     # the benchmark's layout: TP as large as the query groups allow, EP over every rank
     tp, ep = trainer_tp(cfg, world), world
@@ -237,7 +237,7 @@ def test_tp2_greedy_tokens_equal_tp1_engine_and_transformers(ranks, hf):
 
 
 def test_bench_synthetic_layout_is_megatron_cores_own(ranks):
-    from colo.apps.bench_multi import megatron_shards
+    from bench.multi_gpu import megatron_shards
 
     cfg = _config()
     for rank, r in enumerate(ranks):

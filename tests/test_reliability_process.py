@@ -42,8 +42,11 @@ def _gone(p: psutil.Process) -> bool:
         return True
 
 
-def _engine_ready(stderr_path: Path) -> dict | None:
-    for line in stderr_path.read_text(errors="replace").splitlines():
+def _engine_ready(log_path: Path) -> dict | None:
+    """The engine's ``engine.ready`` line from its log (beside the trace: ``<trace>.engine.log``)."""
+    if not log_path.exists():
+        return None
+    for line in log_path.read_text(errors="replace").splitlines():
         if line.startswith("{") and '"engine.ready"' in line:
             return json.loads(line)
     return None
@@ -68,7 +71,7 @@ def _start_demo_until_sync(tmp: Path, *extra: str, then: str | None = None):
         proc.kill()
         proc.wait()
         pytest.fail("no sync phase in the trace within 120 s")
-    ready = _engine_ready(err)
+    ready = _engine_ready(tmp / "t.engine.log")
     assert ready is not None, err.read_text()[-2000:]
     children = psutil.Process(proc.pid).children(recursive=True)
     return proc, trace, ready, children

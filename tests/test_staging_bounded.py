@@ -22,7 +22,7 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.weights import expected_digest
-from colo.engine.tp import ShardPlan, TPLayout, _write_slice, shard_state_from_hf
+from colo.engine.tp import ShardPlan, TPLayout, write_slice, shard_state_from_hf
 from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
@@ -106,7 +106,7 @@ def test_engine_tp_ranks_load_pieces_in_place_as_they_load_whole_tensors(tp_size
             flat = torch.zeros(b.nbytes, dtype=torch.uint8)
             pack_into(flat, b, [(e.spec.name, state[e.spec.name]) for e in b.entries])
             for name, t in views(flat, TensorMeta.of_bucket(b)):
-                _write_slice(params, plan.slices[name], t)
+                write_slice(params, plan.slices[name], t)
         want = shard_state_from_hf(state, config, torch.float32, rank, tp_size)
         assert list(params) == list(want)
         for n in want:

@@ -1,21 +1,25 @@
-"""``colo bench``: whole-sync throughput and peak staging, transport against transport.
+"""``colo bench``: whole-sync throughput and peak staging, transport against transport,
+on this machine's CPU or GPU.
 
 For each model and each transport: a real engine process (colo's engine,
-weights in the engine dtype), a real trainer-side extractor (``PlainExtractor``
-over the trainer's float32 copy, converting to the engine dtype per bucket),
-and whole syncs through ``transport.sync`` — one warm-up, then the median of
-``repeat``. Reported per transport: sync seconds, payload bytes, GB/s
-(payload bytes / median seconds / 1e9), peak staging bytes (what the
-transport counted through ``ctx.staging``), engine requests per sync, the
-median time each stage spent (summed over buckets; stages overlap, so these
-do not add up to the sync), and whether the engine's digest after the syncs
-equals the trainer's. Beside them, measured in the same run: a host memcpy
-and a fsynced file write, the ceilings the CPU transports run into.
+weights in the engine dtype, on ``--device``), a real trainer-side extractor
+(``PlainExtractor`` over the trainer's copy on the host, pinned on a GPU
+machine, converted to the engine dtype per bucket where the two differ), and
+whole syncs through ``transport.sync`` — one warm-up, then the median of
+``--reps``. Reported per transport: sync seconds, payload bytes, GB/s
+(payload bytes / median seconds / 1e9) and its share of the link's limit,
+peak staging bytes (what the transport counted through ``ctx.staging``),
+engine requests per sync, the median time each stage spent (summed over
+buckets; stages overlap, so these do not add up to the sync), and whether the
+engine's digest after the syncs equals the trainer's. Beside them, measured
+in the same run: on the CPU a host memcpy and a fsynced file write, on a GPU
+pinned host->device, device->host and device->device copies.
 
 Pluggable: :data:`MODELS` (``BenchModel``) and :data:`CASES` (``Case``: a
 label, a registered transport, its options) are plain tables; :func:`bench`
-takes any of them. ``--device cuda`` runs ``colo.apps.bench_gpu`` (issue 7's
-benchmark) where that module exists.
+takes any of them. The research harnesses (the GPU benchmark against
+checkpoint-engine, the multi-GPU benchmark) live beside the package in
+``bench/``.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from colo.core.errors import EXIT_FAILED, EXIT_OK, UsageError
 from colo.core.memory import StagingBudget
 from colo.core.interfaces import SyncContext
 
-from colo.core.units import MiB
+from colo.core.units import GiB, MiB
+from colo.trainers.models import DEMO_MODELS, QWEN2_7B
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,29 +84,45 @@ MODELS: dict[str, BenchModel] = {
                                        num_attention_heads=32, num_key_value_heads=4, intermediate_size=5632,
                                        max_position_embeddings=256),
                            bucket_mib=64.0, repeat=3),
+    # Qwen2-1.5B (tied embeddings) and Qwen2-7B shapes in bf16, as a bf16 trainer holds them: nothing to
+    # convert, so a sync moves each byte once over the link (a GPU's size: random weights)
+    "qwen2-1.5b": BenchModel(name="qwen2-1.5b", description="Qwen2-1.5B shapes (tied embeddings), bf16",
+                             config=dict(DEMO_MODELS["qwen2-1.5b"]), bucket_mib=512.0, repeat=3,
+                             source_dtype="bfloat16"),
+    "qwen2-7b": BenchModel(name="qwen2-7b", description="Qwen2-7B shapes, bf16", config=dict(QWEN2_7B),
+                           bucket_mib=512.0, repeat=3, source_dtype="bfloat16"),
 }
 
 #: ``ipc`` first: verl's per-tensor handles are the baseline row.
 CASES: list[Case] = [Case("ipc", "ipc"), Case("packed", "packed"), Case("broadcast", "broadcast"),
                      Case("disk", "disk", {"keep": 1})]
+#: the transports run by default on each device (a GPU's engine and trainer share the GPU:
+#: CUDA IPC; broadcast's NCCL group cannot hold two ranks on one GPU)
+DEFAULT_CASES = {"cpu": ("ipc", "packed", "broadcast", "disk"), "cuda": ("ipc", "packed")}
 
 
 class SourceTrainer:
-    """The trainer side a transport needs: a float32 copy of every tensor, extracted per bucket."""
+    """The trainer side a transport needs: its copy of every tensor on the host (pinned,
+    for a GPU's engine: ``offload-first``'s source), extracted per bucket."""
 
-    def __init__(self, config: Any, *, source_dtype: str, engine_dtype: str, seed: int = 0):
+    def __init__(self, config: Any, *, source_dtype: str, engine_dtype: str, seed: int = 0,
+                 upload_to: str | None = None):
         from colo.engine.weights import expected_hf_specs
 
         g = torch.Generator().manual_seed(seed)
-        self.state = {s.name: torch.empty(s.shape, dtype=getattr(torch, source_dtype)).uniform_(-0.05, 0.05,
-                                                                                                  generator=g)
-                      for s in expected_hf_specs(config, getattr(torch, source_dtype))}
+        pin = upload_to is not None and torch.device(upload_to).type == "cuda"
+        self.state = {}
+        for s in expected_hf_specs(config, getattr(torch, source_dtype)):
+            t = torch.empty(s.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=g)
+            t = t.to(getattr(torch, source_dtype))
+            self.state[s.name] = t.pin_memory() if pin else t
         self.engine_dtype = getattr(torch, engine_dtype)
+        self.upload_to = upload_to
 
     def extractor(self) -> Any:
         from colo.extractors.plain import PlainExtractor
 
-        return PlainExtractor(self.state, dtype=self.engine_dtype)
+        return PlainExtractor(self.state, dtype=self.engine_dtype, upload_to=self.upload_to)
 
 
 class _Counting:
@@ -120,7 +141,62 @@ class _Counting:
 
 # -- measured ceilings ------------------------------------------------------------
 
+def median_time(fn: Any, reps: int, *, cuda: bool = True, before_each: Any = None) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after one warm-up: CUDA events on a
+    GPU (the device's own time for what ``fn`` queues), the host clock otherwise.
+    ``before_each()`` runs untimed before every run (a barrier of ranks, say)."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        if before_each is not None:
+            before_each()
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1000)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def release_cached() -> None:
+    """Give back what the caching allocators keep of freed buffers, device and pinned host."""
+    torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned host blocks stay cached otherwise
+    if host_empty is not None:
+        host_empty()
+
+
+def measure_gpu_limits(nbytes: int = 2 * GiB, reps: int = 10) -> dict:
+    """Pinned host->device and device->host, pageable host->device, and device->device
+    (read + write) bandwidth of this GPU, in GB/s."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 255)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.random_(0, 255)
+    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), reps)
+    d2h = median_time(lambda: host.copy_(dev, non_blocking=True), reps)
+    d2d = median_time(lambda: dev2.copy_(dev), reps)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    h2d_pageable = median_time(lambda: dev.copy_(pageable), 3)
+    del host, dev, dev2, pageable
+    release_cached()
+    return {"bytes": nbytes, "pinned_h2d_GBps": nbytes / h2d / 1e9, "pinned_d2h_GBps": nbytes / d2h / 1e9,
+            "pageable_h2d_GBps": nbytes / h2d_pageable / 1e9,
+            "d2d_copy_GBps_read_plus_write": 2 * nbytes / d2d / 1e9,
+            "device_name": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
 def measure_limits(nbytes: int = 512 * MiB, reps: int = 3, directory: str | None = None) -> dict:
+    """The host's ceilings for the CPU transports: a memcpy, and a fsynced file write."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     times = []
@@ -203,14 +279,15 @@ def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
 
 
 async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
-                      progress: Any = None) -> dict:
+                      progress: Any = None, limit_GBps: float | None = None) -> dict:
     from colo.engine.client import EngineClient
     from colo.engine.weights import expected_digest
     from colo.trainers.models import demo_config
 
     say = progress or (lambda *_: None)
     config = demo_config(**model.config)
-    trainer = SourceTrainer(config, source_dtype=model.source_dtype, engine_dtype=model.engine_dtype)
+    trainer = SourceTrainer(config, source_dtype=model.source_dtype, engine_dtype=model.engine_dtype,
+                            upload_to="cuda" if device == "cuda" else None)
     params = sum(t.numel() for t in trainer.state.values())
     want = expected_digest(trainer.state, config, getattr(torch, model.engine_dtype))
     engine = await EngineClient.spawn(_engine_build(config, model, device))
@@ -222,6 +299,8 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                                   repeat=model.repeat)
             # the last sync must have delivered the trainer's weights, bit for bit
             row["digest_ok"] = await engine.digest() == want
+            if limit_GBps:
+                row["of_limit"] = row["GBps"] / limit_GBps
             rows.append(row)
             say(f"{model.name}: {case.label:10s} {row['sync_s']:8.3f} s  {row['GBps']:6.3f} GB/s  "
                 f"peak staging {row['peak_staging_bytes'] / MiB:8.1f} MiB  digest ok {row['digest_ok']}")
@@ -255,20 +334,31 @@ def machine_info() -> dict:
 
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
                 progress: Any = None) -> dict:
-    limits = measure_limits()
-    return {"kind": "colo.apps.bench/cpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "device": device, "machine": machine_info(), "limits": limits,
-            "models": [await bench_model(m, cases, device=device, progress=progress) for m in models]}
+    """Every model through every case on ``device``, beside the limits measured first."""
+    if device == "cuda":
+        limits = measure_gpu_limits()
+        limit, link = limits["pinned_h2d_GBps"], "pinned host->device"
+    else:
+        limits = measure_limits()
+        limit, link = limits["memcpy_GBps"], "host memcpy"
+    return {"kind": f"colo.apps.bench/{device}-sync",
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": device, "gpus": 1 if device == "cuda" else 0, "machine": machine_info(), "limits": limits,
+            "limit": {"link": link, "GBps": limit},
+            "models": [await bench_model(m, cases, device=device, progress=progress, limit_GBps=limit)
+                       for m in models]}
 
 
 def table(result: dict) -> str:
     """The README's table: one row per model and transport."""
-    lines = ["| model | transport | sync s | bytes | GB/s | peak staging | requests/sync | digest |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    link = result.get("limit", {}).get("link", "limit")
+    lines = [f"| model | transport | sync s | bytes | GB/s | of {link} | peak staging | requests/sync | digest |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for m in result["models"]:
         for r in m["rows"]:
+            share = f"{r['of_limit']:.3f}" if "of_limit" in r else "-"
             lines.append(f"| {m['model']} ({m['params'] / 1e6:,.0f} M params, {m['bucket_mib']:g} MiB buckets) "
-                         f"| {r['transport']} | {r['sync_s']:.3f} | {r['bytes']:,} | {r['GBps']:.2f} "
+                         f"| {r['transport']} | {r['sync_s']:.3f} | {r['bytes']:,} | {r['GBps']:.2f} | {share} "
                          f"| {r['peak_staging_bytes'] / MiB:,.1f} MiB | {r['requests_per_sync']:,} "
                          f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
     return "\n".join(lines)
@@ -277,6 +367,10 @@ def table(result: dict) -> str:
 # -- the command ---------------------------------------------------------------------
 
 def _choose(args: Any) -> tuple[list[BenchModel], list[Case]]:
+    """The models (``--model``, with ``--bucket-mib`` and ``--reps`` over each model's own)
+    and the cases (``--transports``, else the device's defaults) the command line asks for."""
+    import dataclasses
+
     from colo.transports import REGISTRY
 
     names = list(MODELS) if args.model == "all" else [n.strip() for n in str(args.model).split(",")]
@@ -284,12 +378,14 @@ def _choose(args: Any) -> tuple[list[BenchModel], list[Case]]:
     if unknown or not names:
         raise UsageError(f"unknown model {', '.join(unknown) or repr(args.model)}; expected one of "
                          f"{', '.join(MODELS)}, a comma-separated list of them, or all")
-    wanted = args.transports or [c.label for c in CASES]
+    wanted = args.transports or list(DEFAULT_CASES[args.device])
     bad = [t for t in wanted if t not in REGISTRY]
     if bad:
         raise UsageError(f"unknown transport {', '.join(bad)}; expected some of {', '.join(REGISTRY)}")
     by_label = {c.label: c for c in CASES}
-    return [MODELS[n] for n in names], [by_label.get(t, Case(t, t)) for t in wanted]
+    override = {k: v for k, v in (("bucket_mib", args.bucket_mib), ("repeat", args.reps)) if v is not None}
+    models = [dataclasses.replace(MODELS[n], **override) for n in names]
+    return models, [by_label.get(t, Case(t, t)) for t in wanted]
 
 
 #: where results go when no --out is given (the committed results live here)
@@ -351,24 +447,19 @@ def check_out(out: str | None) -> None:
 
 
 def run_bench(args: Any) -> int:
-    if args.device == "cuda":
-        try:
-            from colo.apps.bench_gpu import run_bench_gpu
-        except ModuleNotFoundError:
-            print("colo bench --device cuda: not implemented in this build (no colo.apps.bench_gpu)", file=sys.stderr)
-            return EXIT_FAILED
-        return run_bench_gpu(args.out)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no CUDA device is visible")
     models, cases = _choose(args)
     check_out(args.out or None)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = anyio.run(lambda: bench(models, cases, device="cpu", progress=say))
+    result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say))
     print(table(result))
     try:
         out = write_result(json.dumps(result, indent=2) + "\n", out=args.out or None, directory=RESULTS_DIR,
-                           stem=f"cpu-sync-{dt.date.today().isoformat()}")
+                           stem=f"{args.device}-sync-{dt.date.today().isoformat()}")
     except OSError as e:  # a disk that filled during the run: the table above is all that is left
         print(f"colo bench: could not write the result to {args.out or RESULTS_DIR}: {e.strerror or e}",
               file=sys.stderr)

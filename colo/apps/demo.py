@@ -135,6 +135,7 @@ class DemoRun:
                               prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seed=cfg.seed)
         self.total, self.reserved, self.device_name = device_budget(cfg)
         self.build = await self._engine_build()
+        cfg.start_engine_logs()
         self.env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
         await self._spawn_engine(self.build)
         self.transport = make_transport(cfg.transport)
@@ -156,7 +157,7 @@ class DemoRun:
                 "total_bytes": self.total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
                 "memory": "saver" if self.saver is not None else "free",
                 # if this process is killed outright, the engine removes the work dir as it goes
-                "run_dir": self.workdir}
+                "run_dir": self.workdir, "log_path": cfg.engine_log_path()}
 
     async def _spawn_engine(self, build: dict) -> Any:
         from colo.engine.client import EngineClient
@@ -341,6 +342,9 @@ def report(cfg: DemoConfig, out: DemoOutcome) -> str:
         first, last = out.rewards[:5], out.rewards[-5:]
         lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f}")
     lines.append(f"trace: {out.trace_path}")
+    log = cfg.engine_log_path(0 if cfg.gpus > 1 else None)
+    if log is not None:
+        lines.append(f"engine log: {log}" + (f" (one per rank: .rank0 ... .rank{cfg.gpus - 1})" if cfg.gpus > 1 else ""))
     for rec in out.recoveries:
         lines.extend(rec.lines())
     if out.error is not None:
@@ -362,7 +366,8 @@ def config_from_args(args: Any) -> DemoConfig:
                           fault=args.fault, engine_visible_devices=args.engine_visible_devices,
                           phase_deadline_s=getattr(args, "phase_deadline", 600.0),
                           gpus=getattr(args, "gpus", 1), launcher=getattr(args, "launcher", "process"),
-                          address=getattr(args, "address", None), verify=getattr(args, "verify", "every"))
+                          address=getattr(args, "address", None), verify=getattr(args, "verify", "every"),
+                          engine_log=getattr(args, "engine_log", None))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -87,6 +87,7 @@ class MultiDemoRun:
         trainer_init = f"tcp://127.0.0.1:{free_port()}"
         engine_init = f"tcp://127.0.0.1:{free_port()}"
         specs = [self._spec(r, trainer_init, engine_init) for r in range(self.n)]
+        cfg.start_engine_logs()
         await self._spawn_workers(specs)
         hellos = await self._each_worker("start")
         self._proxies(hellos)
@@ -112,6 +113,7 @@ class MultiDemoRun:
                           "memory": "saver" if cfg.device == "cuda" else "free"},
             task={"name": "reinforce", "vocab_size": self.model_config.vocab_size, "batch": cfg.batch,
                   "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "seed": cfg.seed},
+            engine_log=cfg.engine_log_path(r),
             workdir=self.workdir)
 
     async def _spawn_workers(self, specs: list[Any]) -> None:

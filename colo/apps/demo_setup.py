@@ -9,6 +9,7 @@ the other's run.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,9 @@ class DemoConfig:
     #: which syncs are verified (the engine's digest against the trainer's, and the probe
     #: logits): ``every`` (the default), ``first`` or ``none``; ``verify_s`` in the trace
     verify: str = "every"
+    #: where the engine processes write their own log lines (JSON): ``None`` beside the trace
+    #: (``<trace>.engine.log``, a rank's ``<trace>.rank<r>.engine.log``), ``"-"`` the console
+    engine_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -195,6 +199,29 @@ class DemoConfig:
     @property
     def trace_path(self) -> Path:
         return Path(self.trace or f"traces/demo-{self.plan}.jsonl")
+
+    def engine_log_path(self, rank: int | None = None) -> str | None:
+        """The engine's (or engine rank ``rank``'s) log file; None: its lines go to stderr."""
+        if self.engine_log == "-":
+            return None
+        if self.engine_log is None and self.trace_path.exists() and not self.trace_path.is_file():
+            return None  # a trace on a device or a pipe: nothing is made beside it
+        base = Path(self.engine_log) if self.engine_log else self.trace_path.with_suffix("")
+        suffix = ".engine.log" if self.engine_log is None else ""
+        if rank is not None:
+            return f"{base}.rank{rank}{suffix}"
+        return f"{base}{suffix}"
+
+    def start_engine_logs(self) -> None:
+        """Empty this run's engine logs (an engine appends: a replaced one writes after the first)."""
+        for rank in (range(self.gpus) if self.gpus > 1 else [None]):
+            path = self.engine_log_path(rank)
+            if path is not None and (not os.path.exists(path) or os.path.isfile(path)):
+                try:
+                    Path(path).parent.mkdir(parents=True, exist_ok=True)
+                    open(path, "w", encoding="utf-8").close()
+                except OSError:
+                    pass  # the engine says so on stderr and logs there (colo.proc.lifecycle.open_log)
 
 
 def probe_batch(vocab_size: int, seed: int) -> list[list[int]]:

@@ -32,7 +32,7 @@ from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.kvpool import KVPoolPlan, SlotAllocator
-from colo.engine.weights import WeightMap, _check_specs, _digest, _named_items, _spec_triples
+from colo.engine.weights import WeightMap, _check_specs, digest_tensors, _named_items, _spec_triples
 from colo.transports.wire import Piece
 
 
@@ -366,7 +366,7 @@ class EngineModel:
 
     def digest(self) -> str:
         """sha256 over (name, dtype, shape, raw bytes) of every parameter, in the map's order."""
-        return _digest(self._require_weights("digest weights").items())
+        return digest_tensors(self._require_weights("digest weights").items())
 
     # -- forward -------------------------------------------------------------
 

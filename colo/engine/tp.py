@@ -63,7 +63,7 @@ from colo.engine.core import EngineCore
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.dims import TIED, Dims, dims_from_config
 from colo.engine.model import EngineModel
-from colo.engine.weights import WeightMap, _check_specs, _digest, _named_items
+from colo.engine.weights import WeightMap, _check_specs, digest_tensors, _named_items
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
 from colo.core.errors import BadInput
@@ -228,7 +228,7 @@ class ShardPlan:
         return cls(layout, full_map, local_map, slices)
 
 
-def _write_slice(params: Mapping[str, torch.Tensor], s: ShardSlice, full: Any) -> None:
+def write_slice(params: Mapping[str, torch.Tensor], s: ShardSlice, full: Any) -> None:
     """Copy the rank's slice of one full HF tensor into its row block (dtype and device convert
     element by element in ``copy_``); padding rows are zeroed. ``full`` may be a
     :class:`~colo.transports.wire.Piece` of the tensor: its part of the slice is written."""
@@ -264,7 +264,7 @@ def _write_piece(dest: torch.Tensor, s: ShardSlice, piece: Piece) -> None:
     row_len = full[s.dim] * inner
     lo, hi = s.start * inner, (s.start + s.real) * inner
     block = dest.view(outer, s.length * inner)
-    if e0 == 0 and s.real < s.length:  # padding rows, once per load: zeros, as _write_slice writes
+    if e0 == 0 and s.real < s.length:  # padding rows, once per load: zeros, as write_slice writes
         dest.narrow(s.dim, s.real, s.length - s.real).zero_()
     at = e0
     while at < e1:
@@ -295,7 +295,7 @@ def shard_state_from_hf(full_state: Mapping[str, torch.Tensor] | Iterable[tuple[
     out = {name: torch.empty(shape, dtype=target) for name, shape in plan.local_map.params.items()}
     with torch.no_grad():
         for name, tensor in items:
-            _write_slice(out, plan.slices[name], tensor.detach().to("cpu"))
+            write_slice(out, plan.slices[name], tensor.detach().to("cpu"))
     return out
 
 
@@ -305,7 +305,7 @@ def expected_shard_digest(full_state: Mapping[str, torch.Tensor] | Iterable[tupl
 
     At ``tp_size=1`` it is :func:`colo.engine.model.expected_digest`.
     """
-    return _digest(shard_state_from_hf(full_state, config, dtype, tp_rank, tp_size).items())
+    return digest_tensors(shard_state_from_hf(full_state, config, dtype, tp_rank, tp_size).items())
 
 
 # ---------------------------------------------------------------------------
@@ -372,7 +372,7 @@ class TPEngineModel(EngineModel):
     # -- loading: a full HF tensor in, this rank's slice kept ------------------
 
     def _write(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
-        _write_slice(params, self.plan.slices[name], tensor)
+        write_slice(params, self.plan.slices[name], tensor)
 
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> None:
         return None  # every tensor is cut to this rank's slice by _write

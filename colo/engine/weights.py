@@ -159,7 +159,7 @@ def engine_state_from_hf(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable
     return out
 
 
-def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for name, tensor in named:
         t = tensor.detach().to("cpu").contiguous()
@@ -174,4 +174,4 @@ def _digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                     config: Any, dtype: DTypeLike = torch.bfloat16) -> str:
     """The digest an engine holding these trainer tensors reports (``EngineModel.digest``)."""
-    return _digest(engine_state_from_hf(hf_named_tensors, config, dtype).items())
+    return digest_tensors(engine_state_from_hf(hf_named_tensors, config, dtype).items())

@@ -212,7 +212,10 @@ def open_log(path: str | None) -> None:
     """Send this process's :func:`log` lines to ``path`` (appended) instead of stderr."""
     global _LOG
     if path:
-        _LOG = open(path, "a", encoding="utf-8")
+        try:
+            _LOG = open(path, "a", encoding="utf-8")
+        except OSError as e:  # a log is no reason not to run: its lines go to stderr instead
+            log("log.unwritable", path=path, error=e.strerror or str(e))
 
 
 def log(event: str, **fields: Any) -> None:

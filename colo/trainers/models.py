@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+
+# transformers is imported where a config or model is built: the size tables here are read
+# by the benchmark without it (a spawned peer process re-imports its parent's modules)
 
 #: Sized so that one CPU forward + backward + AdamW step on a batch of
 #: 32 sequences x 32 tokens takes about 0.15 s on 2 cores (torch 2.13, sdpa):
@@ -37,6 +39,9 @@ DEMO_DEFAULTS: dict[str, Any] = {
 #: near 30 GB in its step, a real share of one H100 or H200 where the choice of
 #: mem_fraction_static matters. Its context is cut to 4096 positions: the engine
 #: must hold one sequence of maximum length, and the demo's are 32 tokens.
+#: Qwen2-7B's shapes (untied lm_head), for the benchmarks: too large for the demo's fp32 trainer
+QWEN2_7B: dict[str, Any] = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
 DEMO_MODELS: dict[str, dict[str, Any]] = {
     "demo": {},
     "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
@@ -45,7 +50,7 @@ DEMO_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def demo_model_config(name: str) -> Qwen2Config:
+def demo_model_config(name: str) -> Any:
     """The config of a named demo size (:data:`DEMO_MODELS`)."""
     if name not in DEMO_MODELS:
         raise ValueError(f"unknown demo model {name!r}; expected one of {', '.join(DEMO_MODELS)}")
@@ -57,12 +62,14 @@ def demo_model_config(name: str) -> Qwen2Config:
 _CONSTRUCTOR_ONLY = {"rope_theta", "attn_implementation"}
 
 
-def demo_config(**overrides: Any) -> Qwen2Config:
+def demo_config(**overrides: Any) -> Any:
     """The demo's Qwen2 config; ``overrides`` replace single fields (tests shrink it).
 
     Unknown keys are refused: ``Qwen2Config`` would silently keep them as
     attributes and a misspelt override would have no effect.
     """
+    from transformers import Qwen2Config
+
     known = set(vars(Qwen2Config()))
     unknown = sorted(k for k in overrides if k not in known and k not in _CONSTRUCTOR_ONLY)
     if unknown:
@@ -71,7 +78,7 @@ def demo_config(**overrides: Any) -> Qwen2Config:
     return Qwen2Config(**{**DEMO_DEFAULTS, **overrides})
 
 
-def build_trainer_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
+def build_trainer_model(config: Any, seed: int) -> Any:
     """A float32, randomly initialised ``Qwen2ForCausalLM``, identical for equal seeds.
 
     The initialisation draws from a forked RNG so building a model neither
@@ -79,6 +86,8 @@ def build_trainer_model(config: Qwen2Config, seed: int) -> Qwen2ForCausalLM:
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
+    from transformers import Qwen2ForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -132,6 +141,8 @@ def config_from_dict(d: dict[str, Any]) -> Any:
         from transformers import Qwen3MoeConfig
 
         return Qwen3MoeConfig(**d)
+    from transformers import Qwen2Config
+
     return Qwen2Config(**d)
 
 

@@ -1,4 +1,4 @@
-"""``colo bench --gpus N``: the per-GPU handoff of a TP=N trainer to a TP=N engine, measured.
+"""``python -m bench.multi_gpu --gpus N``: the per-GPU handoff of a TP=N trainer to a TP=N engine, measured.
 
 One worker process per GPU (:mod:`colo.ranks`) holds trainer rank r — a
 synthetic Megatron-layout trainer: random bf16 shards of a Qwen2 in
@@ -78,7 +78,7 @@ MODELS = ("qwen2-7b", "tiny", "qwen3-30b-a3b", "qwen3-moe-tiny")
 
 
 def model_config(model: str, layers: int | None = None) -> Any:
-    from colo.apps.bench_gpu import QWEN2_7B
+    from colo.trainers.models import QWEN2_7B
     from colo.core.errors import UsageError
     from colo.trainers.models import MOE_MODELS, demo_config, moe_model_config
 
@@ -323,8 +323,8 @@ def streamed_shard_digest(ex: Any, config: Any, dtype: torch.dtype, rank: int, s
     time (a collective: every rank calls it): each full tensor's slice for engine rank
     ``rank`` is copied to the host and the tensor dropped, so a rank never holds the whole
     model (Qwen3-30B-A3B's 61 GB, on each of 8 GPUs and then 8 times in host memory)."""
-    from colo.engine.weights import _digest
-    from colo.engine.tp import ShardPlan, TPLayout, _write_slice
+    from colo.engine.weights import digest_tensors
+    from colo.engine.tp import ShardPlan, TPLayout, write_slice
 
     plan = ShardPlan.build(TPLayout.from_config(config, tp_rank=rank, tp_size=size))
     names = [s.name for s in ex.specs()]
@@ -335,8 +335,8 @@ def streamed_shard_digest(ex: Any, config: Any, dtype: torch.dtype, rank: int, s
     out = {name: torch.empty(shape, dtype=dtype) for name, shape in plan.local_map.params.items()}
     with torch.no_grad():
         for name, t in ex.extract(names):
-            _write_slice(out, plan.slices[name], t)
-    return _digest(out.items())
+            write_slice(out, plan.slices[name], t)
+    return digest_tensors(out.items())
 
 
 # -- the worker's verbs ------------------------------------------------------------
@@ -652,7 +652,7 @@ class BenchHost(RankHost):
     def _time(self, fn: Any, reps: int) -> float:
         """Median seconds of ``fn`` over ``reps`` runs after a warm-up, every rank
         starting each run together; CUDA events on a GPU."""
-        from colo.apps.bench_gpu import median_time
+        from colo.apps.bench import median_time
 
         return median_time(fn, reps, cuda=self._cuda, before_each=self._barrier)
 
@@ -760,7 +760,7 @@ class MultiBench:
         return {"limits": limits, "rows": rows}
 
     def _copy_bytes(self) -> int:
-        # the copy limits with large transfers on a GPU (as bench_gpu), small ones on a CPU
+        # the copy limits with large transfers on a GPU (as bench.gpu_sync), small ones on a CPU
         return 2 * GiB if self.device == "cuda" else 8 * MiB
 
 
@@ -941,9 +941,9 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
     if device == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have == 0:
-            raise UsageError("colo bench --device cuda: no CUDA device is visible")
+            raise UsageError("--device cuda: no CUDA device is visible")
         if gpus > have:
-            raise UsageError(f"colo bench --gpus {gpus} --model {model}: this machine has {have} visible CUDA "
+            raise UsageError(f"--gpus {gpus} --model {model}: this machine has {have} visible CUDA "
                              f"device(s), and the run needs one per rank ({gpus}); run it on a machine with "
                              f"{gpus} GPUs (issue 15's is 8 x H200), or rehearse with fewer GPUs and layers "
                              f"(bash bench/gpu_run.sh moe2)")
@@ -952,35 +952,18 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
         megatron_shards(config, 0, gpus)
         TPLayout.from_config(config, tp_rank=0, tp_size=gpus)
     except ValueError as e:
-        raise UsageError(f"colo bench --gpus {gpus} --model {model}: {e}") from None
-
-
-def run_bench_multi_cli(args: Any) -> int:
-    """``colo bench --gpus N [--device cpu|cuda] [--model qwen2-7b|tiny] [--bucket-mib M] [--reps R]``."""
-    from colo.core.errors import UsageError
-
-    model = args.model
-    if model == "demo":  # bench's own default: the device's natural model here
-        model = "qwen2-7b" if args.device == "cuda" else "tiny"
-    if model not in MODELS:
-        raise UsageError(f"--gpus: --model must be one of {', '.join(MODELS)}, got {model!r}")
-    if args.transports:
-        raise UsageError("--gpus: the rows are fixed (colo-packed, slime-style, and ipc-per-tensor for the "
-                         "dense models); drop --transports")
-    check_machine(args.device, args.gpus, model)
-    result, _ = run_bench_multi(args.device, args.gpus, model, args.bucket_mib, args.reps, args.out or None)
-    return EXIT_OK if result["digest_verified"] else EXIT_FAILED
-
+        raise UsageError(f"--gpus {gpus} --model {model}: {e}") from None
 
 
 def main(argv: Any = None) -> int:
-    """``python -m colo.apps.bench_multi --gpus N --model M [--layers L]``: the same run as ``colo bench
-    --gpus``, plus ``--layers`` (a reduced-depth rehearsal: ``bench/gpu_run.sh moe2``)."""
+    """``python -m bench.multi_gpu --gpus N --model M [--device cpu|cuda] [--layers L] [--bucket-mib M]
+    [--reps R] [--out PATH]``; ``--layers`` is a reduced-depth rehearsal (``bench/gpu_run.sh moe2``).
+    Bad arguments return 2 (argparse's own exit is caught: tests call this in-process)."""
     import argparse
 
     from colo.core.errors import EXIT_BAD_INPUT, UsageError
 
-    p = argparse.ArgumentParser(prog="python -m colo.apps.bench_multi")
+    p = argparse.ArgumentParser(prog="python -m bench.multi_gpu")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--model", choices=MODELS, required=True)
@@ -988,7 +971,10 @@ def main(argv: Any = None) -> int:
     p.add_argument("--bucket-mib", type=float, default=512.0)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
-    a = p.parse_args(argv)
+    try:
+        a = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
     try:
         if a.gpus < 1 or a.reps < 1 or not a.bucket_mib > 0 or (a.layers is not None and a.layers < 1):
             raise UsageError("--gpus, --reps, --layers and --bucket-mib must be positive")

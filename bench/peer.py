@@ -22,7 +22,7 @@ After each configuration's timed updates the receiver's weights are digested
 the way colo's engine digests its own (``colo.engine.model.expected_digest``)
 and compared with the trainer's: a row whose bytes did not arrive says so.
 
-Nothing here is colo's sync path; the benchmark (``colo.apps.bench_gpu``) runs
+Nothing here is colo's sync path; the benchmark (``bench.gpu_sync``) runs
 it beside colo's rows, in the same run, from the same pinned trainer weights.
 """
 

@@ -1,4 +1,4 @@
-"""``colo bench --device cuda``: the sync on one GPU against its physical limits and the
+"""``python -m bench.gpu_sync``: the sync on one GPU against its physical limits and the
 verl- and slime-style baselines, and the timing of every other phase of the cycle.
 
 Models: Qwen2-7B's and Qwen2-1.5B's shapes (the latter with tied embeddings,
@@ -19,7 +19,7 @@ and the pipelined row are told not to use the flat buffer, so they still pack.
 The trainer's weights are that flat buffer (``colo.device.flat_weights``), paused to
 its own pinned host copy. Beside them, per model, a
 real peer: MoonshotAI's checkpoint-engine from the same pinned weights into a
-receiver process on the same GPU (``colo.apps.bench_peer``).
+receiver process on the same GPU (``bench.peer``).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ import anyio
 import torch
 
 from colo.core.interfaces import SyncContext
+from colo.apps.bench import measure_gpu_limits as measure_limits, median_time, release_cached
 from colo.core.memory import GiB, MiB, StagingBudget
+from colo.trainers.models import QWEN2_7B
 
-QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                num_key_value_heads=4, intermediate_size=18944, max_position_embeddings=4096)
 #: the benchmark's models, in the order they run (:func:`gpu_models` has their shapes)
 GPU_MODEL_NAMES: tuple[str, ...] = ("qwen2-7b", "qwen2-1.5b")
 
@@ -67,50 +67,6 @@ VARIANTS = [("packed-one-copy", "packed", {"pipelined": True}, ("sync-first", "o
             ("packed-pipelined", "packed", {"pipelined": True, "one_copy": False}, ("sync-first", "offload-first"))]
 
 
-def median_time(fn: Any, reps: int, *, cuda: bool = True, before_each: Any = None) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after one warm-up: CUDA events on a
-    GPU (the device's own time for what ``fn`` queues), the host clock otherwise.
-    ``before_each()`` runs untimed before every run (the ranks' barrier in
-    ``bench_multi``)."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        if before_each is not None:
-            before_each()
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1000)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-
-
-def measure_limits(nbytes: int = 2 * GiB, reps: int = 10) -> dict:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.random_(0, 255)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.random_(0, 255)
-    h2d = median_time(lambda: dev.copy_(host, non_blocking=True), reps)
-    d2h = median_time(lambda: host.copy_(dev, non_blocking=True), reps)
-    d2d = median_time(lambda: dev2.copy_(dev), reps)
-    pageable = torch.empty(nbytes, dtype=torch.uint8)
-    h2d_pageable = median_time(lambda: dev.copy_(pageable), 3)
-    del host, dev, dev2, pageable
-    _release_cached()
-    return {"bytes": nbytes, "pinned_h2d_GBps": nbytes / h2d / 1e9, "pinned_d2h_GBps": nbytes / d2h / 1e9,
-            "pageable_h2d_GBps": nbytes / h2d_pageable / 1e9,
-            "d2d_copy_GBps_read_plus_write": 2 * nbytes / d2d / 1e9}
-
-
 def host_available() -> int | None:
     """MemAvailable of this machine, in bytes (None where /proc/meminfo is not there)."""
     try:
@@ -123,14 +79,6 @@ def host_available() -> int | None:
     return None
 
 
-def _release_cached() -> None:
-    """Give back what the caching allocators keep of freed buffers, device and pinned host."""
-    torch.cuda.empty_cache()
-    host_empty = getattr(torch._C, "_host_emptyCache", None)  # pinned host blocks stay cached otherwise
-    if host_empty is not None:
-        host_empty()
-
-
 def measure_floors(nbytes: int, reps: int = 5) -> dict:
     """One model's floors: one pinned host->device copy and one device copy of exactly its bytes."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -139,7 +87,7 @@ def measure_floors(nbytes: int, reps: int = 5) -> dict:
     h2d = median_time(lambda: dev.copy_(host, non_blocking=True), reps)
     d2d = median_time(lambda: dev2.copy_(dev), reps)
     del host, dev, dev2
-    _release_cached()
+    release_cached()
     return {"bytes": nbytes, "h2d_s": h2d, "h2d_GBps": nbytes / h2d / 1e9, "d2d_s": d2d,
             "d2d_GBps_read_plus_write": 2 * nbytes / d2d / 1e9, "reps": reps}
 
@@ -517,7 +465,7 @@ def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs:
     installed is recorded as skipped."""
     import traceback
 
-    from colo.apps.bench_peer import run_peer
+    from bench.peer import run_peer
 
     try:
         import checkpoint_engine  # noqa: F401
@@ -542,7 +490,7 @@ def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs:
 
 async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None,
                 models: Sequence[str] = GPU_MODEL_NAMES, peer: bool = True) -> dict:
-    from colo.apps.bench_peer import DEFAULT_CONFIGS
+    from bench.peer import DEFAULT_CONFIGS
     from colo.device.cuda_memory import Saver
 
     unknown = [m for m in models if m not in GPU_MODEL_NAMES]
@@ -589,7 +537,7 @@ def summary(result: dict) -> dict:
 def run_bench_gpu(out: str | None, bucket_mib: float = 512, layers: int | None = None, *,
                   models: Sequence[str] = GPU_MODEL_NAMES, peer: bool = True, reps: int = 3) -> int:
     if not torch.cuda.is_available():
-        print("colo bench --device cuda: no CUDA device is visible", file=sys.stderr)
+        print("bench.gpu_sync: no CUDA device is visible", file=sys.stderr)
         return 2
     result = anyio.run(lambda: bench(bucket_mib=bucket_mib, layers=layers, models=models, peer=peer, reps=reps))
     text = json.dumps(result, indent=2)
@@ -603,7 +551,7 @@ def run_bench_gpu(out: str | None, bucket_mib: float = 512, layers: int | None =
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m colo.apps.bench_gpu", description="colo's sync on one GPU against its limits, the baselines and checkpoint-engine")
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_sync", description="colo's sync on one GPU against its limits, the baselines and checkpoint-engine")
     p.add_argument("out", nargs="?", help="where the JSON result goes")
     p.add_argument("--models", default=",".join(GPU_MODEL_NAMES), help=f"comma-separated, of {', '.join(GPU_MODEL_NAMES)}")
     p.add_argument("--layers", type=int, help="cut every model to this many layers (a quick check)")
