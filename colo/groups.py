@@ -108,3 +108,8 @@ class TrainerGroup(Group):
 
 class EngineGroup(Group):
     side = "engine"
+
+    @property
+    def capabilities(self) -> Any:
+        """What the engine declares (``EngineCapabilities``): every rank of one engine is alike."""
+        return self.ranks[0].capabilities

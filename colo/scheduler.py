@@ -159,7 +159,8 @@ class Scheduler:
                     ledger.register("trainer", tag, int(nbytes), resident=False, host_copy=True)
             started = self.traces[r].start(
                 device={"kind": ledger.device_kind, "name": ledger.device_name, "total_bytes": ledger.total_bytes},
-                config={**self.config.as_dict(), "transport": self.transports[r].name, **self._run_config},
+                config={**self.config.as_dict(), "transport": self.transports[r].name,
+                        "engine_capabilities": self.engines.capabilities.to_json(), **self._run_config},
                 tags=ledger.describe_tags(), mem=ledger.snapshot(),
                 engine_weight_version=self.engine_version, trainer_weight_version=self.trainer_version)
             self.checker.feed(started)

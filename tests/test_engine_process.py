@@ -15,7 +15,8 @@ from colo.engine.weights import expected_digest
 from colo.proc.handles import HandleError, ShmSegment, leftover_segments, open_handle
 from colo.trainers.models import build_trainer_model
 from colo.transports.base import TensorMeta
-from colo.transports.packed import PackedRequest, pack_into
+from colo.transports.pack import pack_into
+from colo.transports.packed import PackedRequest
 
 @pytest.fixture
 def engine(small_engine):

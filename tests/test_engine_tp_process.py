@@ -27,7 +27,8 @@ from colo.groups import EngineGroup
 from colo.proc.handles import ShmSegment, leftover_segments
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.base import TensorMeta
-from colo.transports.packed import PackedRequest, pack_into
+from colo.transports.pack import pack_into
+from colo.transports.packed import PackedRequest
 from tests.conftest import SMALL_CFG
 
 TP = 2

@@ -19,8 +19,9 @@ from colo.testing.fakes import ProtocolEngine
 from colo.trace.writer import TraceWriter
 from colo.transports import REGISTRY, make_transport
 
-DECLARED = frozenset(n for proto in (EngineSide, EngineReceiver) for n in vars(proto)
-                     if not n.startswith("_"))
+# methods, and attributes declared by annotation (``EngineSide.capabilities``)
+DECLARED = frozenset(n for proto in (EngineSide, EngineReceiver)
+                     for n in (*vars(proto), *getattr(proto, "__annotations__", {})) if not n.startswith("_"))
 
 
 class Strict:

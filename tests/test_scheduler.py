@@ -330,3 +330,18 @@ async def test_the_garbage_collector_is_paused_for_the_transfer_and_back_on_afte
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+async def test_the_engine_declares_its_capabilities_and_the_trace_records_them():
+    from colo.core.interfaces import EngineCapabilities
+
+    s, _, engine, _, trace = make()
+    engine.capabilities = EngineCapabilities(tags=("weights", "kv_cache"), frees_memory=False, probe="logprobs")
+    async with s:
+        pass
+    started = trace.events[0]
+    assert started["event"] == "trace.started"
+    assert started["config"]["engine_capabilities"] == {"tags": ["weights", "kv_cache"], "frees_memory": False,
+                                                        "probe": "logprobs"}
+    with pytest.raises(ValueError, match="probe must be one of logits, logprobs"):
+        EngineCapabilities(probe="vibes")

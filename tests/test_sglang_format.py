@@ -29,7 +29,8 @@ from colo.engine.core import EngineCore
 from colo.engine.weights import expected_digest
 from colo.proc.handles import ShmSegment, leftover_segments
 from colo.trainers.models import build_trainer_model, demo_config
-from colo.transports.packed import PackedReceiver, PackedTransport, pack_into
+from colo.transports.pack import pack_into
+from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
 from tests.syncparts import StateTrainer
 

@@ -30,7 +30,8 @@ from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 from colo.transports.disk import load_checkpoint
 from colo.transports.ipc import IpcReceiver, IpcTransport
-from colo.transports.packed import PackedReceiver, PackedTransport, pack_into
+from colo.transports.pack import pack_into
+from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import TensorMeta, views
 from tests.conftest import SMALL_CFG
 from tests.syncparts import StateTrainer
@@ -216,7 +217,7 @@ def test_a_sender_that_reuses_its_buffer_before_the_ack_is_caught():
 
 def _reference_pack(bucket, tensors):
     """The bucket as a per-tensor pack writes it (padding left zero)."""
-    from colo.transports.packed import entry_bytes
+    from colo.transports.pack import entry_bytes
 
     out = torch.zeros(bucket.nbytes, dtype=torch.uint8)
     for (_, t), e in zip(tensors, bucket.entries):
@@ -233,7 +234,7 @@ def test_sources_in_one_flat_buffer_go_as_one_copy_per_bucket_and_land_exactly()
     flat weights, Megatron's DDP buffer) is packed with one copy per bucket, pieces of a
     tensor larger than the bucket included; every entry's bytes are the tensor's."""
     from colo.device.flat_weights import FlatWeights
-    from colo.transports.packed import pack_into, source_runs
+    from colo.transports.pack import pack_into, source_runs
 
     config = demo_config(num_hidden_layers=2)
     model = build_trainer_model(config, seed=5)
@@ -259,7 +260,7 @@ def test_sources_apart_or_out_of_order_are_copied_one_by_one():
     """Separately allocated tensors, and views of one buffer whose distances differ from
     the bucket's (here: reversed), are never merged: each entry is its own copy, and the
     bucket holds each tensor's bytes, not its neighbour's."""
-    from colo.transports.packed import pack_into, source_runs
+    from colo.transports.pack import pack_into, source_runs
 
     g = torch.Generator().manual_seed(2)
     specs = [spec(f"w{i}", (5, 8), "float32") for i in range(4)]

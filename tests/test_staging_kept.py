@@ -128,7 +128,7 @@ def test_a_run_already_in_the_buffer_is_not_copied_again():
     typed views at the bucket's offsets) leaves pack nothing to copy; the bytes are
     the bucket's, and a source elsewhere is still copied beside them."""
     from colo.core.buckets import plan_buckets, spec
-    from colo.transports.packed import pack_into
+    from colo.transports.pack import pack_into
 
     specs = [spec("a", (3, 5), "float32"), spec("b", (7,), "float32"), spec("c", (2, 2), "float32")]
     (bucket,) = plan_buckets(specs, 1 << 20)
@@ -154,7 +154,8 @@ def test_the_engine_keeps_a_kept_buffers_views_until_it_lets_go_of_the_buffer():
 
     from colo.core.buckets import plan_buckets, spec
     from colo.proc.handles import ShmSegment
-    from colo.transports.packed import PackedReceiver, pack_into
+    from colo.transports.pack import pack_into
+    from colo.transports.packed import PackedReceiver
     from colo.transports.wire import TensorMeta
 
     receiver = PackedReceiver()
@@ -265,7 +266,7 @@ def test_a_bucket_marked_in_place_is_not_walked_or_copied():
     buffer's own view at its entry; nothing is copied (even a tensor that is not, here
     on purpose, so the test can see that no copy ran)."""
     from colo.core.buckets import plan_buckets, spec
-    from colo.transports.packed import queue_pack
+    from colo.transports.pack import queue_pack
 
     specs = [spec("a", (4, 4), "float32"), spec("b", (9,), "float32")]
     (bucket,) = plan_buckets(specs, 1 << 20)

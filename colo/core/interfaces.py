@@ -146,8 +146,51 @@ class TrainerSide(Protocol):
     async def train_step(self, rollout: RolloutResult) -> Mapping[str, Any]: ...
 
 
+#: the verification probes an engine can answer (see ``EngineCapabilities.probe``)
+PROBES = ("logits", "logprobs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCapabilities:
+    """What an engine can do beyond the verbs every engine has, declared by the engine
+    (never probed with ``getattr``) and written into the trace with the run's config.
+
+    ``tags``: the memory tags it can release and resume (vLLM has no ``cuda_graph``).
+    ``frees_memory``: releasing a tag gives its device memory back; False where the
+    engine's release is control-plane only (vLLM's sleep on a CPU): the memory
+    ledger then keeps counting the tag as held. ``probe``: how it answers the
+    verification probe, ``"logits"`` (full logits of a token batch) or
+    ``"logprobs"`` (the log-probability of each given token).
+    """
+
+    tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
+    frees_memory: bool = True
+    probe: str = "logits"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tags, tuple) or not all(isinstance(t, str) for t in self.tags):
+            raise ValueError(f"engine capabilities: tags must be a tuple of tag names, got {self.tags!r}")
+        if not isinstance(self.frees_memory, bool):
+            raise ValueError(f"engine capabilities: frees_memory must be a bool, got {self.frees_memory!r}")
+        if self.probe not in PROBES:
+            raise ValueError(f"engine capabilities: probe must be one of {', '.join(PROBES)}, got {self.probe!r}")
+
+    def to_json(self) -> dict:
+        return {"tags": list(self.tags), "frees_memory": self.frees_memory, "probe": self.probe}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> EngineCapabilities:
+        if d is None:
+            return cls()
+        return cls(tags=tuple(d.get("tags", cls.tags)), frees_memory=d.get("frees_memory", True),
+                   probe=d.get("probe", "logits"))
+
+
 @runtime_checkable
 class EngineSide(Protocol):
+    #: what the engine declares it can do (memory tags, whether release frees memory, its probe)
+    capabilities: EngineCapabilities
+
     def tag_bytes(self) -> Mapping[str, int]:
         """Bytes of each engine tag (``weights``, ``kv_cache``, ``cuda_graph``) when resident."""
         ...

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from colo.proc.channel import AsyncChannel, ChannelError, new_key
-from colo.core.interfaces import RolloutResult, TensorSpec
+from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.tasks import RolloutData, RolloutTask
 from colo.core.errors import EngineDied, EngineError
 from colo.proc.lifecycle import SOCKET_NAME, free_port, process_state, socket_dir, start_with_env
@@ -69,6 +69,7 @@ class EngineClient:
                  task: RolloutTask | None):
         self._ch, self.process, self._sockdir, self._key, self.task = channel, process, sockdir, key, task
         self._tag_bytes = {k: int(v) for k, v in hello["tag_bytes"].items()}
+        self.capabilities = EngineCapabilities.from_json(hello.get("capabilities"))
         self.weight_version = hello.get("weight_version")
         self.specs = [TensorSpec(name=n, shape=tuple(s), dtype=d, nbytes=0) for n, s, d in hello["param_specs"]]
         self.closed = False

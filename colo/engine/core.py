@@ -19,7 +19,7 @@ from colo.core.memory import OWNERS_TAGS
 from colo.core.errors import EngineStateError, WeightMismatch  # noqa: F401 (re-exported)
 from colo.dtypes import DTypeLike, dtype_name  # noqa: F401
 from colo.engine.model import EngineModel  # noqa: F401
-from colo.core.interfaces import TensorSpec
+from colo.core.interfaces import EngineCapabilities, TensorSpec
 
 TAGS = OWNERS_TAGS["engine"]  # the one vocabulary of tags (colo.core.memory)
 
@@ -34,6 +34,9 @@ class EngineCore:
     unless a complete load (every expected name exactly once) has finished
     since the storage was last allocated.
     """
+
+    #: colo's engine has every tag, frees what it releases, and answers the logits probe
+    capabilities = EngineCapabilities(tags=TAGS)
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float,

@@ -44,6 +44,7 @@ class EngineServer:
     # -- the engine's own verbs ---------------------------------------------------
     def op_hello(self) -> dict:
         return {"tag_bytes": dict(self.core.tag_bytes()), "weight_version": self.core.weight_version,
+                "capabilities": self.core.capabilities.to_json(),
                 "param_specs": [[s.name, list(s.shape), s.dtype] for s in self.core.param_specs()]}
 
     def op_release(self, tags: list[str]) -> dict:

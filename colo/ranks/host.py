@@ -259,6 +259,7 @@ class RankHost:
         t, e = self.trainer, self.engine
         return {"rank": self.spec.rank, "pid": os.getpid(), "engine_pid": e.process.pid,
                 "trainer_tag_bytes": dict(t.tag_bytes()), "engine_tag_bytes": e.tag_bytes(),
+                "engine_capabilities": e.capabilities.to_json(),
                 "param_specs": [[p.name, list(p.shape), p.dtype, p.nbytes] for p in t.param_specs()],
                 "num_params": int(t.num_params()), "gpu_uuid": self._gpu_uuid()}
 

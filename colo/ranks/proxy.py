@@ -26,7 +26,8 @@ from typing import Any
 import anyio
 
 from colo.proc.channel import AsyncChannel, new_key
-from colo.core.interfaces import RolloutResult, StageRecord, SyncContext, SyncResult, TensorSpec
+from colo.core.interfaces import (EngineCapabilities, RolloutResult, StageRecord, SyncContext, SyncResult,
+                                  TensorSpec)
 from colo.core.errors import (ChannelError, EngineDied, EngineError, OutOfMemory, RankDied, RankError,
                          VerificationError)
 from colo.ranks.host import RankSpec, rollout_from_json, rollout_to_json
@@ -171,6 +172,7 @@ class RemoteEngine:
     def __init__(self, worker: Worker, hello: dict):
         self.worker = worker
         self._tags = {k: int(v) for k, v in hello["engine_tag_bytes"].items()}
+        self.capabilities = EngineCapabilities.from_json(hello.get("engine_capabilities"))
         self.pid = int(hello["engine_pid"])
         self.weight_version: int | None = 0
 

@@ -9,7 +9,7 @@ import anyio
 import anyio.to_thread
 
 from colo.core.buckets import plan_buckets, spec
-from colo.core.interfaces import RolloutResult, SyncContext, SyncResult, TensorSpec
+from colo.core.interfaces import EngineCapabilities, RolloutResult, SyncContext, SyncResult, TensorSpec
 from colo.core.schema import BUCKET_STAGES
 
 
@@ -44,6 +44,8 @@ class FakeTrainer:
 
 
 class FakeEngine:
+    capabilities = EngineCapabilities()
+
     def __init__(self, weights: int = 100, kv_cache: int = 300, cuda_graph: int = 20):
         self.sizes = {"weights": weights, "kv_cache": kv_cache, "cuda_graph": cuda_graph}
         self.resident = set(self.sizes)
@@ -175,6 +177,8 @@ class ProtocolEngine:
     Kit calls run in a worker thread, because a receiver may join a collective
     that the sender in this same process joins at once.
     """
+
+    capabilities = EngineCapabilities()
 
     def __init__(self, specs: Sequence[TensorSpec], *, kv_cache: int = 64, cuda_graph: int = 0):
         from colo.engine.kit import EngineKit

@@ -181,7 +181,7 @@ class BroadcastTransport(BucketSender):
         return self._slots[i][1]
 
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
-        from colo.transports.packed import pack_and_settle
+        from colo.transports.pack import pack_and_settle
 
         flat = self._slot(slot, ctx, tensors[0][1].device)
         t0 = time.perf_counter()

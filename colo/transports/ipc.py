@@ -58,7 +58,7 @@ class _Exported:
     """One tensor's shareable memory, held until the engine acknowledged it."""
 
     def __init__(self, ctx: SyncContext, name: str, t: Any, entry: Any = None, upload_to: Any = None):
-        from colo.transports.packed import entry_bytes
+        from colo.transports.pack import entry_bytes
 
         # a piece of a tensor larger than the bucket is exported as its own bytes only
         flat = t.contiguous().view(-1).view(torch.uint8) if entry is None else entry_bytes(t, entry)
