@@ -28,7 +28,7 @@ case "${1:-tests}" in
     bash "$0" bench
     ;;
   tests)
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_cuda_memory.py tests/test_staging_pipeline.py tests/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_one_gpu.py tests/device/test_cuda_memory.py tests/transports/test_staging_pipeline.py tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
     ;;
   small)  # issue 18's demo-model target: the demo's own syncs (transfer_s, verification beside it) in one
     # 512 MiB bucket and in the default 1 MiB buckets, both source plans, every sync verified; and one
@@ -63,7 +63,7 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
     python3 -m bench.gpu_sync "$OUT/bench-gpu.json" "${@:2}" 2>&1 | tee "$OUT/bench-gpu.log" | tail -60
     ;;
   multi)  # two GPUs: every trainer under both source plans, a killed engine rank, a GPU count too large
-    python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/test_gpu_multi.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
+    python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/gpu/test_two_gpus.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
     ;;
   tune)  # issue 17: record a Qwen2-1.5B demo, tune it, run at the recommendation and at +0.03 (every run
     # kept, whatever the one before did: the traces say why a run failed where it did)
@@ -79,7 +79,7 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
     ;;
   tune-test)  # issue 17's gpu test; its traces and tune output come back in $OUT
-    COLO_GPU_TUNE_OUT="$OUT" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_tune.py 2>&1 \
+    COLO_GPU_TUNE_OUT="$OUT" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tune.py 2>&1 \
       | tee "$OUT/gpu-tune-test.log" | tail -30
     ;;
   moe2)  # issue 15's rehearsal on two GPUs (nvidia-h200-x2): the Qwen3-30B-A3B shape cut to 4 layers

@@ -32,7 +32,7 @@ nothing cannot pass on the previous row's weights.
 
 Qwen3-MoE shapes (``--model qwen3-30b-a3b``, issue 15; ``qwen3-moe-tiny`` on the CPU):
 the synthetic trainer is megatron-core's TP=N + EP=N layout (expert TP 1: rank r holds
-experts ``r * E/N ..`` whole; ``tests/test_moe.py`` checks it against megatron-core's
+experts ``r * E/N ..`` whole; ``tests/engine/test_moe.py`` checks it against megatron-core's
 own model), so every expert reaches every rank by a broadcast from its owner (the
 extractor's EP path) and the rest by all_gather; the engine is colo's TP-MoE
 (:mod:`colo.engine.moe`). The limits add broadcast bandwidth (the root turning
@@ -124,7 +124,7 @@ def megatron_shards(config: Any, rank: int, size: int) -> list[tuple[str, tuple[
     norms carry no attributes (megatron-core sets none on them).
 
     A Qwen3-MoE (:func:`is_moe`) is laid out as megatron-core lays it at TP=:func:`trainer_tp`,
-    EP=N, expert TP 1 (``tests/test_moe.py`` compares with megatron-core's own model):
+    EP=N, expert TP 1 (``tests/engine/test_moe.py`` compares with megatron-core's own model):
     attention tensor-parallel as above over rank r's TP group (ranks ``r // TP * TP ..``,
     megatron's order), without a QKV bias, with q/k layernorms; the router replicated;
     rank r holding experts ``r * E/N ..`` whole, under their model-wide numbers (what the

@@ -16,7 +16,7 @@ Pausing it is done here instead of by the saver: copy to a pinned host backup
 free the storage with ``resize_(0)`` and hand the block back to the driver;
 resuming reallocates and copies back. Every parameter view shares the buffer's
 ``StorageImpl``, so it follows the storage across the resize (what FSDP1's
-``_free_storage``/``_alloc_storage`` relied on); ``tests/test_one_copy.py``
+``_free_storage``/``_alloc_storage`` relied on); ``tests/device/test_one_copy.py``
 checks that rather than trusting it.
 
 The pinned host backup is itself shared (``share_host``, the default): a

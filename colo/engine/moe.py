@@ -1,7 +1,7 @@
 """The engine's Qwen3-MoE: a sparse MoE block in place of the MLP, q/k RMSNorm, no attention bias.
 
 The same math as transformers' ``Qwen3MoeForCausalLM`` (checked against it in
-``tests/test_moe.py``): per token the router's softmax over all experts, the
+``tests/engine/test_moe.py``): per token the router's softmax over all experts, the
 top-k kept (renormalised when ``norm_topk_prob``), each chosen expert's SwiGLU
 weighted and summed; q and k are RMS-normalised per head before the rotary
 embedding.

@@ -14,7 +14,7 @@ vocabulary padding is cut off. A parameter the rules cannot map, or whose
 layout (``partition_stride``) they cannot undo, is refused at construction, all
 of them named in one error.
 
-``tests/test_megatron_core.py`` checks all of it against the real megatron-core
+``tests/extractors/test_megatron_core.py`` checks all of it against the real megatron-core
 (TP, PP, EP, its own checkpoint resharding): transformers' Qwen2 / Qwen2-MoE
 loaded from the extracted tensors reproduces megatron-core's logits.
 

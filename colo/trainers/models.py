@@ -150,7 +150,7 @@ def moe_checkpoint_names(config: Any) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every tensor of a Qwen3-MoE Hugging Face checkpoint, experts one by one
     (``mlp.experts.<e>.gate_proj.weight``): what SGLang's loader and a Megatron
     extractor speak. transformers fuses the experts only when it loads such a checkpoint
-    (its ``conversion_mapping``); ``tests/test_moe.py`` loads exactly these names into
+    (its ``conversion_mapping``); ``tests/engine/test_moe.py`` loads exactly these names into
     ``Qwen3MoeForCausalLM`` with nothing missing or unexpected."""
     h, hd = config.hidden_size, config.head_dim
     q, kv, inter = config.num_attention_heads * hd, config.num_key_value_heads * hd, config.moe_intermediate_size

@@ -24,7 +24,7 @@ from colo.trainers.models import demo_config
 
 from tests.conftest import SMALL_CFG
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

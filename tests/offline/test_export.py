@@ -12,7 +12,7 @@ from colo.core.schema import BUCKET_STAGES
 from colo.scheduler import Scheduler
 from colo.trace.writer import TraceWriter, read_trace
 from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
-from tests.test_replay import record
+from tests.offline.test_replay import record
 
 
 class Clock:

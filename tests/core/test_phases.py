@@ -99,7 +99,7 @@ def test_recovery_path_walks_the_table():
 
 
 def test_readme_diagram_is_generated_from_the_table():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S)
     assert block, "README.md has no mermaid block"
     assert block.group(1) == mermaid(), "README diagram is stale: run `python -m tools.readme`"

@@ -10,9 +10,9 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from tests.test_export import record_pipelined
+from tests.offline.test_export import record_pipelined
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "memory_timeline.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "memory_timeline.ipynb"
 
 
 class ThisPython(KernelSpecManager):

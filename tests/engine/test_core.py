@@ -226,7 +226,7 @@ def test_expected_digest_refuses_an_incomplete_state(config, state):
 
 
 def test_unsupported_configs_are_refused_by_name():
-    # tied word embeddings are supported: tests/test_engine_tied.py
+    # tied word embeddings are supported: tests/engine/test_tied.py
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         Dims.from_config(demo_config(**SMALL, use_sliding_window=True))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):

@@ -1,7 +1,7 @@
 """The tensor-parallel engine (colo.engine.tp): two gloo ranks against the TP=1 engine.
 
 The TP=1 engine (``EngineCore``) is checked against transformers in
-tests/test_engine_core.py and tests/test_engine_tied.py; here the TP=2 engine
+tests/engine/test_core.py and tests/engine/test_tied.py; here the TP=2 engine
 is checked against it on the same full trainer weights. One spawned run of
 two ranks serves every case (a fork of a worker costs seconds); the tests
 below read its results.
@@ -33,7 +33,7 @@ UP = "model.layers.1.mlp.up_proj.weight"
 #: name -> (config overrides, engine dtype, weight perturbation scale). GQA everywhere but
 #: "kv1_vocab127": 4 query heads over 2 KV heads, one KV head per rank; "kv1_vocab127" has
 #: one KV head, replicated on both ranks, and a vocabulary of 127 padded to 128. Tied
-#: configs at fp32 are perturbed strongly, as in tests/test_engine_tied.py, so greedy
+#: configs at fp32 are perturbed strongly, as in tests/engine/test_tied.py, so greedy
 #: decoding does not just repeat the input token; bf16 uses the repo's 0.05 (its bound
 #: grows with the activations).
 CASES = {

@@ -26,7 +26,7 @@ from colo.trainers.models import build_trainer_model, demo_config
 from colo.trace.writer import TraceWriter, read_trace
 from colo.trainers.hf import ReferenceTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- item 2: one trace file, one writer ---------------------------------------------

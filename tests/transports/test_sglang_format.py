@@ -42,7 +42,7 @@ SGLANG_VERSION = "0.5.23"
 #: pure-Python file is read from it
 WHEEL_PLATFORM, WHEEL_PYTHON = "manylinux_2_34_x86_64", "3.11"
 MEMBER = "sglang/srt/weight_sync/tensor_bucket.py"
-CACHE = Path(__file__).resolve().parents[1] / ".cache" / "sglang"
+CACHE = Path(__file__).resolve().parents[2] / ".cache" / "sglang"
 ALLOWED_IMPORTS = {"dataclasses", "typing", "torch"}
 
 

@@ -1,6 +1,6 @@
 """The GPU round trip of issue 17 as recorded on one H100, checked on every CI run.
 
-``bench/gpu_run.sh tune-test`` ran ``tests/test_gpu_tune.py`` on the device and
+``bench/gpu_run.sh tune-test`` ran ``tests/gpu/test_tune.py`` on the device and
 brought its traces back: a Qwen2-1.5B-shaped demo at mem_fraction_static 0.5
 (the baseline), at the fraction ``colo tune`` recommended from it, and at that
 + 0.03. Here the recorded traces must still say what the device said: they
@@ -15,7 +15,7 @@ from pathlib import Path
 from colo.offline.replay import check_trace, load_trace
 from colo.offline.tune import tune
 
-TRACES = Path(__file__).resolve().parents[1] / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 BASE, AT, ABOVE = (TRACES / f"gpu-tune-{name}.jsonl" for name in ("baseline", "at", "above"))
 
 

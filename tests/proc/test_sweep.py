@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_reliability_interrupt import _demo, _gone, _ours, _segments, _start_demo_mid_sync
+from tests.apps.test_interrupt import _demo, _gone, _ours, _segments, _start_demo_mid_sync
 
 
 @pytest.fixture

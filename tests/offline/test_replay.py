@@ -457,7 +457,7 @@ def test_empty_argument_list_is_bad_input():
 
 # -- the committed traces --------------------------------------------------------------
 
-TRACES = sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "traces").glob("*.jsonl"))
+TRACES = sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "traces").glob("*.jsonl"))
 
 
 #: committed traces that record a failure on purpose: (phase, error type) of their one failure.

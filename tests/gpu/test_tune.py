@@ -1,5 +1,5 @@
 """``colo tune`` on a real GPU (issue 17): the round trip the CPU test
-(``test_tune_demo.py``) makes on the simulated device, on the device itself.
+(``tests/offline/test_tune_demo.py``) makes on the simulated device, on the device itself.
 
 A Qwen2-1.5B-shaped demo (random weights, float32 trainer with AdamW, bf16
 engine, the real torch_memory_saver) is recorded at a safe fraction; ``colo

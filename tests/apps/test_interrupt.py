@@ -16,7 +16,7 @@ import pytest
 
 from colo.proc.handles import SHM_DIR
 
-from tests.test_reliability_process import REPO, _gone
+from tests.proc.test_lifecycle import REPO, _gone
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from colo.trace.writer import read_trace
 pytestmark = pytest.mark.slow
 
 CYCLES, WARMUP = 150, 30
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 _LOOP = r"""
 import json, os, sys, anyio

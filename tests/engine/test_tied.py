@@ -80,7 +80,7 @@ def hf_logits(model, tokens):
 def test_float32_logits_match_the_tied_trainer_and_the_digest_matches(config, trainer, state, probe):
     assert LM_HEAD not in state and EMBED in state
     core = make_core(config, init_state=state)
-    # the untied case's bound (tests/test_engine_core.py)
+    # the untied case's bound (tests/engine/test_core.py)
     torch.testing.assert_close(core.logits(probe), hf_logits(trainer, probe), rtol=1e-4, atol=1e-5)
     assert core.digest() == expected_digest(state, config, torch.float32)
 

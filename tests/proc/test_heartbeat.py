@@ -14,7 +14,7 @@ from colo.engine.client import EngineClient
 from colo.proc.lifecycle import process_state
 from colo.core.errors import EngineDied
 
-from tests.test_reliability_process import _build
+from tests.proc.test_lifecycle import _build
 
 
 async def test_a_stopped_engine_is_engine_died_within_seconds_and_killed(tmp_path):

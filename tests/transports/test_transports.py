@@ -291,7 +291,7 @@ def test_requests_round_trip_as_json_and_bad_ones_name_the_field():
 
 async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_weights(small_engine, tmp_path):
     from colo.core.config import SchedulerConfig
-    from tests.test_transports_disk import Trainer as FlakyTrainer
+    from tests.transports.test_disk import Trainer as FlakyTrainer
 
     client, config = small_engine
     root = tmp_path / "ckpt"

@@ -17,7 +17,7 @@ from colo.core.memory import OutOfMemory
 
 #: recorded by ``colo demo --trace traces/cpu-demo.jsonl`` (defaults); if the demo's
 #: memory changes, re-record it and this test tunes from the new one
-RECORDED = Path(__file__).resolve().parents[1] / "traces" / "cpu-demo.jsonl"
+RECORDED = Path(__file__).resolve().parents[2] / "traces" / "cpu-demo.jsonl"
 SMALL = dict(steps=1, batch=4, new_tokens=4)  # memory does not depend on the batch: the KV pool is T x mfs - Wr
 
 

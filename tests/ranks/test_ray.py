@@ -126,7 +126,7 @@ def runs(cluster, tmp_path_factory):
             seen["digest_before_kill"] = [d["digest"] for d in digests]
             ray.kill(trainers[1])
 
-    # the process launcher's run is the one tests/test_demo_multi.py checks too: run once
+    # the process launcher's run is the one tests/apps/test_demo_multi.py checks too: run once
     out = {"process": shared_run(tmp_path_factory, trainer="hf"),
            "ray": _run(tmp, "ray", on_cycle=look, launcher="ray"),
            "ray-faults": _run(tmp, "ray-faults", on_cycle=faults, launcher="ray", steps=4,

@@ -1,0 +1,1 @@
+"""Tests of bench/: the research harnesses beside the package."""

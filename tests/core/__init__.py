@@ -1,0 +1,1 @@
+"""Tests of colo.core: phases, invariants, memory, buckets."""

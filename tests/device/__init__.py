@@ -1,0 +1,1 @@
+"""Tests of colo.device: CUDA memory, flat weights and the one-copy sync."""

@@ -1,0 +1,1 @@
+"""Tests of colo.engine: the model, EngineCore, tensor parallelism, MoE, the engine process."""

@@ -1,0 +1,1 @@
+"""Tests of colo.extractors: plain, FSDP and Megatron extraction."""

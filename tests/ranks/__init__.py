@@ -1,0 +1,1 @@
+"""Tests of colo.ranks: many ranks under Ray."""

@@ -1,0 +1,1 @@
+"""Tests of colo.testing: fault injection through real runs."""

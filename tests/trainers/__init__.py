@@ -1,0 +1,1 @@
+"""Tests of colo.trainers: the demo trainers, alone and as ranks."""

@@ -1,0 +1,1 @@
+"""Tests of colo.transports: every transport, staging, the wire format, the declared engine protocols."""
