@@ -1,19 +1,5 @@
-"""Shared by the transport tests: a trainer that is only its extractor side."""
-
-import torch
-
-from colo.extractors.plain import PlainExtractor
-
-
-class StateTrainer:
-    """A real ``PlainExtractor`` over ``source`` (a state dict or a module), for syncs of
-    weights that are not trained: what a transport asks of a trainer, and nothing else."""
-
-    def __init__(self, source, dtype=torch.float32):
-        self._extractor = PlainExtractor(source, dtype=dtype)
-
-    def extractor(self):
-        return self._extractor
+"""A spy the engine and extractor tests share. (The trainer that is only its extractor
+side, once here, is :class:`colo.testing.trainers.StateTrainer`.)"""
 
 
 def calls_of(monkeypatch, obj, attr, arg):

@@ -16,24 +16,15 @@ from colo.core.config import SchedulerConfig
 from colo.core.invariants import InvariantChecker
 from colo.core.memory import MemoryLedger
 from colo.scheduler import Scheduler
+from colo.testing.engines import RecordingEngine
 from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 from colo.trace.writer import TraceWriter, read_trace
-
-
-class CountingEngine(FakeEngine):
-    def __init__(self):
-        super().__init__()
-        self.digests = 0
-
-    async def digest(self):
-        self.digests += 1
-        return await super().digest()
 
 
 @pytest.mark.parametrize("policy,verified", [("every", [True, True, True]), ("first", [True, False, False]),
                                              ("none", [False, False, False])])
 async def test_the_verify_policy_decides_which_syncs_digest_and_verify(policy, verified, tmp_path):
-    engine, calls = CountingEngine(), []
+    engine, calls = RecordingEngine(FakeEngine(), only=("digest",)), []
 
     async def verify(digests):
         calls.append(list(digests))
@@ -49,7 +40,7 @@ async def test_the_verify_policy_decides_which_syncs_digest_and_verify(policy, v
     syncs = [e for e in events if e["event"] == "sync.finished"]
     assert [e["digest"] is not None for e in syncs] == verified
     assert [e["verify_s"] is not None for e in syncs] == verified
-    assert engine.digests == len(calls) == sum(verified)
+    assert len(engine.calls) == len(calls) == sum(verified)
     for e in syncs:  # the transfer is timed apart from the verification, both inside the sync
         assert 0 <= e["transfer_s"] <= e["duration_s"]
         assert e["verify_s"] is None or e["transfer_s"] + e["verify_s"] <= e["duration_s"] + 1e-6

@@ -11,6 +11,7 @@ from colo.cli import main
 from colo.core.config import SchedulerConfig
 from colo.apps.demo import DemoConfig
 from colo.extractors.plain import PlainExtractor
+from colo.testing.trainers import StateTrainer
 from colo.transports import make_transport
 
 KEEP = '{"keep": "me"}\n'
@@ -74,18 +75,13 @@ def test_an_unknown_transport_is_named():
     assert "pigeon" in str(ei.value)
 
 
-class _Empty:
-    def extractor(self):
-        return PlainExtractor({})
-
-
 async def test_an_empty_model_is_refused_before_anything_moves():
     class NoEngine:
         def __getattr__(self, name):
             raise AssertionError(f"the engine was called ({name}) for an empty model")
 
     with pytest.raises(ValueError, match=r"the trainer has no parameters to sync \(empty model\)"):
-        await make_transport("packed").sync(_Empty(), NoEngine(), None)
+        await make_transport("packed").sync(StateTrainer({}), NoEngine(), None)
 
 
 def test_a_non_contiguous_trainer_tensor_is_extracted_contiguous_with_its_values():

@@ -20,6 +20,8 @@ from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.device.flat_weights import FlatWeights
 from colo.proc.handles import leftover_segments
+from colo.testing.engines import RecordingEngine
+from colo.testing.trainers import CountingExtractor, FlatTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport
 from tests.conftest import SMALL_CFG
@@ -28,51 +30,6 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU
 
 #: small enough that the packed path needs several buckets for SMALL_CFG's weights
 BUCKET = 64 << 10
-
-
-class FlatTrainer:
-    """A real model with its parameters in one flat buffer and a real AdamW over them."""
-
-    def __init__(self, config, seed: int, *, device="cpu", dtype=torch.float32, engine_dtype=torch.float32,
-                 share_host: bool = True):
-        self.model = build_trainer_model(config, seed=seed).to(dtype)
-        self.flat_weights = FlatWeights.adopt(self.model, device=device, share_host=share_host)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
-        self.engine_dtype = engine_dtype
-
-    def extractor(self):
-        return PlainExtractor(self.model, dtype=self.engine_dtype)
-
-    def step(self, *, behind_cycles: int = 0) -> None:
-        """An optimizer step: every parameter changes in place, inside the flat buffer.
-        ``behind_cycles``: on a GPU, queue it behind that long a spin of the device,
-        so that it is still running when the caller goes on."""
-        if behind_cycles:
-            torch.cuda._sleep(behind_cycles)
-        # (p - 1)^2: a gradient also for parameters that start at zero (biases)
-        loss = sum(((p.float() - 1) ** 2).sum() for p in self.model.parameters())
-        self.opt.zero_grad()
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """What the engine should hold: the weights in the engine's dtype, on the host."""
-        return {n: p.detach().to(self.engine_dtype).cpu().clone() for n, p in self.model.named_parameters()}
-
-
-class CountingEngine:
-    """The real client; records every load request."""
-
-    def __init__(self, client):
-        self.client, self.requests = client, []
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
-
-    async def transport_load(self, name, request, **kw):
-        self.requests.append(request)
-        return await self.client.transport_load(name, request, **kw)
 
 
 def context(step: int) -> tuple[SyncContext, StagingBudget]:
@@ -147,7 +104,7 @@ async def cpu_engine(tmp_path_factory):
 async def test_sync_first_from_flat_weights_is_one_request_with_nothing_staged(cpu_engine):
     client, config = cpu_engine
     trainer = FlatTrainer(config, 1)
-    engine = CountingEngine(client)
+    engine = RecordingEngine(client)
     transport = PackedTransport()
     try:
         for step in (1, 2):
@@ -179,7 +136,7 @@ async def test_a_conversion_falls_back_to_packing_and_a_paused_buffer_is_still_r
     client, config = cpu_engine
     # bf16 trainer, float32 engine: every tensor is converted, so none lies in the buffer
     trainer = FlatTrainer(config, 2, dtype=torch.bfloat16, engine_dtype=torch.float32)
-    engine = CountingEngine(client)
+    engine = RecordingEngine(client)
     transport = PackedTransport()
     try:
         ctx, budget = context(1)
@@ -217,7 +174,7 @@ async def test_a_conversion_falls_back_to_packing_and_a_paused_buffer_is_still_r
 async def test_a_parameter_that_left_the_buffer_is_refused_by_name(cpu_engine, change):
     client, config = cpu_engine
     trainer = FlatTrainer(config, 5)
-    engine = CountingEngine(client)
+    engine = RecordingEngine(client)
     transport = PackedTransport()
     p = trainer.model.model.norm.weight
     p.data = p.detach().clone() if change == "replaced" else torch.ones(p.numel() + 1)
@@ -233,41 +190,14 @@ async def test_a_parameter_that_left_the_buffer_is_refused_by_name(cpu_engine, c
         trainer.flat_weights.close()
 
 
-class CountingExtractor:
-    """A real extractor, with a count of the tensors it produced."""
-
-    def __init__(self, inner):
-        self.inner, self.produced = inner, 0
-
-    def specs(self):
-        return self.inner.specs()
-
-    def extract(self, names):
-        for item in self.inner.extract(names):
-            self.produced += 1
-            yield item
-
-
-class KeptExtractorTrainer(FlatTrainer):
-    """Builds its extractor once and hands the same one to every sync, as a real trainer
-    would; the extractor counts the tensors it produced."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.kept = CountingExtractor(PlainExtractor(self.model, dtype=self.engine_dtype))
-
-    def extractor(self):
-        return self.kept
-
-
 @on_cpu_engine
 async def test_a_kept_extractor_is_walked_once_and_a_parameter_that_left_later_is_still_refused(cpu_engine):
     """The one-copy layout is found once per (flat weights, extractor): later syncs of new
     weights reuse it and still arrive bit-exact; a parameter replaced after that is
     refused by name before anything is sent, not loaded from its stale slot."""
     client, config = cpu_engine
-    trainer = KeptExtractorTrainer(config, 7)
-    engine = CountingEngine(client)
+    trainer = FlatTrainer(config, 7, extractor="kept")
+    engine = RecordingEngine(client)
     transport = PackedTransport()
     n = len(trainer.flat_weights.slots)
     try:
@@ -402,20 +332,6 @@ GPU_CFG = dict(vocab_size=16384, hidden_size=1024, num_hidden_layers=2, num_atte
                num_key_value_heads=4, intermediate_size=2048, max_position_embeddings=64)
 
 
-class HeldEngine(CountingEngine):
-    """The real client, except that ``end_load`` is not passed on: the engine keeps
-    the buffer mapped, as an engine that has not finished its load would."""
-
-    async def end_load(self, flush_cache=False):
-        pass
-
-    async def transport_load(self, name, request, **kw):
-        # nor the end riding on the last load
-        kw.pop("end", None)
-        kw.pop("flush_cache", None)
-        return await super().transport_load(name, request, **kw)
-
-
 @pytest.mark.gpu
 @gpu
 async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the_engine_let_go():
@@ -436,7 +352,7 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         for step in (1, 2):
             trainer.step(behind_cycles=200_000_000)
             ctx, budget = context(step)
-            engine = CountingEngine(client)
+            engine = RecordingEngine(client)
             result = await transport.sync(trainer, engine, ctx)
             assert await client.digest() == expected_digest(trainer.state(), config, torch.float32), step
             assert len(engine.requests) == 1 and engine.requests[0]["handle"]["kind"] == "cuda_ipc"
@@ -457,7 +373,7 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         assert torch.cuda.mem_get_info()[0] <= free1 - flat.nbytes + 2 * MiB
         assert all(torch.equal(p.detach().cpu(), want[n]) for n, p in trainer.model.named_parameters())
         # 3. an engine that still maps the buffer keeps it allocated: the pause says so
-        held = HeldEngine(client)
+        held = RecordingEngine(client, hold_end=True)
         trainer.step()
         await transport.sync(trainer, held, context(3)[0])
         want = trainer.state()
@@ -474,7 +390,7 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         # 4. resumed, the weights are exact and the next sync is one request again
         flat.resume()
         assert all(torch.equal(p.detach().cpu(), want[n]) for n, p in trainer.model.named_parameters())
-        engine = CountingEngine(client)
+        engine = RecordingEngine(client)
         await transport.sync(trainer, engine, context(4)[0])
         assert len(engine.requests) == 1
         assert await client.digest() == expected_digest(want, config, torch.float32)
@@ -482,17 +398,6 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         await transport.aclose()
         await client.aclose()
         flat.close()
-
-
-class PausingTrainer(FlatTrainer):
-    """While its weights are paused, its extractor hands over the views of their pinned
-    host backup (what a training loop's offload-first sync reads, as BenchTrainer does)."""
-
-    def extractor(self):
-        if self.flat_weights.paused:
-            return PlainExtractor(self.flat_weights.host_tensors(), dtype=self.engine_dtype,
-                                  upload_to=self.flat_weights.device)
-        return super().extractor()
 
 
 def mapped_by(pid: int, segment: str) -> bool:
@@ -507,7 +412,7 @@ async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_
     from colo.engine.client import EngineClient
 
     config = demo_config(**GPU_CFG)
-    trainer = PausingTrainer(config, 5, device="cuda")
+    trainer = FlatTrainer(config, 5, device="cuda", extractor="host-when-paused")
     flat = trainer.flat_weights
     client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
                                        "total_bytes": 2 << 30, "mem_fraction_static": 0.5, "checkpoint": None})
@@ -523,7 +428,7 @@ async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_
             # registered: page-locked, so the engine's copies out of it run at the pinned rate
             assert all(t.is_pinned() for t in flat.host_tensors().values())
             ctx, budget = context(step)
-            engine = CountingEngine(client)
+            engine = RecordingEngine(client)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -559,7 +464,7 @@ async def test_a_private_pinned_backup_is_packed_through_device_staging_and_arri
     config = demo_config(**GPU_CFG)
     if why == "no room":  # a container's small /dev/shm: the backup is private pinned memory, and says so
         monkeypatch.setattr(colo.device.cuda_ipc, "shm_room", lambda: 64 << 20)
-    trainer = PausingTrainer(config, 6, device="cuda", share_host=why != "asked")
+    trainer = FlatTrainer(config, 6, device="cuda", share_host=why != "asked", extractor="host-when-paused")
     flat = trainer.flat_weights
     client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
                                        "total_bytes": 2 << 30, "mem_fraction_static": 0.5, "checkpoint": None})
@@ -575,7 +480,7 @@ async def test_a_private_pinned_backup_is_packed_through_device_staging_and_arri
         with pytest.raises(RuntimeError, match="private host backup"):
             flat.export()
         ctx, budget = context(1)
-        engine = CountingEngine(client)
+        engine = RecordingEngine(client)
         result = await transport.sync(trainer, engine, ctx)
         assert await client.digest() == expected_digest(want, config, torch.float32)
         assert result.buckets == len(engine.requests) > 2 and budget.peak_bytes > 0

@@ -21,11 +21,11 @@ from colo.engine.dims import Dims
 from colo.engine.weights import expected_digest, expected_hf_specs
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
+from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.trainers.hf import ReferenceTrainer
 from colo.transports import make_transport
 from tests.conftest import SMALL_CFG
-from tests.syncparts import StateTrainer
 
 MiB = 1 << 20
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -14,12 +14,12 @@ import torch
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineClient
 from colo.engine.weights import expected_digest
-from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
 from colo.core.memory import MemoryLedger
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import Phase
 from colo.scheduler import Scheduler
+from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter, read_trace
 from colo.transports.base import RequestError, TensorMeta
 from colo.transports.disk import (DiskInitInfo, DiskReceiver, DiskRequest, DiskTransport, IncompleteCheckpoint,
@@ -31,44 +31,8 @@ from tests.conftest import SMALL_CFG as CFG
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
-class FlakyExtractor:
-    """Extracts like PlainExtractor, but raises on the ``fail_at``-th bucket (a trainer crash)."""
-
-    def __init__(self, inner, fail_at):
-        self.inner, self.fail_at, self.calls = inner, fail_at, 0
-
-    def specs(self):
-        return self.inner.specs()
-
-    def extract(self, names):
-        self.calls += 1
-        if self.calls - 1 == self.fail_at:
-            raise RuntimeError(f"simulated trainer crash while gathering bucket {self.fail_at}")
-        return self.inner.extract(names)
-
-
-class Trainer:
-    def __init__(self, state, fail_at=None):
-        self.plain = PlainExtractor(state, dtype=torch.float32)
-        self.fail_at = fail_at
-
-    def tag_bytes(self):
-        return {"weights": 1 << 20, "optimizer": 2 << 20}
-
-    def param_specs(self):
-        return self.plain.specs()
-
-    def extractor(self):
-        return self.plain if self.fail_at is None else FlakyExtractor(self.plain, self.fail_at)
-
-    async def onload(self, tags):
-        pass
-
-    async def offload(self, tags):
-        pass
-
-    async def train_step(self, rollout):
-        raise AssertionError("not reached")
+#: what the scheduler books for a trainer that only syncs
+TAG_BYTES = {"weights": 1 << 20, "optimizer": 2 << 20}
 
 
 def _build(config, tmp_path, checkpoint=None):
@@ -80,7 +44,7 @@ async def test_a_failed_sync_leaves_no_checkpoint_and_a_finished_one_loads_back_
     config = demo_config(**CFG)
     state = {n: p.detach() for n, p in build_trainer_model(config, seed=5).named_parameters()}
     root = tmp_path / "ckpt"
-    trainer = Trainer(state, fail_at=2)
+    trainer = StateTrainer(state, tag_bytes=TAG_BYTES, fail_at=2)
     client = await EngineClient.spawn(_build(config, tmp_path))
     try:
         sched = Scheduler(trainer, client, MemoryLedger(total_bytes=256 << 20), DiskTransport(root=root),
@@ -224,7 +188,7 @@ def test_keep_retires_old_checkpoints_out_of_the_step_namespace(tmp_path):
         for v in (3, 4, 5, 5):  # the last one re-syncs version 5 (after a recovery)
             ctx = SyncContext(step=v, weight_version=v, bucket_bytes=1 << 20, source="host", staging=Pool(),
                               )
-            await t.sync(Trainer(state), Engine(), ctx)
+            await t.sync(StateTrainer(state), Engine(), ctx)
         return t.last_checkpoint
 
     last = anyio.run(main)

@@ -13,9 +13,9 @@ import torch
 from colo.core.config import SchedulerConfig
 from colo.core.interfaces import EngineReceiver, EngineSide
 from colo.core.memory import MemoryLedger
-from colo.extractors.plain import PlainExtractor
 from colo.scheduler import Scheduler
 from colo.testing.fakes import ProtocolEngine
+from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter
 from colo.transports import REGISTRY, make_transport
 
@@ -38,33 +38,6 @@ class Strict:
         return getattr(self._target, name)
 
 
-class Trainer:
-    def __init__(self, state):
-        self.state = state
-        self._extractor = PlainExtractor(state)
-
-    def tag_bytes(self):
-        n = sum(t.numel() * t.element_size() for t in self.state.values())
-        return {"weights": n, "optimizer": 2 * n}
-
-    def param_specs(self):
-        return self._extractor.specs()
-
-    def extractor(self):
-        return self._extractor
-
-    async def onload(self, tags):
-        pass
-
-    async def offload(self, tags):
-        pass
-
-    async def train_step(self, rollout):
-        for t in self.state.values():
-            t.add_(1)
-        return {}
-
-
 def test_the_strict_proxy_refuses_an_undeclared_member():
     engine = Strict(ProtocolEngine([]))
     with pytest.raises(AttributeError, match="'logits' is not part of the declared engine protocols"):
@@ -80,7 +53,8 @@ def test_every_transport_completes_a_sync_against_an_engine_of_only_the_protocol
              "layer.0.weight": torch.randn(300, 40, generator=g),
              "layer.0.bias": torch.randn(40, generator=g),
              "positions": torch.arange(17, dtype=torch.int64)}
-    trainer = Trainer(state)
+    # each tensor in its own dtype; every step adds 1 to all of them
+    trainer = StateTrainer(state, dtype=None, trains=True)
     inner = ProtocolEngine(trainer.param_specs())
     engine = Strict(inner)
     options = {"root": str(tmp_path / "ckpt")} if name == "disk" else {}

@@ -28,11 +28,12 @@ from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.weights import expected_digest
 from colo.proc.handles import ShmSegment, leftover_segments
+from colo.testing.engines import InProcessEngine
+from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
-from tests.syncparts import StateTrainer
 
 #: The SGLang release whose tensor_bucket.py was read for this test (its
 #: FlattenedTensorMetadata: name, shape: torch.Size, dtype: torch.dtype,
@@ -267,35 +268,6 @@ def test_relayout_keeps_the_tensors_and_never_grows_a_bucket():
         assert relayout(laid, align=PADDED) == padded
 
 
-class _InProcessEngine:
-    """The engine's side of a packed sync without the process: the real receiver and EngineCore."""
-
-    def __init__(self, core):
-        self.core, self.receiver, self.requests = core, PackedReceiver(), []
-
-    async def preflight(self, specs):
-        self.core.preflight(specs)
-
-    async def begin_load(self):
-        self.core.begin_load()
-
-    async def transport_load(self, name, request, on_sent=None, *, end=False, flush_cache=False):
-        assert name == "packed"
-        request = json.loads(json.dumps(request))
-        self.requests.append(request)
-        if on_sent is not None:
-            on_sent()
-        with self.receiver.receive(request) as named:
-            reply = {"tensors": self.core.load_weights(named)}
-        if end:
-            await self.end_load(flush_cache)
-            reply["ended"] = True
-        return reply
-
-    async def end_load(self, flush_cache=False):
-        self.core.end_load()
-
-
 @pytest.mark.parametrize("align", [UNPADDED, PADDED], ids=["unpadded", "padded"])
 async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang, align, no_leftover_segments):
     # hidden 36 in bfloat16: 72-byte norms, so the padded layout has gaps
@@ -303,7 +275,7 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
                          num_key_value_heads=1, intermediate_size=40, max_position_embeddings=32)
     state = {n: p.detach() for n, p in build_trainer_model(config, seed=4).named_parameters()}
     core = EngineCore(config, dtype=torch.bfloat16, device="cpu", total_bytes=8 << 20, mem_fraction_static=0.5)
-    engine = _InProcessEngine(core)
+    engine = InProcessEngine(core, PackedReceiver(), "packed")  # the real receiver and EngineCore
     pool = StagingBudget(None)
     ctx = SyncContext(step=0, weight_version=1, bucket_bytes=4 << 10, source="host", staging=pool)
     transport = PackedTransport(align=align)

@@ -11,7 +11,6 @@ buffer early is caught by the same check.
 
 from __future__ import annotations
 
-import json
 
 import anyio
 import pytest
@@ -26,6 +25,9 @@ from colo.engine.tp import ShardPlan, TPLayout, write_slice, shard_state_from_hf
 from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
+from colo.testing.engines import InProcessEngine
+from colo.testing.trainers import StateTrainer
+from colo.testing.transports import OneBufferPacked
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 from colo.transports.disk import load_checkpoint
@@ -34,7 +36,6 @@ from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import TensorMeta, views
 from tests.conftest import SMALL_CFG
-from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -116,69 +117,31 @@ def test_engine_tp_ranks_load_pieces_in_place_as_they_load_whole_tensors(tp_size
 
 # -- a buffer is reused only after the engine's acknowledgement --------------------------
 
-class LateCopyEngine:
-    """The engine's side of a packed or ipc sync, in this process (the real receiver and
-    EngineCore), that copies bucket i only after the sender recorded packing bucket i+1.
+def _late_sync(config, state, transport, receiver):
+    """``state`` synced into the engine's side of a packed or ipc sync, in this process
+    (the real receiver and EngineCore), which copies bucket i only after the sender
+    recorded packing bucket i+1; the EngineCore it ends with.
 
     A pipelined sender packs bucket i+1 while bucket i is in flight; if it packed into
     the buffer bucket i is still being read from, this engine would copy bucket i+1's
     bytes under bucket i's names, and the digest would say so."""
-
-    def __init__(self, core, receiver, ctx, request_bucket):
-        self.core, self.receiver, self.ctx = core, receiver, ctx
-        self.request_bucket = request_bucket  # the bucket index of each request, in order
-        self.requests = 0
-        self.waited = 0
-
-    async def preflight(self, specs):
-        self.core.preflight(specs)
-
-    async def begin_load(self):
-        self.core.begin_load()
-
-    async def end_load(self, flush_cache=False):
-        self.receiver.release()
-        self.core.end_load()
-
-    async def drop_handles(self):
-        self.receiver.release()
-
-    async def transport_load(self, name, request, on_sent=None, *, end=False, flush_cache=False):
-        request = json.loads(json.dumps(request))
-        bucket = self.request_bucket[self.requests]
-        self.requests += 1
-        if on_sent is not None:
-            on_sent()
-        last = max(self.request_bucket)
-        with anyio.fail_after(10):
-            while bucket < last and not any(r.stage == "pack" and r.bucket == bucket + 1 for r in self.ctx.stages):
-                await anyio.sleep(0.002)
-        self.waited += bucket < last
-        with self.receiver.receive(request) as named:
-            reply = {"tensors": self.core.load_weights(named)}
-        if end:
-            await self.end_load(flush_cache)
-            reply["ended"] = True
-        return reply
-
-
-class OneBufferPacked(PackedTransport):
-    """A broken sender: every bucket goes through buffer 0, reused before the ack."""
-
-    async def _pack(self, bucket, tensors, slot, ctx):
-        await super()._pack(bucket, tensors, 0, ctx)
-
-    async def _handoff(self, engine, bucket, slot, ctx):
-        await super()._handoff(engine, bucket, 0, ctx)
-
-
-def _late_sync(config, state, transport, receiver):
     core = EngineCore(config, dtype=torch.float32, device="cpu", total_bytes=16 << 20, mem_fraction_static=0.5)
     ctx = SyncContext(step=0, weight_version=1, bucket_bytes=BUCKET, source="host",
                       staging=StagingBudget(None))
     buckets = plan_buckets(PlainExtractor(state, dtype=torch.float32).specs(), BUCKET)
+    # the bucket index of each request, in order
     per_request = [b.index for b in buckets for _ in (b.entries if isinstance(transport, IpcTransport) else [0])]
-    engine = LateCopyEngine(core, receiver, ctx, per_request)
+    last = max(per_request)
+    waited = []
+
+    async def after_the_next_pack(i):
+        bucket = per_request[i]
+        with anyio.fail_after(10):
+            while bucket < last and not any(r.stage == "pack" and r.bucket == bucket + 1 for r in ctx.stages):
+                await anyio.sleep(0.002)
+        waited.append(bucket < last)
+
+    engine = InProcessEngine(core, receiver, transport.name, before_copy=after_the_next_pack)
 
     async def go():
         try:
@@ -188,7 +151,7 @@ def _late_sync(config, state, transport, receiver):
             await transport.aclose()
 
     anyio.run(go)
-    assert engine.requests == len(per_request) and engine.waited > 0
+    assert len(engine.requests) == len(per_request) and sum(waited) > 0
     return core
 
 

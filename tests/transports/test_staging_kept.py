@@ -19,9 +19,10 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.weights import expected_digest
 from colo.proc.handles import leftover_segments
+from colo.testing.engines import RecordingEngine
+from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model
 from colo.transports import make_transport
-from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -42,23 +43,9 @@ async def sync(transport, engine, state, version, bucket=BUCKET):
     return result, budget
 
 
-class Counting:
-    """The real client; counts the requests by op."""
-
-    def __init__(self, client):
-        self.client, self.ops = client, []
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
-
-    async def drop_handles(self):
-        self.ops.append("drop_handles")
-        await self.client.drop_handles()
-
-
 async def test_small_staging_is_kept_mapped_and_reused_only_after_every_ack(small_engine):
     client, config = small_engine
-    engine = Counting(client)
+    engine = RecordingEngine(client, only=("drop_handles",))
     transport = make_transport("packed", keep_staging_bytes=KEEP)
     try:
         first = None
@@ -74,20 +61,20 @@ async def test_small_staging_is_kept_mapped_and_reused_only_after_every_ack(smal
             assert len(names) == 2, names
             first = first or names
             assert names == first, "a kept buffer was reallocated"
-        assert engine.ops == []  # the engine was never asked to let go of them
+        assert engine.calls == []  # the engine was never asked to let go of them
     finally:
         await transport.aclose()
     assert leftover_segments() == []
-    assert engine.ops == ["drop_handles"]  # aclose: the engine let go first, then they were freed
+    assert engine.calls == ["drop_handles"]  # aclose: the engine let go first, then they were freed
 
 
 @pytest.fixture
 async def kept(small_engine):
-    """(client, config, the counting engine, a packed sender that keeps its staging)."""
+    """(client, config, the client recording its drop_handles, a packed sender that keeps its staging)."""
     client, config = small_engine
     transport = make_transport("packed", keep_staging_bytes=KEEP)
     try:
-        yield client, config, Counting(client), transport
+        yield client, config, RecordingEngine(client, only=("drop_handles",)), transport
     finally:
         await transport.aclose()
 
@@ -100,7 +87,7 @@ async def test_a_new_bucket_size_frees_the_kept_buffers_after_the_engine_lets_go
     await sync(transport, engine, state, 2, bucket=2 * BUCKET)
     assert await client.digest() == expected_digest(state, config, torch.float32)
     after = leftover_segments()
-    assert engine.ops == ["drop_handles"] and len(after) == 2 and not set(after) & set(before)
+    assert engine.calls == ["drop_handles"] and len(after) == 2 and not set(after) & set(before)
 
 
 @pytest.mark.parametrize("keep", [2 * BUCKET - 1, None])
@@ -205,9 +192,9 @@ async def test_kept_buffers_survive_a_refused_sync_and_abort_frees_them(kept):
     state = state_of(config, 3)
     await sync(transport, engine, state, 3)
     assert await client.digest() == expected_digest(state, config, torch.float32)
-    assert leftover_segments() == held and engine.ops == []
+    assert leftover_segments() == held and engine.calls == []
     await transport.abort()
-    assert leftover_segments() == [] and engine.ops == ["drop_handles"]
+    assert leftover_segments() == [] and engine.calls == ["drop_handles"]
     state = state_of(config, 4)
     await sync(transport, engine, state, 4)
     assert await client.digest() == expected_digest(state, config, torch.float32)

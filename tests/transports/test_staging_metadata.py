@@ -20,13 +20,13 @@ from colo.core.memory import StagingBudget
 from colo.engine.client import EngineError
 from colo.engine.weights import expected_digest
 from colo.proc.handles import ShmSegment, leftover_segments
+from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver
 from colo.transports.wire import LayoutNotCached, RequestError, TensorMeta, layout_key
 from tests.conftest import SMALL_CFG
-from tests.syncparts import StateTrainer
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 

@@ -12,14 +12,15 @@ sender that reuses one buffer before the ack fails the same check.
 
 from __future__ import annotations
 
-import anyio
 import pytest
 import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.weights import expected_digest
-from colo.extractors.plain import PlainExtractor
+from colo.testing.engines import RecordingEngine
+from colo.testing.trainers import StateTrainer
+from colo.testing.transports import OneBufferPacked
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport
 from tests.conftest import SMALL_CFG
@@ -39,38 +40,6 @@ def trainer_state(config, seed: int, *, pinned: bool) -> dict[str, torch.Tensor]
     return out
 
 
-class Trainer:
-    def __init__(self, state, upload_to=None):
-        self._extractor = PlainExtractor(state, dtype=torch.float32, upload_to=upload_to)
-
-    def extractor(self):
-        return self._extractor
-
-
-class LateEngine:
-    """The real engine client, whose every load waits ``delay`` seconds before it is sent."""
-
-    def __init__(self, client, delay: float):
-        self.client, self.delay = client, delay
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
-
-    async def transport_load(self, name, request, on_sent=None, **end):
-        await anyio.sleep(self.delay)
-        return await self.client.transport_load(name, request, on_sent=on_sent, **end)
-
-
-class OneBufferPacked(PackedTransport):
-    """A broken sender: every bucket goes through buffer 0, reused before the ack."""
-
-    async def _pack(self, bucket, tensors, slot, ctx):
-        await super()._pack(bucket, tensors, 0, ctx)
-
-    async def _handoff(self, engine, bucket, slot, ctx):
-        await super()._handoff(engine, bucket, 0, ctx)
-
-
 async def test_queued_uploads_deliver_exact_weights_to_an_engine_that_loads_late():
     from colo.engine.client import EngineClient
 
@@ -85,8 +54,9 @@ async def test_queued_uploads_deliver_exact_weights_to_an_engine_that_loads_late
                 budget = StagingBudget(2 * BUCKET)
                 ctx = SyncContext(step=seed, weight_version=seed, bucket_bytes=BUCKET,
                                   source="host" if pinned else "device", staging=budget)
-                await transport.sync(Trainer(state, upload_to="cuda" if pinned else None),
-                                     LateEngine(client, 0.01), ctx)
+                # the real client, whose every load waits 10 ms before it is sent
+                await transport.sync(StateTrainer(state, upload_to="cuda" if pinned else None),
+                                     RecordingEngine(client, delay=0.01), ctx)
                 want = expected_digest({n: t.cpu() for n, t in state.items()}, config, torch.float32)
                 assert await client.digest() == want, seed
                 assert budget.held_bytes == 0
@@ -102,7 +72,7 @@ async def test_queued_uploads_deliver_exact_weights_to_an_engine_that_loads_late
         ctx = SyncContext(step=7, weight_version=7, bucket_bytes=BUCKET, source="host", staging=StagingBudget(None))
         broken = OneBufferPacked()
         try:
-            await broken.sync(Trainer(state, upload_to="cuda"), LateEngine(client, 0.01), ctx)
+            await broken.sync(StateTrainer(state, upload_to="cuda"), RecordingEngine(client, delay=0.01), ctx)
         finally:
             await broken.aclose()
         assert await client.digest() != expected_digest(state, config, torch.float32)

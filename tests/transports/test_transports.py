@@ -22,12 +22,15 @@ from colo.core.memory import MemoryLedger, StagingBudget
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import Phase
 from colo.scheduler import Scheduler
+from colo.testing.engines import RecordingEngine
+from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter, read_trace
 from colo.transports import REGISTRY, get_strategy, make_transport
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
 DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
-from tests.syncparts import StateTrainer
+#: what the scheduler books for a trainer that only syncs
+TAG_BYTES = {"weights": 1 << 20, "optimizer": 2 << 20}
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -138,27 +141,13 @@ def test_other_transports_stage_at_most_two_buckets_on_the_trainer_side(demo_tra
 
 # -- direct syncs through a small engine ------------------------------------------
 
-class CountingEngine:
-    """The real client, with a count of per-request loads."""
-
-    def __init__(self, client):
-        self.client, self.loads = client, 0
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
-
-    async def transport_load(self, *args, **kw):
-        self.loads += 1
-        return await self.client.transport_load(*args, **kw)
-
-
 async def test_each_transport_loads_the_trainers_weights_with_its_own_request_count(small_engine, tmp_path):
     client, config = small_engine
     for seed, name in enumerate(TRANSPORTS):
         state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
         options = {"root": str(tmp_path / "ckpt")} if name == "disk" else {}
         transport = make_transport(name, **options)
-        engine = CountingEngine(client)
+        engine = RecordingEngine(client)
         pool = StagingBudget(None)
         ctx = SyncContext(step=0, weight_version=seed, bucket_bytes=64 << 10, source="host", staging=pool)
         try:
@@ -189,35 +178,14 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
 
 # -- preflight through a real sync ------------------------------------------------
 
-class MismatchedTrainer:
+def mismatched_trainer(config):
     """A trainer whose tensors disagree with the engine in four ways."""
-
-    def __init__(self, config):
-        state = {n: p.detach().clone() for n, p in build_trainer_model(config, seed=1).named_parameters()}
-        del state["model.norm.weight"]                                            # missing
-        state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(4, 4)            # unexpected
-        state["lm_head.weight"] = torch.zeros(config.vocab_size, config.hidden_size + 1)  # wrong shape
-        state["model.layers.0.input_layernorm.weight"] = torch.ones(config.hidden_size, dtype=torch.int32)  # dtype
-        self.state = state
-        self._extractor = PlainExtractor(state, dtype=torch.float32)
-
-    def tag_bytes(self):
-        return {"weights": 1 << 20, "optimizer": 2 << 20}
-
-    def param_specs(self):
-        return self._extractor.specs()
-
-    def extractor(self):
-        return self._extractor
-
-    async def onload(self, tags):
-        pass
-
-    async def offload(self, tags):
-        pass
-
-    async def train_step(self, rollout):
-        raise AssertionError("not reached")
+    state = {n: p.detach().clone() for n, p in build_trainer_model(config, seed=1).named_parameters()}
+    del state["model.norm.weight"]                                            # missing
+    state["model.layers.9.mlp.up_proj.weight"] = torch.zeros(4, 4)            # unexpected
+    state["lm_head.weight"] = torch.zeros(config.vocab_size, config.hidden_size + 1)  # wrong shape
+    state["model.layers.0.input_layernorm.weight"] = torch.ones(config.hidden_size, dtype=torch.int32)  # dtype
+    return StateTrainer(state, tag_bytes=TAG_BYTES)
 
 
 MISMATCHES = ("missing (1): model.norm.weight", "unexpected (1): model.layers.9.mlp.up_proj.weight",
@@ -227,7 +195,7 @@ MISMATCHES = ("missing (1): model.norm.weight", "unexpected (1): model.layers.9.
 
 async def test_a_mismatched_trainer_fails_the_sync_phase_before_any_byte_for_every_transport(small_engine, tmp_path):
     client, config = small_engine
-    trainer = MismatchedTrainer(config)
+    trainer = mismatched_trainer(config)
     memory = MemoryLedger(total_bytes=256 << 20, reserved_bytes=0)
     trace = TraceWriter(tmp_path / "t.jsonl")
     root = tmp_path / "ckpt"
@@ -291,13 +259,12 @@ def test_requests_round_trip_as_json_and_bad_ones_name_the_field():
 
 async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_weights(small_engine, tmp_path):
     from colo.core.config import SchedulerConfig
-    from tests.transports.test_disk import Trainer as FlakyTrainer
 
     client, config = small_engine
     root = tmp_path / "ckpt"
     for seed, name in enumerate(TRANSPORTS):
         state = {n: p.detach() for n, p in build_trainer_model(config, seed=10 + seed).named_parameters()}
-        trainer = FlakyTrainer(state, fail_at=2)
+        trainer = StateTrainer(state, tag_bytes=TAG_BYTES, fail_at=2)
         transport = make_transport(name, **({"root": str(root)} if name == "disk" else {}))
         memory = MemoryLedger(total_bytes=256 << 20)
         trace = tmp_path / f"{name}.jsonl"
