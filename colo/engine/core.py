@@ -179,9 +179,11 @@ class EngineCore:
         self._complete = True
         return n
 
-    def digest(self) -> str:
+    def digest(self, order: Sequence[str] | None = None) -> str:
+        """The digest of the HF-named tensors the engine holds, in ``order`` (the spec list the
+        last preflight accepted; see ``EngineModel.digest``)."""
         self._refuse_if_weights_released("digest weights")
-        return self.model.digest()
+        return self.model.digest(order)
 
     # -- inference -------------------------------------------------------------
 

@@ -49,6 +49,8 @@ class LoadSession:
         self.expected = expected
         self._describe_unexpected = describe_unexpected
         self.loaded: set[str] = set()
+        #: names in the order they were completed
+        self.order: list[str] = []
         #: elements written so far of each tensor arriving in pieces (bounded staging)
         self.partial: dict[str, int] = {}
         self.duplicate: list[str] = []
@@ -90,6 +92,7 @@ class LoadSession:
             return False
         self.partial.pop(name, None)
         self.loaded.add(name)
+        self.order.append(name)
         return True
 
     def finish(self) -> int:

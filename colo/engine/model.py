@@ -26,13 +26,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from colo.core.errors import EngineStateError
+from colo.core.errors import EngineStateError, WeightMismatch
+from colo.digest import weights_digest
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.kvpool import KVPoolPlan, SlotAllocator
-from colo.engine.weights import WeightMap, _check_specs, digest_tensors, _named_items, _spec_triples
+from colo.engine.weights import WeightMap, _check_specs, _named_items, _spec_triples
 from colo.transports.wire import Piece
 
 
@@ -88,6 +89,7 @@ class _BatchMemo:
             if self.small:
                 torch._foreach_copy_(self.small_dst, [batch[i][1] for i in self.small])
         session.loaded |= self.name_set
+        session.order += self.names
         return len(self.names)
 
 
@@ -133,6 +135,9 @@ class EngineModel:
         self._batch_memo: _BatchMemo | None = None
         self._pool: torch.Tensor | None = None
         self._load: LoadSession | None = None
+        #: the HF names of the last complete load, in the order they arrived (the digest's
+        #: order where no spec list says otherwise)
+        self._last_order: list[str] = []
         self.allocate_weights()
         self.allocate_kv()
 
@@ -331,9 +336,13 @@ class EngineModel:
         where a subclass writes it some other way (a TP rank's slice)."""
         dest = self._dests.get(name)
         if dest is None:
-            shard = self.map.shards[name]
-            dest = self._dests[name] = params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
+            dest = self._dests[name] = self._row_block(params, name)
         return dest
+
+    def _row_block(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """The rows of a fused parameter that hold HF tensor ``name``, as a view."""
+        shard = self.map.shards[name]
+        return params[shard.param][shard.row_offset:shard.row_offset + shard.shape[0]]
 
     def _write(self, params: dict[str, torch.Tensor], name: str, tensor: Any) -> None:
         """Copy one checked HF tensor (or a piece of it: its run of elements, in
@@ -358,15 +367,24 @@ class EngineModel:
         if session is None:
             raise EngineStateError("end_load called without begin_load()")
         self._load = None
-        return session.finish()
+        n = session.finish()
+        self._last_order = list(session.order)
+        return n
 
     @property
     def loading(self) -> bool:
         return self._load is not None
 
-    def digest(self) -> str:
-        """sha256 over (name, dtype, shape, raw bytes) of every parameter, in the map's order."""
-        return digest_tensors(self._require_weights("digest weights").items())
+    def digest(self, order: Sequence[str] | None = None) -> str:
+        """The contract digest (:mod:`colo.digest`) of the HF-named tensors this engine holds,
+        each its row block of a fused parameter, in ``order`` (the spec list a preflight
+        accepted), else in the order the last complete load delivered them."""
+        params = self._require_weights("digest weights")
+        names = list(order) if order is not None else (self._last_order or list(self.sync_map.shards))
+        unknown = [n for n in names if n not in self.sync_map.shards]
+        if unknown:
+            raise WeightMismatch("digest asked for tensors the engine does not hold", unexpected=unknown)
+        return weights_digest((n, self._row_block(params, n)) for n in names)
 
     # -- forward -------------------------------------------------------------
 

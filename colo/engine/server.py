@@ -76,7 +76,8 @@ class EngineServer:
         return {"logits": out.float().cpu().tolist()}
 
     def op_digest(self) -> dict:
-        return {"digest": self.core.digest()}
+        # in the order of the spec list the last preflight accepted: the trainer's
+        return {"digest": self.core.digest([s.name for s in self.kit.accepted] or None)}
 
     # -- the receiving half: the engine kit ------------------------------------------
     def op_preflight(self, specs: list[list] | None = None, key: str | None = None) -> dict:

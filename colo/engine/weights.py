@@ -21,6 +21,7 @@ from colo.core.buckets import itemsize, numel, spec
 from colo.core.errors import WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
+from colo.digest import weights_digest
 from colo.engine.dims import TIED, Dims, dims_from_config
 
 
@@ -173,5 +174,12 @@ def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                     config: Any, dtype: DTypeLike = torch.bfloat16) -> str:
-    """The digest an engine holding these trainer tensors reports (``EngineModel.digest``)."""
-    return digest_tensors(engine_state_from_hf(hf_named_tensors, config, dtype).items())
+    """The digest colo's engine reports after receiving these trainer tensors in this order
+    (the contract every engine meets, :mod:`colo.digest`: the HF-named tensors it received,
+    in the trainer's spec order, each in the engine's dtype). Every name must be one the
+    engine takes, exactly once (a tied model's separate ``lm_head.weight`` is refused)."""
+    wmap = WeightMap.build(dims_from_config(config))
+    items = _named_items(hf_named_tensors)
+    _check_specs(wmap, ((n, t.shape, None) for n, t in items), None, "trainer state does not match the engine")
+    target = as_dtype(dtype)
+    return weights_digest((n, t.detach().to(device="cpu", dtype=target)) for n, t in items)
