@@ -85,6 +85,7 @@ class Scheduler:
                  transport: Any, *, plan: str | None = None, trace: TraceWriter | Sequence[TraceWriter] | None = None,
                  config: SchedulerConfig | None = None, engine_synced: bool = True,
                  verify: Callable[[list[str]], Awaitable[None]] | None = None,
+                 probe: Callable[[], Awaitable[Any]] | None = None,
                  run_config: dict | None = None, clock: Callable[[], float] = time.monotonic,
                  hooks: Sequence[PhaseHooks] = ()):
         if config is None:
@@ -114,6 +115,10 @@ class Scheduler:
         self.last_train: Any = None
         self.last_sync: dict | None = None
         self._verify = verify
+        #: the engine's answer to a fixed probe batch, checked against the trainer's (raises on a
+        #: mismatch); run with a verified sync's digests, or where the KV cache is back
+        self._probe = probe
+        self._probe_due = False
         #: syncs verified so far (``SchedulerConfig.verify == "first"`` verifies only the first)
         self._verified = 0
         self._run_config = run_config or {}
@@ -121,7 +126,8 @@ class Scheduler:
         self._entered_rollout = False
         #: the work each phase does beyond its memory effects, written out
         self._work: dict[Phase, Callable[[], Awaitable[Any]]] = {
-            Phase.ROLLOUT: self._rollout, Phase.TRAIN: self._train, Phase.SYNC: self._sync}
+            Phase.ROLLOUT: self._rollout, Phase.TRAIN: self._train, Phase.SYNC: self._sync,
+            Phase.ENGINE_WAKE_KV: self._probe_if_due}
 
     # -- one-rank views ----------------------------------------------------------
     @property
@@ -148,10 +154,13 @@ class Scheduler:
     async def __aenter__(self) -> Scheduler:
         engine_tags = self.engines.first("tag_bytes")
         trainer_tags = self.trainers.first("tag_bytes")
+        # an engine whose release is control-plane only (vLLM's sleep on a CPU) keeps its
+        # bytes while released: the ledger does not pretend they moved
+        frees = self.engines.capabilities.frees_memory
         for r, ledger in enumerate(self.memories):
             for tag, nbytes in engine_tags.items():
                 if f"engine.{tag}" not in ledger.regions:
-                    ledger.register("engine", tag, int(nbytes), resident=True)
+                    ledger.register("engine", tag, int(nbytes), resident=True, frees=frees)
             for tag, nbytes in trainer_tags.items():
                 if f"trainer.{tag}" not in ledger.regions:
                     # Colocated start: the trainer built its state, then offloaded it
@@ -315,6 +324,7 @@ class Scheduler:
         for ledger in self.memories:
             ledger.staging = None
         self.engine_version = None
+        self._probe_due = False  # a recovery syncs, and probes, again
         for engine in self.engines.ranks:
             with anyio.move_on_after(self.config.cleanup_deadline_s):
                 try:
@@ -346,7 +356,7 @@ class Scheduler:
             for tag in todo:
                 nbytes = ledger.pause(f"{effect.owner}.{tag}", host_copy=effect.host_copy)
                 self._emit(r, "memory.paused", owner=effect.owner, tag=tag, bytes=nbytes,
-                           host_copy=effect.host_copy)
+                           host_copy=effect.host_copy, **self._not_freed(effect.owner))
 
     async def _resume(self, phase: Phase, effect: Effect) -> None:
         todo = self._tags(effect, effect.resume, resident=False)
@@ -357,7 +367,15 @@ class Scheduler:
         for r, ledger in enumerate(self.memories):
             for tag in todo:
                 nbytes = ledger.resume(f"{effect.owner}.{tag}")
-                self._emit(r, "memory.resumed", owner=effect.owner, tag=tag, bytes=nbytes)
+                self._emit(r, "memory.resumed", owner=effect.owner, tag=tag, bytes=nbytes,
+                           **self._not_freed(effect.owner))
+
+    def _not_freed(self, owner: str) -> dict:
+        """For an engine whose release frees nothing: say so on the event, in its own words."""
+        caps = self.engines.capabilities
+        if owner != "engine" or caps.frees_memory:
+            return {}
+        return {"freed": False, "engine_note": caps.note}
 
     def _check_fits(self, rank: int, keys: Sequence[str], phase: Phase) -> None:
         # All tags of one resume must fit together.
@@ -419,6 +437,13 @@ class Scheduler:
             digests = list(await self.engines.each("digest"))
             if self._verify is not None:
                 await self._verify(list(digests))
+            if self._probe is not None:
+                # an engine whose probe runs through its KV cache (vLLM) answers it once the
+                # cache is back: engine_wake_kv, before any rollout can happen
+                self._probe_due = self.engines.capabilities.probe_needs_kv and \
+                    not self.memory.is_resident("engine.kv_cache")
+                if not self._probe_due:
+                    await self._probe()
             verify_s = round(self._clock() - t1, 6)
             self._verified += 1
         await self.engines.each("set_weight_version", version)
@@ -431,6 +456,17 @@ class Scheduler:
                   for r, res in enumerate(results)]
         self.last_sync = events[0]
         return self.last_sync
+
+    async def _probe_if_due(self) -> None:
+        """The probe a verified sync left for the KV cache's return. A mismatch fails this
+        phase, which marks the engine stale: no rollout runs on weights it did not pass."""
+        if not self._probe_due:
+            return
+        self._probe_due = False
+        t0 = self._clock()
+        await self._probe()
+        self._emit_all("probe.finished", step=self.step, weight_version=self.engine_version,
+                       duration_s=round(self._clock() - t0, 6))
 
     async def _transfer(self, ctxs: list[SyncContext]) -> list[SyncResult]:
         """Every rank's transport moves its sync at once; their stage records come

@@ -166,6 +166,11 @@ class EngineCapabilities:
     tags: tuple[str, ...] = ("weights", "kv_cache", "cuda_graph")
     frees_memory: bool = True
     probe: str = "logits"
+    #: the probe needs the KV cache resident (vLLM's prompt logprobs run through its scheduler):
+    #: after a sync that left it released, the probe waits for ``engine_wake_kv``
+    probe_needs_kv: bool = False
+    #: the engine's own words on what it can do (why ``frees_memory`` is False, say)
+    note: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.tags, tuple) or not all(isinstance(t, str) for t in self.tags):
@@ -174,16 +179,22 @@ class EngineCapabilities:
             raise ValueError(f"engine capabilities: frees_memory must be a bool, got {self.frees_memory!r}")
         if self.probe not in PROBES:
             raise ValueError(f"engine capabilities: probe must be one of {', '.join(PROBES)}, got {self.probe!r}")
+        if not isinstance(self.probe_needs_kv, bool):
+            raise ValueError(f"engine capabilities: probe_needs_kv must be a bool, got {self.probe_needs_kv!r}")
+        if not isinstance(self.note, str):
+            raise ValueError(f"engine capabilities: note must be a string, got {self.note!r}")
 
     def to_json(self) -> dict:
-        return {"tags": list(self.tags), "frees_memory": self.frees_memory, "probe": self.probe}
+        return {"tags": list(self.tags), "frees_memory": self.frees_memory, "probe": self.probe,
+                **({"probe_needs_kv": True} if self.probe_needs_kv else {}), **({"note": self.note} if self.note else {})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None) -> EngineCapabilities:
         if d is None:
             return cls()
         return cls(tags=tuple(d.get("tags", cls.tags)), frees_memory=d.get("frees_memory", True),
-                   probe=d.get("probe", "logits"))
+                   probe=d.get("probe", "logits"), probe_needs_kv=d.get("probe_needs_kv", False),
+                   note=d.get("note", ""))
 
 
 @runtime_checkable

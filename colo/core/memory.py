@@ -39,6 +39,14 @@ class Region:
     resident: bool
     #: a paused region whose contents survive on the host (trainer state)
     host_copy: bool = False
+    #: pausing gives the bytes back to the device; False where the owner's release is
+    #: control-plane only (vLLM's sleep on a CPU): the bytes stay counted while paused
+    frees: bool = True
+
+    @property
+    def held(self) -> int:
+        """The bytes this region holds on the device now."""
+        return self.nbytes if self.resident or not self.frees else 0
 
 
 @dataclass
@@ -69,9 +77,7 @@ class MemoryLedger:
 
     @property
     def used_bytes(self) -> int:
-        return self.reserved_bytes + self.staging_bytes + sum(
-            r.nbytes for r in self.regions.values() if r.resident
-        )
+        return self.reserved_bytes + self.staging_bytes + sum(r.held for r in self.regions.values())
 
     @property
     def free_bytes(self) -> int:
@@ -82,7 +88,7 @@ class MemoryLedger:
         return bool(r and r.resident)
 
     def by_tag(self) -> dict[str, int]:
-        out = {k: (r.nbytes if r.resident else 0) for k, r in self.regions.items()}
+        out = {k: r.held for k, r in self.regions.items()}
         out[STAGING] = self.staging_bytes
         return out
 
@@ -99,7 +105,8 @@ class MemoryLedger:
     def describe_tags(self) -> dict[str, dict]:
         """Residency of every region, for ``trace.started`` (replay starts from it)."""
         return {
-            k: {"bytes": r.nbytes, "resident": r.resident, "host_copy": r.host_copy}
+            k: {"bytes": r.nbytes, "resident": r.resident, "host_copy": r.host_copy,
+                **({} if r.frees else {"frees": False})}
             for k, r in self.regions.items()
         }
 
@@ -113,15 +120,15 @@ class MemoryLedger:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     def register(self, owner: str, tag: str, nbytes: int, *, resident: bool = True,
-                 host_copy: bool = False, phase: str | None = None) -> None:
+                 host_copy: bool = False, phase: str | None = None, frees: bool = True) -> None:
         key = key_of(owner, tag)
         if nbytes < 0:
             raise ValueError(f"{key}: bytes must be >= 0, got {nbytes}")
         if key in self.regions:
             raise TagStateError(f"{key} is already registered")
-        if resident:
+        if resident or not frees:
             self._need(key, nbytes, phase)
-        self.regions[key] = Region(nbytes, resident, host_copy)
+        self.regions[key] = Region(nbytes, resident, host_copy, frees)
         self._bump_peak()
 
     def _region(self, key: str) -> Region:
@@ -137,7 +144,8 @@ class MemoryLedger:
         r = self._region(key)
         if r.resident:
             raise TagStateError(f"cannot resume {key}: it is already resident (resumed twice)")
-        self._need(key, r.nbytes, phase)
+        if r.frees:  # a region that did not free its bytes needs none to come back
+            self._need(key, r.nbytes, phase)
         return r.nbytes
 
     def resume(self, key: str, *, phase: str | None = None) -> int:

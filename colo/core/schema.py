@@ -6,7 +6,7 @@ SCHEMA = "colo.trace/1"
 EVENTS = frozenset({
     "trace.started", "phase.entered", "phase.finished", "phase.failed",
     "memory.paused", "memory.resumed", "bucket.finished", "sync.finished",
-    "rollout.finished", "trace.finished",
+    "rollout.finished", "probe.finished", "trace.finished",
 })
 #: Stages of one bucket, in the order invariant 6 demands.
 BUCKET_STAGES = ("upload", "gather", "pack", "handoff", "load")
