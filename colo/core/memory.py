@@ -140,19 +140,22 @@ class MemoryLedger:
             ) from None
 
     def check_resume(self, key: str, *, phase: str | None = None) -> int:
-        """Raise what :meth:`resume` would raise, change nothing; return the bytes."""
+        """Raise what :meth:`resume` would raise, change nothing; return the bytes it needs
+        (none for a region that never gave its bytes back)."""
         r = self._region(key)
         if r.resident:
             raise TagStateError(f"cannot resume {key}: it is already resident (resumed twice)")
-        if r.frees:  # a region that did not free its bytes needs none to come back
-            self._need(key, r.nbytes, phase)
+        if not r.frees:
+            return 0
+        self._need(key, r.nbytes, phase)
         return r.nbytes
 
     def resume(self, key: str, *, phase: str | None = None) -> int:
-        nbytes = self.check_resume(key, phase=phase)
+        """Make ``key`` resident; the region's bytes."""
+        self.check_resume(key, phase=phase)
         self.regions[key].resident = True
         self._bump_peak()
-        return nbytes
+        return self.regions[key].nbytes
 
     def check_pause(self, key: str) -> int:
         r = self._region(key)
