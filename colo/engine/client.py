@@ -391,6 +391,17 @@ class EngineClient:
         return (await self.call("logits", tokens=tokens))["logits"]
 
     # -- lifetime --------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    async def reported_version(self) -> int | None:
+        """The weight version the engine process itself holds (None: stale)."""
+        return (await self.call("hello"))["weight_version"]
+
     def kill(self) -> None:
         """Kill the engine process outright (fault injection; a crashed engine)."""
         self.process.kill()

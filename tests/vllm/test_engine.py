@@ -1,0 +1,159 @@
+"""colo's vLLM engine against a real vLLM: every sync goes through colo's own packed
+transport into vLLM's worker (the ``colo`` weight-transfer backend hosting colo's engine
+kit), and what vLLM then generates and scores is compared with transformers on the same
+weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo.core.errors import EngineError, EngineStateError
+from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
+from colo.digest import expected_weights_digest
+from colo.extractors.plain import PlainExtractor
+from colo.trainers.models import build_trainer_model, demo_config
+from colo.transports import make_transport
+
+from tests.vllm.parts import greedy, hf_logprobs
+
+PROMPTS = [[1, 2, 3, 4], [5, 17, 300, 9, 11], [900, 4, 33]]
+PROBE = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [300, 200, 100, 50, 25, 12]]
+
+
+class StateTrainer:
+    """The trainer side of a sync: HF-named tensors, extracted as they are (fp32)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def extractor(self):
+        return PlainExtractor(self.state, dtype=torch.float32)
+
+    def order(self) -> list[str]:
+        return [s.name for s in self.extractor().specs()]
+
+
+def new_weights(seed: int):
+    model = build_trainer_model(demo_config(), seed=seed)
+    return model, StateTrainer({n: p.detach() for n, p in model.named_parameters()})
+
+
+async def sync(engine, trainer, *, bucket_bytes: int, version: int, flush: bool = True):
+    transport = make_transport("packed")
+    ctx = SyncContext(step=version, weight_version=version, bucket_bytes=bucket_bytes, source="host",
+                      staging=StagingBudget(None), flush_cache=flush)
+    try:
+        result = await transport.sync(trainer, engine, ctx)
+    finally:
+        await transport.aclose()
+    return result
+
+
+async def test_tokens_logprobs_digest_and_version_equal_the_trainers_after_each_sync(engine):
+    for version, seed in enumerate((11, 12, 13), start=1):
+        model, trainer = new_weights(seed)
+        # 2 MiB buckets: the 11.5 MB model in several requests
+        result = await sync(engine, trainer, bucket_bytes=2 << 20, version=version)
+        assert result.buckets >= 5 and result.tensors == 51 and result.cache_flushed
+        assert await engine.digest() == expected_weights_digest(trainer.state, trainer.order(), torch.float32)
+        await engine.set_weight_version(version)
+        assert await engine.engine_version() == str(version)
+        assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
+        got, want = await engine.logprobs(PROBE), hf_logprobs(model, PROBE)
+        assert max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w)) <= 1e-4
+
+
+async def test_two_buckets_and_tensors_larger_than_the_bucket(engine):
+    model, trainer = new_weights(21)
+    # the embedding and lm_head are 1 MiB each: in 0.75 MiB buckets they arrive in pieces
+    result = await sync(engine, trainer, bucket_bytes=768 << 10, version=7)
+    assert result.buckets > 15
+    assert await engine.digest() == expected_weights_digest(trainer.state, trainer.order(), torch.float32)
+    await engine.set_weight_version(7)
+    assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
+    # the whole model in two requests
+    model, trainer = new_weights(22)
+    result = await sync(engine, trainer, bucket_bytes=6 << 20, version=8)
+    assert result.buckets == 2
+    await engine.set_weight_version(8)
+    assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
+
+
+async def test_misuse_is_refused_and_the_engine_serves_on(engine):
+    model, trainer = new_weights(31)
+    await sync(engine, trainer, bucket_bytes=4 << 20, version=1)
+    await engine.set_weight_version(1)
+    # an update outside a session: vLLM's worker refuses it
+    with pytest.raises(EngineError, match="start_weight_update must be called before update_weights"):
+        await engine.transport_load("packed", {"handle": {"kind": "shm", "name": "colo-0-0", "nbytes": 8},
+                                               "tensors": []})
+    # a second begin
+    await engine.begin_load()
+    with pytest.raises(EngineError, match="already active"):
+        await engine.begin_load()
+    await engine.drop_handles()  # closes the session the failed sync left
+    # a name the checkpoint does not have, refused at preflight naming it
+    from colo.core.buckets import spec
+
+    with pytest.raises(EngineError, match="model.layers.9.mlp.up_proj.weight"):
+        await engine.preflight([spec("model.layers.9.mlp.up_proj.weight", (512, 256), "float32")])
+    # the engine serves on, on the last synced weights
+    await engine.set_weight_version(1)
+    assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
+
+
+async def test_a_refused_update_leaves_the_trainer_intact_and_the_engine_stale(engine):
+    model, trainer = new_weights(41)
+    await sync(engine, trainer, bucket_bytes=4 << 20, version=1)
+    await engine.set_weight_version(1)
+    before = {n: t.clone() for n, t in trainer.state.items()}
+    # the trainer's copy changes shape under one name: vLLM's checkpoint refuses it
+    bad = dict(trainer.state)
+    bad["model.norm.weight"] = torch.ones(128)
+    with pytest.raises(EngineError, match="model.norm.weight"):
+        await sync(engine, StateTrainer(bad), bucket_bytes=4 << 20, version=2)
+    await engine.drop_handles()
+    await engine.set_weight_version(None)  # as the scheduler marks it after a failed sync
+    assert all(torch.equal(before[n], t) for n, t in trainer.state.items())
+    with pytest.raises(EngineError, match="stale"):
+        await engine.tokens(PROMPTS, max_new_tokens=2)
+    # a complete sync makes it current again
+    await sync(engine, trainer, bucket_bytes=4 << 20, version=3)
+    await engine.set_weight_version(3)
+    assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
+
+
+async def test_a_stale_prefix_cache_gives_wrong_tokens_without_the_flush(engine):
+    """colo's invariant 1 on a real engine: after a weight change the prefix cache must go."""
+    model, trainer = new_weights(51)
+    await sync(engine, trainer, bucket_bytes=4 << 20, version=1)
+    await engine.set_weight_version(1)
+    prompt = [[(i * 37) % 1000 + 1 for i in range(72)]]  # two full 32-token blocks and more
+    assert await engine.tokens(prompt, max_new_tokens=8) == greedy(model, prompt, 8)
+    assert await engine.tokens(prompt, max_new_tokens=8) == greedy(model, prompt, 8)  # now from the cache
+    new_model, new_trainer = new_weights(52)
+    await sync(engine, new_trainer, bucket_bytes=4 << 20, version=2, flush=False)
+    await engine.set_weight_version(2)
+    assert await engine.tokens(prompt, max_new_tokens=8) != greedy(new_model, prompt, 8)  # the hazard is real
+    await engine.flush_cache()
+    assert await engine.tokens(prompt, max_new_tokens=8) == greedy(new_model, prompt, 8)
+
+
+async def test_release_and_resume_keep_colos_tag_rules(engine):
+    with pytest.raises(EngineStateError, match="cuda_graph"):
+        await engine.release(["cuda_graph"])  # vLLM has no such tag
+    await engine.release(["kv_cache", "weights"])
+    with pytest.raises(EngineStateError, match="already released"):
+        await engine.release(["weights"])
+    with pytest.raises(EngineError, match="released"):
+        await engine.tokens(PROMPTS, max_new_tokens=2)  # colo refuses: vLLM would wait forever
+    await engine.resume(["weights"])
+    with pytest.raises(EngineStateError, match="already resident"):
+        await engine.resume(["weights"])  # vLLM itself would only warn
+    await engine.resume(["kv_cache"])
+    # on a CPU vLLM's sleep moves no memory, and the engine says so in vLLM's words
+    assert not engine.capabilities.frees_memory and "is_sleep_mode_available" in engine.capabilities.note
+    # resumed weights are stale until a complete sync
+    assert engine.weight_version is None
