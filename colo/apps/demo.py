@@ -35,7 +35,7 @@ from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import dir_prefix, sweep
 from colo.core.invariants import InvariantViolation
 from colo.apps.demo_setup import (LOGIT_TOLERANCES, CycleSeeded, DemoConfig, DemoOutcome, Recovery,
-                                  SimulatedDevice, check_fits, device_budget, make_verifier)
+                                  SimulatedDevice, check_fits, device_budget, make_verifier, trainer_digest)
 from colo.core.memory import OWNERS_TAGS, MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
@@ -54,6 +54,36 @@ def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
 
     return build(cfg.trainer, model_config=model_config, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
                  device=cfg.device)
+
+
+async def start_vllm(cfg: DemoConfig, build: dict, task: Any) -> Any:
+    """A real vLLM on the demo's model directory (``build["checkpoint"]``), with colo's worker
+    extension; on a CPU with the settings vLLM needs there (float32, token ids, 32-token blocks,
+    1 GiB of KV cache), on a GPU in sleep mode at the demo's memory fraction."""
+    from colo.engine.vllm import VllmEngine
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    _vllm_logs_to(build.get("log_path"))
+    gpu = cfg.device == "cuda"
+    return await VllmEngine.start(
+        build["checkpoint"], task=task, processes=cfg.vllm_processes, skip_tokenizer_init=True,
+        dtype=cfg.engine_dtype, max_model_len=256, max_num_seqs=max(8, cfg.batch), seed=cfg.seed,
+        enforce_eager=not gpu, enable_sleep_mode=gpu, block_size=None if gpu else 32,
+        gpu_memory_utilization=cfg.mem_fraction_static if gpu else 0.2)
+
+
+def _vllm_logs_to(path: str | None) -> None:
+    """vLLM's log lines into the engine log (the console keeps the report)."""
+    import logging
+
+    if path is None:
+        return
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # no handler of vLLM's own on the console
+    logger = logging.getLogger("vllm")
+    if not any(getattr(h, "baseFilename", None) == os.path.abspath(path) for h in logger.handlers):
+        logger.addHandler(logging.FileHandler(path))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _refusal(exc: BaseException) -> str:
@@ -143,11 +173,20 @@ class DemoRun:
 
     async def _engine_build(self) -> dict:
         """The engine starts from the trainer's initial checkpoint (version 0), as
-        SGLang starts from a model path."""
+        SGLang and vLLM start from a model path."""
         from safetensors.torch import save_file
 
-        ckpt = os.path.join(self.workdir, "init.safetensors")
-        save_file({k: v.contiguous().cpu() for k, v in self.trainer.hf_state().items()}, ckpt)
+        if self.cfg.engine == "vllm":
+            # a model directory as vLLM loads one: the config and the weights in its dtype
+            model_dir = os.path.join(self.workdir, "model")
+            self.model_config.save_pretrained(model_dir)
+            dtype = getattr(torch, self.cfg.engine_dtype)
+            save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in self.trainer.hf_state().items()},
+                      os.path.join(model_dir, "model.safetensors"))
+            ckpt = model_dir
+        else:
+            ckpt = os.path.join(self.workdir, "init.safetensors")
+            save_file({k: v.contiguous().cpu() for k, v in self.trainer.hf_state().items()}, ckpt)
         if self.saver is not None:
             # Colocated start: the trainer offloads before the engine starts, as
             # slime does, so the engine's KV pool can take its fraction.
@@ -160,9 +199,12 @@ class DemoRun:
                 "run_dir": self.workdir, "log_path": cfg.engine_log_path()}
 
     async def _spawn_engine(self, build: dict) -> Any:
-        from colo.engine.client import EngineClient
+        if self.cfg.engine == "vllm":
+            engine = await start_vllm(self.cfg, build, self.task)
+        else:
+            from colo.engine.client import EngineClient
 
-        engine = await EngineClient.spawn(build, task=self.task, env=self.env)
+            engine = await EngineClient.spawn(build, task=self.task, env=self.env)
         self.engines.append(engine)
         return engine
 
@@ -188,13 +230,14 @@ class DemoRun:
         trace = TraceWriter(cfg.trace_path)
         trace.add_listener(self.summary.feed)
         trainer = self.injector.wrap_trainer(self.trainer) if self.injector else self.trainer
+        verify, probe = make_verifier(self.trainer, lambda: sched.engine, self.model_config, cfg.engine_dtype,
+                                      cfg.seed, LOGIT_TOLERANCES[cfg.model])
         sched = Scheduler(
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
                                    phase_deadline_s=cfg.phase_deadline_s,
                                    deadlines=self.fault.deadlines() if self.fault else {}, verify=cfg.verify),
-            trace=trace, verify=make_verifier(self.trainer, lambda: sched.engine, self.model_config,
-                                              cfg.engine_dtype, cfg.seed, LOGIT_TOLERANCES[cfg.model]),
+            trace=trace, verify=verify, probe=probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
                         "mem_fraction_static": cfg.mem_fraction_static,
                         "model": {"params": self.trainer.num_params(), "engine_dtype": cfg.engine_dtype}})
@@ -203,9 +246,7 @@ class DemoRun:
         return sched
 
     def trainer_digest(self) -> str:
-        from colo.engine.weights import expected_digest
-
-        return expected_digest(self.trainer.hf_state(), self.model_config, getattr(torch, self.cfg.engine_dtype))
+        return trainer_digest(self.trainer, self.cfg.engine_dtype)
 
     # -- the cycle ---------------------------------------------------------------
     async def cycle(self) -> None:
@@ -272,7 +313,7 @@ class DemoRun:
             raise RuntimeError("the engine generated with stale weights after a failure")
         except EngineError as e:
             rec.rollout_refused_by_engine = _refusal(e)
-        rec.engine_weight_version_after_failure = (await self.engines[-1].call("hello"))["weight_version"]
+        rec.engine_weight_version_after_failure = await self.engines[-1].reported_version()
         await self.sched.recover()
         rec.engine_digest_after_recovery = self.sched.last_sync["digest"]
         rec.recovered = rec.engine_digest_after_recovery == self.trainer_digest()
@@ -291,13 +332,13 @@ class DemoRun:
 
     async def _replace_dead_engine(self, rec: Recovery) -> None:
         old = self.engines[-1]
-        if old.process.is_alive():
+        if old.alive():
             return
         # The trainer's copy is the truth: a new engine starts empty and stale and
         # the recovery sync fills it.
         new = await self._spawn_engine({**self.build, "checkpoint": None})
         await self.sched.replace_engine(self._wrap_engine(new))
-        rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.process.pid, new.process.pid
+        rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.pid, new.pid
         await old.aclose()
 
     # -- the end -------------------------------------------------------------------
@@ -367,7 +408,8 @@ def config_from_args(args: Any) -> DemoConfig:
                           phase_deadline_s=getattr(args, "phase_deadline", 600.0),
                           gpus=getattr(args, "gpus", 1), launcher=getattr(args, "launcher", "process"),
                           address=getattr(args, "address", None), verify=getattr(args, "verify", "every"),
-                          engine_log=getattr(args, "engine_log", None))
+                          engine_log=getattr(args, "engine_log", None), engine=getattr(args, "engine", "colo"),
+                          vllm_processes=getattr(args, "vllm_processes", False))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

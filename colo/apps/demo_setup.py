@@ -30,6 +30,13 @@ MAX_GPUS = 8
 MULTI_FAULTS = ("kill-engine@sync",)
 #: who starts the ranks: local worker processes, or Ray actors (``colo.ranks.ray_launcher``)
 LAUNCHERS = ("process", "ray")
+#: the rollout engines ``colo demo --engine`` drives: colo's own, or a real vLLM (``colo[vllm]``)
+ENGINES = ("colo", "vllm")
+#: vLLM on a CPU holds its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) whether asleep or not: the
+#: simulated device must hold it beside the trainer
+VLLM_CPU_DEFAULT_GIB = 2.0
+#: vLLM's logprobs on the probe batch against the trainer's (both fp32), absolute
+LOGPROB_TOLERANCE = 1e-4
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
 #: simulation, not a measurement.
@@ -84,7 +91,13 @@ class DemoConfig:
     engine_visible_devices: str | None = None
     trace: str | None = None
     seed: int = 0
-    engine_dtype: str = "bfloat16"
+    #: the engine's dtype; None: bfloat16, or float32 for vLLM on a CPU (its bfloat16 kernels hit an
+    #: illegal instruction on short prompts on these CPUs)
+    engine_dtype: str | None = None
+    #: the rollout engine: ``colo`` (colo's own, a process of its own) or ``vllm`` (a real vLLM)
+    engine: str = "colo"
+    #: vLLM in its own engine-core and worker processes (else all in this process)
+    vllm_processes: bool = False
     batch: int = 32
     prompt_len: int = 8
     new_tokens: int = 24
@@ -111,6 +124,17 @@ class DemoConfig:
     engine_log: str | None = None
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine_dtype is None:
+            object.__setattr__(self, "engine_dtype",
+                               "float32" if self.engine == "vllm" and self.device == "cpu" else "bfloat16")
+        if self.device_mem_gib is None and self.engine == "vllm" and self.device == "cpu":
+            object.__setattr__(self, "device_mem_gib", VLLM_CPU_DEFAULT_GIB)
+        if self.engine == "vllm":
+            self._check_vllm()
+        elif self.vllm_processes:
+            raise ValueError("--vllm-processes is for --engine vllm")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.plan not in PLANS:
@@ -161,6 +185,21 @@ class DemoConfig:
             raise ValueError(f"--fault needs --verify every (a recovery is judged by the engine's digest "
                              f"after it), got --verify {self.verify}")
         self._check_gpus()
+
+    def _check_vllm(self) -> None:
+        if self.device == "cpu" and self.engine_dtype != "float32":
+            raise ValueError(f"--engine vllm on a CPU runs float32 (vLLM's bfloat16 CPU kernels hit an illegal "
+                             f"instruction on short prompts), got engine dtype {self.engine_dtype}")
+        if self.gpus != 1:
+            raise ValueError("--engine vllm drives one vLLM (TP=1): --gpus N is for colo's own engine")
+        if self.transport not in ("packed", "ipc"):
+            raise ValueError(f"--engine vllm takes its weights through packed or ipc (handles vLLM's worker maps), "
+                             f"got --transport {self.transport}")
+        if self.fault is not None and self.fault.startswith("kill-engine") and not self.vllm_processes:
+            raise ValueError("--fault kill-engine@... with --engine vllm needs --vllm-processes: an in-process "
+                             "vLLM cannot be killed without the trainer")
+        if self.engine_visible_devices is not None:
+            raise ValueError("--engine-visible-devices is for colo's engine process")
 
     def _check_gpus(self) -> None:
         g = self.gpus
@@ -229,30 +268,48 @@ def probe_batch(vocab_size: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab_size, (2, 16), generator=g).tolist()
 
 
-def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed: int,
-                  tolerance: float = LOGIT_TOLERANCE):
-    """``engine`` is the engine or a zero-argument callable returning the current one
-    (the demo replaces an engine that died)."""
-    from colo.engine.weights import expected_digest
+def trainer_digest(trainer: Any, dtype: str) -> str:
+    """What every engine must report after a sync of ``trainer``'s weights (:mod:`colo.digest`):
+    its HF-named tensors in its spec order, in the engine's dtype."""
+    from colo.digest import expected_weights_digest
 
-    probe = probe_batch(model_config.vocab_size, seed)
+    return expected_weights_digest(trainer.hf_state(), [s.name for s in trainer.param_specs()],
+                                   getattr(torch, dtype))
+
+
+def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed: int,
+                  tolerance: float = LOGIT_TOLERANCE) -> tuple[Callable, Callable]:
+    """``(verify, probe)`` for the scheduler: ``verify(digests)`` checks each engine rank's
+    digest against the trainer's; ``probe()`` the engine's answer to a fixed batch against the
+    trainer's own: logits within ``tolerance`` of the largest (colo's bf16 engine), or
+    logprobs within :data:`LOGPROB_TOLERANCE` (vLLM, fp32). ``engine`` is the engine or a
+    zero-argument callable returning the current one (the demo replaces an engine that died)."""
+    batch = probe_batch(model_config.vocab_size, seed)
     current = engine if callable(engine) else (lambda: engine)
 
     async def verify(digests: list[str]) -> None:
-        want = expected_digest(trainer.hf_state(), model_config, getattr(torch, dtype))
+        want = trainer_digest(trainer, dtype)
         for rank, digest in enumerate(digests):
             if digest != want:
                 raise VerificationError(f"engine rank {rank} digest {digest[:16]} != trainer digest {want[:16]} "
                                         "after sync")
-        got = torch.tensor(await current().logits(probe))
-        ref = trainer.logits(probe)
-        err = float((got - ref).abs().max())
-        bound = tolerance * float(ref.abs().max())
+
+    async def probe() -> None:
+        eng = current()
+        ref = trainer.logits(batch)
+        if eng.capabilities.probe == "logprobs":
+            got = torch.tensor(await eng.logprobs(batch))
+            logp = torch.log_softmax(ref.float(), dim=-1)
+            want = torch.stack([logp[b, torch.arange(len(s) - 1), torch.tensor(s[1:])] for b, s in enumerate(batch)])
+            err, bound, what = float((got - want).abs().max()), LOGPROB_TOLERANCE, "logprobs"
+        else:
+            got = torch.tensor(await eng.logits(batch))
+            err, bound, what = float((got - ref).abs().max()), tolerance * float(ref.abs().max()), "logits"
         if not err <= bound:
-            raise VerificationError(f"engine logits differ from the trainer's by {err:.4g} on the probe "
+            raise VerificationError(f"engine {what} differ from the trainer's by {err:.4g} on the probe "
                                     f"batch (bound {bound:.4g})")
 
-    return verify
+    return verify, probe
 
 
 def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
@@ -285,6 +342,8 @@ def check_fits(cfg: DemoConfig, model_config: Any) -> None:
         total, reserved, _ = device_budget(cfg)
     except ValueError as e:
         raise UsageError(f"--device-mem-gib {cfg.device_mem_gib:g} is too small for the engine: {e}") from None
+    if cfg.engine != "colo":
+        return  # vLLM sizes its own KV cache (and says so when it cannot)
     dims = dims_from_config(model_config)
     dtype = as_dtype(cfg.engine_dtype)
     try:

@@ -150,10 +150,11 @@ async def fault_matrix(kind, tmp_path):
             memory = MemoryLedger(total_bytes=128 << 20)
             path = tmp_path / f"{phase}.jsonl"
             transport = make_transport("packed")
+            verify, probe = make_verifier(trainer, lambda: sched.engine, config, "float32", 0)
             sched = Scheduler(injector.wrap_trainer(trainer), injector.wrap_engine(engines[-1]), memory, transport,
                               trace=TraceWriter(path), engine_synced=False,
                               config=SchedulerConfig(bucket_bytes=16 << 10, deadlines=fault.deadlines()),
-                              verify=make_verifier(trainer, lambda: sched.engine, config, "float32", 0))
+                              verify=verify, probe=probe)
             try:
                 async with sched:
                     await sched.recover()  # the engine starts stale: the first sync
