@@ -45,7 +45,8 @@ def test_fault_help_lists_every_kind_and_where_it_can_happen():
 
 
 @pytest.mark.parametrize("argv, extra", [(["demo", "--trainer", "megatron"], "megatron"),
-                                         (["demo", "--gpus", "2", "--launcher", "ray"], "ray")])
+                                         (["demo", "--gpus", "2", "--launcher", "ray"], "ray"),
+                                         (["demo", "--engine", "vllm"], "vllm")])
 def test_a_missing_extra_is_exit_2_with_the_install_line(argv, extra, monkeypatch, capsys):
     module = next(m for (_, _, v), (m, e, _) in EXTRAS.items() if e == extra)
     # hide the module (and its parent package) as if the extra were not installed

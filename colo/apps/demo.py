@@ -334,9 +334,10 @@ class DemoRun:
         old = self.engines[-1]
         if old.alive():
             return
-        # The trainer's copy is the truth: a new engine starts empty and stale and
-        # the recovery sync fills it.
-        new = await self._spawn_engine({**self.build, "checkpoint": None})
+        # The trainer's copy is the truth: a new engine starts stale (colo's empty; vLLM
+        # cannot start without a model, so from the first checkpoint, then marked stale by
+        # replace_engine) and the recovery sync fills it.
+        new = await self._spawn_engine(self.build if self.cfg.engine == "vllm" else {**self.build, "checkpoint": None})
         await self.sched.replace_engine(self._wrap_engine(new))
         rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.pid, new.pid
         await old.aclose()

@@ -179,7 +179,8 @@ class _Http:
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         if verb == "rpc":
             method, rpc_args = args
-            reply = self._req("POST", "/collective_rpc", {"method": method, "args": [json.dumps(a) for a in rpc_args]})
+            # arguments as JSON values (vLLM's route passes them on as they come)
+            reply = self._req("POST", "/collective_rpc", {"method": method, "args": list(rpc_args)})
             return reply["results"]
         if verb == "sleep":
             return self._req("POST", f"/sleep?level={kwargs.get('level', 1)}")
@@ -426,8 +427,9 @@ class VllmEngine:
         # stale weights, or wait forever for a released KV cache); an EngineError as the
         # engine process's refusals are
         if self._paused:
-            raise EngineError(what, "EngineStateError",
-                              f"cannot {what}: vLLM's {', '.join(sorted(self._paused))} are released")
+            tags = sorted(self._paused)
+            raise EngineError(what, "EngineStateError", f"cannot {what}: vLLM's {' and '.join(tags)} "
+                                                        f"{'is' if len(tags) == 1 else 'are'} released")
         if self.weight_version is None and not stale_ok:
             raise EngineError(what, "EngineStateError",
                               f"cannot {what}: vLLM's weights are stale (no complete sync recorded)")

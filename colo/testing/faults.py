@@ -177,8 +177,11 @@ class FaultInjector:
         if kind == "kill-engine":
             engine = self._engine
             engine.kill()
-            # reaped before the call goes out, so the client sees a dead process
-            await anyio.to_thread.run_sync(engine.process.join, 10)
+            # seen dead before the call goes out, so the caller sees a dead engine (alive()
+            # reaps a killed process; a vLLM's monitor notices its worker's death)
+            with anyio.move_on_after(10):
+                while engine.alive():
+                    await anyio.sleep(0.02)
         elif kind == "raise":
             where = "the receiver's load of a bucket after the first" if self.fault.phase == "sync" else \
                 f"{side}.{method}"

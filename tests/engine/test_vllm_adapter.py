@@ -1,0 +1,49 @@
+"""The parts of colo's vLLM engine that need no vLLM: the supported versions, the
+server command, the demo's refusals (tests/vllm/ runs the rest against a real vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from colo.apps.demo_setup import DemoConfig
+from colo.core.errors import BadInput
+from colo.engine.vllm import EXTENSION, check_version, server_command
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7"])
+def test_supported_versions_pass(version):
+    check_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "nightly"])
+def test_a_vllm_outside_the_supported_range_is_refused_naming_both(version):
+    with pytest.raises(BadInput, match=rf"{version}.*0\.32\.x"):
+        check_version(version)
+
+
+def test_the_server_command_carries_colos_extension_and_backend():
+    cmd = server_command("/models/qwen", port=8000, python="py", skip_tokenizer_init=True, dtype="float32",
+                         enforce_eager=False)
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == EXTENSION
+    assert cmd[cmd.index("--weight-transfer-config") + 1] == '{"backend": "colo"}'
+    assert "--skip-tokenizer-init" in cmd and cmd[cmd.index("--dtype") + 1] == "float32"
+    assert "--enforce-eager" not in cmd
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(engine_dtype="bfloat16"), "float32"),
+    (dict(gpus=2), "--gpus N is for colo's own engine"),
+    (dict(transport="disk"), "packed or ipc"),
+    (dict(fault="kill-engine@sync"), "needs --vllm-processes"),
+    (dict(engine="sglang"), "--engine must be one of colo, vllm"),
+])
+def test_the_demo_refuses_what_vllm_cannot_do_naming_the_flag(kw, why):
+    with pytest.raises(ValueError, match=why):
+        DemoConfig(**{"engine": "vllm", **kw})
+
+
+def test_vllm_on_a_cpu_runs_float32_on_a_device_that_holds_its_kv_cache():
+    cfg = DemoConfig(engine="vllm")
+    assert cfg.engine_dtype == "float32" and cfg.device_mem_gib == 2.0
+    assert DemoConfig().engine_dtype == "bfloat16"
