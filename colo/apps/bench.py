@@ -229,6 +229,7 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
     transport = make_transport(case.transport, **case.options)
     counting = _Counting(engine)
     times: list[float] = []
+    syncs = 0
     peaks: list[int] = []
     requests: list[int] = []
     stage_sums: dict[str, list[float]] = {}
@@ -241,6 +242,7 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
             t0 = time.perf_counter()
             result = await transport.sync(trainer, counting, ctx)
             elapsed = time.perf_counter() - t0
+            syncs += 1
             if pool.held_bytes:
                 raise RuntimeError(f"{case.label}: {pool.held_bytes} staging bytes left after a sync")
             stages: dict[str, float] = {}
@@ -258,7 +260,7 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
     return {"transport": case.label, "name": case.transport, "options": case.options, "sync_s": sec,
             "sync_s_all": times, "bytes": result.bytes, "GBps": result.bytes / sec / 1e9,
             "peak_staging_bytes": max(peaks), "buckets": result.buckets, "tensors": result.tensors,
-            "requests_per_sync": max(requests),
+            "requests_per_sync": max(requests), "syncs": syncs,
             "stage_s_median": {k: statistics.median(v) for k, v in stage_sums.items()}}
 
 
@@ -278,9 +280,29 @@ def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
             "checkpoint": None}
 
 
+async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, state: dict, workdir: str) -> Any:
+    """colo's engine in its own process, or a real vLLM on a model directory of ``state``."""
+    if kind == "colo":
+        from colo.engine.client import EngineClient
+
+        return await EngineClient.spawn(_engine_build(config, model, device))
+    from safetensors.torch import save_file
+
+    from colo.engine.vllm import VllmEngine
+
+    model_dir = os.path.join(workdir, "model")
+    config.save_pretrained(model_dir)
+    dtype = getattr(torch, model.engine_dtype)
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, os.path.join(model_dir, "model.safetensors"))
+    gpu = device == "cuda"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return await VllmEngine.start(model_dir, skip_tokenizer_init=True, dtype=model.engine_dtype, max_model_len=256,
+                                  max_num_seqs=8, enforce_eager=not gpu, block_size=None if gpu else 32,
+                                  gpu_memory_utilization=0.5 if gpu else 0.2)
+
+
 async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
-                      progress: Any = None, limit_GBps: float | None = None) -> dict:
-    from colo.engine.client import EngineClient
+                      progress: Any = None, limit_GBps: float | None = None, engine_kind: str = "colo") -> dict:
     from colo.engine.weights import expected_digest
     from colo.trainers.models import demo_config
 
@@ -290,23 +312,30 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                             upload_to="cuda" if device == "cuda" else None)
     params = sum(t.numel() for t in trainer.state.values())
     want = expected_digest(trainer.state, config, getattr(torch, model.engine_dtype))
-    engine = await EngineClient.spawn(_engine_build(config, model, device))
     rows = []
-    try:
-        for case in cases:
-            say(f"{model.name}: {case.label} ...")
-            row = await time_case(case, trainer, engine, bucket_bytes=int(model.bucket_mib * MiB),
-                                  repeat=model.repeat)
-            # the last sync must have delivered the trainer's weights, bit for bit
-            row["digest_ok"] = await engine.digest() == want
-            if limit_GBps:
-                row["of_limit"] = row["GBps"] / limit_GBps
-            rows.append(row)
-            say(f"{model.name}: {case.label:10s} {row['sync_s']:8.3f} s  {row['GBps']:6.3f} GB/s  "
-                f"peak staging {row['peak_staging_bytes'] / MiB:8.1f} MiB  digest ok {row['digest_ok']}")
-    finally:
-        await engine.aclose()
-    return {"model": model.name, "description": model.description, "params": params,
+    with tempfile.TemporaryDirectory(prefix="colo-bench-") as workdir:
+        engine = await _start_engine(engine_kind, config, model, device, trainer.state, workdir)
+        try:
+            for case in cases:
+                say(f"{model.name} into {engine_kind}: {case.label} ...")
+                row = await time_case(case, trainer, engine, bucket_bytes=int(model.bucket_mib * MiB),
+                                      repeat=model.repeat)
+                if engine_kind == "vllm":
+                    # where vLLM's syncs went: its calls, and inside its worker (over every sync timed)
+                    row["vllm_call_s"] = {k: v / (row["syncs"]) for k, v in engine.call_s.items()}
+                    row["vllm_worker_s"] = {k: v / (row["syncs"]) for k, v in (await engine.worker_timings()).items()}
+                    engine.call_s.clear()
+                # the last sync must have delivered the trainer's weights, bit for bit
+                row["digest_ok"] = await engine.digest() == want
+                if limit_GBps:
+                    row["of_limit"] = row["GBps"] / limit_GBps
+                rows.append(row)
+                say(f"{model.name} into {engine_kind}: {case.label:10s} {row['sync_s']:8.3f} s  "
+                    f"{row['GBps']:6.3f} GB/s  peak staging {row['peak_staging_bytes'] / MiB:8.1f} MiB  "
+                    f"digest ok {row['digest_ok']}")
+        finally:
+            await engine.aclose()
+    return {"model": model.name, "engine": engine_kind, "description": model.description, "params": params,
             "tensors": len(trainer.state), "engine_dtype": model.engine_dtype, "source_dtype": model.source_dtype,
             "config": {k: v for k, v in config.to_dict().items()
                        if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -333,34 +362,71 @@ def machine_info() -> dict:
 
 
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
-                progress: Any = None) -> dict:
-    """Every model through every case on ``device``, beside the limits measured first."""
+                progress: Any = None, engine: str = "colo") -> dict:
+    """Every model through every case on ``device``, beside the limits measured first.
+    ``engine="vllm"``: each model into colo's engine and into a real vLLM, same transport and
+    bucket, and their ratio (``comparison``)."""
     if device == "cuda":
         limits = measure_gpu_limits()
         limit, link = limits["pinned_h2d_GBps"], "pinned host->device"
     else:
         limits = measure_limits()
         limit, link = limits["memcpy_GBps"], "host memcpy"
-    return {"kind": f"colo.apps.bench/{device}-sync",
-            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "device": device, "gpus": 1 if device == "cuda" else 0, "machine": machine_info(), "limits": limits,
-            "limit": {"link": link, "GBps": limit},
-            "models": [await bench_model(m, cases, device=device, progress=progress, limit_GBps=limit)
-                       for m in models]}
+    kinds = ("colo", "vllm") if engine == "vllm" else ("colo",)
+    results = [await bench_model(m, cases, device=device, progress=progress, limit_GBps=limit, engine_kind=k)
+               for m in models for k in kinds]
+    out = {"kind": f"colo.apps.bench/{device}-sync",
+           "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "device": device, "gpus": 1 if device == "cuda" else 0, "machine": machine_info(), "limits": limits,
+           "limit": {"link": link, "GBps": limit}, "models": results}
+    if engine == "vllm":
+        out["comparison"] = compare_engines(results)
+        out["vllm"] = {"version": _vllm_version()}
+    return out
+
+
+def _vllm_version() -> str:
+    from colo.engine.vllm import installed_version
+
+    return installed_version()
+
+
+def compare_engines(results: Sequence[dict]) -> list[dict]:
+    """Per model and transport: vLLM's sync time over colo's engine's (same bytes, transport and
+    bucket), and the stages beside each other (where the extra time goes)."""
+    out = []
+    by = {(m["model"], m["engine"]): m for m in results}
+    for (name, kind), m in by.items():
+        if kind != "vllm" or (name, "colo") not in by:
+            continue
+        ref = {r["transport"]: r for r in by[(name, "colo")]["rows"]}
+        for r in m["rows"]:
+            c = ref.get(r["transport"])
+            if c is not None:
+                out.append({"model": name, "transport": r["transport"], "colo_s": c["sync_s"], "vllm_s": r["sync_s"],
+                            "ratio": r["sync_s"] / c["sync_s"], "colo_stage_s": c["stage_s_median"],
+                            "vllm_stage_s": r["stage_s_median"], "vllm_call_s": r.get("vllm_call_s", {}),
+                            "vllm_worker_s": r.get("vllm_worker_s", {})})
+    return out
 
 
 def table(result: dict) -> str:
-    """The README's table: one row per model and transport."""
+    """The README's table: one row per model, engine and transport (and vLLM against colo's engine)."""
     link = result.get("limit", {}).get("link", "limit")
     lines = [f"| model | transport | sync s | bytes | GB/s | of {link} | peak staging | requests/sync | digest |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for m in result["models"]:
         for r in m["rows"]:
             share = f"{r['of_limit']:.3f}" if "of_limit" in r else "-"
-            lines.append(f"| {m['model']} ({m['params'] / 1e6:,.0f} M params, {m['bucket_mib']:g} MiB buckets) "
+            engine = f" into {m['engine']}" if m.get("engine", "colo") != "colo" else ""
+            lines.append(f"| {m['model']}{engine} ({m['params'] / 1e6:,.0f} M params, {m['bucket_mib']:g} MiB buckets) "
                          f"| {r['transport']} | {r['sync_s']:.3f} | {r['bytes']:,} | {r['GBps']:.2f} | {share} "
                          f"| {r['peak_staging_bytes'] / MiB:,.1f} MiB | {r['requests_per_sync']:,} "
                          f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
+    for c in result.get("comparison", []):
+        lines.append(f"\n{c['model']} over {c['transport']}: vLLM {c['vllm_s'] * 1e3:.1f} ms, colo's engine "
+                     f"{c['colo_s'] * 1e3:.1f} ms: {c['ratio']:.2f}x; in vLLM's worker per sync: "
+                     + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in c["vllm_worker_s"].items()))
     return "\n".join(lines)
 
 
@@ -426,6 +492,16 @@ def write_result(text: str, *, out: str | os.PathLike | None, directory: str | o
             os.unlink(tmp)
 
 
+def vllm_model(model: BenchModel, device: str) -> BenchModel:
+    """The model as both engines take it when vLLM is compared: float32 on a CPU (vLLM's bfloat16
+    CPU kernels hit an illegal instruction on short prompts), the same for colo's engine."""
+    import dataclasses
+
+    if device == "cpu":
+        return dataclasses.replace(model, engine_dtype="float32", source_dtype="float32")
+    return model
+
+
 def check_out(out: str | None) -> None:
     """Refuse, before the benchmark runs, an ``--out`` it could not be written to.
 
@@ -455,7 +531,10 @@ def run_bench(args: Any) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say))
+    engine = getattr(args, "engine", "colo")
+    if engine == "vllm":
+        models = [vllm_model(m, args.device) for m in models]
+    result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say, engine=engine))
     print(table(result))
     try:
         out = write_result(json.dumps(result, indent=2) + "\n", out=args.out or None, directory=RESULTS_DIR,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -244,6 +245,8 @@ class VllmEngine:
         self.weight_version: int | None = 0
         self._preflight_key: str | None = None
         self.closed = False
+        #: seconds spent in each of vLLM's calls (a benchmark reads and clears it)
+        self.call_s: dict[str, float] = {}
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -329,7 +332,12 @@ class VllmEngine:
 
         def run() -> Any:
             with self._lock:
-                return self._api.call(verb, *args, **kwargs)
+                t0 = time.perf_counter()
+                try:
+                    return self._api.call(verb, *args, **kwargs)
+                finally:
+                    key = args[0] if verb == "rpc" else verb
+                    self.call_s[key] = self.call_s.get(key, 0.0) + time.perf_counter() - t0
 
         try:
             with anyio.fail_after(self.call_timeout_s):
@@ -416,6 +424,11 @@ class VllmEngine:
         and every completion is ``max_new_tokens`` long (no end-of-sequence stop)."""
         self._refuse_unless_current("generate")
         return await self._call("generate", prompts, max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+
+    async def worker_timings(self) -> dict[str, float]:
+        """Seconds the worker spent per part of the loads since the last call (begin, check,
+        hash, copy, vLLM's load_weights, its finalize)."""
+        return dict(await self._rpc("colo_timings"))
 
     async def logprobs(self, tokens: list[list[int]]) -> list[list[float]]:
         """The verification probe: log p(token i | the tokens before it), i >= 1."""

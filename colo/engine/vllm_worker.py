@@ -42,6 +42,7 @@ import glob
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +118,8 @@ class VllmSink:
         #: a failed session left vLLM's worker believing an update is active: the next
         #: finish only closes it (see ColoWeightTransfer.finish_weight_update)
         self.aborted = False
+        #: seconds spent per part of the load since the last ``colo_timings`` (where a sync's time goes)
+        self.timings: dict[str, float] = {}
 
     def expected_specs(self) -> list[TensorSpec]:
         size = torch.empty((), dtype=self.model_config.dtype).element_size()
@@ -150,30 +153,43 @@ class VllmSink:
 
         if self.session is not None:
             raise EngineStateError("a load is already in progress (begin_load twice without end_load)")
+        t0 = time.perf_counter()
         self.session = LoadSession(self.shapes)
         self.received.clear()
         self._pieces.clear()
         initialize_layerwise_reload(self.model)
         self.aborted = False
+        self._spent("begin_s", t0)
 
     def load_weights(self, named: Any) -> int:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         session = self._require_session()
+        t0 = time.perf_counter()
         items = list(named)
         session.check(items)  # the whole request, before anything of it loads
-        ready: list[tuple[str, torch.Tensor]] = []
+        t1 = self._spent("check_s", t0)
         for name, tensor in items:
             self.received.add(name, tensor)
+        t2 = self._spent("hash_s", t1)
+        ready: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in items:
             if isinstance(tensor, Piece):  # copied into its whole tensor; loaded with the last piece
                 ready += self._pieces.feed([(name, tensor)])
             else:  # a copy of our own: layerwise reload holds it until its layer is complete
                 ready.append((name, tensor.clone()))
         ready += [(alias, t) for n, t in ready for alias, canon in self.tied.items() if canon == n]
+        t3 = self._spent("copy_s", t2)
         if ready:
             with disable_mtp_completeness_check():
                 self.model.load_weights(ready)
+        self._spent("load_weights_s", t3)
         return sum(session.advance(name, tensor) for name, tensor in items)
+
+    def _spent(self, what: str, since: float) -> float:
+        now = time.perf_counter()
+        self.timings[what] = self.timings.get(what, 0.0) + now - since
+        return now
 
     def end_load(self) -> int:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -184,7 +200,9 @@ class VllmSink:
         except BaseException:
             self.abort()
             raise
-        finalize_layerwise_reload(self.model, self.model_config)
+        t0 = time.perf_counter()
+        finalize_layerwise_reload(self.model, self.model_config)  # vLLM's processing: the CPU's repacking
+        self._spent("finalize_s", t0)
         self.session = None
         return n
 
@@ -310,6 +328,12 @@ class ColoWorkerExtension:
         engine = self._colo()
         order = [s.name for s in engine.kit.accepted] or list(engine.sink.shapes)
         return engine.sink.received.digest(order)
+
+    def colo_timings(self) -> dict[str, float]:
+        """Seconds per part of the loads since the last call (and start counting again)."""
+        sink = self._colo().sink
+        out, sink.timings = sink.timings, {}
+        return out
 
     def colo_received(self) -> list[str]:
         return self._colo().sink.received.names

@@ -157,3 +157,24 @@ async def test_release_and_resume_keep_colos_tag_rules(engine):
     assert not engine.capabilities.frees_memory and "is_sleep_mode_available" in engine.capabilities.note
     # resumed weights are stale until a complete sync
     assert engine.weight_version is None
+
+
+def test_colo_bench_times_the_same_sync_into_vllm_and_colos_engine(tmp_path):
+    """``colo bench --engine vllm``: the demo model's sync into a real vLLM beside colo's engine,
+    same transport and bucket, every digest checked, the ratio and vLLM's worker-side parts."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.json"
+    proc = subprocess.run([sys.executable, "-m", "colo.cli", "bench", "--engine", "vllm", "--transports", "packed",
+                           "--reps", "2", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(m["model"], m["engine"]) for m in result["models"]] == [("demo", "colo"), ("demo", "vllm")]
+    assert all(r["digest_ok"] and r["bytes"] == 11_551_744 for m in result["models"] for r in m["rows"])
+    (c,) = result["comparison"]
+    assert c["transport"] == "packed" and c["ratio"] == c["vllm_s"] / c["colo_s"] > 0
+    assert {"begin_s", "hash_s", "copy_s", "load_weights_s", "finalize_s"} <= set(c["vllm_worker_s"])
+    assert result["vllm"]["version"].startswith("0.32.")
