@@ -47,8 +47,15 @@ _API = {
     # engines: colo's own (a process behind a client) and the kit any engine hosts
     "EngineClient": "colo.engine.client:EngineClient",
     "EngineKit": "colo.engine.kit:EngineKit",
+    "InProcessEngine": "colo.engine.local:InProcessEngine",
+    "VllmEngine": "colo.engine.vllm:VllmEngine",
+    "EngineCapabilities": "colo.core.interfaces:EngineCapabilities",
+    "PieceAssembler": "colo.engine.kit:PieceAssembler",
     "LoadSession": "colo.engine.kit:LoadSession",
     "WeightSink": "colo.engine.kit:WeightSink",
+    # the verification contract every engine meets
+    "weights_digest": "colo.digest:weights_digest",
+    "ReceivedDigest": "colo.digest:ReceivedDigest",
     # errors
     "ColoError": "colo.core.errors:ColoError",
     "BadInput": "colo.core.errors:BadInput",

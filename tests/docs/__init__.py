@@ -1,0 +1,1 @@
+"""The README and docs/: every code block runs as written."""

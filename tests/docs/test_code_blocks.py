@@ -1,0 +1,58 @@
+"""Every code block in the README and docs/ runs as written (see ``tests/docs/blocks.py``
+for how each kind is run); a block marked for a GPU machine or a Ray cluster has its
+``colo`` commands parsed by colo's own parser where neither exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo.cli import build_parser
+from tests.docs.blocks import REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
+
+HERE = [b for b in blocks() if b.mark != "# needs vLLM"]
+
+
+def test_the_readme_test_command_is_what_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    assert ci_test_command() in readme.splitlines()
+    assert ci_test_command().startswith("pip install torch==2.13.0 -e '.[dev]' && python -m pytest -q")
+
+
+def test_the_docs_have_the_blocks_this_test_expects():
+    # a guide with no code would pass vacuously: the README's embedding, own-engine and vLLM
+    # examples and the command blocks are all found
+    readme = [b for b in blocks() if b.path.name == "README.md"]
+    assert sum(b.lang == "python" for b in readme) == 3 and sum(b.lang == "bash" for b in readme) >= 3
+    assert any(b.mark == "# needs vLLM" for b in readme)
+
+
+@pytest.mark.parametrize("block", HERE, ids=[b.id for b in HERE])
+def test_block_runs_as_written(block, tmp_path):
+    cwd = scratch(tmp_path)
+    gpu_only = block.mark in ("# on a GPU machine", "# needs a Ray cluster")
+    if gpu_only and not (block.mark == "# on a GPU machine" and torch.cuda.is_available()):
+        parsed = 0
+        for cmd, _ in commands(block):
+            for part in cmd.split(" && "):
+                argv = colo_argv(part)
+                if argv is not None:
+                    build_parser().parse_args(argv)  # SystemExit(2) on a flag or value colo does not take
+                    parsed += 1
+        assert parsed or "colo " not in block.text
+        return
+    if block.lang == "python":
+        proc = run_python(block, cwd)
+        assert proc.returncode == 0, f"{block.id}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        return
+    ran = 0
+    for cmd, want in commands(block):
+        if cmd == ci_test_command():
+            continue  # CI runs exactly this line (test_the_readme_test_command_is_what_ci_runs)
+        for part in cmd.split(" && "):
+            if part.startswith("pip install") or part.startswith("tools/vllm-env"):
+                continue  # what the test command installs and runs, in CI
+            proc = run_command(part, cwd)
+            assert proc.returncode == want, f"{block.id}: {part}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+            ran += 1
+    assert ran, f"{block.id}: nothing of this block ran"
