@@ -3,7 +3,7 @@
 - :class:`RecordingEngine`: another engine (the real client, a fake) with every
   call passed on and recorded; it can hold each load back, or keep the end of a
   load from the engine.
-- :class:`InProcessEngine`: the engine's receiving side without the engine
+- :class:`ReceiverOnCore`: the engine's receiving side without the engine
   process: a transport's real receiver feeding a real
   :class:`~colo.engine.core.EngineCore`, in the test's own process, where a test
   can hold a copy back until the sender has moved on.
@@ -73,7 +73,7 @@ class RecordingEngine:
             await self.inner.end_load(flush_cache)
 
 
-class InProcessEngine:
+class ReceiverOnCore:
     """The engine's side of a sync through ``transport`` (its name) in this process:
     ``receiver`` (that transport's real receiver) feeding ``core`` (a real EngineCore).
     Every request goes through JSON as on the wire and is kept in ``requests``.

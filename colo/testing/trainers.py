@@ -82,6 +82,10 @@ class StateTrainer:
     def param_specs(self) -> Sequence[TensorSpec]:
         return self._extractor.specs()
 
+    def hf_state(self) -> Mapping[str, torch.Tensor]:
+        """Every tensor under its name (what a verifier compares an engine's digest with)."""
+        return self._tensors()
+
     def extractor(self) -> Any:
         if self.fail_at is None:
             return self._extractor

@@ -28,7 +28,7 @@ from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.weights import expected_digest
 from colo.proc.handles import ShmSegment, leftover_segments
-from colo.testing.engines import InProcessEngine
+from colo.testing.engines import ReceiverOnCore
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.pack import pack_into
@@ -275,7 +275,7 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
                          num_key_value_heads=1, intermediate_size=40, max_position_embeddings=32)
     state = {n: p.detach() for n, p in build_trainer_model(config, seed=4).named_parameters()}
     core = EngineCore(config, dtype=torch.bfloat16, device="cpu", total_bytes=8 << 20, mem_fraction_static=0.5)
-    engine = InProcessEngine(core, PackedReceiver(), "packed")  # the real receiver and EngineCore
+    engine = ReceiverOnCore(core, PackedReceiver(), "packed")  # the real receiver and EngineCore
     pool = StagingBudget(None)
     ctx = SyncContext(step=0, weight_version=1, bucket_bytes=4 << 10, source="host", staging=pool)
     transport = PackedTransport(align=align)

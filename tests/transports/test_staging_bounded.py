@@ -25,7 +25,7 @@ from colo.engine.tp import ShardPlan, TPLayout, write_slice, shard_state_from_hf
 from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor
 from colo.proc.handles import leftover_segments
-from colo.testing.engines import InProcessEngine
+from colo.testing.engines import ReceiverOnCore
 from colo.testing.trainers import StateTrainer
 from colo.testing.transports import OneBufferPacked
 from colo.trainers.models import build_trainer_model, demo_config
@@ -141,7 +141,7 @@ def _late_sync(config, state, transport, receiver):
                 await anyio.sleep(0.002)
         waited.append(bucket < last)
 
-    engine = InProcessEngine(core, receiver, transport.name, before_copy=after_the_next_pack)
+    engine = ReceiverOnCore(core, receiver, transport.name, before_copy=after_the_next_pack)
 
     async def go():
         try:

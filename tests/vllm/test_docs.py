@@ -15,7 +15,10 @@ def test_vllm_block_runs_as_written(block, tmp_path):
     assert block.lang == "python"
     proc = run_python(block, scratch(tmp_path), timeout=600)
     assert proc.returncode == 0, f"{block.id}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    assert "2 cycles on vLLM; its weight version: 2" in proc.stdout
+    if block.path.name == "README.md":
+        assert "2 cycles on vLLM; its weight version: 2" in proc.stdout
+    else:
+        assert "EngineCapabilities(tags=('weights', 'kv_cache')" in proc.stdout
 
 
 def test_there_is_a_vllm_block():

@@ -12,7 +12,7 @@ from colo.core.errors import EngineError, EngineStateError
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.digest import expected_weights_digest
-from colo.extractors.plain import PlainExtractor
+from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
 
@@ -22,22 +22,14 @@ PROMPTS = [[1, 2, 3, 4], [5, 17, 300, 9, 11], [900, 4, 33]]
 PROBE = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [300, 200, 100, 50, 25, 12]]
 
 
-class StateTrainer:
-    """The trainer side of a sync: HF-named tensors, extracted as they are (fp32)."""
-
-    def __init__(self, state):
-        self.state = state
-
-    def extractor(self):
-        return PlainExtractor(self.state, dtype=torch.float32)
-
-    def order(self) -> list[str]:
-        return [s.name for s in self.extractor().specs()]
-
-
 def new_weights(seed: int):
+    """New random weights: transformers' model on them, and a trainer that sends them (fp32)."""
     model = build_trainer_model(demo_config(), seed=seed)
-    return model, StateTrainer({n: p.detach() for n, p in model.named_parameters()})
+    return model, StateTrainer({n: p.detach() for n, p in model.named_parameters()}, trains=True)
+
+
+def order(trainer) -> list[str]:
+    return [s.name for s in trainer.param_specs()]
 
 
 async def sync(engine, trainer, *, bucket_bytes: int, version: int, flush: bool = True):
@@ -57,7 +49,7 @@ async def test_tokens_logprobs_digest_and_version_equal_the_trainers_after_each_
         # 2 MiB buckets: the 11.5 MB model in several requests
         result = await sync(engine, trainer, bucket_bytes=2 << 20, version=version)
         assert result.buckets >= 5 and result.tensors == 51 and result.cache_flushed
-        assert await engine.digest() == expected_weights_digest(trainer.state, trainer.order(), torch.float32)
+        assert await engine.digest() == expected_weights_digest(trainer.source, order(trainer), torch.float32)
         await engine.set_weight_version(version)
         assert await engine.engine_version() == str(version)
         assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
@@ -70,7 +62,7 @@ async def test_two_buckets_and_tensors_larger_than_the_bucket(engine):
     # the embedding and lm_head are 1 MiB each: in 0.75 MiB buckets they arrive in pieces
     result = await sync(engine, trainer, bucket_bytes=768 << 10, version=7)
     assert result.buckets > 15
-    assert await engine.digest() == expected_weights_digest(trainer.state, trainer.order(), torch.float32)
+    assert await engine.digest() == expected_weights_digest(trainer.source, order(trainer), torch.float32)
     await engine.set_weight_version(7)
     assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
     # the whole model in two requests
@@ -108,15 +100,15 @@ async def test_a_refused_update_leaves_the_trainer_intact_and_the_engine_stale(e
     model, trainer = new_weights(41)
     await sync(engine, trainer, bucket_bytes=4 << 20, version=1)
     await engine.set_weight_version(1)
-    before = {n: t.clone() for n, t in trainer.state.items()}
+    before = {n: t.clone() for n, t in trainer.source.items()}
     # the trainer's copy changes shape under one name: vLLM's checkpoint refuses it
-    bad = dict(trainer.state)
+    bad = dict(trainer.source)
     bad["model.norm.weight"] = torch.ones(128)
     with pytest.raises(EngineError, match="model.norm.weight"):
         await sync(engine, StateTrainer(bad), bucket_bytes=4 << 20, version=2)
     await engine.drop_handles()
     await engine.set_weight_version(None)  # as the scheduler marks it after a failed sync
-    assert all(torch.equal(before[n], t) for n, t in trainer.state.items())
+    assert all(torch.equal(before[n], t) for n, t in trainer.source.items())
     with pytest.raises(EngineError, match="stale"):
         await engine.tokens(PROMPTS, max_new_tokens=2)
     # a complete sync makes it current again
@@ -178,3 +170,48 @@ def test_colo_bench_times_the_same_sync_into_vllm_and_colos_engine(tmp_path):
     assert c["transport"] == "packed" and c["ratio"] == c["vllm_s"] / c["colo_s"] > 0
     assert {"begin_s", "hash_s", "copy_s", "load_weights_s", "finalize_s"} <= set(c["vllm_worker_s"])
     assert result["vllm"]["version"].startswith("0.32.")
+
+
+async def test_a_flipped_bit_in_a_received_tensor_fails_verification(engine):
+    from colo.apps.demo_setup import make_verifier
+    from colo.core.errors import VerificationError
+
+    model, trainer = new_weights(71)
+    sent = {n: t.clone() for n, t in trainer.source.items()}
+    raw = sent["model.layers.2.mlp.down_proj.weight"].view(-1).view(torch.uint8)
+    raw[12345] ^= 1 << 3  # what a corrupted transfer would deliver: one bit of one element
+    await sync(engine, StateTrainer(sent), bucket_bytes=4 << 20, version=1)
+    verify, _ = make_verifier(trainer, engine, demo_config(), "float32", 0)
+    with pytest.raises(VerificationError, match="digest"):
+        await verify([await engine.digest()])
+    # the same sync of the trainer's own bytes passes
+    await sync(engine, trainer, bucket_bytes=4 << 20, version=2)
+    await verify([await engine.digest()])
+
+
+async def test_the_stale_prefix_cache_is_caught_by_colos_invariant(engine, tmp_path):
+    """A real run's trace against vLLM replays clean; the same trace with the flush after the
+    sync taken out is refused at the next rollout (invariant 1), which is what the scheduler
+    refuses live: the hazard the test above shows on vLLM's tokens."""
+    import json
+
+    from colo import MemoryLedger, Scheduler, TraceWriter, make_transport
+    from colo.offline.replay import replay
+    from colo.tasks import make_task
+
+    model, trainer = new_weights(81)
+    await sync(engine, trainer, bucket_bytes=4 << 20, version=0)
+    await engine.set_weight_version(0)
+    engine.task = make_task("reinforce", vocab_size=1024, batch=2, prompt_len=4, new_tokens=4, seed=0)
+    path = tmp_path / "run.jsonl"
+    async with Scheduler(trainer, engine, MemoryLedger(total_bytes=4 << 30), make_transport("packed"),
+                         trace=TraceWriter(path)) as sched:
+        await sched.cycle()
+        await sched.run_phase(sched.order[0])  # the next rollout
+    assert replay([path]).valid
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    stale = tmp_path / "no-flush.jsonl"
+    stale.write_text("".join(json.dumps({k: v for k, v in e.items() if k != "cache_flushed"}) + "\n" for e in events))
+    report = replay([stale])
+    assert not report.valid
+    assert "prefix cache was not flushed after the last weight change" in report.as_dict()["violations"][0]["message"]

@@ -18,7 +18,7 @@ from colo.core.errors import BadInput
 from colo.digest import expected_weights_digest
 from colo.engine.vllm import VllmEngine, server_command
 from tests.vllm.parts import greedy
-from tests.vllm.test_engine import PROMPTS, new_weights, sync
+from tests.vllm.test_engine import PROMPTS, new_weights, order, sync
 
 
 def _port() -> int:
@@ -67,7 +67,7 @@ async def test_one_sync_over_http_then_the_servers_tokens_equal_transformers(mod
             model, trainer = new_weights(61)
             result = await sync(engine, trainer, bucket_bytes=4 << 20, version=1)
             assert result.tensors == 51 and result.cache_flushed
-            assert await engine.digest() == expected_weights_digest(trainer.state, trainer.order(), torch.float32)
+            assert await engine.digest() == expected_weights_digest(trainer.source, order(trainer), torch.float32)
             await engine.set_weight_version(1)
             assert await engine.engine_version() == "1"
             assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(model, PROMPTS, 8)
