@@ -1,7 +1,7 @@
 """Test support, shared by colo's own tests and by anyone who tests code on colo:
 
 - :mod:`colo.testing.fakes` — byte-counting fakes for the scheduler's unit tests
-  (trainer, engine, transport) and ``ProtocolEngine``, an in-process engine of
+  (trainer, engine, transport) and ``protocol_engine``, an in-process engine of
   exactly the declared engine protocols;
 - :mod:`colo.testing.trainers` — trainers of real tensors for transport tests
   (a state dict with a real extractor; a model in flat weights);

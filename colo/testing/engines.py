@@ -9,7 +9,7 @@
   can hold a copy back until the sender has moved on.
 
 The in-process engine that implements only the declared engine protocols is
-:class:`colo.testing.fakes.ProtocolEngine`.
+:func:`colo.testing.fakes.protocol_engine`.
 """
 
 from __future__ import annotations

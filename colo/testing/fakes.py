@@ -166,93 +166,20 @@ class _DictSink:
         self.flushes += 1
 
 
-class ProtocolEngine:
+def protocol_engine(specs: Sequence[TensorSpec], *, kv_cache: int = 64, cuda_graph: int = 0) -> Any:
     """An in-process engine that holds real tensors and implements exactly the
     declared engine protocols (``EngineSide`` and ``EngineReceiver``), nothing
     more: a transport that works against it works against any engine that
-    satisfies them. Its receiving half is the engine kit
-    (:class:`colo.engine.kit.EngineKit`) around a dict of tensors, as an adapter
-    hosts it inside another engine.
+    satisfies them. It is the library's :class:`colo.engine.local.InProcessEngine`
+    (the engine kit in this process) around a dict of tensors, ``engine.sink``."""
+    from colo.engine.local import InProcessEngine
 
-    Kit calls run in a worker thread, because a receiver may join a collective
-    that the sender in this same process joins at once.
-    """
+    sink = _DictSink(specs)
 
-    capabilities = EngineCapabilities()
-
-    def __init__(self, specs: Sequence[TensorSpec], *, kv_cache: int = 64, cuda_graph: int = 0):
-        from colo.engine.kit import EngineKit
-
-        self._sink = _DictSink(specs)
-        self.kit = EngineKit(self._sink)
-        self._sizes = {"weights": sum(s.nbytes for s in specs), "kv_cache": kv_cache, "cuda_graph": cuda_graph}
-        self._resident = set(self._sizes)
-        self._version: int | None = 0
-
-    @property
-    def params(self):
-        return self._sink.params
-
-    @property
-    def flushes(self) -> int:
-        """Prefix-cache flushes, asked on their own or with the end of a load."""
-        return self._sink.flushes
-
-    async def _kit(self, fn, *args, **kwargs):
-        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
-
-    # -- EngineSide --------------------------------------------------------------
-    def tag_bytes(self):
-        return dict(self._sizes)
-
-    async def release(self, tags):
-        self._resident -= set(tags)
-
-    async def resume(self, tags):
-        self._resident |= set(tags)
-
-    async def flush_cache(self):
-        self._sink.flush_cache()
-
-    async def generate(self, step):
-        if "kv_cache" not in self._resident or self._version is None:
-            raise RuntimeError("protocol engine: refused to generate (KV cache released or weights stale)")
+    async def generate(step: int) -> RolloutResult:
         return RolloutResult(reward=0.0, tokens=0)
 
-    async def digest(self):
-        import hashlib
-
-        import torch
-
-        h = hashlib.sha256()
-        for name in sorted(self.params):
-            h.update(name.encode())
-            h.update(self.params[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
-
-    async def set_weight_version(self, version):
-        self._version = version
-
-    # -- EngineReceiver: the kit -----------------------------------------------------
-    async def preflight(self, specs):
-        await self._kit(self._sink.preflight, list(specs))
-
-    async def begin_load(self):
-        await self._kit(self.kit.begin_load)
-
-    async def transport_init(self, transport, init_info):
-        await self._kit(self.kit.transport_init, transport, init_info)
-
-    async def transport_load(self, transport, request, on_sent=None, *, end=False, flush_cache=False):
-        if on_sent is not None:
-            on_sent()
-        return await self._kit(self.kit.transport_load, transport, request, end_load=end, flush_cache=flush_cache)
-
-    async def transport_close(self, transport):
-        await self._kit(self.kit.transport_close, transport)
-
-    async def end_load(self, flush_cache=False):
-        await self._kit(self.kit.end_load, flush_cache)
-
-    async def drop_handles(self):
-        await self._kit(self.kit.drop_handles)
+    engine = InProcessEngine(sink, generate=generate, tag_bytes={
+        "weights": sum(s.nbytes for s in specs), "kv_cache": kv_cache, "cuda_graph": cuda_graph})
+    engine.sink = sink  # the tensors it holds (``params``) and its flushes, for the tests
+    return engine

@@ -14,7 +14,7 @@ from colo.core.config import SchedulerConfig
 from colo.core.interfaces import EngineReceiver, EngineSide
 from colo.core.memory import MemoryLedger
 from colo.scheduler import Scheduler
-from colo.testing.fakes import ProtocolEngine
+from colo.testing.fakes import protocol_engine
 from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter
 from colo.transports import REGISTRY, make_transport
@@ -39,7 +39,7 @@ class Strict:
 
 
 def test_the_strict_proxy_refuses_an_undeclared_member():
-    engine = Strict(ProtocolEngine([]))
+    engine = Strict(protocol_engine([]))
     with pytest.raises(AttributeError, match="'logits' is not part of the declared engine protocols"):
         engine.logits
     assert {"preflight", "transport_load", "end_load", "drop_handles", "generate"} <= DECLARED
@@ -55,7 +55,7 @@ def test_every_transport_completes_a_sync_against_an_engine_of_only_the_protocol
              "positions": torch.arange(17, dtype=torch.int64)}
     # each tensor in its own dtype; every step adds 1 to all of them
     trainer = StateTrainer(state, dtype=None, trains=True)
-    inner = ProtocolEngine(trainer.param_specs())
+    inner = protocol_engine(trainer.param_specs())
     engine = Strict(inner)
     options = {"root": str(tmp_path / "ckpt")} if name == "disk" else {}
     transport = make_transport(name, **options)
@@ -77,11 +77,11 @@ def test_every_transport_completes_a_sync_against_an_engine_of_only_the_protocol
     assert [e["weight_version"] for e in syncs] == [0, 1]
     assert syncs[0]["digest"] != syncs[1]["digest"]  # train changed every tensor; the sync delivered it
     for n, t in state.items():
-        assert torch.equal(inner.params[n], t), f"{name}: {n} differs after the sync"
+        assert torch.equal(inner.sink.params[n], t), f"{name}: {n} differs after the sync"
     # packed's end rides on its last load request; the others end with a request of its own
     ends = set() if name == "packed" else {"end_load"}
     assert {"preflight", "begin_load", "transport_load"} | ends <= engine.used
     # the prefix cache flushed once before each of the 2 releases and once after each of the 2 syncs
-    assert inner.flushes == 4
+    assert inner.sink.flushes == 4
     buckets = {e["bucket"] for e in events if e["event"] == "bucket.finished" and e["stage"] == "load"}
     assert len(buckets) >= 2  # the 16 KiB bucket splits the 48 KiB tensor set
