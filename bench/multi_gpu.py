@@ -961,6 +961,7 @@ def main(argv: Any = None) -> int:
     Bad arguments return 2 (argparse's own exit is caught: tests call this in-process)."""
     import argparse
 
+    from colo.apps.bench import check_out
     from colo.core.errors import EXIT_BAD_INPUT, UsageError
 
     p = argparse.ArgumentParser(prog="python -m bench.multi_gpu")
@@ -979,6 +980,9 @@ def main(argv: Any = None) -> int:
         if a.gpus < 1 or a.reps < 1 or not a.bucket_mib > 0 or (a.layers is not None and a.layers < 1):
             raise UsageError("--gpus, --reps, --layers and --bucket-mib must be positive")
         check_machine(a.device, a.gpus, a.model, a.layers)
+        # the one-rank bench's rule (a new path or a regular file), before any rank starts:
+        # the result's rename would replace a device, a FIFO or a link with a regular file
+        check_out(a.out)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -46,6 +46,7 @@ from colo.core.memory import StagingBudget
 from colo.core.interfaces import SyncContext
 
 from colo.core.units import GiB, MiB
+from colo.trace.outputs import output_path, replace_into
 from colo.trainers.models import DEMO_MODELS, QWEN2_7B
 
 
@@ -466,9 +467,10 @@ def write_result(text: str, *, out: str | os.PathLike | None, directory: str | o
     path never replaces a file that exists (a committed result): the next free
     ``<stem>-2.json``, ``<stem>-3.json`` ... is taken, by a hard link, which
     fails rather than replaces if the name was taken meanwhile. An explicit
-    ``out`` is replaced, as asked.
+    ``out`` is replaced, as asked, if it is a regular file (or a link to one:
+    the file it names is), and refused if it is anything else.
     """
-    target = Path(out) if out is not None else Path(directory) / f"{stem}.json"
+    target = Path(output_path(out, "--out")) if out is not None else Path(directory) / f"{stem}.json"
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -477,7 +479,7 @@ def write_result(text: str, *, out: str | os.PathLike | None, directory: str | o
             f.flush()
             os.fsync(f.fileno())
         if out is not None:
-            os.replace(tmp, target)
+            replace_into(tmp, os.fspath(target), "--out")
             return target
         n = 1
         while True:
@@ -506,13 +508,12 @@ def check_out(out: str | None) -> None:
     """Refuse, before the benchmark runs, an ``--out`` it could not be written to.
 
     The result goes to a temporary file beside the target and is renamed over
-    it: the target must be a regular file (or not exist) in a directory we can
-    create files in. A device such as /dev/full would be replaced by the rename."""
+    it: the target must be new or a regular file (a device such as /dev/full, a
+    FIFO or a link to one would be replaced by the rename:
+    :func:`colo.trace.outputs.output_path`), in a directory we can create files in."""
     if out is None:
         return
-    target = Path(out)
-    if target.exists() and not target.is_file():
-        raise UsageError(f"--out {out} is not a regular file; expected a path for the JSON result")
+    target = Path(output_path(out, "--out"))
     parent = target.parent
     try:
         fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=parent)

@@ -26,6 +26,7 @@ import tempfile
 
 from colo.core.errors import UsageError
 from colo.offline.replay import BadTrace, LoadedTrace, load_trace
+from colo.trace.outputs import output_path, replace_into
 
 PHASE_TID = 1
 LANE_TID0 = 10  # sync lane k is thread LANE_TID0 + k
@@ -228,10 +229,13 @@ def _mode_of(out: str) -> int:
         return 0o666 & ~umask
 
 
-def write_json(doc: dict, out: str) -> None:
+def write_json(doc: dict, out: str, flag: str = "-o") -> None:
     """Write ``doc`` as strict JSON (no NaN or Infinity: Perfetto and every other
     reader refuse them) to a temporary file beside ``out``, then rename it into
-    place: a failed export leaves the previous ``out`` as it was."""
+    place: a failed export leaves the previous ``out`` as it was. ``out`` is a
+    new path or a regular file (:func:`colo.trace.outputs.output_path`): the
+    rename would replace a device, a FIFO or a link with a regular file."""
+    out = output_path(out, flag)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
@@ -240,7 +244,7 @@ def write_json(doc: dict, out: str) -> None:
         os.fchmod(fd, _mode_of(out))
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, separators=(",", ":"), allow_nan=False)
-        os.replace(tmp, out)
+        replace_into(tmp, out, flag)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -254,6 +258,7 @@ def run_export(args) -> int:
     if _same_file(args.trace, out):
         raise UsageError(f"-o {out} is the input trace {args.trace}; exporting would replace the trace "
                          "with its export: choose another output path")
+    output_path(out, "-o")  # refused before the trace is read, and left as it was
     try:
         trace = load_trace(args.trace)
     except BadTrace as e:
@@ -263,6 +268,8 @@ def run_export(args) -> int:
     doc = export([trace])
     try:
         write_json(doc, out)
+    except UsageError:
+        raise
     except ValueError as e:  # a value JSON cannot hold: refused, and nothing was replaced
         raise UsageError(f"cannot export {args.trace}: {e}; {out} was left as it was") from None
     except OSError as e:

@@ -108,3 +108,38 @@ def test_bench_gpus_2_moe_cuda(tmp_path):
     result, _ = run_bench_multi("cuda", 2, "qwen3-30b-a3b", 64, 1, str(tmp_path / "moe.json"), layers=2)
     _check(result, MOE_ROWS)
     assert all(r["device_peak_extra_max"] is not None for r in result["rows"])
+
+
+@pytest.mark.parametrize("kind", ["chardev", "fifo", "symlink-to-chardev"])
+def test_bench_gpus_out_that_is_not_a_regular_file_is_refused_before_it_runs_and_left_as_it_was(
+        kind, tmp_path, capsys, monkeypatch):
+    """Issue 32, item 1: the one-rank bench refused these; the multi-rank one replaced them."""
+    import os
+    import stat
+
+    import bench.multi_gpu as multi
+
+    out = tmp_path / "out.json"
+    if kind == "fifo":
+        os.mkfifo(out)
+    else:
+        dev = out if kind == "chardev" else tmp_path / "fulldev"
+        try:
+            os.mknod(dev, 0o600 | stat.S_IFCHR, os.makedev(1, 7))  # a private /dev/full
+        except PermissionError:
+            pytest.skip("making a character device needs root")
+        if kind != "chardev":
+            os.symlink(dev, out)
+    before = os.lstat(out)
+
+    async def refuse(**kw):
+        raise AssertionError("the benchmark ran for an output it cannot write")
+
+    monkeypatch.setattr(multi, "bench_multi", refuse)
+    assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--reps", "1",
+                       "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and "expected a new path or an existing regular file" in err
+    after = os.lstat(out)
+    assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.json"] + (["fulldev"] if kind == "symlink-to-chardev" else []))

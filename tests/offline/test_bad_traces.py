@@ -191,3 +191,58 @@ def test_non_finite_or_absurd_numbers_in_flags_exit_two_naming_the_flag(argv, sa
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err
     assert trace.read_text() == "keep\n"
+
+
+# -- issue 32, item 1: an output goes only to a new path or a regular file -----------------
+
+def _node(path, kind, tmp_path):
+    """A private stand-in for what the issue found replaced (never the system's /dev/full)."""
+    import stat
+
+    if kind in ("chardev", "symlink-to-chardev"):
+        dev = path if kind == "chardev" else tmp_path / "fulldev"
+        try:
+            os.mknod(dev, 0o600 | stat.S_IFCHR, os.makedev(1, 7))  # /dev/full's numbers
+        except PermissionError:
+            pytest.skip("making a character device needs root")
+        if kind == "symlink-to-chardev":
+            os.symlink(dev, path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dangling-symlink":
+        os.symlink(tmp_path / "nowhere" / "x.json", path)
+    elif kind == "directory":
+        path.mkdir()
+
+
+def _identity(path):
+    st = os.lstat(path)
+    return st.st_ino, st.st_mode, st.st_rdev, st.st_size
+
+
+@pytest.mark.parametrize("kind", ["chardev", "fifo", "symlink-to-chardev", "dangling-symlink", "directory"])
+def test_export_onto_anything_but_a_new_path_or_a_regular_file_exits_two_and_leaves_it_as_it_was(kind, tmp_path,
+                                                                                                capsys):
+    p = _write(tmp_path / "t.jsonl", [HEAD, ENTER, DONE, END])
+    out = tmp_path / "out.json"
+    _node(out, kind, tmp_path)
+    before, names = _identity(out), sorted(os.listdir(tmp_path))
+    assert main(["export", str(p), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"-o {out}" in err and "expected a new path or an existing regular file" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert _identity(out) == before  # the node itself, not a regular file put in its place
+    assert sorted(os.listdir(tmp_path)) == names  # no temporary file left beside it
+
+
+def test_export_through_a_symlink_the_user_named_replaces_the_regular_file_it_names_and_keeps_the_link(tmp_path,
+                                                                                                      capsys):
+    p = _write(tmp_path / "t.jsonl", [HEAD, ENTER, DONE, END])
+    target = tmp_path / "runs" / "t.json"
+    target.parent.mkdir()
+    target.write_text("old\n")
+    link = tmp_path / "latest.json"
+    os.symlink(target, link)
+    assert main(["export", str(p), "-o", str(link)]) == 0
+    assert os.path.islink(link) and os.readlink(link) == str(target)
+    assert "traceEvents" in json.loads(target.read_text())
