@@ -175,10 +175,18 @@ class Scheduler:
             self.checker.feed(started)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: Any, *exc: object) -> None:
         with anyio.CancelScope(shield=True):
             for trace in self.traces:
                 trace.finish()
+        if exc_type is None:
+            self._check_traces()  # a trace.finished the disk refused: the run did not end as recorded
+
+    def _check_traces(self) -> None:
+        """A trace its disk stopped taking (ENOSPC) ends the run here, between phases, with
+        the file, the step and the phase of the first line it refused (TraceUnwritable)."""
+        for trace in self.traces:
+            trace.check()
 
     # -- state -----------------------------------------------------------------
     @property
@@ -247,6 +255,7 @@ class Scheduler:
         self.engine_version = None
 
     async def run_phase(self, target: Phase) -> Any:
+        self._check_traces()  # a write refused while the last phase failed: no further phase
         src = self.machine.phase
         trigger = trigger_for(src, target)
         if next_phase(src, trigger) is not target:
@@ -277,6 +286,9 @@ class Scheduler:
             ledger.observe()
         self._emit_all("phase.finished", step=self.step, phase=target.value,
                        duration_s=round(self._clock() - t0, 6))
+        # a line the disk refused during the phase stops the run now, with every phase it
+        # began closed: its work is complete and the checker saw each event (not the file)
+        self._check_traces()
         return result
 
     async def _run_effects(self, phase: Phase) -> Any:

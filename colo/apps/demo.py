@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import torch
 
-from colo.core.errors import EXIT_BAD_INPUT, EXIT_OK, UsageError, exit_code
+from colo.core.errors import EXIT_BAD_INPUT, EXIT_OK, ColoError, TraceUnwritable, UsageError, exit_code
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.core.errors import EngineDied
@@ -103,6 +103,12 @@ async def run(cfg: DemoConfig, *, progress: bool = True,
 
         demo = MultiDemoRun(cfg, cfg.gpus)
     try:
+        demo.claim_traces()
+    except ColoError as e:  # the trace's disk is full, or another run writes it: nothing started
+        demo.error = e
+        await demo.close()
+        return demo.outcome()
+    try:
         await demo.start()
         bar = _progress(cfg.steps, progress)
         try:
@@ -141,6 +147,7 @@ class DemoRun:
         self.trainer: Any = None
         self.saver: Any = None
         self.transport: Any = None
+        self.trace: TraceWriter | None = None
         # What a SIGKILLed run left (no cleanup ran there) goes first; this run's
         # dir carries this pid so that the next run can tell it from a live one.
         sweep()
@@ -150,10 +157,19 @@ class DemoRun:
         self.final_digest: str | None = None
 
     # -- set-up ------------------------------------------------------------------
+    def claim_traces(self) -> None:
+        """Claim the trace (locked, its disk asked for room) before anything starts up: a
+        full disk or a trace another run writes is said at once, not after the engine's
+        start-up (7 s)."""
+        if self.trace is None:
+            self.trace = TraceWriter(self.cfg.trace_path)
+            self.trace.open()
+
     async def start(self) -> None:
         from colo.transports import make_transport
 
         cfg = self.cfg
+        self.claim_traces()  # run() did, unless a caller starts this run itself
         check_fits(cfg, self.model_config)  # before the trainer is built or the engine spawned
         torch.manual_seed(cfg.seed)
         self.trainer, self.saver = build_trainer(cfg, self.model_config)
@@ -227,7 +243,7 @@ class DemoRun:
 
     def _scheduler(self, memory: MemoryLedger) -> Scheduler:
         cfg = self.cfg
-        trace = TraceWriter(cfg.trace_path)
+        trace = self.trace
         trace.add_listener(self.summary.feed)
         trainer = self.injector.wrap_trainer(self.trainer) if self.injector else self.trainer
         verify, probe = make_verifier(self.trainer, lambda: sched.engine, self.model_config, cfg.engine_dtype,
@@ -362,6 +378,8 @@ class DemoRun:
                 if close is not None:
                     close()  # a trainer's process group (megatron, fsdp)
             finally:
+                if self.trace is not None:
+                    self.trace.finish()  # a claim the scheduler never started is given back
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
     def outcome(self) -> DemoOutcome:
@@ -395,6 +413,10 @@ def report(cfg: DemoConfig, out: DemoOutcome) -> str:
 
 
 def _failed_phase(out: DemoOutcome) -> str:
+    err = out.error
+    if isinstance(err, TraceUnwritable) and err.phase is not None:
+        # the trace's disk filled: the run stopped between phases, none of them failed
+        return err.phase + (f" at step {err.step}" if err.step is not None else "")
     # no phase.failed at all: the device could not hold the engine at start-up
     return out.summary.errors[-1].get("phase", "?") if out.summary.errors else "start"
 

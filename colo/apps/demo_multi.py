@@ -67,6 +67,7 @@ class MultiDemoRun:
         self.trainers: list[Any] = []
         self.engines: list[Any] = []
         self.transports: list[Any] = []
+        self.traces: list[TraceWriter] = []
         # what a SIGKILLed run left goes first; this run's dir names this pid (colo.proc.lifecycle)
         sweep()
         self.workdir = tempfile.mkdtemp(prefix=dir_prefix("demo"))
@@ -75,11 +76,24 @@ class MultiDemoRun:
         self.sched: Scheduler = None  # type: ignore[assignment]
 
     # -- set-up ------------------------------------------------------------------
+    def claim_traces(self) -> None:
+        """Claim every rank's trace (locked, its disk asked for room) before any worker
+        starts: a full disk is said at once, not after the workers' start-up (14 s). colo
+        derived these paths from the one given: none is opened through a symbolic link."""
+        if self.traces:
+            return
+        for r in range(self.n):
+            trace = TraceWriter(rank_path(self.cfg.trace_path, r, self.n), rank=r, world_size=self.n,
+                                follow_symlinks=False)
+            self.traces.append(trace)  # before open(): close() gives back those claimed
+            trace.open()
+
     async def start(self) -> None:
         from colo.proc.lifecycle import free_port
         from colo.engine.tp import TPLayout
 
         cfg = self.cfg
+        self.claim_traces()  # run() did, unless a caller starts this run itself
         # refused before any process starts: a TP size that does not divide the heads
         TPLayout.from_config(self.model_config, tp_rank=0, tp_size=self.n)
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
@@ -173,8 +187,7 @@ class MultiDemoRun:
 
     def _scheduler(self) -> Scheduler:
         cfg = self.cfg
-        traces = [TraceWriter(rank_path(cfg.trace_path, r, self.n), rank=r, world_size=self.n)
-                  for r in range(self.n)]
+        traces = self.traces
         traces[0].add_listener(self.summary.feed)
         return Scheduler(
             self.trainers, self._seeded, [self._ledger(r) for r in range(self.n)], self.transports,
@@ -289,6 +302,8 @@ class MultiDemoRun:
                     for w in self.workers:
                         tg.start_soon(w.aclose)
             finally:
+                for trace in self.traces:
+                    trace.finish()  # a claim the scheduler never started is given back
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
     def outcome(self) -> Any:

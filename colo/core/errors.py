@@ -179,6 +179,21 @@ class RankDied(ColoError, RuntimeError):
     """A rank's worker process is gone (and its trainer rank and engine rank with it)."""
 
 
+class TraceUnwritable(ColoError, OSError):
+    """The trace file could not be written (a full disk, a quota): the run stops, exit 1.
+
+    ``errno`` is the operating system's; ``step`` and ``phase`` say where the run was
+    (None before it started)."""
+
+    def __init__(self, message: str, *, errno: int | None = None, step: int | None = None,
+                 phase: str | None = None) -> None:
+        super().__init__(message)
+        self.errno, self.step, self.phase = errno, step, phase
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class InjectedFault(ColoError, RuntimeError):
     """The error a ``raise`` fault raises (colo.testing.faults)."""
 
@@ -191,5 +206,5 @@ def exit_code(exc: BaseException) -> int:
 __all__ = ["BadInput", "BadTrace", "ChannelError", "ColoError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK",
            "EngineDied", "EngineError", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
            "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "RankDied", "RankError", "RankFailed", "RequestError",
-           "TagStateError", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
+           "TagStateError", "TraceUnwritable", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
            "exit_code"]

@@ -37,7 +37,7 @@ def test_a_second_writer_of_a_trace_is_refused_naming_the_first_and_leaves_it_un
     first.start(device={"kind": "cpu"}, config={"who": "first"})
     first.emit("phase.entered", step=0, from_phase=None, to_phase="rollout", mem={})
     before = path.read_bytes()
-    assert (tmp_path / "run.jsonl.lock").read_text().strip() == str(os.getpid())
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl"]  # the lock is the trace's own: no file beside it
 
     second = TraceWriter(path)
     with pytest.raises(UsageError, match=rf"trace {path} is being written by another run \(pid {os.getpid()}\)") \
@@ -51,7 +51,7 @@ def test_a_second_writer_of_a_trace_is_refused_naming_the_first_and_leaves_it_un
     events = read_trace(path)
     assert [e["event"] for e in events] == ["trace.started", "phase.entered", "trace.finished"]
     assert events[0]["config"] == {"who": "first"}
-    assert not (tmp_path / "run.jsonl.lock").exists()
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl"]
 
     # finished: the path is free again, and the next writer owns it from scratch
     third = TraceWriter(path)
@@ -61,13 +61,108 @@ def test_a_second_writer_of_a_trace_is_refused_naming_the_first_and_leaves_it_un
 
 
 def test_a_lock_file_left_by_a_crashed_run_does_not_block_the_next(tmp_path):
+    # an older colo kept its lock in <trace>.lock and a crashed run left it: it blocks
+    # nothing, and is not colo's to touch any more
     path = tmp_path / "run.jsonl"
     (tmp_path / "run.jsonl.lock").write_text("999999999\n")  # nobody holds the flock
     w = TraceWriter(path)
     w.start(device={}, config={})
-    assert (tmp_path / "run.jsonl.lock").read_text().strip() == str(os.getpid())
     w.finish()
     assert [e["event"] for e in read_trace(path)] == ["trace.started", "trace.finished"]
+    assert (tmp_path / "run.jsonl.lock").read_text() == "999999999\n"
+
+
+# -- issue 32, item 2: the lock is the file's own, and nothing of it outlives the run -----
+
+def _start(path, **kw):
+    w = TraceWriter(path, **kw)
+    w.start(device={"kind": "cpu"}, config={})
+    return w
+
+
+def test_a_planted_lock_symlink_is_neither_followed_nor_truncated(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, tmp_path / "run.jsonl.lock")  # a link the run never asked for
+    w = _start(tmp_path / "run.jsonl")
+    w.finish()
+    assert victim.read_text() == "precious\n"
+    assert os.readlink(tmp_path / "run.jsonl.lock") == str(victim)
+    assert [e["event"] for e in read_trace(tmp_path / "run.jsonl")] == ["trace.started", "trace.finished"]
+
+
+@pytest.mark.parametrize("spelling", ["symlink", "hard link"])
+def test_two_writers_of_one_file_under_two_names_are_refused(spelling, tmp_path):
+    """The lock is the opened file's (device and inode), not the path's spelling."""
+    a = tmp_path / "a.jsonl"
+    first = _start(a)
+    first.emit("phase.entered", step=0, from_phase=None, to_phase="rollout", mem={})
+    before = a.read_bytes()
+    other = tmp_path / "sym.jsonl"
+    (os.symlink if spelling == "symlink" else os.link)(a, other)
+    with pytest.raises(UsageError, match=rf"trace {other} is being written by another run \(pid {os.getpid()}\)") \
+            as err:
+        _start(other)
+    assert err.value.exit_code == EXIT_BAD_INPUT
+    assert a.read_bytes() == before
+    first.finish()
+    assert [e["event"] for e in read_trace(a)] == ["trace.started", "phase.entered", "trace.finished"]
+
+
+def test_a_rank_trace_colo_derives_is_never_opened_through_a_symlink(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, tmp_path / "run.rank1.jsonl")
+    w = TraceWriter(tmp_path / "run.rank1.jsonl", rank=1, world_size=2, follow_symlinks=False)
+    with pytest.raises(UsageError, match="is a symbolic link colo did not ask for"):
+        w.start(device={}, config={})
+    w.finish()
+    assert victim.read_text() == "precious\n" and os.path.islink(tmp_path / "run.rank1.jsonl")
+
+
+def test_no_lock_file_is_left_after_sigkill_and_the_next_run_is_not_blocked(tmp_path):
+    import signal
+    import subprocess
+
+    path = tmp_path / "run.jsonl"
+    code = ("import sys, time\nfrom colo.trace.writer import TraceWriter\n"
+            f"w = TraceWriter({str(path)!r}); w.start(device={{}}, config={{}})\n"
+            "print('started', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        with pytest.raises(UsageError, match=rf"being written by another run \(pid {proc.pid}\)"):
+            _start(path)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sorted(os.listdir(tmp_path)) == ["run.jsonl"]  # the kernel dropped the lock with the process
+    _start(path).finish()
+    assert [e["event"] for e in read_trace(path)] == ["trace.started", "trace.finished"]
+
+
+def test_a_failed_open_leaves_nothing_beside_the_path(tmp_path):
+    (tmp_path / "d.jsonl").mkdir()
+    w = TraceWriter(tmp_path / "d.jsonl")
+    with pytest.raises(UsageError, match=r"trace .*d\.jsonl is not a regular file \(a directory\)"):
+        w.start(device={}, config={})
+    w.finish()
+    assert sorted(os.listdir(tmp_path)) == ["d.jsonl"]
+
+
+def test_a_disk_full_at_start_leaves_nothing_and_an_old_trace_as_it_was(tmp_path):
+    from colo.core.errors import TraceUnwritable
+    from tests.fulldisk import small_disk
+
+    with small_disk(tmp_path / "disk", size_kib=64) as disk:
+        w = TraceWriter(disk / "run.jsonl")
+        with pytest.raises(TraceUnwritable, match=rf"cannot write the trace {disk}/run\.jsonl: No space left"):
+            w.start(device={}, config={})
+        w.finish()
+        assert sorted(os.listdir(disk)) == ["filler"]  # neither a .lock nor an empty trace
 
 
 # -- item 7: default result paths never overwrite -------------------------------------
@@ -243,3 +338,66 @@ async def test_every_train_step_runs_on_the_trainers_one_thread_whatever_else_us
     assert trainer.steps == 4 and len(seen) == 4
     assert len(set(seen)) == 1 and seen[0] != threading.get_ident()
     assert trainer._compute_thread is None  # close stopped it
+
+
+# -- issue 32, item 11: a disk that fills is said, with where, and at once if it is full already --
+
+def test_a_trace_disk_that_fills_mid_run_stops_it_naming_the_trace_the_step_and_the_phase(tmp_path, capsys):
+    """Before: ENOSPC on the trace at step 3 was reported as "FAILED in phase start"."""
+    import re
+
+    from colo.cli import main
+    from tests.fulldisk import small_disk
+
+    # room for the start-up check (64 KiB) and about four of the demo's cycles (17 KiB each)
+    with small_disk(tmp_path / "disk", size_kib=256, free_kib=80) as disk:
+        trace = disk / "run.jsonl"
+        rc = main(["demo", "--quiet", "--steps", "8", "--trace", str(trace),
+                   "--engine-log", str(tmp_path / "engine.log")])
+        out, err = capsys.readouterr()
+        assert rc == 1 and "Traceback" not in err
+        failed = [line for line in out.splitlines() if line.startswith("FAILED")]
+        assert len(failed) == 1, out
+        m = re.fullmatch(rf"FAILED in phase (\w+) at step (\d+): TraceUnwritable: cannot write the trace "
+                         rf"{re.escape(str(trace))}: No space left on device \(writing [a-z_.]+ at step \2 in "
+                         rf"phase \1; the trace holds every line before it\)", failed[0])
+        assert m, failed[0]
+        assert int(m[2]) >= 1  # a step the run reached, not its start-up
+        # what the disk took replays: every complete line, the cut one dropped with a warning
+        capsys.readouterr()
+        assert main(["replay", str(trace)]) == 0
+        assert sorted(os.listdir(disk)) == ["filler", "run.jsonl"]
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_a_trace_disk_full_from_the_start_is_said_before_anything_starts(gpus, tmp_path, monkeypatch, capsys):
+    """Before: noticed only after the engine's start-up (7 s; 14 s with 2 ranks)."""
+    import time
+
+    from colo.apps.demo_multi import MultiDemoRun
+    from colo.cli import main
+    from colo.trace.writer import rank_path
+    from tests.fulldisk import small_disk
+
+    started: list[str] = []
+
+    def record(what):
+        def fn(*a, **k):
+            started.append(what)
+            raise RuntimeError(f"{what} started before the trace was found unwritable")
+        return fn
+
+    monkeypatch.setattr(demo, "build_trainer", record("trainer"))
+    monkeypatch.setattr(MultiDemoRun, "_spawn_workers", record("workers"))
+    with small_disk(tmp_path / "disk", size_kib=64) as disk:
+        trace = disk / "run.jsonl"
+        t0 = time.monotonic()
+        rc = main(["demo", "--quiet", "--gpus", str(gpus), "--trace", str(trace)])
+        elapsed = time.monotonic() - t0
+        out, err = capsys.readouterr()
+        assert rc == 1 and "Traceback" not in out + err
+        assert (f"FAILED in phase start: TraceUnwritable: cannot write the trace {rank_path(trace, 0, gpus)}: "
+                "No space left on device (checked before the run's start-up: a trace needs room for 64 KiB") in out
+        assert started == []
+        assert elapsed < 5, elapsed  # no start-up at all: the engine's alone took 7 s
+        assert sorted(os.listdir(disk)) == ["filler"]
