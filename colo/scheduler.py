@@ -119,6 +119,8 @@ class Scheduler:
         #: mismatch); run with a verified sync's digests, or where the KV cache is back
         self._probe = probe
         self._probe_due = False
+        #: the engine paused its generation in engine_release (capabilities.pauses_generation)
+        self._generation_paused = False
         #: syncs verified so far (``SchedulerConfig.verify == "first"`` verifies only the first)
         self._verified = 0
         self._run_config = run_config or {}
@@ -364,6 +366,11 @@ class Scheduler:
                 # Flush before the pages go: a flush afterwards would walk freed memory.
                 await side.each("flush_cache")
             await side.each(effect.verb, todo)
+            if effect.owner == "engine" and self.engines.capabilities.pauses_generation \
+                    and not self._generation_paused:
+                # the engine paused its generation before it released (SGLang's server)
+                self._generation_paused = True
+                self._emit_all("generation.paused", mem=None, step=self.step)
         for r, ledger in enumerate(self.memories):
             for tag in todo:
                 nbytes = ledger.pause(f"{effect.owner}.{tag}", host_copy=effect.host_copy)
@@ -404,6 +411,10 @@ class Scheduler:
     async def _rollout(self) -> RolloutResult:
         results = await self.engines.each("generate", self.step)
         self.last_rollout = results[0]
+        if self._generation_paused:
+            # the engine continued its paused generation before it generated
+            self._generation_paused = False
+            self._emit_all("generation.continued", mem=None, step=self.step)
         for r, res in enumerate(results):
             self._emit(r, "rollout.finished", mem=None, step=self.step, reward=res.reward, tokens=res.tokens)
         return results[0]
@@ -430,6 +441,8 @@ class Scheduler:
         for r, ctx in enumerate(ctxs):
             # a sender in this process: its records are written as they happen
             ctx.on_stage = lambda rec, r=r: self._write_stage(r, rec, live=True)
+            # the engine's own sub-state inside the sync (its weight-update session)
+            ctx.on_mark = lambda event, r=r: self._emit(r, event, step=step)
         t0 = self._clock()
         with collector_paused():
             results = await self._transfer(ctxs)

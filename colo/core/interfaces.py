@@ -96,6 +96,15 @@ class SyncContext:
     #: may have the engine flush it as it ends the load instead (one round trip less per
     #: sync, measured 0.5 ms on an H100) and says so in ``SyncResult.cache_flushed``
     flush_cache: bool = False
+    #: the engine's own sub-state changes inside the sync (``session.opened``, ``session.closed``),
+    #: as (event, clock) in order; ``on_mark`` is told of each as it happens (in-process only)
+    marks: list[tuple[str, float]] = field(default_factory=list)
+    on_mark: Callable[[str], None] | None = None
+
+    def mark(self, event: str) -> None:
+        self.marks.append((event, self.clock()))
+        if self.on_mark is not None:
+            self.on_mark(event)
 
     def record(self, bucket: int, stage: str, nbytes: int, tensors: int, duration_s: float) -> None:
         rec = StageRecord(int(bucket), stage, int(nbytes), int(tensors), float(duration_s), self.clock(),
@@ -169,6 +178,14 @@ class EngineCapabilities:
     #: the probe needs the KV cache resident (vLLM's prompt logprobs run through its scheduler):
     #: after a sync that left it released, the probe waits for ``engine_wake_kv``
     probe_needs_kv: bool = False
+    #: the engine refuses a weight load outside its own weight-update session (SGLang's
+    #: begin/end_weight_update): its sender marks the session in the trace
+    #: (``session.opened``/``session.closed``) and replay refuses a load outside one
+    sessions: bool = False
+    #: the engine pauses its generation before releasing memory and continues it at the next
+    #: rollout (SGLang's server: it releases memory only when idle): the trace says so
+    #: (``generation.paused``/``generation.continued``)
+    pauses_generation: bool = False
     #: the engine's own words on what it can do (why ``frees_memory`` is False, say)
     note: str = ""
 
@@ -181,12 +198,18 @@ class EngineCapabilities:
             raise ValueError(f"engine capabilities: probe must be one of {', '.join(PROBES)}, got {self.probe!r}")
         if not isinstance(self.probe_needs_kv, bool):
             raise ValueError(f"engine capabilities: probe_needs_kv must be a bool, got {self.probe_needs_kv!r}")
+        for flag in ("sessions", "pauses_generation"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"engine capabilities: {flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.note, str):
             raise ValueError(f"engine capabilities: note must be a string, got {self.note!r}")
 
     def to_json(self) -> dict:
         return {"tags": list(self.tags), "frees_memory": self.frees_memory, "probe": self.probe,
-                **({"probe_needs_kv": True} if self.probe_needs_kv else {}), **({"note": self.note} if self.note else {})}
+                **({"probe_needs_kv": True} if self.probe_needs_kv else {}),
+                **({"sessions": True} if self.sessions else {}),
+                **({"pauses_generation": True} if self.pauses_generation else {}),
+                **({"note": self.note} if self.note else {})}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any] | None) -> EngineCapabilities:
@@ -194,6 +217,7 @@ class EngineCapabilities:
             return cls()
         return cls(tags=tuple(d.get("tags", cls.tags)), frees_memory=d.get("frees_memory", True),
                    probe=d.get("probe", "logits"), probe_needs_kv=d.get("probe_needs_kv", False),
+                   sessions=d.get("sessions", False), pauses_generation=d.get("pauses_generation", False),
                    note=d.get("note", ""))
 
 

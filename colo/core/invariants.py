@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from colo.core.phases import EFFECTS, Need, Phase, is_legal, parse_phase
+from colo.core.phases import EFFECTS, SUBSTATES, Need, Phase, is_legal, parse_phase
 from colo.core.schema import BUCKET_STAGES
 from colo.core.errors import InvariantViolation  # noqa: F401 (re-exported)
 
@@ -52,6 +52,8 @@ class RankState:
     #: (phase, where) of every phase entered, for the cross-rank lockstep check
     entered: list[tuple[str, str | None]] = field(default_factory=list)
     diverged: bool = False
+    #: the engine's own sub-states (``SUBSTATES``) its capabilities declare: name -> open
+    substates: dict[str, bool] = field(default_factory=dict)
 
 
 def _mem_violation(ev: dict) -> Violation | None:
@@ -112,6 +114,7 @@ class InvariantChecker:
         handler = getattr(self, "_check_" + str(name).replace(".", "_"), None)
         if handler is not None:
             out.extend(handler(st, ev))
+        out.extend(self._check_substates(st, ev))
         return out
 
     def apply(self, ev: dict) -> None:
@@ -121,6 +124,7 @@ class InvariantChecker:
         handler = getattr(self, "_apply_" + str(ev.get("event")).replace(".", "_"), None)
         if handler is not None:
             handler(st, ev)
+        self._apply_substates(st, ev)
 
     # -- trace.started ---------------------------------------------------------
     def _apply_trace_started(self, st: RankState, ev: dict) -> None:
@@ -132,6 +136,43 @@ class InvariantChecker:
         if ev.get("engine_weight_version") is not None:
             st.engine_version = int(ev["engine_weight_version"])
         st.trainer_version = int(ev.get("trainer_weight_version", 0))
+        caps = (ev.get("config") or {}).get("engine_capabilities") or {}
+        st.substates = {name: False for name, sub in SUBSTATES.items() if caps.get(sub.capability) is True}
+
+    # -- the engine's sub-states (SUBSTATES) ------------------------------------
+    def _check_substates(self, st: RankState, ev: dict) -> list[Violation]:
+        name = ev.get("event")
+        detail = ev.get("stage") or ev.get("owner") or ev.get("phase")
+        keys = {name, f"{name}:{detail}"}
+        out = []
+        for sub_name, is_open in st.substates.items():
+            sub = SUBSTATES[sub_name]
+            if name in (sub.opened, sub.closed):
+                opening = name == sub.opened
+                if is_open == opening:
+                    out.append(Violation(f"{name} while the engine's {sub_name} is already "
+                                         f"{'open' if is_open else 'closed'} (expected "
+                                         f"{sub.closed if opening else sub.opened} first)"))
+                where = sub.opens_in if opening else sub.closes_in
+                if not st.open or st.phase not in where:
+                    out.append(Violation(f"{name} in {st.phase if st.open else 'no open phase'}; expected it in "
+                                         f"{' or '.join(p.value for p in where)}"))
+            elif is_open and keys & set(sub.outside):
+                out.append(Violation(f"{name}{' ' + str(detail) if detail else ''} while the engine's {sub_name} "
+                                     f"is open (expected {sub.closed} first)"))
+            elif not is_open and keys & set(sub.inside):
+                out.append(Violation(f"{name}{' ' + str(detail) if detail else ''} outside the engine's {sub_name} "
+                                     f"(expected {sub.opened} first: the engine refuses it there)"))
+        return out
+
+    def _apply_substates(self, st: RankState, ev: dict) -> None:
+        name = ev.get("event")
+        for sub_name in st.substates:
+            sub = SUBSTATES[sub_name]
+            if name == sub.opened:
+                st.substates[sub_name] = True
+            elif name == sub.closed or (name == "phase.failed" and sub.ends_on_failure):
+                st.substates[sub_name] = False
 
     # -- phases ----------------------------------------------------------------
     def _check_phase_entered(self, st: RankState, ev: dict) -> list[Violation]:

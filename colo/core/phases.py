@@ -8,7 +8,10 @@ colo restates them:
   owner, in order), which side's verb does its work, and what must hold before
   it is entered (invariants 1-3);
 - ``PLANS`` and ``RECOVERY``: the accepted orders, which must walk only edges of
-  the table (checked at import).
+  the table (checked at import);
+- ``SUBSTATES``: an engine's own states inside colo's phases (SGLang's weight-update
+  session, its paused generation), where each may open and close and which events
+  each allows, for engines that declare it.
 
 The scheduler applies ``EFFECTS`` generically, the invariant checker evaluates
 their ``needs``, ``colo tune``'s what-if replays them, and the fault injector
@@ -151,6 +154,43 @@ RECOVERY: tuple[Phase, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class SubState:
+    """An engine's own state inside colo's phases, opened by one event and closed by another.
+
+    ``opens_in`` / ``closes_in``: the phases in which each event may come. ``inside``:
+    events allowed only while it is open, ``outside``: only while it is closed; an
+    event is named ``event`` or ``event:detail`` (a bucket's stage, a memory event's
+    owner). ``capability``: the ``EngineCapabilities`` flag of the engines that have it
+    (the trace's ``engine_capabilities``); for others it is never checked, so traces of
+    engines without it replay as before. ``ends_on_failure``: a failed phase closes it
+    (the sender's abort ends an engine's session)."""
+
+    opened: str
+    closed: str
+    opens_in: tuple[Phase, ...]
+    closes_in: tuple[Phase, ...]
+    capability: str
+    inside: tuple[str, ...] = ()
+    outside: tuple[str, ...] = ()
+    ends_on_failure: bool = False
+
+
+#: name -> the engine sub-state. The only place they are written.
+SUBSTATES: dict[str, SubState] = {
+    # SGLang refuses update_weights_from_tensor outside begin_weight_update .. end_weight_update
+    "session": SubState(opened="session.opened", closed="session.closed", opens_in=(P.SYNC,),
+                        closes_in=(P.SYNC,), capability="sessions", inside=("bucket.finished:load",),
+                        outside=("sync.finished", "phase.finished:sync"), ends_on_failure=True),
+    # SGLang's server releases memory only when idle: it pauses generation first and continues
+    # at the next rollout
+    "generation_paused": SubState(opened="generation.paused", closed="generation.continued",
+                                  opens_in=(P.ENGINE_RELEASE,), closes_in=(P.ROLLOUT,),
+                                  capability="pauses_generation", inside=("memory.paused:engine",),
+                                  outside=("rollout.finished",)),
+}
+
+
 def allowed_triggers(current: Phase | None) -> tuple[str, ...]:
     return tuple(sorted(START if current is None else TRANSITIONS[current]))
 
@@ -261,4 +301,9 @@ def mermaid() -> str:
             continue  # every phase can fail: one note instead of eight arrows
         lines.append(f"    {src.value} --> {dst.value}: {trig}")
     lines.append("    note right of failed: every phase --> failed on error, deadline or cancel")
+    for name, sub in SUBSTATES.items():
+        where = sub.opens_in[0].value
+        lines.append(f"    note left of {where}: engine sub-state {name} (engines with {sub.capability}), "
+                     f"{sub.opened} in {'/'.join(p.value for p in sub.opens_in)}, "
+                     f"{sub.closed} in {'/'.join(p.value for p in sub.closes_in)}")
     return "\n".join(lines) + "\n"

@@ -152,6 +152,9 @@ class BucketSender:
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         """After preflight, before ``begin_load``: per-sync setup (a tmp dir, a group)."""
 
+    def _began(self, ctx: SyncContext) -> None:
+        """After the engine's ``begin_load`` returned (an engine's own session is open)."""
+
     async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
         raise NotImplementedError
 
@@ -192,6 +195,7 @@ class BucketSender:
         try:
             await self._begin(engine, ctx, buckets)
             await engine.begin_load()
+            self._began(ctx)
             await pipeline(buckets, lambda b, s: self._prepare(extractor, b, s, ctx),
                            lambda b, s: self._handoff(engine, b, s, ctx), pipelined=self.pipelined)
             await self._end_load(engine, ctx)
