@@ -345,3 +345,90 @@ async def test_the_engine_declares_its_capabilities_and_the_trace_records_them()
                                                         "probe": "logprobs"}
     with pytest.raises(ValueError, match="probe must be one of logits, logprobs"):
         EngineCapabilities(probe="vibes")
+
+
+class SessionTransport(FakeTransport):
+    """Opens and closes the engine's weight-update session around the buckets, as
+    colo's SGLang sender does (its begin/end_weight_update), and says so in the trace."""
+
+    async def sync(self, trainer, engine, ctx):
+        ctx.mark("session.opened")
+        result = await super().sync(trainer, engine, ctx)
+        ctx.mark("session.closed")
+        return result
+
+
+def _session_run(plan, path):
+    from colo.core.interfaces import EngineCapabilities
+
+    s, _, engine, _, trace = make(plan, path=path, transport=SessionTransport())
+    engine.capabilities = EngineCapabilities(tags=("weights", "kv_cache", "cuda_graph"), sessions=True,
+                                             pauses_generation=True)
+    return s, trace
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+async def test_an_engines_session_and_paused_generation_are_in_the_trace_and_replay_checks_them(plan, tmp_path):
+    from colo.offline.replay import replay
+
+    path = tmp_path / "t.jsonl"
+    s, trace = _session_run(plan, path)
+    async with s:
+        for _ in range(2):
+            await s.cycle()
+    events = read_trace(path)
+    where, phase = [], None
+    for e in events:
+        if e["event"] == "phase.entered":
+            phase = e["to_phase"]
+        if e["event"] in ("session.opened", "session.closed", "generation.paused", "generation.continued"):
+            where.append((e["event"], phase))
+    # a cycle starts with the rollout: the second one continues what the first paused
+    assert where == [("generation.paused", "engine_release"), ("session.opened", "sync"),
+                     ("session.closed", "sync"), ("generation.continued", "rollout"),
+                     ("generation.paused", "engine_release"), ("session.opened", "sync"), ("session.closed", "sync")]
+    # the pause comes before the engine's first memory.paused, the session closes before sync.finished
+    names = [e["event"] for e in events]
+    assert names.index("generation.paused") < min(i for i, e in enumerate(events)
+                                                  if e["event"] == "memory.paused" and e["owner"] == "engine")
+    assert names.index("session.closed") < names.index("sync.finished")
+    assert replay([str(path)]).valid
+
+    def tampered(drop, name):
+        lines = path.read_text().splitlines()
+        out = tmp_path / name
+        out.write_text("\n".join(l for i, l in enumerate(lines) if i not in drop) + "\n")
+        return replay([str(out)])
+
+    # a load outside the session: the first session.opened taken out
+    opened = names.index("session.opened")
+    report = tampered({opened}, "no_open.jsonl")
+    assert not report.valid
+    first = report.findings[0]
+    first_load = next(i for i, e in enumerate(events) if e["event"] == "bucket.finished" and e["stage"] == "load")
+    assert first.line == first_load  # 1-based, one line above it taken out: the first load
+    assert "bucket.finished load outside the engine's session (expected session.opened first" in first.message
+    # a session still open at sync.finished
+    report = tampered({names.index("session.closed")}, "no_close.jsonl")
+    assert "sync.finished while the engine's session is open (expected session.closed first)" \
+        in report.findings[0].message
+    # the engine's memory released before its generation was paused
+    report = tampered({names.index("generation.paused")}, "no_pause.jsonl")
+    assert "memory.paused engine outside the engine's generation_paused (expected generation.paused first" \
+        in report.findings[0].message
+    # a rollout while its generation is still paused
+    report = tampered({names.index("generation.continued")}, "no_continue.jsonl")
+    assert "rollout.finished while the engine's generation_paused is open (expected generation.continued first)" \
+        in report.findings[0].message
+
+
+async def test_an_engine_without_sessions_is_never_held_to_them(tmp_path):
+    from colo.offline.replay import replay
+
+    path = tmp_path / "t.jsonl"
+    s, *_ = make(path=path)
+    async with s:
+        await s.cycle()
+    names = [e["event"] for e in read_trace(path)]
+    assert not {"session.opened", "generation.paused"} & set(names)
+    assert replay([str(path)]).valid
