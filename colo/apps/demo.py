@@ -108,25 +108,48 @@ async def run(cfg: DemoConfig, *, progress: bool = True,
         demo.error = e
         await demo.close()
         return demo.outcome()
+    started = False
     try:
-        await demo.start()
-        bar = _progress(cfg.steps, progress)
         try:
-            async with demo.sched:
-                while len(demo.rewards) < cfg.steps:
-                    await demo.cycle()  # rollout ... engine_wake_kv; an injected fault is recovered
-                    bar.set_postfix(reward=f"{demo.rewards[-1]:.3f}")
-                    bar.update(1)
-                    if on_cycle is not None:
-                        on_cycle(len(demo.rewards))
-                demo.check_fault_fired()
-        except Exception as e:  # in the trace as phase.failed (or before it: at start-up)
-            demo.error = e
-        finally:
-            bar.close()
+            await demo.start()
+            started = True
+        except Exception as e:  # nothing ran: the reason is the whole report (run_demo: one line)
+            demo.error = first_error(e)
+        if started:
+            bar = _progress(cfg.steps, progress)
+            try:
+                async with demo.sched:
+                    while len(demo.rewards) < cfg.steps:
+                        await demo.cycle()  # rollout ... engine_wake_kv; an injected fault is recovered
+                        bar.set_postfix(reward=f"{demo.rewards[-1]:.3f}")
+                        bar.update(1)
+                        if on_cycle is not None:
+                            on_cycle(len(demo.rewards))
+                    demo.check_fault_fired()
+            except Exception as e:  # in the trace as phase.failed
+                demo.error = e
+            finally:
+                bar.close()
     finally:
         await demo.close()
-    return demo.outcome()
+    out = demo.outcome()
+    out.failed_at_start = not started
+    return out
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The error an exception group stands for: its first (a task group of start-up work
+    raises every failure it collected; the first is the cause, the rest its echoes)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as the one line a user reads: a colo error's own message (it names what and
+    why), anything else with its class; a message of many lines joined on one."""
+    text = str(exc) if isinstance(exc, ColoError) and str(exc) else f"{type(exc).__name__}: {exc}"
+    return "; ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 class DemoRun:
@@ -497,6 +520,10 @@ def run_demo(args: Any) -> int:
         print(f"colo demo: interrupted ({names}); the running phase was cancelled and cleaned up; "
               f"trace: {cfg.trace_path}", file=sys.stderr)
         code = EXIT_INTERRUPTED
+    elif out.failed_at_start:
+        # nothing ran, so there is no summary, reward or trace to show: the reason is the report
+        print(f"colo demo: {one_line(out.error)}", file=sys.stderr)
+        code = exit_code(out.error)
     else:
         print(report(cfg, out))
         # a refusal carries its exit code (a trace another run holds is bad input: 2)

@@ -148,9 +148,9 @@ class MultiDemoRun:
             started[spec.rank] = await Worker.spawn(spec, env=env)
 
         try:
-            async with anyio.create_task_group() as tg:
-                for spec in specs:
-                    tg.start_soon(one, spec)
+            # every rank's outcome, the first failure raised naming its rank (a task group
+            # would raise an ExceptionGroup of them, which reached the user as a traceback)
+            await together([(lambda spec=spec: one(spec)) for spec in specs], "worker", "spawn")
         finally:
             # the ones that started are closed by close(), also when another failed
             self.workers = [w for w in started if w is not None]
@@ -158,7 +158,7 @@ class MultiDemoRun:
     async def _each_worker(self, op: str, **fields: Any) -> list[dict]:
         """``op`` on every worker at once (a verb with collectives needs them all)."""
         calls = [(lambda w=w: w.call(op, **fields)) for w in self.workers]
-        results, _ = await together(calls, "rank", op)
+        results, _ = await together(calls, "worker", op)
         return results
 
     def _proxies(self, hellos: list[dict]) -> None:

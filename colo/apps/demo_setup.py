@@ -211,6 +211,10 @@ class DemoConfig:
             raise ValueError(f"--launcher {self.launcher} starts ranks: give --gpus N with N >= 2")
         if self.address is not None and self.launcher != "ray":
             raise ValueError("--address names a Ray cluster: it needs --launcher ray")
+        if self.address is not None:
+            from colo.ranks.address import parse_address
+
+            parse_address(self.address)  # the form only: whether it answers is known at start
         if g > 1 and self.engine_visible_devices is not None:
             raise ValueError("--engine-visible-devices is for one GPU; with --gpus N rank r runs on GPU r")
         if g > 1 and self.fault is not None and self.fault not in MULTI_FAULTS:
@@ -407,6 +411,8 @@ class DemoOutcome:
     recoveries: list[Recovery] = field(default_factory=list)
     #: expected_digest of the trainer's weights at the end of the run (None if it had none)
     trainer_digest: str | None = None
+    #: the run failed before its first cycle (``error`` says why)
+    failed_at_start: bool = False
 
 
 class CycleSeeded:

@@ -94,6 +94,11 @@ class KVPoolTooSmall(BadInput, ValueError):
     """``mem_fraction_static`` leaves too little room for the KV pool."""
 
 
+class EngineRefused(BadInput, ValueError):
+    """The engine refused the build it was sent (a malformed model config, a dtype or device it
+    does not have, more memory than the device or the machine holds), before building anything."""
+
+
 # -- refusals and failures (exit 1) ---------------------------------------------------
 
 class IllegalTransition(ColoError, ValueError):
@@ -164,6 +169,8 @@ class RankFailed(ColoError, RuntimeError):
 
     def __init__(self, side: str, verb: str, rank: int, cause: BaseException, outcomes: dict[int, str]):
         self.side, self.verb, self.rank, self.cause, self.outcomes = side, verb, rank, cause, dict(outcomes)
+        # the run ends for the cause's reason: a build every engine rank refused is bad input (2)
+        self.exit_code = exit_code(cause)
         super().__init__(f"{side} rank {rank} failed {verb}: {type(cause).__name__}: {cause}")
 
 
@@ -203,8 +210,8 @@ def exit_code(exc: BaseException) -> int:
     return getattr(exc, "exit_code", EXIT_FAILED) if isinstance(exc, ColoError) else EXIT_FAILED
 
 
-__all__ = ["BadInput", "BadTrace", "ChannelError", "ColoError", "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK",
-           "EngineDied", "EngineError", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
+__all__ = ["BadInput", "BadTrace", "ChannelError", "ColoError", "EXIT_BAD_INPUT",
+           "EXIT_FAILED", "EXIT_OK", "EngineDied", "EngineError", "EngineRefused", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
            "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "RankDied", "RankError", "RankFailed", "RequestError",
            "TagStateError", "TraceUnwritable", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
            "exit_code"]

@@ -18,7 +18,7 @@ import anyio
 from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.tasks import RolloutData, RolloutTask
-from colo.core.errors import EngineDied, EngineError
+from colo.core.errors import EXIT_BAD_INPUT, EngineDied, EngineError, EngineRefused
 from colo.proc.lifecycle import SOCKET_NAME, free_port, process_state, socket_dir, start_with_env
 
 #: after a broken channel, how long to wait for the engine process to be seen dead
@@ -63,6 +63,20 @@ async def _await_hello(proc: Any, path: str, key: bytes, start_timeout_s: float,
             raise
         raise EngineDied(f"engine process exited with code {proc.exitcode} while starting") from e
 
+def start_error(reply: dict) -> Exception:
+    """The error an engine's answer to its first request stands for: a build it refused
+    (:class:`EngineRefused`, exit 2), a start that failed at run time (:class:`EngineDied`
+    naming the cause, exit 1), or an engine that started and refused the hello."""
+    kind, message = str(reply.get("error_type", "?")), str(reply.get("error", ""))
+    if reply.get("start_failed") is not True:
+        return EngineError("hello", kind, message)
+    if reply.get("exit_code") == EXIT_BAD_INPUT:
+        # the engine's check words it "engine refused its build: ..."; a refusal from deeper
+        # in the build (a KV pool that does not fit) is worded by its own class
+        return EngineRefused(message if message.startswith("engine refused its build: ")
+                             else f"engine refused its build: {message}")
+    return EngineDied(f"engine failed while starting: {kind}: {message}")
+
 
 class EngineClient:
     def __init__(self, channel: AsyncChannel, process: Any, sockdir: str, key: bytes, hello: dict,
@@ -104,7 +118,7 @@ class EngineClient:
             proc = _start_process(serve, path, key, {**build, "parent_pid": os.getpid()}, env)
             ch, reply = await _await_hello(proc, path, key, start_timeout_s, build)
             if not reply.get("ok"):
-                raise EngineError("hello", reply.get("error_type", "?"), reply.get("error", ""))
+                raise start_error(reply)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 if ch is not None:

@@ -15,6 +15,11 @@ from colo.core.buckets import itemsize
 from colo.dtypes import DTypeLike, dtype_name
 
 
+#: the sizes of a transformers config the engine reads, by their names there
+HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "max_position_embeddings")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Dims:
     """The numbers of a Qwen2 config the engine needs, validated once."""
@@ -65,6 +70,16 @@ class Dims:
         theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
         if theta is None:
             raise ValueError("config has no rope_theta (neither rope_parameters['rope_theta'] nor rope_theta)")
+        # checked under the config's own names, before any arithmetic: a zero head count
+        # would otherwise end in a ZeroDivisionError below, a string in a TypeError
+        for name in HF_SIZES:
+            value = getattr(config, name, None)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = theta if name == "rope_theta" else config.rms_norm_eps
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,

@@ -10,6 +10,7 @@ serving. Bucket handles are opened by the transports' receivers, through
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -185,6 +186,93 @@ def model_config(d: dict) -> Any:
     return types.SimpleNamespace(**d)
 
 
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_build(build: Any) -> None:
+    """Refuse a build this engine cannot be, before anything is built: before memory is
+    allocated, a process group joined or a checkpoint read. Every refusal is one
+    :class:`~colo.core.errors.EngineRefused` naming the field and what was expected.
+
+    Why here and not only in the client: the build is plain data from another process
+    (a driver, a rank worker, a Ray actor's caller), and what the engine would otherwise
+    make of a bad one is a ZeroDivisionError, a 10^12-row embedding, or a KV pool larger
+    than the machine that the allocator refuses with a C++ message."""
+    from colo.core.errors import EngineRefused
+
+    try:
+        _check_build(build)
+    except EngineRefused:
+        raise
+    except (ValueError, TypeError, ArithmeticError) as e:  # a malformed field, read as such
+        raise EngineRefused(f"engine refused its build: {e}") from None
+
+
+def _check_build(build: Any) -> None:
+    from colo.core.errors import EngineRefused
+    from colo.core.units import fmt_bytes
+    from colo.engine.dims import dims_from_config
+    from colo.engine.kvpool import KVPoolPlan
+    from colo.engine.weights import WeightMap
+
+    if not isinstance(build, dict):
+        raise ValueError(f"the build must be a dict, got {type(build).__name__}")
+    device = build.get("device")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
+    dtype = torch_dtype(build.get("dtype"))
+    if not dtype.is_floating_point:
+        raise ValueError(f"engine dtype must be a floating point dtype, got {build['dtype']}")
+    total = build.get("total_bytes")
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+        raise ValueError(f"total_bytes must be a positive integer, got {total!r}")
+    fraction = build.get("mem_fraction_static")
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
+    if build.get("memory") not in (None, "free", "saver"):
+        raise ValueError(f"memory must be free or saver, got {build.get('memory')!r}")
+    checkpoint = build.get("checkpoint")
+    if checkpoint is not None and not isinstance(checkpoint, str):
+        raise ValueError(f"checkpoint must be a path or None, got {type(checkpoint).__name__}")
+    config = model_config(build.get("config"))
+    tp = build.get("tp")
+    if tp is not None:
+        from colo.engine.tp import TPLayout
+
+        if not isinstance(tp, dict):
+            raise ValueError(f"tp must be a dict (rank, size, init_method, backend), got {type(tp).__name__}")
+        # a model that cannot be split is refused before the group is joined (no rank waits on it)
+        dims = TPLayout.from_config(config, tp_rank=tp.get("rank"), tp_size=tp.get("size")).local
+    else:
+        dims = dims_from_config(config)
+    # the sizes the engine's model takes (EngineModel): KVPoolTooSmall is bad input already
+    plan = KVPoolPlan(total_bytes=total, mem_fraction_static=fraction,
+                      weight_bytes=WeightMap.build(dims).nbytes(dtype), slot_bytes=dims.slot_bytes(dtype),
+                      min_slots=dims.max_positions)
+    ram = host_memory_bytes()
+    if device == "cpu" and ram is not None and plan.static_bytes > ram:
+        # on a CPU the device is simulated in this machine's memory: a pool larger than it is
+        # refused by the allocator at best, and at worst taken lazily until the OOM killer comes
+        raise EngineRefused(
+            f"engine refused its build: its weights and KV pool take {fmt_bytes(plan.static_bytes)} "
+            f"(mem_fraction_static {fraction:g} of a {fmt_bytes(total)} device), more than this machine's "
+            f"{ram / (1 << 30):.1f} GiB of memory (a CPU engine's device is host memory)")
+
+
+def start_failure(exc: BaseException) -> dict:
+    """The answer an engine that could not start gives to every request: the reason, and
+    whether it is the build's fault (``exit_code`` 2) or the run's (1)."""
+    from colo.core.errors import exit_code
+
+    return {"ok": False, "error_type": type(exc).__name__, "error": str(exc) or type(exc).__name__,
+            "start_failed": True, "exit_code": exit_code(exc)}
+
+
 def build_core(build: dict, init_state: Any = None) -> Any:
     """The EngineCore described by ``build`` (plain data, made by the client); ``init_state``
     is version 0 already in memory (a Ray engine actor gets it through the object store)
@@ -286,16 +374,22 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
 
 def _serve(sock_path: str, key: bytes, build: dict) -> None:
     open_log(build.get("log_path"))
-    core = build_core(build)
+    try:
+        check_build(build)
+        core = build_core(build)
+    except Exception as e:
+        # The client is waiting for this engine's hello: it gets the reason instead, over the
+        # same authenticated channel, rather than an exit code and a traceback on stderr.
+        from colo.core.errors import BadInput
+
+        refused = isinstance(e, BadInput)
+        log("engine.build_refused" if refused else "engine.start_failed", error=f"{type(e).__name__}: {e}",
+            **({} if refused else {"trace": traceback.format_exc(limit=5)}))
+        reply = start_failure(e)
+        _answer_start_failure(sock_path, key, build, reply)
+        raise SystemExit(reply["exit_code"])  # the process's status says it too
     server = EngineServer(core)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(sock_path + ".tmp")
-    os.chmod(sock_path + ".tmp", 0o600)
-    listener.listen(16)
-    # Rename after listen: the client never connects to a socket that is not ready.
-    os.replace(sock_path + ".tmp", sock_path)
-    gate = Gate(listener, key, timeout_s=float(build.get("handshake_timeout_s", HANDSHAKE_S)),
-                on_refused=lambda reason: log("channel.refused", reason=reason))
+    listener, gate = _listen(sock_path, key, build)
     log("engine.ready", socket=sock_path)
     try:
         while server.running:
@@ -317,3 +411,48 @@ def _serve(sock_path: str, key: bytes, build: dict) -> None:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _listen(sock_path: str, key: bytes, build: dict) -> tuple[socket.socket, Gate]:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(sock_path + ".tmp")
+    os.chmod(sock_path + ".tmp", 0o600)
+    listener.listen(16)
+    # Rename after listen: the client never connects to a socket that is not ready.
+    os.replace(sock_path + ".tmp", sock_path)
+    gate = Gate(listener, key, timeout_s=float(build.get("handshake_timeout_s", HANDSHAKE_S)),
+                on_refused=lambda reason: log("channel.refused", reason=reason))
+    return listener, gate
+
+
+#: how long an engine that could not start waits for its client to ask why: the client
+#: connects as soon as the socket appears, so this only bounds a client that went away
+START_FAILURE_WAIT_S = 60.0
+
+
+def _answer_start_failure(sock_path: str, key: bytes, build: dict, reply: dict) -> None:
+    """Listen as a started engine would, answer the client's first request (its hello) with
+    ``reply``, and end. Bounded: a client that never comes leaves no engine behind."""
+    import time
+
+    listener, gate = _listen(sock_path, key, build)
+    deadline = time.monotonic() + START_FAILURE_WAIT_S
+    try:
+        while True:
+            try:
+                conn = gate.accept(wait_s=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                log("engine.start_failure_unread", waited_s=START_FAILURE_WAIT_S)
+                return
+            with conn:
+                try:
+                    msg = recv_frame(conn)
+                    send_frame(conn, {**reply, "id": msg.get("id") if isinstance(msg, dict) else None})
+                except (OSError, ChannelError) as e:  # a peer that broke off: the client may still come
+                    log("channel.dropped", reason=str(e))
+                    continue
+            return
+    finally:
+        gate.close()
+        listener.close()
+

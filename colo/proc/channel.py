@@ -263,16 +263,21 @@ class Gate:
             return None
         return conn
 
-    def accept(self) -> socket.socket:
-        """Block until a peer authenticates; return its connection (blocking mode)."""
+    def accept(self, wait_s: float | None = None) -> socket.socket:
+        """Block until a peer authenticates; return its connection (blocking mode).
+        ``wait_s``: raise ``TimeoutError`` if none has within that many seconds."""
         now = time.monotonic()
+        until = None if wait_s is None else now + wait_s
         for p in self._pending.values():  # they waited while another was served
             p.deadline = now + self.timeout_s
         while True:
             now = time.monotonic()
+            if until is not None and now >= until:
+                raise TimeoutError(f"no peer authenticated within {wait_s:g} s")
             for conn in [c for c, p in self._pending.items() if p.deadline <= now]:
                 self._drop(conn, f"peer did not authenticate within {self.timeout_s:g} s")
-            wait = min((p.deadline for p in self._pending.values()), default=None)
+            wait = min([p.deadline for p in self._pending.values()] + ([until] if until is not None else []),
+                       default=None)
             for key, _ in self._sel.select(None if wait is None else max(0.0, wait - now)):
                 conn = key.fileobj
                 if conn is self._listener:

@@ -28,14 +28,14 @@ import anyio
 from colo.proc.channel import AsyncChannel, new_key
 from colo.core.interfaces import (EngineCapabilities, RolloutResult, StageRecord, SyncContext, SyncResult,
                                   TensorSpec)
-from colo.core.errors import (ChannelError, EngineDied, EngineError, OutOfMemory, RankDied, RankError,
-                         VerificationError)
+from colo.core.errors import (ChannelError, EngineDied, EngineError, EngineRefused, OutOfMemory, RankDied,
+                              RankError, VerificationError)
 from colo.ranks.host import RankSpec, rollout_from_json, rollout_to_json
 
 #: a rank builds a model, joins two process groups and starts an engine: minutes on a busy host
 START_TIMEOUT_S = 600.0
 #: errors a worker reports that are rebuilt as themselves (from their message)
-_BY_NAME = {"EngineDied": EngineDied, "VerificationError": VerificationError}
+_BY_NAME = {"EngineDied": EngineDied, "EngineRefused": EngineRefused, "VerificationError": VerificationError}
 
 
 def _start(spec: dict, path: str, key: bytes, env: dict[str, str] | None) -> Any:

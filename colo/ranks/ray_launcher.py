@@ -62,7 +62,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
 from colo.engine.client import DEATH_WAIT_S, EngineClient
 from colo.proc.lifecycle import process_state
-from colo.core.errors import EngineDied, EngineError, RankDied
+from colo.core.errors import EngineDied, EngineError, EngineRefused, RankDied, UsageError
+from colo.ranks.address import parse_address
 
 #: building a rank (a model, two process groups, an engine) takes minutes on a busy host
 START_TIMEOUT_S = 600.0
@@ -158,8 +159,9 @@ class EngineActor:
         safetensors bytes of the trainer's weights, or empty and stale when None."""
         import torch
 
-        from colo.engine.server import EngineServer, build_core
+        from colo.engine.server import EngineServer, build_core, check_build
 
+        check_build(build)  # before the group is joined or the state read (EngineRefused: exit 2)
         if str(build["device"]) == "cpu":
             torch.set_num_threads(1)  # N trainer ranks and N engine ranks share the host's cores
         from colo.proc.lifecycle import open_log
@@ -327,7 +329,10 @@ async def spawn_engine_actor(build: dict, *, state: Any, pg: Any, bundle: int, n
             raise EngineDied(f"engine actor {name} died while starting: {_first_line(e)}") from e
         if isinstance(e, ray.exceptions.RayTaskError):
             cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
-            raise EngineError("start", type(cause).__name__, str(cause)) from e
+            if isinstance(cause, EngineRefused):  # the build's fault, as a process engine says it
+                raise EngineRefused(str(cause)) from None
+            raise EngineDied(f"engine actor {name} failed while starting: {type(cause).__name__}: "
+                             f"{_first_line(cause)}") from e
         raise
     proc = _ActorProcess(actor, hello["pid"], name)
     return ActorEngineClient(_ActorChannel(proc), proc, None, None, hello, task)
@@ -484,6 +489,11 @@ def _ensure_ray(address: str | None) -> bool:
     """Ray initialised (an existing session is reused); whether this call started it."""
     if ray.is_initialized():
         return False
+    if address is not None:
+        try:
+            parse_address(address)  # Ray's own reading of a malformed one is a traceback of its own
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     # a local cluster by default; the dashboard is not needed and costs a core at start-up
     ray.init(address=address, include_dashboard=False, log_to_driver=False)
     return True
