@@ -1,22 +1,44 @@
-"""The digest every engine can pass: of exactly the HF-named tensors it received.
+"""The digest every engine can pass: of exactly the HF-named tensors it received,
+computed where the tensors lie.
 
 A sync is verified by comparing what the engine says it received with what
 the trainer sent. Engines fuse and repack what they receive (colo's engine
 into ``qkv_proj``, vLLM on a CPU into oneDNN handles whose parameters are
 then empty), so the digest is not of the engine's parameters but of the
-tensors as they arrived, under their HF names:
+tensors as they arrived, under their HF names.
 
-- each tensor's entry is ``sha256(header + sha256(bytes))``, the header being
-  its name, dtype and shape (length-prefixed JSON), the bytes its row-major
-  bytes in the engine's dtype; a tensor that arrives in pieces is hashed piece
-  by piece, in order, to the same value;
-- the digest is ``sha256`` over the entries **in the trainer's spec order**
-  (the order of the spec list the engine accepted at preflight).
+**The checksum of a tensor** (format ``colo.digest/2``). Its row-major bytes
+are read as unsigned little-endian *words* of ``u`` bytes, ``u`` the element
+size for 1- and 2-byte dtypes and 4 otherwise (an 8-byte element is two words).
+Word ``j`` (counted from the tensor's first byte) with value ``w_j`` contributes
+to each of two lanes::
 
-So one flipped bit in any tensor, a missing tensor, an extra one, a changed
-shape or dtype, or tensors swapped between names all change it. The trainer
-side computes it over its own tensors with :func:`weights_digest`; an engine
-records what it receives with :class:`ReceivedDigest`.
+    lane_L = sum_j  w_j * (2j + 1) * A_L   mod 2**32       A_1, A_2 odd
+
+A single flipped bit ``k`` of word ``j`` changes ``w_j`` by ``±2**k`` (``k < 32``)
+and so lane ``L`` by ``±2**k * (2j + 1) * A_L``: an odd number times a power of
+two below ``2**32`` is never ``0 mod 2**32``, so **every single-bit flip in every
+tensor changes both lanes**, whatever the data. The multipliers ``(2j+1) * A_L``
+are distinct odd numbers for ``j < 2**31`` (multiplying by an odd number is a
+bijection mod ``2**32``), so moving words within a tensor changes the lanes too
+(with probability, not certainty). The sum is of exact integers, so its order
+does not matter: the CPU (numpy, unsigned arithmetic), a CUDA GPU (one Triton
+kernel, one pass over the bytes) and the portable torch path give **identical**
+lanes for the same bytes, and a tensor that arrives in pieces (each knowing its
+element offset) sums to the same lanes as the whole. Temporaries are bounded by
+a chunk (:data:`CHUNK_WORDS`) on every path.
+
+**The entry** of a tensor is ``sha256(header + lane_1 + lane_2)``, the header its
+name, dtype and shape (length-prefixed JSON), so names, shapes and dtypes are
+part of it; **the digest** is ``sha256`` over the entries **in the trainer's spec
+order** (the order of the spec list the engine accepted at preflight). A
+missing tensor, an extra one, a changed shape or dtype, tensors swapped between
+names, or one flipped bit anywhere all change it.
+
+The trainer side computes it over its own tensors with :func:`weights_digest`
+(on the device they are on: no copy to the host); an engine records what it
+receives with :class:`ReceivedDigest`, on the device the tensors arrive on.
+Device work is queued on the current stream and read back once per digest.
 """
 
 from __future__ import annotations
@@ -26,9 +48,17 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from colo.dtypes import dtype_name
+
+#: the checksum's odd multipliers (two lanes: 64 bits of entry per tensor)
+LANE_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
+#: words per chunk on the host and portable paths (temporaries stay a few times this)
+CHUNK_WORDS = 1 << 22
+_MASK = (1 << 32) - 1
+_WORD_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def _header(name: str, dtype: str, shape: Sequence[int]) -> bytes:
@@ -36,44 +66,222 @@ def _header(name: str, dtype: str, shape: Sequence[int]) -> bytes:
     return len(header).to_bytes(8, "little") + header
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The row-major bytes of ``t`` on the host (a copy only where ``t`` is elsewhere or strided)."""
+def word_size(element_size: int) -> int:
+    """Bytes per checksum word for a dtype of ``element_size`` bytes."""
+    return element_size if element_size < 4 else 4
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s row-major bytes as a 1-D tensor of words (a view where ``t`` is contiguous)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(_WORD_VIEW[word_size(t.element_size())])
+
+
+# -- the three paths (identical results; see the module docstring) ------------------------
+
+_HOST_TABLES: list[np.ndarray] = []
+
+
+def _host_tables() -> list[np.ndarray]:
+    """Per lane, ``(2i + 1) * A mod 2**32`` for the ``i`` of one chunk (uint32)."""
+    if not _HOST_TABLES:
+        odd = 2 * np.arange(CHUNK_WORDS, dtype=np.uint64) + 1
+        _HOST_TABLES.extend(((odd * np.uint64(a)) & np.uint64(_MASK)).astype(np.uint32) for a in LANE_MULTIPLIERS)
+    return _HOST_TABLES
+
+
+def _host_lanes(words: torch.Tensor, first: int) -> list[int]:
+    """On the host, numpy. Word ``j0 + i`` of a chunk has multiplier
+    ``(2(j0+i)+1)A = 2 j0 A + (2i+1)A``, so a chunk's lane is ``2 j0 A * sum(w) + w . table``:
+    one ``dot`` per lane, whose uint32 accumulator wraps mod 2**32, as wanted."""
+    raw = words.numpy()
+    unsigned = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[raw.itemsize])
+    tables = _host_tables()
+    lanes = [0, 0]
+    for start in range(0, unsigned.size, CHUNK_WORDS):
+        w = unsigned[start:start + CHUNK_WORDS]
+        total = int(w.sum(dtype=np.uint64))  # exact: < 2**22 words of < 2**32
+        j0 = first + start
+        for lane, a in enumerate(LANE_MULTIPLIERS):
+            dot = int(np.dot(w, tables[lane][:w.size])) & _MASK
+            lanes[lane] = (lanes[lane] + 2 * j0 * a * total + dot) & _MASK
+    return lanes
+
+
+def _mulmod32(x: torch.Tensor, c: Any) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x, c`` in ``[0, 2**32)`` (tensor or int), without overflow:
+    ``c`` split in 16-bit halves, each product below ``2**48``."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK
+
+
+def _torch_lanes(words: torch.Tensor, first: int) -> torch.Tensor:
+    """Any device: torch ops on int64, exact (no product overflows)."""
+    out = torch.zeros(2, dtype=torch.int64, device=words.device)
+    bits = words.element_size() * 8
+    for start in range(0, words.numel(), CHUNK_WORDS):
+        w = words[start:start + CHUNK_WORDS].to(torch.int64) & ((1 << bits) - 1)
+        j = torch.arange(first + start, first + start + w.numel(), dtype=torch.int64, device=w.device)
+        odd = (2 * j + 1) & _MASK
+        for lane, a in enumerate(LANE_MULTIPLIERS):
+            out[lane] = (out[lane] + _mulmod32(w, _mulmod32(odd, a)).sum()) & _MASK
+    return out
+
+
+_KERNEL: Any = None
+
+
+def _triton_kernel() -> Any:
+    """The CUDA path: one pass over the words, uint32 arithmetic (wraps mod 2**32, as wanted),
+    per-block sums in int64; ``None`` where Triton is not installed."""
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            _KERNEL = False
+            return None
+
+        @triton.jit
+        def lanes_kernel(words, n, first, out, A1: tl.constexpr, A2: tl.constexpr, BITS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            keep = offs < n
+            raw = tl.load(words + offs, mask=keep, other=0)
+            if BITS == 8:
+                w = raw.to(tl.uint32)  # the view is uint8
+            elif BITS == 16:
+                w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+            else:
+                w = raw.to(tl.uint32, bitcast=True)
+            j = (offs + first).to(tl.uint32)  # 2j+1 mod 2**32 needs only j mod 2**31
+            odd = j * 2 + 1
+            # the multipliers as uint32 tensors: a literal above 2**31 would widen to int64
+            p1 = (w * (odd * tl.full((BLOCK,), A1, tl.uint32))).to(tl.int64)
+            p2 = (w * (odd * tl.full((BLOCK,), A2, tl.uint32))).to(tl.int64)
+            tl.store(out + pid * 2, tl.sum(p1, axis=0))
+            tl.store(out + pid * 2 + 1, tl.sum(p2, axis=0))
+
+        _KERNEL = lanes_kernel
+    return _KERNEL or None
+
+
+_BLOCK = 8192
+
+
+def _cuda_lanes(words: torch.Tensor, first: int) -> torch.Tensor | None:
+    kernel = _triton_kernel()
+    if kernel is None:
+        return None
+    out = torch.zeros(2, dtype=torch.int64, device=words.device)
+    step = _BLOCK * 65536  # a bounded partials buffer (65536 x 2 int64) per launch
+    for start in range(0, words.numel(), step):
+        part = words[start:start + step]
+        blocks = -(-part.numel() // _BLOCK)
+        partial = torch.empty(blocks, 2, dtype=torch.int64, device=words.device)
+        kernel[(blocks,)](part, part.numel(), first + start, partial, A1=LANE_MULTIPLIERS[0],
+                          A2=LANE_MULTIPLIERS[1], BITS=words.element_size() * 8, BLOCK=_BLOCK)
+        out = (out + partial.sum(dim=0)) & _MASK  # < 65536 * 8192 * 2**32 < 2**63
+    return out
+
+
+def lanes(tensor: torch.Tensor, offset: int = 0, path: str = "auto") -> torch.Tensor | list[int]:
+    """The two lanes of ``tensor``'s words, the tensor starting ``offset`` elements into the
+    whole it is a piece of; on ``tensor``'s device (a list of ints for a CPU tensor).
+    ``path`` forces ``"host"``, ``"torch"`` or ``"cuda"`` (the tests compare them)."""
+    words = _words(tensor)
+    first = int(offset) * (tensor.element_size() // words.element_size())
+    device = words.device.type
+    if path == "host" or (path == "auto" and device == "cpu"):
+        return _host_lanes(words if device == "cpu" else words.cpu(), first)
+    if path in ("cuda", "auto") and device == "cuda":
+        got = _cuda_lanes(words, first)
+        if got is not None:
+            return got
+        if path == "cuda":
+            raise RuntimeError("the CUDA checksum needs Triton, which is not installed")
+    return _torch_lanes(words, first)
+
+
+def _read(parts: Sequence[torch.Tensor | list[int]]) -> list[list[int]]:
+    """Lanes to ints, with one read-back per device."""
+    out: list[list[int] | None] = [p if isinstance(p, list) else None for p in parts]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(parts):
+        if not isinstance(p, list):
+            by_device.setdefault(p.device, []).append(i)
+    for idx in by_device.values():
+        values = torch.stack([parts[i] for i in idx]).cpu().tolist()
+        for i, v in zip(idx, values):
+            out[i] = [int(x) & _MASK for x in v]
+    return out  # type: ignore[return-value]
+
+
+def _entry(name: str, dtype: str, shape: Sequence[int], lane_values: Sequence[int]) -> bytes:
+    body = b"".join(int(v).to_bytes(4, "little") for v in lane_values)
+    return hashlib.sha256(_header(name, dtype, shape) + body).digest()
 
 
 class TensorHash:
-    """One tensor's entry, fed its bytes in order (whole, or piece after piece)."""
+    """One tensor's entry, fed its elements as the whole or as pieces (each with its element offset)."""
 
-    __slots__ = ("name", "dtype", "shape", "_bytes", "_seen", "_total")
+    __slots__ = ("name", "dtype", "shape", "_lanes", "_seen", "_total")
 
     def __init__(self, name: str, dtype: str, shape: Sequence[int], nbytes: int):
         self.name, self.dtype, self.shape = name, dtype, tuple(int(s) for s in shape)
-        self._bytes = hashlib.sha256()
+        self._lanes: list[torch.Tensor | list[int]] = []
         self._seen, self._total = 0, int(nbytes)
 
-    def update(self, data: torch.Tensor) -> None:
-        raw = _host_bytes(data)
-        self._bytes.update(raw)
-        self._seen += len(raw)
+    def update(self, data: torch.Tensor, offset: int | None = None) -> None:
+        """Add elements ``[offset, offset + data.numel())`` (after the last ones fed, by default)."""
+        size = data.element_size()
+        start = self._seen // size if offset is None else int(offset)
+        self._lanes.append(lanes(data, start))
+        self._seen += data.numel() * size
 
     @property
     def complete(self) -> bool:
         return self._seen == self._total
 
-    def entry(self) -> bytes:
+    def pending(self) -> list[torch.Tensor | list[int]]:
         if not self.complete:
             raise ValueError(f"{self.name}: hashed {self._seen} of its {self._total} bytes")
-        return hashlib.sha256(_header(self.name, self.dtype, self.shape) + self._bytes.digest()).digest()
+        return self._lanes
+
+    def entry_from(self, parts: Sequence[Sequence[int]]) -> bytes:
+        total = [sum(p[lane] for p in parts) & _MASK for lane in range(2)]
+        return _entry(self.name, self.dtype, self.shape, total)
+
+    def entry(self) -> bytes:
+        return self.entry_from(_read(self.pending()))
+
+
+def _hash_of(name: str, tensor: torch.Tensor) -> TensorHash:
+    h = TensorHash(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+    h.update(tensor, 0)
+    return h
+
+
+def _entries(hashes: Sequence[TensorHash]) -> list[bytes]:
+    """Every entry, reading the device lanes back once per device."""
+    flat, owner = [], []
+    for i, h in enumerate(hashes):
+        for p in h.pending():
+            flat.append(p)
+            owner.append(i)
+    values = _read(flat)
+    grouped: list[list[list[int]]] = [[] for _ in hashes]
+    for i, v in zip(owner, values):
+        grouped[i].append(v)
+    return [h.entry_from(g) for h, g in zip(hashes, grouped)]
 
 
 def tensor_entry(name: str, tensor: torch.Tensor) -> bytes:
     """The entry of one whole tensor."""
-    h = TensorHash(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
-    h.update(tensor)
-    return h.entry()
+    return _hash_of(name, tensor).entry()
 
 
 def combine(entries: Iterable[bytes]) -> str:
@@ -85,43 +293,51 @@ def combine(entries: Iterable[bytes]) -> str:
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """The digest of ``(HF name, tensor)`` pairs in the order given: what the trainer
-    computes over the tensors it sends, converted to the engine's dtype."""
-    return combine(tensor_entry(name, t) for name, t in named)
+    """The digest of ``(HF name, tensor)`` pairs in the order given, each on its own device:
+    what the trainer computes over the tensors it sends, converted to the engine's dtype."""
+    return combine(_entries([_hash_of(name, t) for name, t in named]))
 
 
 def expected_weights_digest(state: Mapping[str, torch.Tensor], order: Sequence[str], dtype: Any) -> str:
     """The digest an engine of ``dtype`` reports after receiving ``state`` under the spec
-    list ``order`` (each tensor converted to the engine dtype on its own, as the sender does)."""
+    list ``order`` (each tensor converted to the engine dtype on its own device, as the
+    sender does)."""
     missing = [n for n in order if n not in state]
     if missing:
         raise KeyError(f"the trainer has no tensor named {', '.join(missing[:5])}"
                        + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""))
-    return weights_digest((n, state[n].detach().to(dtype=dtype)) for n in order)
+    hashes = []
+    for n in order:  # one converted tensor alive at a time; its lanes are queued before the next
+        t = state[n].detach()
+        hashes.append(_hash_of(n, t if t.dtype == dtype else t.to(dtype=dtype)))
+    return combine(_entries(hashes))
 
 
 class ReceivedDigest:
-    """An engine's record of the tensors it received in one sync, hashed as they arrive.
+    """An engine's record of the tensors it received in one sync, checksummed as they arrive,
+    on the device they arrive on.
 
     ``add(name, tensor)`` takes a whole tensor or a piece (an object with ``data``,
-    ``shape``, ``offset``, ``end``: :class:`colo.transports.wire.Piece`), pieces
-    in order; :meth:`digest` combines the entries in the order asked for and
-    names any tensor it did not (completely) receive.
+    ``shape``, ``offset``: :class:`colo.transports.wire.Piece`), pieces in any order;
+    :meth:`digest` combines the entries in the order asked for and names any tensor
+    it did not (completely) receive. The checksum of a device tensor is queued on the
+    current stream: the caller keeps the tensor's memory until that stream passes it
+    (as it does for its own copy of the tensor).
     """
 
     def __init__(self) -> None:
         self._open: dict[str, TensorHash] = {}
-        self._done: dict[str, bytes] = {}
+        self._done: dict[str, TensorHash] = {}
 
     def clear(self) -> None:
         self._open.clear()
         self._done.clear()
 
     def add(self, name: str, tensor: Any) -> None:
-        data = getattr(tensor, "data", tensor)
         if isinstance(tensor, torch.Tensor):
-            self._done[name] = tensor_entry(name, tensor)
+            self._done[name] = _hash_of(name, tensor)
             return
+        data = tensor.data
         h = self._open.get(name)
         if h is None:
             numel = 1
@@ -129,9 +345,9 @@ class ReceivedDigest:
                 numel *= int(s)
             h = self._open[name] = TensorHash(name, dtype_name(data.dtype), tensor.shape,
                                                numel * data.element_size())
-        h.update(data)
+        h.update(data, tensor.offset)
         if h.complete:
-            self._done[name] = self._open.pop(name).entry()
+            self._done[name] = self._open.pop(name)
 
     @property
     def names(self) -> list[str]:
@@ -143,7 +359,8 @@ class ReceivedDigest:
             partial = [n for n in missing if n in self._open]
             raise ValueError(f"no complete tensor received under {len(missing)} name(s) of the spec list: "
                              f"{', '.join(missing[:5])}" + (f" ({', '.join(partial[:5])} only in part)" if partial else ""))
-        return combine(self._done[n] for n in order)
+        return combine(_entries([self._done[n] for n in order]))
 
 
-__all__ = ["ReceivedDigest", "TensorHash", "combine", "expected_weights_digest", "tensor_entry", "weights_digest"]
+__all__ = ["CHUNK_WORDS", "LANE_MULTIPLIERS", "ReceivedDigest", "TensorHash", "combine",
+           "expected_weights_digest", "lanes", "tensor_entry", "weights_digest", "word_size"]

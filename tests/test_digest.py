@@ -55,3 +55,77 @@ def test_pieces_hash_to_the_same_entry_and_missing_names_are_named():
         (n, t.to(torch.bfloat16)) for n, t in fp32.items())
     with pytest.raises(KeyError, match="not.here"):
         expected_weights_digest(state, ["not.here"], torch.float32)
+
+
+# -- the checksum itself (colo.digest/2) ---------------------------------------------
+
+import colo.digest as D  # noqa: E402
+
+
+def _reference_lanes(t: torch.Tensor, offset: int = 0) -> list[int]:
+    """The definition, in Python integers: sum of w_j * (2j+1) * A mod 2**32 per lane."""
+    words = D._words(t)
+    bits = words.element_size() * 8
+    first = offset * (t.element_size() // words.element_size())
+    vals = [int(x) & ((1 << bits) - 1) for x in words.tolist()]
+    return [sum(v * (2 * (first + j) + 1) * a for j, v in enumerate(vals)) % 2**32 for a in D.LANE_MULTIPLIERS]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8,
+                                   torch.int64, torch.float64, torch.bool])
+def test_host_and_torch_paths_equal_the_definition_across_chunks_and_offsets(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    t = (torch.randn(29, 13, generator=g) * 300).to(dtype)
+    for chunk in (D.CHUNK_WORDS, 7):  # one chunk, and chunk edges inside the tensor
+        monkeypatch.setattr(D, "CHUNK_WORDS", chunk)
+        monkeypatch.setattr(D, "_HOST_TABLES", [])
+        for offset in (0, 5, 2**31 + 7, 2**33 + 1):  # multipliers wrap past 2**32
+            want = _reference_lanes(t, offset)
+            assert D.lanes(t, offset, "host") == want, (dtype, chunk, offset)
+            assert [int(x) for x in D.lanes(t, offset, "torch")] == want, (dtype, chunk, offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64])
+def test_every_bit_of_a_word_flipped_changes_both_lanes(dtype):
+    t = (torch.randn(257) * 50).to(dtype)
+    base = D.lanes(t)
+    raw = t.view(torch.uint8)
+    for index in (0, 128, 256):
+        for byte in range(t.element_size()):
+            for bit in range(8):
+                flipped = raw.clone()
+                flipped[index * t.element_size() + byte] ^= 1 << bit
+                got = D.lanes(flipped.view(dtype))
+                assert got[0] != base[0] and got[1] != base[1], (dtype, index, byte, bit)
+
+
+def test_a_flipped_bit_on_the_trainer_side_or_the_engine_side_is_a_mismatch():
+    state = _state(1)
+    order = list(state)
+    trainer = expected_weights_digest(state, order, torch.bfloat16)
+    engine = ReceivedDigest()
+    for n in order:
+        engine.add(n, state[n].to(torch.bfloat16))
+    assert engine.digest(order) == trainer
+    # the engine received one element with one bit flipped (the last bit of the middle element)
+    bad = ReceivedDigest()
+    for n in order:
+        t = state[n].to(torch.bfloat16)
+        if n == "a.bias":
+            t = t.clone()
+            t.view(torch.int16)[32] ^= 1
+        bad.add(n, t)
+    assert bad.digest(order) != trainer
+    # the trainer's tensor has a flipped bit (the sign of one element)
+    flipped = dict(state)
+    flipped["b.weight"] = state["b.weight"].clone()
+    flipped["b.weight"].view(-1).view(torch.int16)[100] ^= -0x8000
+    assert expected_weights_digest(flipped, order, torch.bfloat16) != trainer
+
+
+def test_pieces_in_any_order_sum_to_the_whole():
+    t = torch.randn(1000).to(torch.bfloat16)
+    got = ReceivedDigest()
+    for start, end in ((700, 1000), (0, 333), (333, 700)):
+        got.add("x", Piece(data=t[start:end], offset=start, shape=(1000,)))
+    assert got.digest(["x"]) == weights_digest([("x", t)])

@@ -272,10 +272,15 @@ def probe_batch(vocab_size: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab_size, (2, 16), generator=g).tolist()
 
 
-def trainer_digest(trainer: Any, dtype: str) -> str:
+def trainer_digest(trainer: Any, dtype: str, fresh: bool = True) -> str:
     """What every engine must report after a sync of ``trainer``'s weights (:mod:`colo.digest`):
-    its HF-named tensors in its spec order, in the engine's dtype."""
+    its HF-named tensors in its spec order, in the engine's dtype, checksummed where they lie.
+    Not ``fresh``: the trainer's digest from when it offloaded them, where it has one (the
+    verifier's; a check that the weights survived a failure reads them again)."""
     from colo.digest import expected_weights_digest
+
+    if hasattr(trainer, "sent_digest") and getattr(trainer, "engine_dtype", None) == dtype:
+        return trainer.sent_digest(fresh=fresh)
 
     return expected_weights_digest(trainer.hf_state(), [s.name for s in trainer.param_specs()],
                                    getattr(torch, dtype))
@@ -292,7 +297,7 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
     current = engine if callable(engine) else (lambda: engine)
 
     async def verify(digests: list[str]) -> None:
-        want = trainer_digest(trainer, dtype)
+        want = trainer_digest(trainer, dtype, fresh=False)
         for rank, digest in enumerate(digests):
             if digest != want:
                 raise VerificationError(f"engine rank {rank} digest {digest[:16]} != trainer digest {want[:16]} "

@@ -1,6 +1,6 @@
 """The engine's name map: where each trainer (Hugging Face) tensor lands in the fused
 parameters, the checks a sync's spec list must pass, and the trainer-side mirror of
-the engine's load (its fused state and digest computed from HF tensors on the CPU).
+the engine's load (its fused state computed from HF tensors on the CPU, and its digest).
 
 Like SGLang's and vLLM's model files, q/k/v live in one ``qkv_proj`` and gate/up in
 one ``gate_up_proj``; the map says which row block of which parameter each HF name
@@ -9,8 +9,6 @@ fills, so the engine can say precisely which names a sync did not deliver.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +19,7 @@ from colo.core.buckets import itemsize, numel, spec
 from colo.core.errors import WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
-from colo.digest import weights_digest
+from colo.digest import expected_weights_digest, weights_digest
 from colo.engine.dims import TIED, Dims, dims_from_config
 
 
@@ -161,15 +159,9 @@ def engine_state_from_hf(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable
 
 
 def digest_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    h = hashlib.sha256()
-    for name, tensor in named:
-        t = tensor.detach().to("cpu").contiguous()
-        # a length-prefixed header makes (name, dtype, shape) boundaries unambiguous
-        header = json.dumps([name, dtype_name(t.dtype), list(t.shape)]).encode()
-        h.update(len(header).to_bytes(8, "little"))
-        h.update(header)
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+    """The contract digest (:mod:`colo.digest`) of ``(name, tensor)`` pairs in the order given,
+    each checksummed on its own device (a TP rank's shard digest uses it too)."""
+    return weights_digest(named)
 
 
 def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -182,4 +174,4 @@ def expected_digest(hf_named_tensors: Mapping[str, torch.Tensor] | Iterable[tupl
     items = _named_items(hf_named_tensors)
     _check_specs(wmap, ((n, t.shape, None) for n, t in items), None, "trainer state does not match the engine")
     target = as_dtype(dtype)
-    return weights_digest((n, t.detach().to(device="cpu", dtype=target)) for n, t in items)
+    return expected_weights_digest(dict(items), [n for n, _ in items], target)

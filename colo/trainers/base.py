@@ -48,6 +48,9 @@ class PolicyTrainer:
     _dp_group: Any = None
     #: the one thread that runs the trainer's compute (see :meth:`compute`)
     _compute_thread: ThreadPoolExecutor | None = None
+    #: the contract digest of the weights as they were offloaded (see :meth:`sent_digest`);
+    #: None whenever the weights may have changed since
+    _offloaded_digest: str | None = None
 
     def tag_bytes(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -74,12 +77,30 @@ class PolicyTrainer:
 
     async def offload(self, tags: Sequence[str]) -> None:
         if self._memory_backend is not None:
+            if "weights" in tags and not self._paused() and _one_process():
+                # While the weights are still on the device, where their checksum is one pass
+                # at memory speed; on the host backup it would be seconds per GB.
+                self._offloaded_digest = await self.compute(self.sent_digest, True)
             await self._memory_backend.pause("trainer", tags)
+
+    def sent_digest(self, fresh: bool = False) -> str:
+        """The contract digest (:mod:`colo.digest`) every engine must report after a sync of
+        these weights: the HF-named tensors in the spec order, each converted to the engine's
+        dtype, checksummed where they lie. Unless ``fresh``, the digest taken as the weights
+        were offloaded (they cannot have changed without a train step, which forgets it):
+        it also holds the host backup to the bytes the device had."""
+        if not fresh and self._offloaded_digest is not None and self._paused():
+            return self._offloaded_digest
+        from colo.digest import expected_weights_digest
+
+        return expected_weights_digest(self.hf_state(), [s.name for s in self.param_specs()],
+                                       getattr(torch, self.engine_dtype))
 
     async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
         if getattr(self, "dirty", False):
             raise RuntimeError("the trainer is dirty: an earlier step failed half-way on a device where its "
                                "state could not be restored; its weights are not a consistent step")
+        self._offloaded_digest = None
         return await self.compute(self._reinforce, rollout.data)
 
     async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -216,6 +237,11 @@ class PolicyTrainer:
 
     def _clip_grads(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+
+def _one_process() -> bool:
+    """No process group of several ranks (where ``hf_state`` would be a collective)."""
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _advantages(rewards: torch.Tensor) -> torch.Tensor:

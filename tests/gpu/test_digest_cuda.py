@@ -1,0 +1,66 @@
+"""The device checksum (colo.digest/2) on CUDA: the same lanes as the host's for the same bytes,
+every flipped bit caught, pieces equal to the whole, and no copy to the host."""
+
+import pytest
+import torch
+
+import colo.digest as D
+from colo.digest import ReceivedDigest, expected_weights_digest, weights_digest
+from colo.transports.wire import Piece
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, gpu]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16, torch.uint8, torch.float64])
+@pytest.mark.parametrize("numel", [1, 8191, 8193, 3_000_001])
+def test_cuda_lanes_equal_the_hosts_for_the_same_bytes(dtype, numel):
+    g = torch.Generator().manual_seed(numel)
+    host = (torch.randn(numel, generator=g) * 1000).to(dtype)
+    dev = host.cuda()
+    for offset in (0, 12345, 2**31 + 3):
+        want = D.lanes(host, offset, "host")
+        assert [int(x) for x in D.lanes(dev, offset, "cuda")] == want, (dtype, numel, offset)
+        assert [int(x) for x in D.lanes(dev, offset, "torch")] == want, (dtype, numel, offset)
+
+
+def test_cuda_lanes_past_one_launch_equal_the_hosts():
+    # more words than one launch covers (8192 * 65536), so partial sums of launches add up
+    host = torch.randint(-2**15, 2**15, (8192 * 65536 + 77,), dtype=torch.int16).view(torch.bfloat16)
+    assert [int(x) for x in D.lanes(host.cuda(), 0, "cuda")] == D.lanes(host, 0, "host")
+
+
+def test_a_flipped_bit_on_the_device_on_either_side_is_a_mismatch():
+    g = torch.Generator().manual_seed(7)
+    state = {"a.weight": torch.randn(512, 256, generator=g), "a.bias": torch.randn(512, generator=g),
+             "b.weight": torch.randn(1024, 512, generator=g)}
+    order = list(state)
+    dev = {n: t.cuda() for n, t in state.items()}
+    want = expected_weights_digest(state, order, torch.bfloat16)  # on the host
+    assert expected_weights_digest(dev, order, torch.bfloat16) == want  # on the device: the same
+    for name in order:
+        for index, bit in ((0, 0), (dev[name].numel() // 2, 9), (dev[name].numel() - 1, 15)):
+            received = ReceivedDigest()
+            for n in order:
+                t = dev[n].to(torch.bfloat16)
+                if n == name:  # the engine side: what arrived has one bit flipped
+                    t.view(-1).view(torch.int16)[index] ^= (1 << bit) if bit < 15 else -0x8000
+                received.add(n, t)
+            assert received.digest(order) != want, (name, index, bit)
+            trainer = dict(dev)
+            trainer[name] = dev[name].clone()  # the trainer side: one fp32 bit that survives bf16
+            trainer[name].view(-1).view(torch.int32)[index] ^= 1 << (16 + bit)
+            assert expected_weights_digest(trainer, order, torch.bfloat16) != want, (name, index, bit)
+
+
+def test_device_pieces_in_any_order_equal_the_whole_and_nothing_is_copied_to_the_host(monkeypatch):
+    t = torch.randn(10_000_000, device="cuda").to(torch.bfloat16)
+    whole = weights_digest([("x", t)])
+
+    def no_host_copy(*a, **k):
+        raise AssertionError("a device tensor was checksummed on the host")
+    monkeypatch.setattr(D, "_host_lanes", no_host_copy)
+    got = ReceivedDigest()
+    for start, end in ((7_000_001, 10_000_000), (0, 3), (3, 7_000_001)):
+        got.add("x", Piece(data=t[start:end], offset=start, shape=(10_000_000,)))
+    assert got.digest(["x"]) == whole == weights_digest([("x", t)])
