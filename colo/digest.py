@@ -8,25 +8,28 @@ then empty), so the digest is not of the engine's parameters but of the
 tensors as they arrived, under their HF names.
 
 **The checksum of a tensor** (format ``colo.digest/2``). Its row-major bytes
-are read as unsigned little-endian *words* of ``u`` bytes, ``u`` the element
-size for 1- and 2-byte dtypes and 4 otherwise (an 8-byte element is two words).
-Word ``j`` (counted from the tensor's first byte) with value ``w_j`` contributes
-to each of two lanes::
+are read as unsigned little-endian 16-bit *words* (8-bit for 1-byte dtypes),
+word ``j`` counted from the tensor's first byte, of value ``w_j``. Each of two
+lanes is
 
-    lane_L = sum_j  w_j * (2j + 1) * A_L   mod 2**32       A_1, A_2 odd
+    lane_L = sum_j  w_j * m_L(j)   mod 2**32,
+    m_L(j) = (fmix32((j mod 2**22) ^ s_L) | 1) * (fmix32((j >> 22) + k_L) | 1)   mod 2**32
 
-A single flipped bit ``k`` of word ``j`` changes ``w_j`` by ``±2**k`` (``k < 32``)
-and so lane ``L`` by ``±2**k * (2j + 1) * A_L``: an odd number times a power of
-two below ``2**32`` is never ``0 mod 2**32``, so **every single-bit flip in every
-tensor changes both lanes**, whatever the data. The multipliers ``(2j+1) * A_L``
-are distinct odd numbers for ``j < 2**31`` (multiplying by an odd number is a
-bijection mod ``2**32``), so moving words within a tensor changes the lanes too
-(with probability, not certainty). The sum is of exact integers, so its order
-does not matter: the CPU (numpy, unsigned arithmetic), a CUDA GPU (one Triton
-kernel, one pass over the bytes) and the portable torch path give **identical**
-lanes for the same bytes, and a tensor that arrives in pieces (each knowing its
-element offset) sums to the same lanes as the whole. Temporaries are bounded by
-a chunk (:data:`CHUNK_WORDS`) on every path.
+(``fmix32`` MurmurHash3's finalizer, ``s_L, k_L`` the lane's seeds): a
+pseudo-random **odd** multiplier per word. A single flipped bit ``k`` of word
+``j`` changes ``w_j`` by ``±2**k`` (``k < 16``) and so lane ``L`` by
+``±2**k * m_L(j)``: an odd number times a power of two below ``2**32`` is never
+``0 mod 2**32``, so **every single-bit flip in every tensor changes both lanes**,
+whatever the data. Words are 16 bits while the sum is mod ``2**32`` so that
+changes to many words leave room too: with an arithmetic progression of
+multipliers, or 32-bit words, a whole tensor scaled by 2 (``+2**23`` on every
+fp32 word) or two flipped sign bits sum to ``0 mod 2**32`` — the tests keep
+those cases. The sum is of exact integers, so its order does not matter: the
+CPU (numpy), a CUDA GPU (one Triton kernel, one pass over the bytes) and the
+portable torch path give **identical** lanes for the same bytes, and a tensor
+that arrives in pieces (each knowing its element offset) sums to the same lanes
+as the whole. Temporaries are bounded (a block of ``2**22`` words on the host,
+:data:`TORCH_CHUNK` words on the torch path, a fixed partials buffer on CUDA).
 
 **The entry** of a tensor is ``sha256(header + lane_1 + lane_2)``, the header its
 name, dtype and shape (length-prefixed JSON), so names, shapes and dtypes are
@@ -53,12 +56,13 @@ import torch
 
 from colo.dtypes import dtype_name
 
-#: the checksum's odd multipliers (two lanes: 64 bits of entry per tensor)
-LANE_MULTIPLIERS = (0x9E3779B1, 0x85EBCA77)
-#: words per chunk on the host and portable paths (temporaries stay a few times this)
-CHUNK_WORDS = 1 << 22
+#: the checksum's seeds, per lane: of the table over the word's low bits, and of the block factor
+LANE_SEEDS = ((0x243F6A88, 0x13198A2E), (0x85A308D3, 0x03707344))
+#: words per block of the multiplier (``j = block * 2**BLOCK_BITS + i``); part of the format
+BLOCK_BITS = 22
 _MASK = (1 << 32) - 1
-_WORD_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+_LOW = (1 << BLOCK_BITS) - 1
+_WORD_VIEW = {1: torch.uint8, 2: torch.int16}
 
 
 def _header(name: str, dtype: str, shape: Sequence[int]) -> bytes:
@@ -68,7 +72,7 @@ def _header(name: str, dtype: str, shape: Sequence[int]) -> bytes:
 
 def word_size(element_size: int) -> int:
     """Bytes per checksum word for a dtype of ``element_size`` bytes."""
-    return element_size if element_size < 4 else 4
+    return 1 if element_size == 1 else 2
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +80,22 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(_WORD_VIEW[word_size(t.element_size())])
+    return t.reshape(-1).view(torch.uint8).view(_WORD_VIEW[word_size(t.element_size())])
+
+
+def fmix32(x: Any) -> Any:
+    """MurmurHash3's 32-bit finalizer on Python ints or int64 numpy arrays in ``[0, 2**32)``."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK
+    return x ^ (x >> 16)
+
+
+def multiplier(lane: int, j: int) -> int:
+    """The odd multiplier of word ``j`` in ``lane``: a product of two odd numbers."""
+    s_low, s_block = LANE_SEEDS[lane]
+    return ((fmix32((j & _LOW) ^ s_low) | 1) * (fmix32(((j >> BLOCK_BITS) + s_block) & _MASK) | 1)) & _MASK
 
 
 # -- the three paths (identical results; see the module docstring) ------------------------
@@ -85,28 +104,31 @@ _HOST_TABLES: list[np.ndarray] = []
 
 
 def _host_tables() -> list[np.ndarray]:
-    """Per lane, ``(2i + 1) * A mod 2**32`` for the ``i`` of one chunk (uint32)."""
+    """Per lane, the odd factor of the low bits, ``fmix32(i ^ seed) | 1`` for every ``i`` of a block (uint32)."""
     if not _HOST_TABLES:
-        odd = 2 * np.arange(CHUNK_WORDS, dtype=np.uint64) + 1
-        _HOST_TABLES.extend(((odd * np.uint64(a)) & np.uint64(_MASK)).astype(np.uint32) for a in LANE_MULTIPLIERS)
+        i = np.arange(1 << BLOCK_BITS, dtype=np.uint64)
+        _HOST_TABLES.extend((fmix32(i ^ np.uint64(s)) | np.uint64(1)).astype(np.uint32) for s, _ in LANE_SEEDS)
     return _HOST_TABLES
 
 
 def _host_lanes(words: torch.Tensor, first: int) -> list[int]:
-    """On the host, numpy. Word ``j0 + i`` of a chunk has multiplier
-    ``(2(j0+i)+1)A = 2 j0 A + (2i+1)A``, so a chunk's lane is ``2 j0 A * sum(w) + w . table``:
-    one ``dot`` per lane, whose uint32 accumulator wraps mod 2**32, as wanted."""
+    """On the host, numpy: per block of the multiplier, one ``dot`` of the words with the
+    table per lane (its uint32 accumulator wraps mod 2**32, as wanted) times the block's factor."""
     raw = words.numpy()
-    unsigned = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[raw.itemsize])
+    unsigned = raw.view({1: np.uint8, 2: np.uint16}[raw.itemsize])
     tables = _host_tables()
     lanes = [0, 0]
-    for start in range(0, unsigned.size, CHUNK_WORDS):
-        w = unsigned[start:start + CHUNK_WORDS]
-        total = int(w.sum(dtype=np.uint64))  # exact: < 2**22 words of < 2**32
-        j0 = first + start
-        for lane, a in enumerate(LANE_MULTIPLIERS):
-            dot = int(np.dot(w, tables[lane][:w.size])) & _MASK
-            lanes[lane] = (lanes[lane] + 2 * j0 * a * total + dot) & _MASK
+    start = 0
+    while start < unsigned.size:
+        j = first + start
+        low, block = j & _LOW, j >> BLOCK_BITS
+        n = min(unsigned.size - start, (1 << BLOCK_BITS) - low)
+        w = unsigned[start:start + n]
+        for lane, (_, s_block) in enumerate(LANE_SEEDS):
+            dot = int(np.dot(w, tables[lane][low:low + n])) & _MASK
+            factor = fmix32((block + s_block) & _MASK) | 1
+            lanes[lane] = (lanes[lane] + dot * factor) & _MASK
+        start += n
     return lanes
 
 
@@ -116,16 +138,28 @@ def _mulmod32(x: torch.Tensor, c: Any) -> torch.Tensor:
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK
 
 
+def _fmix32_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mulmod32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+#: words per step of the portable torch path (its temporaries are a few int64 tensors of this)
+TORCH_CHUNK = 1 << 22
+
+
 def _torch_lanes(words: torch.Tensor, first: int) -> torch.Tensor:
     """Any device: torch ops on int64, exact (no product overflows)."""
     out = torch.zeros(2, dtype=torch.int64, device=words.device)
     bits = words.element_size() * 8
-    for start in range(0, words.numel(), CHUNK_WORDS):
-        w = words[start:start + CHUNK_WORDS].to(torch.int64) & ((1 << bits) - 1)
+    for start in range(0, words.numel(), TORCH_CHUNK):
+        w = words[start:start + TORCH_CHUNK].to(torch.int64) & ((1 << bits) - 1)
         j = torch.arange(first + start, first + start + w.numel(), dtype=torch.int64, device=w.device)
-        odd = (2 * j + 1) & _MASK
-        for lane, a in enumerate(LANE_MULTIPLIERS):
-            out[lane] = (out[lane] + _mulmod32(w, _mulmod32(odd, a)).sum()) & _MASK
+        for lane, (s_low, s_block) in enumerate(LANE_SEEDS):
+            m = _mulmod32(_fmix32_torch((j & _LOW) ^ s_low) | 1, _fmix32_torch(((j >> BLOCK_BITS) + s_block) & _MASK) | 1)
+            out[lane] = (out[lane] + _mulmod32(w, m).sum()) & _MASK
     return out
 
 
@@ -145,25 +179,32 @@ def _triton_kernel() -> Any:
             return None
 
         @triton.jit
-        def lanes_kernel(words, n, first, out, A1: tl.constexpr, A2: tl.constexpr, BITS: tl.constexpr,
-                         BLOCK: tl.constexpr):
+        def fmix(x):
+            x = x ^ (x >> 16)
+            x = x * tl.full(x.shape, 0x85EBCA6B, tl.uint32)
+            x = x ^ (x >> 13)
+            x = x * tl.full(x.shape, 0xC2B2AE35, tl.uint32)
+            return x ^ (x >> 16)
+
+        @triton.jit
+        def lanes_kernel(words, n, first, out, S1: tl.constexpr, K1: tl.constexpr, S2: tl.constexpr,
+                         K2: tl.constexpr, BITS: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK: tl.constexpr):
             pid = tl.program_id(0)
             offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
             keep = offs < n
             raw = tl.load(words + offs, mask=keep, other=0)
             if BITS == 8:
                 w = raw.to(tl.uint32)  # the view is uint8
-            elif BITS == 16:
-                w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
             else:
-                w = raw.to(tl.uint32, bitcast=True)
-            j = (offs + first).to(tl.uint32)  # 2j+1 mod 2**32 needs only j mod 2**31
-            odd = j * 2 + 1
-            # the multipliers as uint32 tensors: a literal above 2**31 would widen to int64
-            p1 = (w * (odd * tl.full((BLOCK,), A1, tl.uint32))).to(tl.int64)
-            p2 = (w * (odd * tl.full((BLOCK,), A2, tl.uint32))).to(tl.int64)
-            tl.store(out + pid * 2, tl.sum(p1, axis=0))
-            tl.store(out + pid * 2 + 1, tl.sum(p2, axis=0))
+                w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
+            j = offs + first
+            low = (j & ((1 << LOW_BITS) - 1)).to(tl.uint32)
+            block = (j >> LOW_BITS).to(tl.uint32)
+            # seeds as uint32 tensors: a literal above 2**31 would widen the arithmetic to int64
+            m1 = (fmix(low ^ tl.full((BLOCK,), S1, tl.uint32)) | 1) * (fmix(block + tl.full((BLOCK,), K1, tl.uint32)) | 1)
+            m2 = (fmix(low ^ tl.full((BLOCK,), S2, tl.uint32)) | 1) * (fmix(block + tl.full((BLOCK,), K2, tl.uint32)) | 1)
+            tl.store(out + pid * 2, tl.sum((w * m1).to(tl.int64), axis=0))
+            tl.store(out + pid * 2 + 1, tl.sum((w * m2).to(tl.int64), axis=0))
 
         _KERNEL = lanes_kernel
     return _KERNEL or None
@@ -178,12 +219,13 @@ def _cuda_lanes(words: torch.Tensor, first: int) -> torch.Tensor | None:
         return None
     out = torch.zeros(2, dtype=torch.int64, device=words.device)
     step = _BLOCK * 65536  # a bounded partials buffer (65536 x 2 int64) per launch
+    (s1, k1), (s2, k2) = LANE_SEEDS
     for start in range(0, words.numel(), step):
         part = words[start:start + step]
         blocks = -(-part.numel() // _BLOCK)
         partial = torch.empty(blocks, 2, dtype=torch.int64, device=words.device)
-        kernel[(blocks,)](part, part.numel(), first + start, partial, A1=LANE_MULTIPLIERS[0],
-                          A2=LANE_MULTIPLIERS[1], BITS=words.element_size() * 8, BLOCK=_BLOCK)
+        kernel[(blocks,)](part, part.numel(), first + start, partial, S1=s1, K1=k1, S2=s2, K2=k2,
+                          BITS=words.element_size() * 8, LOW_BITS=BLOCK_BITS, BLOCK=_BLOCK)
         out = (out + partial.sum(dim=0)) & _MASK  # < 65536 * 8192 * 2**32 < 2**63
     return out
 
@@ -362,5 +404,5 @@ class ReceivedDigest:
         return combine(_entries([self._done[n] for n in order]))
 
 
-__all__ = ["CHUNK_WORDS", "LANE_MULTIPLIERS", "ReceivedDigest", "TensorHash", "combine",
+__all__ = ["BLOCK_BITS", "LANE_SEEDS", "multiplier", "ReceivedDigest", "TensorHash", "combine",
            "expected_weights_digest", "lanes", "tensor_entry", "weights_digest", "word_size"]

@@ -68,18 +68,18 @@ def _reference_lanes(t: torch.Tensor, offset: int = 0) -> list[int]:
     bits = words.element_size() * 8
     first = offset * (t.element_size() // words.element_size())
     vals = [int(x) & ((1 << bits) - 1) for x in words.tolist()]
-    return [sum(v * (2 * (first + j) + 1) * a for j, v in enumerate(vals)) % 2**32 for a in D.LANE_MULTIPLIERS]
+    return [sum(v * D.multiplier(lane, first + j) for j, v in enumerate(vals)) % 2**32 for lane in range(2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8,
                                    torch.int64, torch.float64, torch.bool])
-def test_host_and_torch_paths_equal_the_definition_across_chunks_and_offsets(dtype, monkeypatch):
+def test_host_and_torch_paths_equal_the_definition_across_blocks_and_offsets(dtype, monkeypatch):
     g = torch.Generator().manual_seed(3)
     t = (torch.randn(29, 13, generator=g) * 300).to(dtype)
-    for chunk in (D.CHUNK_WORDS, 7):  # one chunk, and chunk edges inside the tensor
-        monkeypatch.setattr(D, "CHUNK_WORDS", chunk)
-        monkeypatch.setattr(D, "_HOST_TABLES", [])
-        for offset in (0, 5, 2**31 + 7, 2**33 + 1):  # multipliers wrap past 2**32
+    for chunk in (D.TORCH_CHUNK, 7):  # one step of the torch path, and steps inside the tensor
+        monkeypatch.setattr(D, "TORCH_CHUNK", chunk)
+        # a multiplier block's edge inside the tensor, and word indices past 2**32
+        for offset in (0, 5, (1 << D.BLOCK_BITS) - 100, 2**31 + 7, 2**33 + 1):
             want = _reference_lanes(t, offset)
             assert D.lanes(t, offset, "host") == want, (dtype, chunk, offset)
             assert [int(x) for x in D.lanes(t, offset, "torch")] == want, (dtype, chunk, offset)
@@ -97,6 +97,16 @@ def test_every_bit_of_a_word_flipped_changes_both_lanes(dtype):
                 flipped[index * t.element_size() + byte] ^= 1 << bit
                 got = D.lanes(flipped.view(dtype))
                 assert got[0] != base[0] and got[1] != base[1], (dtype, index, byte, bit)
+
+
+def test_changes_to_many_words_change_the_lanes():
+    # the cases a weighted sum mod 2**32 misses with structured multipliers or 32-bit words
+    t = torch.randn(64, 32)
+    base = D.lanes(t)
+    assert D.lanes(t * 2) != base and D.lanes(-t) != base
+    two_signs = t.clone()
+    two_signs.view(-1)[[3, 10]] *= -1
+    assert D.lanes(two_signs) != base
 
 
 def test_a_flipped_bit_on_the_trainer_side_or_the_engine_side_is_a_mismatch():
