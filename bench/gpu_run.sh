@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|verify|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -30,6 +30,13 @@ case "${1:-tests}" in
   colo-bench)  # the user's command on the GPU: colo bench --device cuda, the sizes of a GPU, every flag as documented
     python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --reps 3 --out "$OUT/colo-bench-cuda.json" \
       2>&1 | tee "$OUT/colo-bench-cuda.log" | tail -12
+    ;;
+  verify)  # issue 31 item 2: the device digest's GPU tests, the one-GPU tests (every demo verifies every
+    # sync through it), and colo bench --device cuda with verify_s per row
+    python3 -m pytest -q -p no:cacheprovider -m gpu --durations=8 tests/gpu/test_digest_cuda.py tests/gpu/test_one_gpu.py \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -22
+    python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --reps 3 --out "$OUT/colo-bench-cuda.json" \
+      2>&1 | tee "$OUT/colo-bench-cuda.log" | tail -8
     ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_one_gpu.py tests/device/test_cuda_memory.py tests/transports/test_staging_pipeline.py tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15

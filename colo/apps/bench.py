@@ -312,7 +312,7 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
     trainer = SourceTrainer(config, source_dtype=model.source_dtype, engine_dtype=model.engine_dtype,
                             upload_to="cuda" if device == "cuda" else None)
     params = sum(t.numel() for t in trainer.state.values())
-    want = expected_digest(trainer.state, config, getattr(torch, model.engine_dtype))
+    want, trainer_digest_s = _trainer_digest(trainer, config, model, device)
     rows = []
     with tempfile.TemporaryDirectory(prefix="colo-bench-") as workdir:
         engine = await _start_engine(engine_kind, config, model, device, trainer.state, workdir)
@@ -326,8 +326,16 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                     row["vllm_call_s"] = {k: v / (row["syncs"]) for k, v in engine.call_s.items()}
                     row["vllm_worker_s"] = {k: v / (row["syncs"]) for k, v in (await engine.worker_timings()).items()}
                     engine.call_s.clear()
-                # the last sync must have delivered the trainer's weights, bit for bit
-                row["digest_ok"] = await engine.digest() == want
+                # the last sync must have delivered the trainer's weights, bit for bit; the engine's
+                # side of a verification timed as the scheduler sees it (a call into its process)
+                t0 = time.perf_counter()
+                got = await engine.digest()
+                row["engine_digest_s"] = time.perf_counter() - t0
+                row["digest_ok"] = got == want
+                # what --verify every adds to a sync: both digests (the trainer's where a trainer
+                # holding its weights on the device computes it, see _trainer_digest)
+                row["verify_s"] = row["engine_digest_s"] + trainer_digest_s
+                row["verify_of_sync"] = row["verify_s"] / row["sync_s"]
                 if limit_GBps:
                     row["of_limit"] = row["GBps"] / limit_GBps
                 rows.append(row)
@@ -341,7 +349,36 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
             "config": {k: v for k, v in config.to_dict().items()
                        if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                 "num_key_value_heads", "intermediate_size")},
-            "bucket_mib": model.bucket_mib, "warmup": 1, "repeat": model.repeat, "digest": want, "rows": rows}
+            "bucket_mib": model.bucket_mib, "warmup": 1, "repeat": model.repeat, "digest": want,
+            "trainer_digest_s": trainer_digest_s, "rows": rows}
+
+
+def _trainer_digest(trainer: SourceTrainer, config: Any, model: BenchModel, device: str) -> tuple[str, float]:
+    """The digest every engine must report (:mod:`colo.digest`) and the seconds the trainer's
+    side of it takes. On a GPU the trainer side is timed as a trainer with its weights on the
+    device computes it (the demo's trainers take it there, before they offload): the
+    benchmark's host copy is uploaded tensor by tensor first, outside the timing, then
+    checksummed on the device (the same lanes as on the host: tests/gpu/test_digest_cuda.py)."""
+    from colo.digest import expected_weights_digest
+    from colo.engine.weights import expected_digest
+
+    dtype = getattr(torch, model.engine_dtype)
+    if device != "cuda":
+        t0 = time.perf_counter()
+        want = expected_digest(trainer.state, config, dtype)
+        return want, time.perf_counter() - t0
+    on_device = {n: t.to("cuda") for n, t in trainer.state.items()}
+    order = list(on_device)
+    expected_weights_digest(on_device, order, dtype)  # warm-up: the kernel's compilation
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        want = expected_weights_digest(on_device, order, dtype)
+        times.append(time.perf_counter() - t0)
+    del on_device
+    release_cached()
+    return want, statistics.median(times)
 
 
 def machine_info() -> dict:
@@ -414,8 +451,9 @@ def compare_engines(results: Sequence[dict]) -> list[dict]:
 def table(result: dict) -> str:
     """The README's table: one row per model, engine and transport (and vLLM against colo's engine)."""
     link = result.get("limit", {}).get("link", "limit")
-    lines = [f"| model | transport | sync s | bytes | GB/s | of {link} | peak staging | requests/sync | digest |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [f"| model | transport | sync s | bytes | GB/s | of {link} | peak staging | requests/sync | verify s "
+             "(of sync) | digest |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for m in result["models"]:
         for r in m["rows"]:
             share = f"{r['of_limit']:.3f}" if "of_limit" in r else "-"
@@ -423,6 +461,7 @@ def table(result: dict) -> str:
             lines.append(f"| {m['model']}{engine} ({m['params'] / 1e6:,.0f} M params, {m['bucket_mib']:g} MiB buckets) "
                          f"| {r['transport']} | {r['sync_s']:.3f} | {r['bytes']:,} | {r['GBps']:.2f} | {share} "
                          f"| {r['peak_staging_bytes'] / MiB:,.1f} MiB | {r['requests_per_sync']:,} "
+                         f"| {r['verify_s']:.4f} ({r['verify_of_sync']:.2f}) "
                          f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
     for c in result.get("comparison", []):
         lines.append(f"\n{c['model']} over {c['transport']}: vLLM {c['vllm_s'] * 1e3:.1f} ms, colo's engine "

@@ -41,6 +41,9 @@ def test_bench_reports_every_transport_with_measured_values(tmp_path, monkeypatc
     assert list(rows) == ["ipc", "packed", "broadcast", "disk"]  # the per-tensor baseline first
     for name, r in rows.items():
         assert r["digest_ok"] is True, name
+        # verification beside the sync: both digests, timed
+        assert r["verify_s"] == pytest.approx(r["engine_digest_s"] + model["trainer_digest_s"]) and r["verify_s"] > 0
+        assert r["verify_of_sync"] == pytest.approx(r["verify_s"] / r["sync_s"])
         assert (r["bytes"], r["buckets"], r["tensors"]) == (payload, len(buckets), len(specs))
         assert r["GBps"] == pytest.approx(r["bytes"] / r["sync_s"] / 1e9)
         assert len(r["sync_s_all"]) == TINY.repeat and set(r["stage_s_median"]) == {"gather", "pack", "handoff",
