@@ -1,23 +1,15 @@
 """colo's bucket wire format against SGLang's own ``FlattenedTensorBucket``.
 
 SGLang's ``srt/weight_sync/tensor_bucket.py`` is taken from its published
-wheel (downloaded once into the gitignored ``.cache/sglang/``), not from a copy
-kept here: the test checks colo against the code SGLang ships. A failed
-download fails the tests; it never skips them.
+wheel (``tests/sglang_wheel.py``: downloaded once into the gitignored
+``.cache/sglang/``), not from a copy kept here: the test checks colo against the
+code SGLang ships. A failed download fails the tests; it never skips them.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib.util
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,79 +26,18 @@ from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
+from tests.sglang_wheel import load_file
 
-#: The SGLang release whose tensor_bucket.py was read for this test (its
-#: FlattenedTensorMetadata: name, shape: torch.Size, dtype: torch.dtype,
-#: start_idx, end_idx, numel; it imports only dataclasses, typing and torch).
-SGLANG_VERSION = "0.5.23"
-#: one fixed wheel of that release, whatever machine runs the test: only a
-#: pure-Python file is read from it
-WHEEL_PLATFORM, WHEEL_PYTHON = "manylinux_2_34_x86_64", "3.11"
+#: SGLang's tensor_bucket.py (its FlattenedTensorMetadata: name, shape: torch.Size, dtype:
+#: torch.dtype, start_idx, end_idx, numel) imports only dataclasses, typing and torch
 MEMBER = "sglang/srt/weight_sync/tensor_bucket.py"
-CACHE = Path(__file__).resolve().parents[2] / ".cache" / "sglang"
 ALLOWED_IMPORTS = {"dataclasses", "typing", "torch"}
-
-
-def _wheel() -> Path:
-    found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if found:
-        return found[0]
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--platform", WHEEL_PLATFORM, "--python-version", WHEEL_PYTHON,
-               f"sglang=={SGLANG_VERSION}", "-d", tmp]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"downloading sglang=={SGLANG_VERSION} from PyPI timed out after 600 s "
-                        f"(command: {' '.join(cmd)})")
-        got = sorted(Path(tmp).glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-        if done.returncode != 0 or not got:
-            pytest.fail(f"could not download SGLang's wheel sglang=={SGLANG_VERSION} from PyPI, which these "
-                        f"tests need (pip exit {done.returncode}; command: {' '.join(cmd)}):\n"
-                        f"{(done.stderr or done.stdout)[-2000:]}")
-        # renamed into place whole: a second run never sees half a wheel
-        target = CACHE / got[0].name
-        shutil.move(str(got[0]), target)
-    return target
 
 
 @pytest.fixture(scope="session")
 def sglang():
     """SGLang's tensor_bucket module, loaded from the file its wheel ships."""
-    wheel = _wheel()
-    out = CACHE / SGLANG_VERSION / MEMBER
-    if not out.exists():
-        with zipfile.ZipFile(wheel) as z:
-            try:
-                source = z.read(MEMBER)
-            except KeyError:
-                pytest.fail(f"{wheel.name} has no {MEMBER}: SGLang moved the bucket format; "
-                            f"check the new location and update this test")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_bytes(source)
-        tmp.replace(out)
-    imported = set()
-    for node in ast.walk(ast.parse(out.read_text())):
-        if isinstance(node, ast.Import):
-            imported |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add("." * node.level + (node.module or ""))
-    extra = sorted(m for m in imported if m.split(".")[0] not in ALLOWED_IMPORTS)
-    if extra:
-        pytest.fail(f"{MEMBER} in sglang=={SGLANG_VERSION} imports {extra}, beyond {sorted(ALLOWED_IMPORTS)}; "
-                    f"load those files from the same wheel too before running it")
-    name = "_sglang_tensor_bucket"
-    mod_spec = importlib.util.spec_from_file_location(name, out)
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    try:
-        mod_spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(name, None)
-    return module
+    return load_file(MEMBER, ALLOWED_IMPORTS, "_sglang_tensor_bucket")
 
 
 # -- the tensors --------------------------------------------------------------------
