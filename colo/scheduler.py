@@ -35,7 +35,7 @@ from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-e
 from colo.core.memory import MemoryLedger
 from colo.core.phases import (EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, next_phase,
                               trigger_for, validate_plan)
-from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory
+from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline
 from colo.groups import EngineGroup, TrainerGroup, together
 from colo.trace.writer import TraceWriter
 
@@ -278,10 +278,18 @@ class Scheduler:
         for hook in self.hooks:
             hook.entered(target, step)
         t0 = self._clock()
+        deadline = anyio.CancelScope()  # only for the question below: was it the deadline?
         try:
-            with anyio.fail_after(self.config.deadline(target)):
+            with anyio.fail_after(self.config.deadline(target)) as deadline:
                 result = await self._run_effects(target)
         except BaseException as exc:
+            if isinstance(exc, TimeoutError) and deadline.cancel_called:
+                # anyio's TimeoutError says nothing: what the caller catches (and prints, and
+                # finds in last_error) says which deadline of which phase, as phase.failed does
+                late = PhaseDeadline(f"deadline of {self.config.deadline(target)} s exceeded in {target}")
+                late.__cause__ = exc
+                await self._fail(target, late, t0)
+                raise late from exc
             await self._fail(target, exc, t0)
             raise
         for ledger in self.memories:

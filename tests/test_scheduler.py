@@ -186,6 +186,20 @@ async def test_deadline_ends_the_phase_in_failed():
     assert failed[0]["phase"] == "sync" and failed[0]["error"] == "deadline of 0.05 s exceeded in sync"
 
 
+async def test_a_deadline_raises_an_error_that_says_which_deadline_and_phase():
+    """Issue 32, item 6: what the caller catches (and ``colo demo`` prints) names the phase and
+    its deadline, as the trace does; it was an empty ``TimeoutError``. Still a TimeoutError."""
+    from colo.core.errors import PhaseDeadline
+
+    s, *_ = make(transport=FakeTransport(block_at_bucket=0))
+    s.config = SchedulerConfig(plan="offload-first", bucket_bytes=50, deadlines={"sync": 0.05})
+    async with s:
+        with pytest.raises(PhaseDeadline) as ei:
+            await s.cycle()
+    assert isinstance(ei.value, TimeoutError)
+    assert str(ei.value) == "deadline of 0.05 s exceeded in sync"
+
+
 async def test_single_stage_runs_out_of_memory_where_kv_and_sync_buffers_meet():
     # engine: weights 100 + kv 300 + graphs 20 = 420; trainer: 100 + 200; buckets of 42 B.
     total = 450

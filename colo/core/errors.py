@@ -156,6 +156,14 @@ class EngineDied(ColoError, RuntimeError):
     """The engine process is gone."""
 
 
+class PhaseDeadline(ColoError, TimeoutError):
+    """A phase ran past its deadline (``SchedulerConfig.deadline``); the message names both."""
+
+
+class ClusterUnreachable(ColoError, ConnectionError):
+    """The cluster a run was told to join (``--address``) did not answer in time."""
+
+
 class ChannelError(ColoError, RuntimeError):
     """The peer broke the protocol (bad frame, bad auth, closed)."""
 
@@ -210,8 +218,8 @@ def exit_code(exc: BaseException) -> int:
     return getattr(exc, "exit_code", EXIT_FAILED) if isinstance(exc, ColoError) else EXIT_FAILED
 
 
-__all__ = ["BadInput", "BadTrace", "ChannelError", "ColoError", "EXIT_BAD_INPUT",
+__all__ = ["BadInput", "BadTrace", "ChannelError", "ClusterUnreachable", "ColoError", "EXIT_BAD_INPUT",
            "EXIT_FAILED", "EXIT_OK", "EngineDied", "EngineError", "EngineRefused", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
-           "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "RankDied", "RankError", "RankFailed", "RequestError",
+           "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "PhaseDeadline", "RankDied", "RankError", "RankFailed", "RequestError",
            "TagStateError", "TraceUnwritable", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
            "exit_code"]

@@ -19,14 +19,10 @@ from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.tasks import RolloutData, RolloutTask
 from colo.core.errors import EXIT_BAD_INPUT, EngineDied, EngineError, EngineRefused
-from colo.proc.lifecycle import SOCKET_NAME, free_port, process_state, socket_dir, start_with_env
+from colo.proc.lifecycle import SOCKET_NAME, free_port, process_state, socket_dir, start_with_env, unless_stopped
 
 #: after a broken channel, how long to wait for the engine process to be seen dead
 DEATH_WAIT_S = 1.0
-#: how often a waiting request looks at the engine process, and how long the engine
-#: may be seen stopped (SIGSTOP, a job-control stop) before it counts as dead
-HEARTBEAT_S = 0.5
-STOPPED_LIMIT_S = 3.0
 
 
 def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str, str] | None) -> Any:
@@ -62,6 +58,7 @@ async def _await_hello(proc: Any, path: str, key: bytes, start_timeout_s: float,
         if proc.is_alive():
             raise
         raise EngineDied(f"engine process exited with code {proc.exitcode} while starting") from e
+
 
 def start_error(reply: dict) -> Exception:
     """The error an engine's answer to its first request stands for: a build it refused
@@ -239,39 +236,15 @@ class EngineClient:
         ``transport_load``, and a busy engine (running, sleeping, in I/O) is not a
         stopped one (``T``). A stopped engine keeps its end of the channel open, so
         without this a request would wait out the phase deadline (600 s)."""
-        stopped: list[float] = []
-        reply: dict | None = None
-        failed: Exception | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._heartbeat, tg.cancel_scope, stopped)
-            try:
-                reply = await self._ch.request(op, on_sent=on_sent, **fields)
-            except Exception as e:  # raised below, outside the group: it would wrap it in an ExceptionGroup
-                failed = e
-            tg.cancel_scope.cancel()
-        if failed is not None:
-            raise failed
-        if reply is not None:
+        reply, stopped = await unless_stopped(self.process.pid,
+                                              lambda: self._ch.request(op, on_sent=on_sent, **fields))
+        if stopped is None:
             return reply
         pid = self.process.pid
         self.process.kill()  # SIGKILL ends a stopped process too
         await self._died(5.0)
-        raise EngineDied(f"engine process {pid} was stopped (state T) for {stopped[0]:.1f} s during {op}; "
+        raise EngineDied(f"engine process {pid} was stopped (state T) for {stopped:.1f} s during {op}; "
                          "killed it")
-
-    async def _heartbeat(self, scope: anyio.CancelScope, stopped: list[float]) -> None:
-        since: float | None = None
-        while True:
-            await anyio.sleep(HEARTBEAT_S)
-            if process_state(self.process.pid) not in ("T", "t"):
-                since = None
-                continue
-            now = anyio.current_time()
-            since = now if since is None else since
-            if now - since >= STOPPED_LIMIT_S:
-                stopped.append(now - since)
-                scope.cancel()
-                return
 
     async def _died(self, wait_s: float) -> bool:
         """Whether the engine process has ended, waiting up to ``wait_s`` for it.

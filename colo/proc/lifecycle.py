@@ -139,6 +139,61 @@ def process_state(pid: int) -> str | None:
     return fields[0].decode("ascii", "replace") if fields else None
 
 
+#: how often a request waiting on a process of ours looks at it, and how long that process may
+#: be seen stopped (SIGSTOP, a job-control stop) before it counts as dead
+HEARTBEAT_S = 0.5
+STOPPED_LIMIT_S = 3.0
+
+
+async def stopped_for(pid: int | None) -> float:
+    """Return once process ``pid`` has been seen stopped (state ``T``) for
+    :data:`STOPPED_LIMIT_S`, with how long; while it runs, never.
+
+    The heartbeat asks the kernel, not the process: a process of ours serves one request
+    at a time, so a ping would wait behind a legitimately long one, and a busy process
+    (running, sleeping, in I/O) is not a stopped one. A stopped process keeps its end of
+    every socket open, so without this a request waits out its phase deadline."""
+    import anyio
+
+    since: float | None = None
+    while True:
+        await anyio.sleep(HEARTBEAT_S)
+        if pid is None or process_state(pid) not in ("T", "t"):
+            since = None
+            continue
+        now = anyio.current_time()
+        since = now if since is None else since
+        if now - since >= STOPPED_LIMIT_S:
+            return now - since
+
+
+async def unless_stopped(pid: int | None, request: Any) -> tuple[Any, float | None]:
+    """``(await request(), None)``, or ``(None, seconds)`` when process ``pid`` stayed stopped
+    for :data:`STOPPED_LIMIT_S` first (the request is then cancelled; the caller kills it)."""
+    import anyio
+
+    out: list[Any] = []
+    stopped: list[float] = []
+    failed: list[Exception] = []
+
+    async def watch(scope: Any) -> None:
+        stopped.append(await stopped_for(pid))
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        try:
+            out.append(await request())
+        except Exception as e:  # raised below, outside the group: it would wrap it in an ExceptionGroup
+            failed.append(e)
+        tg.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    if out:
+        return out[0], None
+    return None, stopped[0]
+
+
 def socket_dir() -> str:
     """A new private (0700) directory whose ``engine.sock.tmp`` fits in an AF_UNIX path.
 

@@ -30,6 +30,7 @@ from colo.core.interfaces import (EngineCapabilities, RolloutResult, StageRecord
                                   TensorSpec)
 from colo.core.errors import (ChannelError, EngineDied, EngineError, EngineRefused, OutOfMemory, RankDied,
                               RankError, VerificationError)
+from colo.proc.lifecycle import unless_stopped
 from colo.ranks.host import RankSpec, rollout_from_json, rollout_to_json
 
 #: a rank builds a model, joins two process groups and starts an engine: minutes on a busy host
@@ -86,10 +87,21 @@ class Worker:
             raise RankDied(f"rank {self.rank} worker is closed: cannot {op}")
         async with self._lock:  # one request at a time per rank, in order
             try:
-                reply = await self._ch.request(op, **fields)
+                # watched as the engine's requests are: a stopped worker keeps its socket open
+                # and answers nothing, and the other ranks wait on it in their collectives
+                reply, stopped = await unless_stopped(self.process.pid, lambda: self._ch.request(op, **fields))
             except ChannelError as e:
                 raise RankDied(f"rank {self.rank} worker process is gone during {op} "
                                f"(pid {self.process.pid}, exit code {self.process.exitcode}; {e})") from e
+            if stopped is not None:
+                pid = self.process.pid
+                # SIGKILL ends a stopped process too; its engine rank follows it (parent-death
+                # signal), which breaks the other ranks' collectives with them. Raised at once,
+                # before any await: the stop is the cause, and the other ranks' broken
+                # collectives, reported a moment later, must not be taken for it (aclose reaps)
+                self.process.kill()
+                raise RankDied(f"rank {self.rank} worker process {pid} was stopped (state T) for {stopped:.1f} s "
+                               f"during {op}; killed it")
         if not reply.get("ok"):
             raise rebuild_error(self.rank, op, reply)
         return reply

@@ -48,7 +48,9 @@ then issues its collectives in the same order.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -62,8 +64,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
 from colo.engine.client import DEATH_WAIT_S, EngineClient
 from colo.proc.lifecycle import process_state
-from colo.core.errors import EngineDied, EngineError, EngineRefused, RankDied, UsageError
-from colo.ranks.address import parse_address
+from colo.core.errors import ClusterUnreachable, EngineDied, EngineError, EngineRefused, RankDied, UsageError
+from colo.ranks.address import check_reachable, parse_address
 
 #: building a rank (a model, two process groups, an engine) takes minutes on a busy host
 START_TIMEOUT_S = 600.0
@@ -485,17 +487,68 @@ def _kill(actor: Any) -> None:
         pass  # already gone
 
 
-def _ensure_ray(address: str | None) -> bool:
-    """Ray initialised (an existing session is reused); whether this call started it."""
+class _NoSigtermWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+_NO_SIGTERM_WARNING = _NoSigtermWarning()  # one instance: addFilter adds it once
+
+
+#: how long ``ray.init`` may take to join a cluster at ``--address`` (Ray's own limit is 20
+#: rounds of about 30 s): a cluster that accepts a TCP connection and then says nothing
+RAY_INIT_TIMEOUT_S = 60.0
+
+
+async def _ensure_ray(address: str | None) -> bool:
+    """Ray initialised (an existing session is reused); whether this call started it.
+
+    Joining a cluster at ``address`` is bounded: its form is checked, then a TCP connect to
+    it (:mod:`colo.ranks.address`), then ``ray.init`` runs on a thread of its own for at
+    most :data:`RAY_INIT_TIMEOUT_S`; each failure is one error naming the address."""
     if ray.is_initialized():
         return False
-    if address is not None:
-        try:
-            parse_address(address)  # Ray's own reading of a malformed one is a traceback of its own
-        except ValueError as e:
-            raise UsageError(str(e)) from None
     # a local cluster by default; the dashboard is not needed and costs a core at start-up
-    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    kwargs = {"address": address, "include_dashboard": False, "log_to_driver": False}
+    if address is None:
+        ray.init(**kwargs)  # a cluster of our own: Ray's own start-up limits apply
+        return True
+    try:
+        parse_address(address)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    await anyio.to_thread.run_sync(check_reachable, address)
+    done, outcome = threading.Event(), []
+
+    def init() -> None:
+        try:
+            ray.init(**kwargs)
+        except BaseException as e:  # handed to the waiting side
+            outcome.append(e)
+        finally:
+            done.set()
+
+    # A daemon thread: ray.init cannot be cancelled, and one given up on must not keep the
+    # interpreter from exiting (anyio's worker threads are joined at exit). Off the main
+    # thread Ray sets no SIGTERM handler of its own (colo's signal handling stays) and says
+    # so in a warning per run, which is not the user's concern: that record is dropped.
+    logging.getLogger("ray._private.worker").addFilter(_NO_SIGTERM_WARNING)
+    threading.Thread(target=init, name="colo-ray-init", daemon=True).start()
+    try:
+        with anyio.fail_after(RAY_INIT_TIMEOUT_S):
+            while not done.is_set():
+                await anyio.sleep(0.1)
+    except TimeoutError:
+        raise ClusterUnreachable(f"no Ray cluster at {address}: ray.init did not connect within "
+                                 f"{RAY_INIT_TIMEOUT_S:g} s (is it a Ray head node's GCS address? "
+                                 "`ray start --head` prints it)") from None
+    if outcome:
+        e = outcome[0]
+        if isinstance(e, ValueError):  # Ray's reading of the address (or its other arguments)
+            raise UsageError(f"--address {address!r}: {_first_line(e)}") from None
+        if isinstance(e, ConnectionError):
+            raise ClusterUnreachable(f"no Ray cluster at {address}: {_first_line(e)}") from None
+        raise e
     return True
 
 
@@ -504,7 +557,7 @@ async def spawn_workers(specs: Sequence[Any], *, envs: Sequence[dict[str, str] |
                         cpus_per_rank: float = 1) -> list[RayWorker]:
     """Rank r's actor on bundle r (its engine actor joins it there when the rank starts);
     all or none (a failure removes every actor and the group)."""
-    started = _ensure_ray(address)
+    started = await _ensure_ray(address)
     gpu = specs[0].device == "cuda"
     launch = _Launch(None, started, len(specs))
     actors: list[Any] = []

@@ -69,3 +69,52 @@ async def test_the_demo_recovers_from_a_stopped_engine_to_the_fault_free_weights
     assert len(pids) == 2
     assert out.rewards == clean.rewards
     assert out.trainer_digest is not None and out.trainer_digest == clean.trainer_digest
+
+
+# -- issue 32, item 6: a stopped rank worker -------------------------------------------------
+
+async def test_a_stopped_rank_worker_ends_the_run_within_seconds_naming_the_rank(tmp_path, monkeypatch):
+    """``--gpus 2`` with rank 1's worker SIGSTOPped between cycles: the driver's heartbeat
+    reads the worker's /proc/<pid>/stat while a request waits, kills it after 3 s stopped,
+    and the run ends naming rank 1. Before the fix there was no heartbeat on a rank worker:
+    the request waited out the phase deadline (here 30 s), the cleanup waited on the stopped
+    worker again, and the run ended after minutes with an empty ``TimeoutError:``."""
+    import time
+
+    from colo.apps import demo_multi
+    from colo.core.errors import RankDied, RankFailed
+
+    workers = []
+    spawn = demo_multi.MultiDemoRun._spawn_workers
+
+    async def spawn_and_note(self, specs):
+        await spawn(self, specs)
+        workers.extend(self.workers)
+
+    stopped_at: list[float] = []
+
+    def stop_rank_1(cycles):
+        if cycles == 1:  # between cycles: the next cycle's rollout needs rank 1
+            os.kill(workers[1].process.pid, signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+
+    monkeypatch.setattr(demo_multi.MultiDemoRun, "_spawn_workers", spawn_and_note)
+    cfg = DemoConfig(steps=3, seed=5, batch=4, new_tokens=4, gpus=2, phase_deadline_s=30.0,
+                     trace=str(tmp_path / "stopped.jsonl"))
+    try:
+        out = await run(cfg, progress=False, on_cycle=stop_rank_1)
+        ended = time.monotonic()
+    finally:
+        for w in workers:  # never leave a stopped process behind, whatever happened
+            if w.process.is_alive():
+                os.kill(w.process.pid, signal.SIGKILL)
+    pid = workers[1].process.pid
+    assert len(out.rewards) == 1
+    # found stopped after 3 s, killed; the whole run (rank 0's cleanup included) well
+    # inside the 30 s phase deadline even on a loaded 2-core machine
+    assert ended - stopped_at[0] < 25
+    err = out.error
+    assert isinstance(err, RankFailed) and err.rank == 1 and isinstance(err.cause, RankDied)
+    assert str(err.cause).startswith(f"rank 1 worker process {pid} was stopped (state T) for ")
+    assert str(err.cause).endswith("; killed it")
+    assert not any(w.process.is_alive() for w in workers)
