@@ -19,6 +19,8 @@ segment both processes page-lock, which the engine copies straight out of.
 from __future__ import annotations
 
 import base64
+import ctypes
+import os
 import weakref
 from typing import Any
 
@@ -122,8 +124,11 @@ class PinnedShm:
         if register:
             try:
                 ptr = self.tensor.data_ptr()
-                _cudart_ok(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0),
-                           f"cudaHostRegister of {self.nbytes} B of shared memory {self.name}")
+                # a read-only mapping (the engine's) is pinned read-only: the device only reads it
+                flags = 0 if seg.writable else CUDA_HOST_REGISTER_READ_ONLY
+                _cudart_ok(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, flags),
+                           f"cudaHostRegister{'' if seg.writable else ' (read-only)'} of {self.nbytes} B of "
+                           f"shared memory {self.name}")
             except BaseException:
                 self.tensor = None
                 seg.close()
@@ -165,9 +170,50 @@ def _release_pinned(ptr: int | None, seg: ShmSegment) -> None:
         seg.close()
 
 
+#: ``cudaHostRegisterReadOnly``: pin pages the device will only read (a PROT_READ mapping
+#: cannot be pinned for writing)
+CUDA_HOST_REGISTER_READ_ONLY = 0x08
+#: ``cudaDevAttrHostRegisterReadOnlySupported``
+_ATTR_HOST_REGISTER_READ_ONLY = 113
+
+
+def read_only_pinning() -> bool:
+    """Whether the current GPU can pin host memory read-only
+    (``cudaDevAttrHostRegisterReadOnlySupported``). Asked of the CUDA runtime torch loaded;
+    where it cannot be asked, False: the receiver then maps the backup read-write to pin it."""
+    get = _cudart_function("cudaDeviceGetAttribute")
+    if get is None:
+        return False
+    value = ctypes.c_int(0)
+    err = get(ctypes.byref(value), _ATTR_HOST_REGISTER_READ_ONLY, ctypes.c_int(torch.cuda.current_device()))
+    return int(err) == 0 and value.value == 1
+
+
+def _cudart_function(name: str) -> Any:
+    """``name`` from the CUDA runtime library this process already loaded (torch's), or None.
+    torch's own binding (``torch.cuda.cudart()``) has no attribute query."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            paths = sorted({line.split()[-1] for line in f if "/libcudart.so" in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            return getattr(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL), name)
+        except (OSError, AttributeError):
+            continue
+    try:  # a runtime linked into torch itself: the process's own namespace
+        return getattr(ctypes.CDLL(None), name)
+    except AttributeError:
+        return None
+
+
 def _open_pinned(handle: dict) -> PinnedShm:
-    seg = ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False)
-    return PinnedShm(seg, register=torch.cuda.is_available() and torch.cuda.is_initialized())
+    register = torch.cuda.is_available() and torch.cuda.is_initialized()
+    # read-only wherever it can be pinned so (issue 32): the engine only copies out of it
+    writable = register and not read_only_pinning()
+    seg = ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False, writable=writable)
+    return PinnedShm(seg, register=register)
 
 
 register_rebuilder("pinned_shm", _open_pinned)

@@ -8,6 +8,12 @@ allocation. The receiving side calls :func:`open_handle`, which dispatches on
 Shared memory lives in ``/dev/shm`` as files we create with ``O_EXCL`` and
 unlink ourselves: ``multiprocessing.shared_memory`` would hand the segment to
 a resource tracker that unlinks it behind our back when the engine exits.
+
+The receiving side maps a segment read-only (``O_RDONLY``, ``PROT_READ``): it only
+copies out of it, and the bytes are the sender's (a staging bucket it reuses, or with
+the one-copy flat buffer the trainer's own weights). A store through the receiver's
+mapping ends its process (SIGSEGV) instead of changing them. It guards against the
+reader only: another process of the same user can still open the file read-write.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import mmap
 import os
 import re
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,24 +36,31 @@ _SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
 class ShmSegment:
     """One shared-memory segment mapped into this process, viewable as a uint8 tensor."""
 
-    def __init__(self, name: str, nbytes: int, *, create: bool):
+    def __init__(self, name: str, nbytes: int, *, create: bool, writable: bool = True):
         if not _SHM_NAME.match(name):
             raise HandleError(f"shared-memory name {name!r} is not a colo segment name")
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise HandleError(f"shared-memory size must be a positive integer, got {nbytes!r}")
-        self.name, self.nbytes, self.owner = name, nbytes, create
+        if create and not writable:
+            raise ValueError("a segment is created to be written: create=True needs writable=True")
+        self.name, self.nbytes, self.owner, self.writable = name, nbytes, create, writable
         path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
                 os.ftruncate(fd, nbytes)
             elif os.fstat(fd).st_size < nbytes:
                 raise HandleError(f"segment {name} holds {os.fstat(fd).st_size} B, handle says {nbytes} B")
-            self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes)
+            self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, access=mmap.ACCESS_DEFAULT if writable
+                                                   else mmap.ACCESS_READ)
         finally:
             os.close(fd)
-        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark a tensor over read-only memory read-only; the
+            # pages themselves refuse a store, which is the point
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     @classmethod
     def create(cls, nbytes: int) -> ShmSegment:
@@ -85,7 +99,7 @@ def shm_room() -> int:
 
 
 def _open_shm(handle: dict) -> ShmSegment:
-    return ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False)
+    return ShmSegment(handle.get("name", ""), handle.get("nbytes"), create=False, writable=False)
 
 
 #: kind -> the one function allowed to rebuild it

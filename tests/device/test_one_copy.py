@@ -10,6 +10,7 @@ checked against the engine's digest of what it loaded, bit for bit.
 
 from __future__ import annotations
 
+import os
 import pytest
 import pytest_asyncio
 import torch
@@ -306,6 +307,9 @@ def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_ca
         theirs = open_handle(handle)
         assert isinstance(theirs, PinnedShm) and not theirs.registered and not theirs.seg.owner
         assert torch.equal(theirs.tensor, mine.tensor)
+        # issue 32, item 10: the reader's mapping is read-only; the writer's is not
+        assert not theirs.seg.writable and mine.seg.writable
+        assert sorted(map_perms(os.getpid(), seg.name)) == ["r--s", "rw-s"]
         theirs.close()
         with pytest.raises(HandleError, match="not a colo segment name"):
             open_handle({**handle, "name": "../etc/passwd"})
@@ -400,6 +404,12 @@ async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the
         flat.close()
 
 
+def map_perms(pid: int, segment: str) -> list[str]:
+    """The permissions of process ``pid``'s mappings of ``segment``, in address order."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as fh:
+        return [line.split()[1] for line in fh if line.rstrip().endswith("/" + segment)]
+
+
 def mapped_by(pid: int, segment: str) -> bool:
     """Whether process ``pid`` maps shared-memory segment ``segment`` now (its /proc maps)."""
     with open(f"/proc/{pid}/maps", encoding="utf-8") as fh:
@@ -439,8 +449,13 @@ async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_
             assert (result.buckets, result.staging_peak, budget.peak_bytes) == (1, 0, 0)
             assert result.bytes == sum(t.numel() * 4 for t in want.values())
             assert [(r.bucket, r.stage) for r in ctx.stages] == [(0, "gather"), (0, "handoff"), (0, "load")]
-            # the engine keeps the backup mapped from sync to sync (registering it is the slow part)
+            # the engine keeps the backup mapped from sync to sync (registering it is the slow part),
+            # read-only where the GPU pins read-only memory (issue 32, item 10)
             assert mapped_by(client.process.pid, seg["name"])
+            from colo.device.cuda_ipc import read_only_pinning
+
+            expect = "r--s" if read_only_pinning() else "rw-s"
+            assert map_perms(client.process.pid, seg["name"]) == [expect]
             flat.resume()
             assert all(torch.equal(p.detach().cpu(), want[n]) for n, p in trainer.model.named_parameters())
         # the transport's close lets the engine go of it; the trainer's close removes it
