@@ -22,7 +22,7 @@ import torch
 from colo.core.buckets import ITEMSIZE
 from colo.engine.kit import EngineKit
 from colo.proc.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
-from colo.proc.lifecycle import die_with_parent, log, open_log, remove_run_dir_if_orphaned, remove_sockdir
+from colo.proc.lifecycle import die_with_parent, end_of_process, log, open_log
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -365,8 +365,7 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
     try:
         _serve(sock_path, key, build)
     finally:
-        remove_sockdir(sock_path)
-        remove_run_dir_if_orphaned()
+        end_of_process(sock_path)
         if threading.current_thread() is threading.main_thread():
             # cleaned up: a parent-death signal during interpreter exit just ends the process
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -14,6 +14,11 @@ copies out of it, and the bytes are the sender's (a staging bucket it reuses, or
 the one-copy flat buffer the trainer's own weights). A store through the receiver's
 mapping ends its process (SIGSEGV) instead of changing them. It guards against the
 reader only: another process of the same user can still open the file read-write.
+
+Every segment a process makes is also listed until it is unlinked, so that a
+process that ends without its own cleanup having run (its main thread still
+inside a step when an orphan's grace is over) still unlinks it last
+(:func:`unlink_own_segments`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
 import uuid
 import warnings
 from collections.abc import Callable
@@ -31,6 +37,15 @@ from colo.core.errors import HandleError
 
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
+
+#: name -> path of every segment this process made and has not unlinked yet
+_MADE: dict[str, str] = {}
+#: held from a segment's creation to its entry in _MADE, so that unlink_own_segments
+#: (from another thread) never misses one being made; reentrant: a finalizer that
+#: closes another segment may run in the creating thread while it holds the lock
+_MADE_LOCK = threading.RLock()
+#: unlink_own_segments ran: this process is ending and makes no segment any more
+_ENDING = False
 
 
 class ShmSegment:
@@ -45,8 +60,14 @@ class ShmSegment:
             raise ValueError("a segment is created to be written: create=True needs writable=True")
         self.name, self.nbytes, self.owner, self.writable = name, nbytes, create, writable
         path = os.path.join(SHM_DIR, name)
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        if create:
+            with _MADE_LOCK:
+                if _ENDING:
+                    raise HandleError(f"no new shared-memory segment: process {os.getpid()} is ending")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                _MADE[name] = path
+        else:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             if create:
                 os.ftruncate(fd, nbytes)
@@ -54,6 +75,10 @@ class ShmSegment:
                 raise HandleError(f"segment {name} holds {os.fstat(fd).st_size} B, handle says {nbytes} B")
             self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, access=mmap.ACCESS_DEFAULT if writable
                                                    else mmap.ACCESS_READ)
+        except BaseException:
+            if create:
+                _unlink(name)
+            raise
         finally:
             os.close(fd)
         with warnings.catch_warnings():
@@ -80,11 +105,43 @@ class ShmSegment:
                 pass
             self._mm = None
         if self.owner:
-            try:
-                os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
+            _unlink(self.name)
             self.owner = False
+
+
+def _unlink(name: str) -> None:
+    with _MADE_LOCK:
+        path = _MADE.pop(name, None) or os.path.join(SHM_DIR, name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def unlink_own_segments() -> list[str]:
+    """Unlink every segment this process made and still has, and make no more; their
+    names. The last thing a process that is ending does (any thread may call it): a
+    mapping another process holds stays valid, only the name goes, which is what
+    would outlive us. Segments made by other processes are never touched."""
+    global _ENDING
+    with _MADE_LOCK:
+        _ENDING = True
+        names = list(_MADE)
+        for name in names:
+            _unlink(name)
+    return names
+
+
+def _forget_in_child() -> None:
+    # a forked child shares its parent's segments but does not own them: it must never
+    # unlink them as it ends (and a lock another thread held at the fork stays held)
+    global _MADE_LOCK
+    _MADE.clear()
+    _MADE_LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def shm_room() -> int:

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from colo.core.errors import ChannelError
-from colo.proc.handles import SHM_DIR
+from colo.proc.handles import SHM_DIR, unlink_own_segments
 
 #: what the engine binds, inside its socket directory
 SOCKET_NAME = "engine.sock"
@@ -299,6 +299,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def end_of_process(sock_path: str) -> None:
+    """What a process colo started (an engine, a rank worker) does last, however its
+    work ended: remove its socket dir and every segment it made that is still there
+    (:func:`colo.proc.handles.unlink_own_segments`: its main thread may not have got
+    to its own cleanup), and, an orphan, its run's dir and what dead owners left."""
+    remove_sockdir(sock_path)
+    unlink_own_segments()
+    remove_run_dir_if_orphaned()
+
+
 def remove_sockdir(sock_path: str) -> None:
     d = os.path.dirname(os.path.abspath(sock_path))
     if os.path.basename(d).startswith("colo-engine-"):  # only the directory made for this engine
@@ -379,8 +389,9 @@ def die_with_parent(parent_pid: int | None, sock_path: str, run_dir: str | None 
         _SIGNALLED = True
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(ORPHAN_GRACE_S)
-        remove_sockdir(sock_path)
-        remove_run_dir_if_orphaned()
+        # the main thread is still inside a step (waiting on a peer that left, an engine
+        # that does not answer): os._exit runs none of its cleanup, so this does it
+        end_of_process(sock_path)
         os._exit(1)
 
     threading.Thread(target=watch, name="colo-engine-parent-watch", daemon=True).start()

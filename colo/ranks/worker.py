@@ -27,14 +27,13 @@ from colo.core.errors import ChannelError
 
 def serve(sock_path: str, key: bytes, spec: dict) -> None:
     """Process entry point."""
-    from colo.proc.lifecycle import die_with_parent, remove_run_dir_if_orphaned, remove_sockdir
+    from colo.proc.lifecycle import die_with_parent, end_of_process
 
     die_with_parent(spec.pop("parent_pid", None), sock_path, spec.get("workdir"))
     try:
         anyio.run(_serve, sock_path, key, spec)
     finally:
-        remove_sockdir(sock_path)
-        remove_run_dir_if_orphaned()
+        end_of_process(sock_path)
 
 
 def _listen(sock_path: str) -> socket.socket:

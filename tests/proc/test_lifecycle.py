@@ -157,3 +157,93 @@ def test_demo_config_refuses_a_bad_phase_deadline(value):
     with pytest.raises(ValueError, match="phase-deadline"):
         DemoConfig(phase_deadline_s=value)
     assert DemoConfig(phase_deadline_s=2.5).phase_deadline_s == 2.5
+
+
+# -- issue 32, item 4: a process that ends before its own cleanup ran still unlinks its segments --
+
+_HOLDER = r"""
+import os, sys, time
+from colo.proc.handles import ShmSegment
+from colo.proc.lifecycle import die_with_parent
+die_with_parent(os.getppid(), sys.argv[1], None)
+seg = ShmSegment.create(1 << 16)
+print(os.getpid(), seg.name, flush=True)
+while True:
+    # a main thread that does not get to its cleanup: SIGTERM lands inside a step that
+    # waits on a peer that left or an engine that does not answer (seen: a --gpus 2
+    # worker's engine.aclose outlasting the orphan's grace, its staging left behind)
+    try:
+        time.sleep(3600)
+    except SystemExit:
+        pass
+"""
+
+
+def test_an_orphan_whose_main_thread_never_finishes_still_unlinks_its_segments(tmp_path):
+    """The parent is SIGKILLed; its child's SIGTERM handler raises SystemExit, but the
+    child's main thread never unwinds to its ``finally``. After the orphan's grace the
+    watchdog ends the process (os._exit runs no cleanup): the segment it made and its
+    socket dir must go with it, not stay in /dev/shm until someone sweeps."""
+    from colo.proc.handles import SHM_DIR
+    from colo.proc.lifecycle import ORPHAN_GRACE_S
+
+    sockdir = tmp_path / "colo-engine-holder"
+    sockdir.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(out, "wb") as f:
+        parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                                   "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]); "
+                                   "time.sleep(3600)", _HOLDER, str(sockdir / "engine.sock")],
+                                  env=env, stdout=f, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not out.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid, name = out.read_text().split()
+    child = psutil.Process(int(pid))
+    assert os.path.exists(os.path.join(SHM_DIR, name))
+    parent.kill()
+    parent.wait(10)
+    try:
+        child.wait(ORPHAN_GRACE_S + 10)
+    except psutil.TimeoutExpired:
+        child.kill()
+        pytest.fail(f"the orphan did not end within {ORPHAN_GRACE_S + 10:g} s of its parent")
+    left = os.path.exists(os.path.join(SHM_DIR, name))
+    if left:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert not left, f"segment {name} of the ended orphan left in {SHM_DIR}"
+    assert not sockdir.exists()
+
+
+def test_unlink_own_segments_takes_only_this_process_s_and_refuses_new_ones():
+    """Run in a child (it ends the process's segments for good): a forked child's call
+    leaves its parent's segment; the process's own call unlinks its own, leaves one
+    another process made, and refuses to make more."""
+    code = r"""
+import os
+from colo.core.errors import HandleError
+from colo.proc.handles import SHM_DIR, ShmSegment, unlink_own_segments
+mine = ShmSegment.create(4096)
+other = "colo-1-" + "0" * 32
+open(os.path.join(SHM_DIR, other), "wb").close()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if unlink_own_segments() == [] else 3)
+assert os.waitpid(pid, 0)[1] == 0
+assert os.path.exists(os.path.join(SHM_DIR, mine.name))
+assert unlink_own_segments() == [mine.name]
+assert not os.path.exists(os.path.join(SHM_DIR, mine.name))
+assert os.path.exists(os.path.join(SHM_DIR, other))
+os.unlink(os.path.join(SHM_DIR, other))
+try:
+    ShmSegment.create(4096)
+    raise SystemExit("made a segment after unlink_own_segments")
+except HandleError as e:
+    assert "is ending" in str(e), e
+mine.close()  # already unlinked: nothing to do, no error
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
