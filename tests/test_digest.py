@@ -139,3 +139,13 @@ def test_pieces_in_any_order_sum_to_the_whole():
     for start, end in ((700, 1000), (0, 333), (333, 700)):
         got.add("x", Piece(data=t[start:end], offset=start, shape=(1000,)))
     assert got.digest(["x"]) == weights_digest([("x", t)])
+
+
+def test_a_batch_of_pieces_and_whole_tensors_records_what_one_by_one_does():
+    t = torch.randn(1000).to(torch.bfloat16)
+    w = torch.randn(7, 3)
+    got = ReceivedDigest()
+    got.add_many([("x", Piece(data=t[400:], offset=400, shape=(1000,))), ("w", w),
+                  ("x", Piece(data=t[:400], offset=0, shape=(1000,)))])
+    assert got.names == ["w", "x"]
+    assert got.digest(["x", "w"]) == weights_digest([("x", t), ("w", w)])

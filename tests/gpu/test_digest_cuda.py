@@ -64,3 +64,24 @@ def test_device_pieces_in_any_order_equal_the_whole_and_nothing_is_copied_to_the
     for start, end in ((7_000_001, 10_000_000), (0, 3), (3, 7_000_001)):
         got.add("x", Piece(data=t[start:end], offset=start, shape=(10_000_000,)))
     assert got.digest(["x"]) == whole == weights_digest([("x", t)])
+
+
+def test_many_device_tensors_in_one_launch_equal_the_hosts_lanes():
+    g = torch.Generator().manual_seed(11)
+    shapes = [(0,), (1,), (2047,), (2048 * 128 + 5,), (3, 1_000_003), (64, 64)]
+    host = [(torch.randn(s, generator=g) * 100).to(dt) for s in shapes
+            for dt in (torch.bfloat16, torch.float32, torch.uint8)]
+    offsets = [(k * 7919) % 5 * (1 << 21) for k in range(len(host))]  # some cross a multiplier block
+    got = D.lanes_many([(t.cuda(), o) for t, o in zip(host, offsets)])
+    for t, o, lane in zip(host, offsets, got):
+        assert [int(x) for x in (lane if isinstance(lane, list) else lane.tolist())] == D.lanes(t, o, "host"), \
+            (t.dtype, tuple(t.shape), o)
+    named = [(f"t{i}", t) for i, t in enumerate(host)]
+    assert weights_digest([(n, t.cuda()) for n, t in named]) == weights_digest(named)
+    # a batch of pieces and whole tensors, as an engine's load hands them over
+    big, small = host[9], host[13]  # (2048 * 128 + 5,) bf16 and (3, 1_000_003) fp32
+    dev = big.cuda()
+    received = ReceivedDigest()
+    received.add_many([("big", Piece(data=dev[100:], offset=100, shape=tuple(big.shape))), ("small", small.cuda()),
+                       ("big", Piece(data=dev[:100], offset=0, shape=tuple(big.shape)))])
+    assert received.digest(["big", "small"]) == weights_digest([("big", big), ("small", small)])
