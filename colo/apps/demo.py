@@ -17,9 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -32,7 +30,7 @@ from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.core.errors import EngineDied
 from colo.proc.handles import leftover_segments
-from colo.proc.lifecycle import dir_prefix, sweep
+from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.core.invariants import InvariantViolation
 from colo.apps.demo_setup import (LOGIT_TOLERANCES, CycleSeeded, DemoConfig, DemoOutcome, Recovery,
                                   SimulatedDevice, check_fits, device_budget, make_verifier, trainer_digest)
@@ -172,9 +170,9 @@ class DemoRun:
         self.transport: Any = None
         self.trace: TraceWriter | None = None
         # What a SIGKILLed run left (no cleanup ran there) goes first; this run's
-        # dir carries this pid so that the next run can tell it from a live one.
+        # dir is locked by this process, so that any other run can tell it from a dead one's.
         sweep()
-        self.workdir = tempfile.mkdtemp(prefix=dir_prefix("demo"))
+        self.workdir = make_dir("demo")
         self._at_fault: list[str] = []
         self.injector: Any = None
         self.final_digest: str | None = None
@@ -403,7 +401,7 @@ class DemoRun:
             finally:
                 if self.trace is not None:
                     self.trace.finish()  # a claim the scheduler never started is given back
-                shutil.rmtree(self.workdir, ignore_errors=True)
+                release_dir(self.workdir)
 
     def outcome(self) -> DemoOutcome:
         return DemoOutcome(self.rewards, self.summary, self.cfg.trace_path, self.error, self.recoveries,

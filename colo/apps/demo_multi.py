@@ -16,8 +16,6 @@ demo; on CUDA they join NCCL groups.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import asdict
 from typing import Any
 
@@ -30,7 +28,7 @@ from colo.core.memory import MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
 from colo.core.errors import InvariantViolation, VerificationError
 from colo.groups import together
-from colo.proc.lifecycle import dir_prefix, sweep
+from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.offline.summary import PhaseSummary
 from colo.scheduler import Scheduler, describe
 from colo.trace.writer import TraceWriter, rank_path
@@ -68,9 +66,10 @@ class MultiDemoRun:
         self.engines: list[Any] = []
         self.transports: list[Any] = []
         self.traces: list[TraceWriter] = []
-        # what a SIGKILLed run left goes first; this run's dir names this pid (colo.proc.lifecycle)
+        # what a SIGKILLed run left goes first; this run's dir is locked by this process
+        # while it lives (colo.proc.lifecycle)
         sweep()
-        self.workdir = tempfile.mkdtemp(prefix=dir_prefix("demo"))
+        self.workdir = make_dir("demo")
         self.final_digest: str | None = None
         self._fault_armed = cfg.fault is not None
         self.sched: Scheduler = None  # type: ignore[assignment]
@@ -304,7 +303,7 @@ class MultiDemoRun:
             finally:
                 for trace in self.traces:
                     trace.finish()  # a claim the scheduler never started is given back
-                shutil.rmtree(self.workdir, ignore_errors=True)
+                release_dir(self.workdir)
 
     def outcome(self) -> Any:
         from colo.apps.demo_setup import DemoOutcome

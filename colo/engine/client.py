@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +18,8 @@ from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.tasks import RolloutData, RolloutTask
 from colo.core.errors import EXIT_BAD_INPUT, EngineDied, EngineError, EngineRefused
-from colo.proc.lifecycle import SOCKET_NAME, free_port, process_state, socket_dir, start_with_env, unless_stopped
+from colo.proc.lifecycle import (SOCKET_NAME, free_port, process_state, release_dir, socket_dir, start_with_env,
+                                 unless_stopped)
 
 #: after a broken channel, how long to wait for the engine process to be seen dead
 DEATH_WAIT_S = 1.0
@@ -126,7 +126,7 @@ class EngineClient:
                 if proc is not None and proc.pid is not None:
                     proc.kill()
                     await anyio.to_thread.run_sync(proc.join, 5)
-                shutil.rmtree(sockdir, ignore_errors=True)
+                release_dir(sockdir)
             raise
         return cls(ch, proc, sockdir, key, reply, task)
 
@@ -415,5 +415,5 @@ class EngineClient:
             if self.process.is_alive():
                 self.process.kill()
                 await anyio.to_thread.run_sync(self.process.join, timeout_s)
-            shutil.rmtree(self._sockdir, ignore_errors=True)
+            release_dir(self._sockdir)
             self.closed = True

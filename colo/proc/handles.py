@@ -19,6 +19,9 @@ Every segment a process makes is also listed until it is unlinked, so that a
 process that ends without its own cleanup having run (its main thread still
 inside a step when an orphan's grace is over) still unlinks it last
 (:func:`unlink_own_segments`).
+The creator also holds a shared ``flock`` on each for as long as it lives
+(:mod:`colo.proc.owner`): that, not the pid in the name, is what tells the
+start-up sweep a segment is still someone's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 from colo.core.errors import HandleError
+from colo.proc.owner import TRIES, Swept, create_locked
 
 SHM_DIR = "/dev/shm"
 _SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
@@ -59,12 +63,15 @@ class ShmSegment:
         if create and not writable:
             raise ValueError("a segment is created to be written: create=True needs writable=True")
         self.name, self.nbytes, self.owner, self.writable = name, nbytes, create, writable
+        #: the creator's descriptor, open until close(): its shared lock tells a sweeper
+        #: (colo.proc.lifecycle.sweep) in any PID namespace that the segment is in use
+        self._lock_fd: int | None = None
         path = os.path.join(SHM_DIR, name)
         if create:
             with _MADE_LOCK:
                 if _ENDING:
                     raise HandleError(f"no new shared-memory segment: process {os.getpid()} is ending")
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                fd = create_locked(path)
                 _MADE[name] = path
         else:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
@@ -76,10 +83,13 @@ class ShmSegment:
             self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, access=mmap.ACCESS_DEFAULT if writable
                                                    else mmap.ACCESS_READ)
         except BaseException:
+            os.close(fd)
             if create:
                 _unlink(name)
             raise
-        finally:
+        if create:
+            self._lock_fd = fd
+        else:
             os.close(fd)
         with warnings.catch_warnings():
             # torch warns that it cannot mark a tensor over read-only memory read-only; the
@@ -89,7 +99,12 @@ class ShmSegment:
 
     @classmethod
     def create(cls, nbytes: int) -> ShmSegment:
-        return cls(f"colo-{os.getpid()}-{uuid.uuid4().hex}", nbytes, create=True)
+        for _ in range(TRIES):
+            try:
+                return cls(f"colo-{os.getpid()}-{uuid.uuid4().hex}", nbytes, create=True)
+            except Swept:
+                continue  # a sweeper took the new file before its lock: another name
+        raise HandleError(f"no shared-memory segment could be made: {TRIES} new ones were swept as they were made")
 
     def handle(self) -> dict:
         return {"kind": "shm", "name": self.name, "nbytes": self.nbytes}
@@ -107,6 +122,10 @@ class ShmSegment:
         if self.owner:
             _unlink(self.name)
             self.owner = False
+        if self._lock_fd is not None:
+            # after the unlink: until then the lock keeps a sweeper off the name
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def _unlink(name: str) -> None:

@@ -13,17 +13,23 @@ and the rank workers follow the same ones:
   start (:func:`sweep`).
 
 A SIGKILL runs no cleanup: the driver's ``colo-demo-<pid>-XXXXXXXX`` work dir
-(with the initial checkpoint), an engine socket dir ``colo-engine-<pid>-XXXXXXXX``
-and ``/dev/shm/colo-<pid>-<uuid>`` segments stay. Each name carries the pid of
-the process that made it, so a later run can tell a leftover (its owner is dead)
-from the live state of a run beside it (its owner is alive), and remove only the
-former. Only these exact name shapes are touched, only those owned by this user,
-and never this process's own.
+(with the initial checkpoint), an engine socket dir ``colo-engine-<pid>-XXXXXXXX``,
+a rank worker's ``colo-rank-*``, a disk sync's ``colo-ckpt-*``, a local Ray's
+``colo-ray-*`` and ``/dev/shm/colo-<pid>-<uuid>`` segments stay. The pid in a
+name does not say whose it is (a run in another PID namespace sharing ``/tmp``
+and ``/dev/shm`` has pids that mean nothing here; a dead owner's pid is reused):
+each of these holds a lock its owner keeps for its whole life
+(:mod:`colo.proc.owner`), and the sweep removes only what it can lock. A dir
+without a lock file (being made this instant, or made by an older colo) is left
+alone; so is a segment whose named pid may still be its creator here (an older
+colo took no lock on its segments). Only these exact name shapes are touched,
+and only those owned by this user.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import re
@@ -39,6 +45,7 @@ from typing import Any
 
 from colo.core.errors import ChannelError
 from colo.proc.handles import SHM_DIR, unlink_own_segments
+from colo.proc.owner import TRIES, Swept, create_locked, unowned
 
 #: what the engine binds, inside its socket directory
 SOCKET_NAME = "engine.sock"
@@ -47,15 +54,42 @@ _SUN_PATH_MAX = 103 if sys.platform == "darwin" else 107
 #: where to put the socket when $TMPDIR is too long for one: short, and present on any POSIX system
 _SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
-#: ``tempfile.mkdtemp(prefix=f"colo-demo-{pid}-")``: mkdtemp adds 8 of [a-z0-9_]
-_DIR_NAME = re.compile(r"^colo-(?:demo|engine)-([0-9]+)-[a-z0-9_]{8}$")
+#: ``tempfile.mkdtemp(prefix=f"colo-<kind>-{pid}-")``: mkdtemp adds 8 of [a-z0-9_]
+_DIR_NAME = re.compile(r"^colo-(?:demo|engine|rank|ckpt|ray)-([0-9]+)-[a-z0-9_]{8}$")
 #: :meth:`colo.proc.handles.ShmSegment.create`'s names
 _SHM_NAME = re.compile(r"^colo-([0-9]+)-[0-9a-f]{32}$")
+#: inside each dir :func:`make_dir` made: its owner holds a shared lock on it while the dir lives
+LOCK_NAME = "colo.lock"
+#: the dirs this process made, and the descriptor holding each one's lock
+_HELD: dict[str, int] = {}
 
 
 def dir_prefix(kind: str) -> str:
-    """The ``mkdtemp`` prefix of a ``kind`` (demo, engine) dir this process owns."""
+    """The ``mkdtemp`` prefix of a ``kind`` (demo, engine, rank, ckpt, ray) dir this process owns."""
     return f"colo-{kind}-{os.getpid()}-"
+
+
+def make_dir(kind: str, base: str | None = None) -> str:
+    """A new private (0700) dir ``colo-<kind>-<pid>-XXXXXXXX`` in ``base`` (default: the
+    temp dir), owned by this process until :func:`release_dir` or its end: a sweep in
+    any process, any PID namespace, leaves it alone while this process lives."""
+    for _ in range(TRIES):
+        path = tempfile.mkdtemp(prefix=dir_prefix(kind), dir=base)
+        try:
+            _HELD[path] = create_locked(os.path.join(path, LOCK_NAME), flags=os.O_RDONLY)
+            return path
+        except Swept:
+            shutil.rmtree(path, ignore_errors=True)  # a sweeper's, half removed: make another
+    raise OSError(errno.EAGAIN, f"no {kind} dir could be made: {TRIES} new ones were swept as they were made")
+
+
+def release_dir(path: str) -> None:
+    """Remove a dir :func:`make_dir` made (or one of its kind this process was handed),
+    then give up its lock: held until then, so no sweeper races the removal."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
 
 
 def owner_alive(pid: int) -> bool:
@@ -77,26 +111,57 @@ def owner_alive(pid: int) -> bool:
         return True  # no /proc to ask: exists, so alive
 
 
-def _dead_owner(name: str, pattern: re.Pattern[str]) -> bool:
-    m = pattern.match(name)
-    if m is None:
+#: how much later than a file's last change a process must have started to be surely
+#: not the one that made it (/proc counts in clock ticks; the two clocks are read apart)
+_START_SLACK_S = 1.0
+
+
+def _may_have_made(pid: int, changed_at: float) -> bool:
+    """Whether process ``pid`` of this namespace may have made a file last changed at
+    ``changed_at`` (epoch seconds): it is alive and started before that. A process
+    that started later got a dead maker's pid again."""
+    if not owner_alive(pid):
         return False
-    pid = int(m.group(1))
-    return pid != os.getpid() and not owner_alive(pid)
-
-
-def _mine(path: str) -> bool:
     try:
-        return os.lstat(path).st_uid == os.getuid()
-    except OSError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[-1].split()[19])  # field 22, starttime
+        started = ticks / os.sysconf("SC_CLK_TCK")  # seconds after boot
+        changed = changed_at - (time.time() - time.clock_gettime(time.CLOCK_BOOTTIME))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return True  # nothing to tell them apart by: it may be
+    return started <= changed + _START_SLACK_S
+
+
+def _sweep_dir(path: str) -> bool:
+    """Remove a dir whose lock nobody holds; whether it is gone. No lock file: left."""
+    if os.path.islink(path) or not os.path.isdir(path):
         return False
+    with unowned(os.path.join(path, LOCK_NAME)) as st:
+        if st is None or os.lstat(path).st_uid != os.getuid():
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
+
+
+def _sweep_segment(path: str, pid: int) -> bool:
+    """Remove a segment whose lock nobody holds and whose named pid is not its maker here."""
+    with unowned(path) as st:
+        # an older colo locked no segment: while its maker may live, leave the segment
+        if st is None or _may_have_made(pid, st.st_ctime):
+            return False
+        try:
+            os.unlink(path)
+        except OSError:
+            return False
+    return True
 
 
 def sweep(dirs: tuple[str, ...] | None = None) -> list[str]:
-    """Remove colo's work dirs and segments whose owning process is dead; the paths removed.
+    """Remove colo's dirs and segments that nobody owns any more (their owner's lock is
+    free: it ended); the paths removed.
 
-    ``dirs``: where work dirs are looked for (default: the temp dir, and the
-    short directories an engine socket dir may have fallen back to)."""
+    ``dirs``: where dirs are looked for (default: the temp dir, and the short
+    directories an engine socket dir may have fallen back to)."""
     if dirs is None:
         dirs = tuple(dict.fromkeys([tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR") or "",
                                     *_SHORT_DIRS]))
@@ -108,22 +173,17 @@ def sweep(dirs: tuple[str, ...] | None = None) -> list[str]:
             continue
         for name in names:
             path = os.path.join(base, name)
-            if _dead_owner(name, _DIR_NAME) and _mine(path) and not os.path.islink(path) and os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-                if not os.path.exists(path):
-                    removed.append(path)
+            if _DIR_NAME.match(name) and _sweep_dir(path):
+                removed.append(path)
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         names = []
     for name in names:
+        m = _SHM_NAME.match(name)
         path = os.path.join(SHM_DIR, name)
-        if _dead_owner(name, _SHM_NAME) and _mine(path):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except OSError:
-                pass
+        if m and _sweep_segment(path, int(m.group(1))):
+            removed.append(path)
     return removed
 
 
@@ -194,30 +254,37 @@ async def unless_stopped(pid: int | None, request: Any) -> tuple[Any, float | No
     return None, stopped[0]
 
 
-def socket_dir() -> str:
-    """A new private (0700) directory whose ``engine.sock.tmp`` fits in an AF_UNIX path.
 
-    ``$TMPDIR`` first; a long one (a CI runner's, a notebook's) does not fit
-    the 107 bytes Linux allows, so then ``$XDG_RUNTIME_DIR`` (per user, 0700),
-    then the usual short system directories. The directory is made by
-    ``mkdtemp``: 0700 and ours, wherever it is.
-    """
-    prefix = dir_prefix("engine")  # the driver's pid: the start-up sweep removes it once that is dead
-    suffix = "/" + prefix + "XXXXXXXX/" + SOCKET_NAME + ".tmp"  # mkdtemp adds 8 characters
-    tried = []
-    for base in (tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"), *_SHORT_DIRS):
-        if not base or base in tried:
-            continue
-        tried.append(base)
-        if len(os.fsencode(os.path.abspath(base) + suffix)) > _SUN_PATH_MAX:
+def _bases() -> list[str]:
+    return list(dict.fromkeys(os.path.abspath(b) for b in [tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"),
+                                                           *_SHORT_DIRS] if b))
+
+
+def make_short_dir(kind: str, suffix: str) -> str:
+    """:func:`make_dir` in the first of ``$TMPDIR``, ``$XDG_RUNTIME_DIR`` (per user, 0700)
+    and the usual short system directories where it can be made and where ``suffix``
+    (the rest of the longest AF_UNIX path that will be made in it, after
+    ``colo-<kind>-<pid>-XXXXXXXX``) still fits: a long ``$TMPDIR`` (a CI runner's, a
+    notebook's) does not fit the 107 bytes Linux allows. :class:`OSError` if none does."""
+    name = dir_prefix(kind) + "XXXXXXXX"  # mkdtemp adds 8 characters
+    for base in _bases():
+        if len(os.fsencode(os.path.join(base, name) + suffix)) > _SUN_PATH_MAX:
             continue
         try:
-            return tempfile.mkdtemp(prefix=prefix, dir=os.path.abspath(base))
+            return make_dir(kind, base)
         except OSError:
             continue
-    raise ChannelError(f"no directory for the engine's socket: an AF_UNIX path is at most {_SUN_PATH_MAX} "
-                       f"bytes and none of {', '.join(tried)} is short enough and writable; "
-                       "set TMPDIR to a short directory")
+    raise OSError(errno.ENAMETOOLONG, f"an AF_UNIX path is at most {_SUN_PATH_MAX} bytes and none of "
+                  f"{', '.join(_bases())} is short enough and writable; set TMPDIR to a short directory")
+
+
+def socket_dir() -> str:
+    """A new private (0700) directory whose ``engine.sock.tmp`` fits in an AF_UNIX path,
+    owned by this process until :func:`release_dir` (:func:`make_short_dir`)."""
+    try:
+        return make_short_dir("engine", "/" + SOCKET_NAME + ".tmp")
+    except OSError as e:
+        raise ChannelError(f"no directory for the engine's socket: {e.strerror or e}") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -315,6 +382,8 @@ def remove_sockdir(sock_path: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+#: the run dirs an orphan removes (remove_run_dir_if_orphaned): a driver's work dir, a rank worker's
+_RUN_DIRS = ("colo-demo-", "colo-rank-")
 #: (the parent pid this process watches, the run's work dir): see remove_run_dir_if_orphaned
 _ORPHAN: tuple[int | None, str | None] = (None, None)
 #: a SIGTERM (the parent-death signal, the watchdog, a kill) is ending this process
@@ -322,12 +391,14 @@ _SIGNALLED = False
 
 
 def remove_run_dir_if_orphaned() -> None:
-    """The driver died without its own cleanup (SIGKILL): the processes it started are
-    the last of the run, and the last thing they do is remove the run's work dir
-    (``colo-demo-*`` only, never a path of another shape) and sweep what dead
-    owners left (:func:`colo.proc.lifecycle.sweep`: its segments, its dirs)."""
+    """The process that started this one died without its own cleanup (SIGKILL): the
+    processes it started are the last of it, and the last thing they do is remove its
+    run dir (a driver's ``colo-demo-*``, a rank worker's ``colo-rank-*``; never a path
+    of another shape) and sweep what dead owners left (:func:`sweep`: its segments,
+    its dirs)."""
     parent_pid, run_dir = _ORPHAN
-    if not _SIGNALLED or not run_dir or parent_pid is None or not os.path.basename(os.path.normpath(run_dir)).startswith("colo-demo-"):
+    if not _SIGNALLED or not run_dir or parent_pid is None \
+            or not os.path.basename(os.path.normpath(run_dir)).startswith(_RUN_DIRS):
         return
     # The parent-death signal comes when the parent's *thread* ends, which can be a
     # moment before its process is gone: wait a little for that, never long.

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
 
 from colo.proc.channel import AsyncChannel, new_key
+from colo.proc.lifecycle import release_dir
 from colo.core.interfaces import (EngineCapabilities, RolloutResult, StageRecord, SyncContext, SyncResult,
                                   TensorSpec)
 from colo.core.errors import (ChannelError, EngineDied, EngineError, EngineRefused, OutOfMemory, RankDied,
@@ -78,7 +78,7 @@ class Worker:
                 if proc is not None and proc.pid is not None:
                     proc.kill()
                     await anyio.to_thread.run_sync(proc.join, 5)
-                shutil.rmtree(sockdir, ignore_errors=True)
+                release_dir(sockdir)
             raise
         return cls(spec.rank, proc, ch, sockdir)
 
@@ -125,7 +125,7 @@ class Worker:
             if self.process.is_alive():
                 self.process.kill()
                 await anyio.to_thread.run_sync(self.process.join, timeout_s)
-            shutil.rmtree(self._sockdir, ignore_errors=True)
+            release_dir(self._sockdir)
             self.closed = True
 
 
