@@ -35,9 +35,10 @@ from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-e
 from colo.core.memory import MemoryLedger
 from colo.core.phases import (EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, next_phase,
                               trigger_for, validate_plan)
+from colo.core.schema import RUN_ID_MAX
 from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline
 from colo.groups import EngineGroup, TrainerGroup, together
-from colo.trace.writer import TraceWriter
+from colo.trace.writer import TraceWriter, new_run_id
 
 #: events whose violations are written but never raised: a failure must always be recorded
 _NEVER_RAISE = frozenset({"phase.failed"})
@@ -87,7 +88,7 @@ class Scheduler:
                  verify: Callable[[list[str]], Awaitable[None]] | None = None,
                  probe: Callable[[], Awaitable[Any]] | None = None,
                  run_config: dict | None = None, clock: Callable[[], float] = time.monotonic,
-                 hooks: Sequence[PhaseHooks] = ()):
+                 hooks: Sequence[PhaseHooks] = (), run_id: str | None = None):
         if config is None:
             config = SchedulerConfig(plan=plan or "offload-first")
         elif plan is not None and plan != config.plan:
@@ -103,6 +104,11 @@ class Scheduler:
         self.transports = _per_rank(transport, n, "transports")
         traces = trace if trace is not None else [TraceWriter(None, rank=r, world_size=n) for r in range(n)]
         self.traces: list[TraceWriter] = _per_rank(traces, n, "traces")
+        #: in every rank's trace.started: replay and tune take the ranks of one run only together
+        self.run_id = run_id if run_id is not None else new_run_id()
+        if not (isinstance(self.run_id, str) and 0 < len(self.run_id) <= RUN_ID_MAX
+                and self.run_id.isascii() and self.run_id.isprintable()):
+            raise ValueError(f"run_id must be 1 to {RUN_ID_MAX} printable ASCII characters, got {self.run_id!r}")
         self.checker = InvariantChecker()
         self.hooks: list[PhaseHooks] = list(hooks)
         self.machine = PhaseMachine()
@@ -172,7 +178,7 @@ class Scheduler:
                 device={"kind": ledger.device_kind, "name": ledger.device_name, "total_bytes": ledger.total_bytes},
                 config={**self.config.as_dict(), "transport": self.transports[r].name,
                         "engine_capabilities": self.engines.capabilities.to_json(), **self._run_config},
-                tags=ledger.describe_tags(), mem=ledger.snapshot(),
+                run_id=self.run_id, tags=ledger.describe_tags(), mem=ledger.snapshot(),
                 engine_weight_version=self.engine_version, trainer_weight_version=self.trainer_version)
             self.checker.feed(started)
         return self

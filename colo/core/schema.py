@@ -11,5 +11,10 @@ EVENTS = frozenset({
     # and its paused generation, written only for engines whose capabilities declare them
     "session.opened", "session.closed", "generation.paused", "generation.continued",
 })
+#: ``trace.started`` carries ``run_id``: one id for every rank's trace of one run, new for each
+#: run (a second run with the same seed and config is another run). Replay and tune take
+#: several files as one run only if they share it; a trace written before it existed has
+#: none and still replays. At most this many characters, printable ASCII.
+RUN_ID_MAX = 128
 #: Stages of one bucket, in the order invariant 6 demands.
 BUCKET_STAGES = ("upload", "gather", "pack", "handoff", "load")

@@ -28,7 +28,7 @@ from typing import Any
 from colo.core.invariants import InvariantChecker
 from colo.core.errors import EXIT_FAILED, EXIT_OK, BadTrace, UsageError
 from colo.offline.summary import PhaseSummary
-from colo.trace.reader import LoadedTrace, TraceStream, load_trace  # noqa: F401 (re-exported)
+from colo.trace.reader import LoadedTrace, TraceStream, check_one_run, load_trace  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class FileResult:
 
     def as_dict(self) -> dict:
         t = self.trace
-        return {"path": t.path, "rank": t.rank, "world_size": t.world_size, "events": t.count,
+        return {"path": t.path, "rank": t.rank, "world_size": t.world_size, "run_id": t.run_id, "events": t.count,
                 "truncated": t.truncated, "finished": t.finished,
                 "plan": (t.header.get("config") or {}).get("plan")}
 
@@ -203,16 +203,7 @@ def replay(paths: list[str | os.PathLike]) -> ReplayReport:
         for p in paths:  # headers only: the events are read as they are checked
             traces.append(TraceStream(p))
         if len(traces) > 1:
-            seen: dict[int, str] = {}
-            for t in traces:
-                if t.rank in seen:
-                    raise BadTrace(f"{t.path} and {seen[t.rank]} are both rank {t.rank}; "
-                                   "expected one file per rank")
-                seen[t.rank] = t.path
-            sizes = {t.world_size for t in traces}
-            if len(sizes) > 1:
-                raise BadTrace("the files disagree on world_size (" + ", ".join(
-                    f"{t.path}: {t.world_size}" for t in traces) + "); expected the ranks of one run")
+            check_one_run(traces)  # the ranks of one run: not two runs' ranks taken as one
         # checked in rank order (the lockstep check compares with lower ranks),
         # reported in the order given
         checker = InvariantChecker()

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from colo.core.memory import GiB, MiB, fmt_bytes
 from colo.core.phases import EFFECTS, PLANS, Effect, Phase
-from colo.offline.replay import BadTrace, LoadedTrace, load_trace
+from colo.offline.replay import BadTrace, LoadedTrace, check_one_run, load_trace
 from colo.core.schema import BUCKET_STAGES, SCHEMA
 from colo.offline.summary import START
 from colo.core.errors import TuneError, UsageError
@@ -611,6 +611,11 @@ class Recommendation:
 
 
 def tune(traces: list[LoadedTrace], margin_bytes: int | None = None) -> Recommendation:
+    """A recommendation over ``traces``: runs of one rank on the device to tune for, or the ranks
+    of one multi-GPU run (refused with :class:`BadTrace` if they are ranks of several runs: a
+    binding GPU named from another run's trace would be wrong)."""
+    if len(traces) > 1 and any(t.world_size > 1 for t in traces):
+        check_one_run(traces)
     return Recommendation([analyse_device(_points(t), margin_bytes) for t in traces], "trace")
 
 

@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 from colo.proc.channel import JSONLimitError, strict_loads
 from colo.core.phases import Phase
-from colo.core.schema import EVENTS, SCHEMA
+from colo.core.schema import EVENTS, RUN_ID_MAX, SCHEMA
 from colo.core.errors import BadTrace
 
 _PHASES = frozenset(p.value for p in Phase)
@@ -58,6 +58,11 @@ class LoadedTrace:
     @property
     def world_size(self) -> int:
         return self.header.get("world_size", 1)
+
+    @property
+    def run_id(self) -> str | None:
+        """The run this trace is a rank of (None: written before traces carried it)."""
+        return self.header.get("run_id")
 
     @property
     def finished(self) -> bool:
@@ -217,6 +222,11 @@ def _check_header(path: str, n: int, ev: dict) -> None:
     ws = ev.get("world_size", 1)
     if not (_is_int(ws) and 1 <= ws <= MAX_WORLD_SIZE):
         raise _bad(path, n, f"trace.started has world_size {ws!r}; expected an integer in [1, {MAX_WORLD_SIZE}]")
+    run = ev.get("run_id")
+    if run is not None and not (isinstance(run, str) and 0 < len(run) <= RUN_ID_MAX
+                                and run.isascii() and run.isprintable()):
+        raise _bad(path, n, f"trace.started has run_id {json.dumps(run)[:80]}; expected a string of 1 to "
+                   f"{RUN_ID_MAX} printable ASCII characters")
 
 
 def _open_regular(path: str) -> BinaryIO:
@@ -269,6 +279,7 @@ class TraceStream:
         self.header, self._first_line = first
         self.rank: int = self.header["rank"]
         self.world_size: int = self.header.get("world_size", 1)
+        self.run_id: str | None = self.header.get("run_id")
         if self.rank >= self.world_size:
             self._fh.close()
             raise _bad(self.path, self._first_line, f"rank {self.rank} is not below world_size {self.world_size}")
@@ -362,6 +373,30 @@ class TraceStream:
                              f"replayed the {self.count} complete lines before it")
 
 
+def check_one_run(traces: list) -> None:
+    """Refuse, with :class:`BadTrace`, files that are not the ranks of one run: two files of one
+    rank, different world sizes, or different runs (``run_id`` of ``trace.started``; a file
+    without one, written before traces carried it, cannot be told apart from a file of the same
+    age, but is from one that has an id)."""
+    seen: dict[int, str] = {}
+    for t in traces:
+        if t.rank in seen:
+            raise BadTrace(f"{t.path} and {seen[t.rank]} are both rank {t.rank}; expected one file per rank")
+        seen[t.rank] = t.path
+    if len({t.world_size for t in traces}) > 1:
+        raise BadTrace("the files disagree on world_size (" + ", ".join(
+            f"{t.path}: {t.world_size}" for t in traces) + "); expected the ranks of one run")
+    runs = {t.run_id for t in traces}
+    if len(runs) > 1:
+        first = traces[0]
+        other = next(t for t in traces if t.run_id != first.run_id)
+
+        def which(t) -> str:
+            return f"run {t.run_id}" if t.run_id is not None else "no run id (an older colo wrote it)"
+        raise BadTrace(f"{first.path} (rank {first.rank}) is of {which(first)} but {other.path} (rank {other.rank}) "
+                       f"is of {which(other)}; expected the ranks of one run")
+
+
 def load_trace(path: str | os.PathLike) -> LoadedTrace:
     """Read and validate one trace file; raise :class:`BadTrace` naming what is wrong."""
     stream = TraceStream(path)
@@ -373,4 +408,4 @@ def load_trace(path: str | os.PathLike) -> LoadedTrace:
     return out
 
 
-__all__ = ["LoadedTrace", "TraceStream", "load_trace"]
+__all__ = ["LoadedTrace", "TraceStream", "check_one_run", "load_trace"]

@@ -16,6 +16,7 @@ import os
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,12 @@ TRACE_ROOM_BYTES = 64 << 10
 #: what posix_fallocate says on a filesystem that cannot reserve room (glibc's fallback
 #: needs a readable fd): the first write tells instead
 _CANNOT_TELL = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF})
+
+
+def new_run_id() -> str:
+    """An id for one run, unique across runs and machines (not derived from the seed: two runs
+    of one seed are two runs)."""
+    return uuid.uuid4().hex
 
 
 class _LineSink:
@@ -209,7 +216,9 @@ class TraceWriter:
     def now(self) -> float:
         return 0.0 if self._t0 is None else round(self._clock() - self._t0, 6)
 
-    def start(self, *, device: dict, config: dict, **extra: Any) -> dict:
+    def start(self, *, device: dict, config: dict, run_id: str | None = None, **extra: Any) -> dict:
+        """Write ``trace.started``. ``run_id`` is the run's, the same in every rank's trace (the
+        scheduler gives one to all of its ranks); a writer started on its own makes a new one."""
         if self._t0 is not None:
             raise RuntimeError("trace already started")
         self.open()  # refused before anything is stamped if another writer owns the file
@@ -222,6 +231,7 @@ class TraceWriter:
             )
         self._t0 = self._clock()
         started = self.emit("trace.started", schema=SCHEMA, world_size=self.world_size,
+                            run_id=run_id if run_id is not None else new_run_id(),
                             device=device, config=config, **extra)
         self.check()
         return started

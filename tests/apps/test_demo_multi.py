@@ -59,6 +59,21 @@ def test_each_rank_writes_its_own_trace_with_its_rank_and_the_world_size(runs):
         assert start["config"]["gpus"] == 2
 
 
+def test_ranks_of_two_real_runs_are_refused_together_by_replay_and_tune(runs, capsys):
+    """Issue 32, item 7: rank 0 of one ``colo demo --gpus 2`` and rank 1 of another were
+    replayed as one valid run, and tuned as one."""
+    from colo.cli import main
+
+    (_, a), (_, b) = runs["hf"], runs["hf-killed"]
+    ids = [[_events(p)[0]["run_id"] for p in paths] for paths in (a, b)]
+    assert ids[0][0] == ids[0][1] != ids[1][0] == ids[1][1]  # one id per run, in every rank's trace
+    for command in ("replay", "tune"):
+        assert main([command, str(a[0]), str(b[1])]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == (f"colo {command}: {a[0]} (rank 0) is of run {ids[0][0]} but {b[1]} (rank 1) is of "
+                               f"run {ids[1][0]}; expected the ranks of one run")
+
+
 def test_an_engine_rank_killed_mid_sync_is_failed_safe_recovered_and_ends_at_the_same_weights(runs):
     clean, _ = runs["hf"]
     out, paths = runs["hf-killed"]

@@ -18,12 +18,13 @@ from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 
 
 async def record(path, *, plan="offload-first", cycles=2, total=10_000, bucket=50, rank=0,
-                 world_size=1, reserved=0, fail=None):
-    """Run the scheduler with the fakes and write a real trace to ``path``."""
+                 world_size=1, reserved=0, fail=None, run_id=None):
+    """Run the scheduler with the fakes and write a real trace to ``path`` (``run_id``: the run
+    it is a rank of; a rank of a multi-rank run recorded here on its own is given its run's)."""
     memory = MemoryLedger(total_bytes=total, reserved_bytes=reserved)
     s = Scheduler(FakeTrainer(), FakeEngine(), memory, FakeTransport(),
                   trace=TraceWriter(path, rank=rank, world_size=world_size),
-                  config=SchedulerConfig(plan=plan, bucket_bytes=bucket))
+                  config=SchedulerConfig(plan=plan, bucket_bytes=bucket), run_id=run_id)
     async with s:
         for _ in range(cycles):
             try:
@@ -332,7 +333,7 @@ async def test_a_cut_trace_whose_prefix_is_invalid_exits_1(tmp_path, capsys):
 
 async def _two_ranks(tmp_path, plans=("offload-first", "offload-first"), cycles=(2, 2)):
     return [await record(tmp_path / f"run.rank{r}.jsonl", plan=plans[r], cycles=cycles[r], rank=r,
-                         world_size=2) for r in (0, 1)]
+                         world_size=2, run_id="two-ranks") for r in (0, 1)]
 
 
 async def test_ranks_that_agree_replay_together(tmp_path, capsys):
@@ -378,8 +379,59 @@ async def test_two_files_for_one_rank_or_different_world_sizes_are_bad_input(tmp
     assert code == 2 and "the files disagree on world_size" in err
 
 
+async def _run_of_two_ranks(tmp_path, name):
+    """One run of two ranks, as the multi-rank demo makes it: one scheduler, a trace per rank."""
+    paths = [tmp_path / f"{name}.rank{r}.jsonl" for r in (0, 1)]
+    s = Scheduler([FakeTrainer(), FakeTrainer()], [FakeEngine(), FakeEngine()],
+                  [MemoryLedger(total_bytes=10_000) for _ in paths], [FakeTransport(), FakeTransport()],
+                  trace=[TraceWriter(p, rank=r, world_size=2) for r, p in enumerate(paths)],
+                  config=SchedulerConfig(bucket_bytes=50))
+    async with s:
+        await s.cycle()
+    return s.run_id, paths
+
+
+async def test_ranks_of_two_runs_are_bad_input_naming_both_runs(tmp_path, capsys):
+    """Issue 32, item 7: rank 0 of one run and rank 1 of another replayed as one valid run."""
+    (run_a, (a0, a1)), (run_b, (b0, b1)) = [await _run_of_two_ranks(tmp_path, n) for n in "ab"]
+    assert run_a != run_b and len(run_a) == 32
+    assert [read_trace(p)[0]["run_id"] for p in (a0, a1, b0, b1)] == [run_a, run_a, run_b, run_b]
+    for pair in ((a0, a1), (b1, b0)):
+        assert run(capsys, *pair)[0] == 0
+    code, out, err = run(capsys, a0, b1)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip() == (f"colo replay: {a0} (rank 0) is of run {run_a} but {b1} (rank 1) is of run {run_b}; "
+                           "expected the ranks of one run")
+    code, out, _ = run(capsys, a0, b1, "--json")
+    assert code == 2 and json.loads(out)["valid"] is False
+
+
+async def test_traces_written_before_run_ids_still_replay_but_not_beside_a_run_with_one(tmp_path, capsys):
+    _, (a0, a1) = await _run_of_two_ranks(tmp_path, "a")
+    _, (b0, b1) = await _run_of_two_ranks(tmp_path, "b")
+    for p in (a0, a1, b0):  # as an older colo wrote them: no run_id in trace.started
+        events = read_trace(p)
+        del events[0]["run_id"]
+        write(p, events)
+    assert run(capsys, a0)[0] == 0 and run(capsys, a0, a1)[0] == 0
+    code, _, err = run(capsys, a0, b1)
+    assert code == 2 and f"{a0} (rank 0) is of no run id (an older colo wrote it) but {b1} (rank 1) is of run " in err
+
+
+@pytest.mark.parametrize("value", ["", "x" * 129, "tab\t", "é", 7, None, ["a"]])
+async def test_a_run_id_that_is_not_a_short_printable_string_is_bad_input(value, tmp_path, capsys):
+    events = read_trace(await record(tmp_path / "t.jsonl"))
+    events[0]["run_id"] = value
+    p = write(tmp_path / "t.jsonl", events)
+    code, _, err = run(capsys, p)
+    if value is None:  # null: as if absent
+        assert code == 0
+    else:
+        assert code == 2 and "trace.started has run_id" in err and "printable ASCII" in err
+
+
 async def test_a_missing_rank_is_a_warning(tmp_path, capsys):
-    paths = [await record(tmp_path / f"r{r}.jsonl", rank=r, world_size=3, cycles=1) for r in (0, 2)]
+    paths = [await record(tmp_path / f"r{r}.jsonl", rank=r, world_size=3, cycles=1, run_id="three") for r in (0, 2)]
     code, _, err = run(capsys, *paths)
     assert code == 0 and "warning: ranks 1 of world_size 3 were not given" in err
 

@@ -242,3 +242,28 @@ def test_over_every_ranks_trace_the_gpu_with_the_largest_leftovers_binds_and_is_
     assert per_rank[1] < per_rank[0]  # the fatter GPU allows less
     assert rec.mem_fraction_static == pytest.approx(min(dev["mem_fraction_static"] for dev in d["devices"]))
     assert "binding GPU: rank 1" in rec.text()
+
+
+async def test_ranks_of_two_runs_are_not_tuned_as_one_run(tmp_path, capsys):
+    """Issue 32, item 7: tune recommended on rank 0 of one run and rank 1 of another."""
+    from tests.offline.test_replay import _run_of_two_ranks
+
+    (run_a, (a0, a1)), (run_b, (_, b1)) = [await _run_of_two_ranks(tmp_path, n) for n in "ab"]
+    code, out, _ = cli(capsys, a0, a1)
+    assert code == 0 and "recommend: mem_fraction_static" in out
+    code, out, err = cli(capsys, a0, b1)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.strip() == (f"colo tune: {a0} (rank 0) is of run {run_a} but {b1} (rank 1) is of run {run_b}; "
+                           "expected the ranks of one run")
+    # runs of one rank each on the device to tune for are several runs, as before
+    singles = [await record_single(tmp_path / f"s{i}.jsonl") for i in range(2)]
+    code, out, _ = cli(capsys, *singles)
+    assert code == 0 and "recommend: mem_fraction_static" in out
+
+
+async def record_single(path):
+    s = Scheduler(FakeTrainer(), FakeEngine(), MemoryLedger(total_bytes=10_000), FakeTransport(),
+                  trace=TraceWriter(path), config=SchedulerConfig(bucket_bytes=50))
+    async with s:
+        await s.cycle()
+    return path
