@@ -962,9 +962,11 @@ def main(argv: Any = None) -> int:
     import argparse
 
     from colo.apps.bench import check_out
+    from colo.core.config import MIN_BUCKET_MIB
     from colo.core.errors import EXIT_BAD_INPUT, UsageError
 
-    p = argparse.ArgumentParser(prog="python -m bench.multi_gpu")
+    # allow_abbrev=False: a shortened flag is refused, never taken for another (as colo's own)
+    p = argparse.ArgumentParser(prog="python -m bench.multi_gpu", allow_abbrev=False)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--model", choices=MODELS, required=True)
@@ -977,8 +979,10 @@ def main(argv: Any = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        if a.gpus < 1 or a.reps < 1 or not a.bucket_mib > 0 or (a.layers is not None and a.layers < 1):
-            raise UsageError("--gpus, --reps, --layers and --bucket-mib must be positive")
+        if a.gpus < 1 or a.reps < 1 or (a.layers is not None and a.layers < 1):
+            raise UsageError("--gpus, --reps and --layers must be positive")
+        if not MIN_BUCKET_MIB <= a.bucket_mib < float("inf"):  # nan fails this too
+            raise UsageError(f"--bucket-mib must be a finite number of at least {MIN_BUCKET_MIB:g}, got {a.bucket_mib}")
         check_machine(a.device, a.gpus, a.model, a.layers)
         # the one-rank bench's rule (a new path or a regular file), before any rank starts:
         # the result's rename would replace a device, a FIFO or a link with a regular file

@@ -15,6 +15,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB
 from colo.core.phases import PLANS
 from colo.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
 from colo.transports import REGISTRY as TRANSPORTS
@@ -54,8 +55,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive(kind, most=None):
-    """A number > 0 (and <= ``most``): a float flag also refuses inf and nan."""
+def _positive(kind, most=None, least=None):
+    """A number > 0 (and <= ``most``, and >= ``least``, a size below which the flag makes no sense):
+    a float flag also refuses inf and nan."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -63,6 +65,10 @@ def _positive(kind, most=None):
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
         if not value > 0:  # nan > 0 is False
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
+        if least is not None and value < least:
+            raise argparse.ArgumentTypeError(
+                f"expected a {kind.__name__} of at least {_show(least)}" + (f" and at most {_show(most)}" if most else "")
+                + f", got {text}")
         if (kind is float and not math.isfinite(value)) or (most is not None and value > most):
             raise argparse.ArgumentTypeError(
                 f"expected a positive {kind.__name__} of at most {_show(most)}, got {text}" if most is not None
@@ -140,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf (transformers), megatron (megatron-core: colo[megatron]), fsdp (FSDP2)")
     d.add_argument("--model", choices=DEMO_SIZES, default="demo",
                    help="demo (2.9 M parameters) or qwen2-1.5b (Qwen2-1.5B shapes, random weights: a GPU's size)")
-    d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=1.0, metavar="MIB",
-                   help="sync bucket size")
+    d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB, MIN_BUCKET_MIB), default=1.0, metavar="MIB",
+                   help=f"sync bucket size (at least {MIN_BUCKET_MIB:g})")
     d.add_argument("--mem-fraction-static", type=_fraction, default=0.8, metavar="F",
                    help="the engine's static share of the device (weights + KV pool), as SGLang's flag")
     d.add_argument("--device-mem-gib", type=_positive(float, MAX_GIB), default=None, metavar="GIB",
@@ -191,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print {mem_fraction_static, bucket_mib, binding_phase, ...}")
     t.add_argument("--gpu-gib", type=_positive(float, MAX_GIB), default=None, metavar="GIB",
                    help="what-if: the device size (with --model-gib, no trace needed)")
-    t.add_argument("--model-gib", type=_positive(float, MAX_GIB), default=None, metavar="GIB",
-                   help="what-if: the engine's weights")
-    t.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=None, metavar="MIB",
-                   help="what-if: the sync bucket size")
+    t.add_argument("--model-gib", type=_positive(float, MAX_GIB, MIN_MODEL_GIB), default=None, metavar="GIB",
+                   help=f"what-if: the engine's weights (at least {MIN_MODEL_GIB:g})")
+    t.add_argument("--bucket-mib", type=_positive(float, MAX_MIB, MIN_BUCKET_MIB), default=None, metavar="MIB",
+                   help=f"what-if: the sync bucket size (at least {MIN_BUCKET_MIB:g})")
     t.add_argument("--plan", choices=PLANS, default=None, help="what-if: the plan")
     t.set_defaults(module="colo.offline.tune", func="run_tune")
 
@@ -210,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--transports", nargs="+", default=None, metavar="T",
                    help=f"transports to time, of {', '.join(TRANSPORTS)} (default: ipc packed broadcast disk on cpu, "
                         "ipc packed on cuda)")
-    b.add_argument("--bucket-mib", type=_positive(float, MAX_MIB), default=None, metavar="MIB",
-                   help="bucket size (default: the model's own: 1 for demo, 64 for qwen2-1b, 512 for the rest)")
+    b.add_argument("--bucket-mib", type=_positive(float, MAX_MIB, MIN_BUCKET_MIB), default=None, metavar="MIB",
+                   help=f"bucket size, at least {MIN_BUCKET_MIB:g} (default: the model's own: 1 for demo, 64 for qwen2-1b, "
+                        "512 for the rest)")
     b.add_argument("--reps", type=_positive(int, 100), default=None, metavar="N",
                    help="timed syncs per transport after one warm-up (default: the model's own, 3-5)")
     b.add_argument("--out", default=None, metavar="PATH",

@@ -45,6 +45,7 @@ from colo.core.errors import EXIT_FAILED, EXIT_OK, UsageError
 from colo.core.memory import StagingBudget
 from colo.core.interfaces import SyncContext
 
+from colo.core.config import MIN_BUCKET_MIB
 from colo.core.units import GiB, MiB
 from colo.trace.outputs import output_path, replace_into
 from colo.trainers.models import DEMO_MODELS, QWEN2_7B
@@ -63,8 +64,9 @@ class BenchModel:
     source_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if not self.bucket_mib > 0:
-            raise ValueError(f"bench model {self.name}: bucket_mib must be > 0, got {self.bucket_mib}")
+        if not self.bucket_mib >= MIN_BUCKET_MIB:
+            raise ValueError(f"bench model {self.name}: bucket_mib must be at least {MIN_BUCKET_MIB:g}, "
+                             f"got {self.bucket_mib}")
         if isinstance(self.repeat, bool) or not isinstance(self.repeat, int) or self.repeat < 1:
             raise ValueError(f"bench model {self.name}: repeat must be a positive integer, got {self.repeat!r}")
 

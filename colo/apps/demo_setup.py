@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from colo.core.config import MIN_BUCKET_MIB
 from colo.core.errors import UsageError, VerificationError
 from colo.core.memory import GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import PLANS
@@ -158,8 +159,8 @@ class DemoConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
-        if not self.bucket_mib > 0:
-            raise ValueError(f"bucket size must be > 0 MiB, got {self.bucket_mib}")
+        if not self.bucket_mib >= MIN_BUCKET_MIB:
+            raise ValueError(f"bucket size must be at least {MIN_BUCKET_MIB:g} MiB, got {self.bucket_mib:g}")
         if self.bucket_mib > MAX_BUCKET_MIB:
             raise ValueError(f"bucket size must be at most {int(MAX_BUCKET_MIB)} MiB, got {self.bucket_mib:g}")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -185,6 +186,29 @@ class DemoConfig:
             raise ValueError(f"--fault needs --verify every (a recovery is judged by the engine's digest "
                              f"after it), got --verify {self.verify}")
         self._check_gpus()
+        self._check_paths()
+
+    def _check_paths(self) -> None:
+        """The trace, and every file colo derives from it (a rank's trace, the engine's log beside
+        it), follow :mod:`colo.trace.outputs`' rule, checked before anything starts: a new path or
+        a regular file; a path colo derived is not a symbolic link either. A device given as the
+        trace is refused with two ranks too, rather than files made beside it (/dev/full.rank0.jsonl)."""
+        from colo.trace.outputs import output_path
+        from colo.trace.writer import rank_path
+
+        for flag, value in (("--trace", self.trace), ("--engine-log", self.engine_log)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{flag} is empty; expected a file path" + (", or - for the console"
+                                                                            if flag == "--engine-log" else ""))
+        output_path(self.trace_path, "--trace")
+        if self.gpus > 1:
+            for r in range(self.gpus):
+                output_path(rank_path(self.trace_path, r, self.gpus), "trace", follow=False)
+        for rank in (range(self.gpus) if self.gpus > 1 else [None]):
+            log = self.engine_log_path(rank)
+            derived = self.engine_log is None or rank is not None
+            if log is not None and derived:
+                output_path(log, "engine log", follow=False)
 
     def _check_vllm(self) -> None:
         if self.device == "cpu" and self.engine_dtype != "float32":

@@ -14,6 +14,14 @@ from colo.core.units import MiB
 #: after every sync, after the first sync of the run only, or never
 VERIFY = ("every", "first", "none")
 
+#: the smallest sync bucket a user may ask for (``--bucket-mib``; about 10 KiB). Each bucket
+#: is a round trip to the engine: at one byte a step of the 2.9 M-parameter demo ran past 180 s.
+#: (SchedulerConfig itself takes any positive size: unit tests sync a few bytes.)
+MIN_BUCKET_MIB = 0.01
+#: the smallest model ``colo tune --model-gib`` sizes for (about 1 MiB; the demo's is 5.5 MiB):
+#: below it the recommended bucket, the model's size rounded up, fell to one byte
+MIN_MODEL_GIB = 0.001
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:

@@ -37,6 +37,7 @@ import os
 import sys
 from dataclasses import dataclass, field, replace
 
+from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB
 from colo.core.memory import GiB, MiB, fmt_bytes
 from colo.core.phases import EFFECTS, PLANS, Effect, Phase
 from colo.offline.replay import BadTrace, LoadedTrace, check_one_run, load_trace
@@ -642,6 +643,10 @@ class WhatIf:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be > 0, got {v!r}")
+        # below these the what-if sizes nothing real: at a 1e-300 GiB model it recommended one-byte buckets
+        for name, least in (("model_gib", MIN_MODEL_GIB), ("bucket_mib", MIN_BUCKET_MIB)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be at least {least:g}, got {getattr(self, name)!r}")
         for name in ("reserved_gib", "cuda_graph_gib", "trainer_weights_gib", "optimizer_gib"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):

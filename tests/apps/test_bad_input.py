@@ -13,6 +13,7 @@ from colo.apps.demo import DemoConfig
 from colo.extractors.plain import PlainExtractor
 from colo.testing.trainers import StateTrainer
 from colo.transports import make_transport
+from tests.nodes import KINDS, identity, make_node
 
 KEEP = '{"keep": "me"}\n'
 
@@ -22,6 +23,7 @@ KEEP = '{"keep": "me"}\n'
     (["--mem-fraction-static", "1"], "expected a number in (0, 1), got 1"),
     (["--mem-fraction-static", "1.5"], "expected a number in (0, 1), got 1.5"),
     (["--bucket-mib", "0"], "expected a positive float, got 0"),
+    (["--bucket-mib", "1e-30"], "expected a float of at least 0.01 and at most 1048576, got 1e-30"),
     (["--bucket-mib", "-4"], "expected a positive float, got -4"),
     (["--plan", "fast"], "invalid choice: 'fast'"),
     (["--transport", "pigeon"], "invalid choice: 'pigeon'"),
@@ -43,8 +45,11 @@ def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, 
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(bucket_mib=0), "bucket size must be > 0 MiB, got 0"),
-    (dict(bucket_mib=-1.0), "bucket size must be > 0 MiB, got -1.0"),
+    (dict(bucket_mib=0), "bucket size must be at least 0.01 MiB, got 0"),
+    (dict(bucket_mib=-1.0), "bucket size must be at least 0.01 MiB, got -1"),
+    (dict(bucket_mib=1e-30), "bucket size must be at least 0.01 MiB, got 1e-30"),
+    (dict(trace=""), "--trace is empty; expected a file path"),
+    (dict(engine_log=""), "--engine-log is empty; expected a file path, or - for the console"),
     (dict(mem_fraction_static=0.0), "mem_fraction_static must be in (0, 1), got 0.0"),
     (dict(mem_fraction_static=1.0), "mem_fraction_static must be in (0, 1), got 1.0"),
     (dict(plan="fast"), "plan must be one of offload-first, sync-first, single-stage, got 'fast'"),
@@ -229,17 +234,20 @@ def test_demo_config_refuses_non_finite_and_absurd_sizes():
 
 
 @pytest.mark.parametrize("out,msg", [
-    ("/dev/full", "--out /dev/full is not a regular file"),
+    ("{tmp}/fulldev", "--out {tmp}/fulldev is not a regular file (a character device)"),
     ("{tmp}/a-file/out.json", "--out {tmp}/a-file/out.json: cannot write in {tmp}/a-file"),
     ("{tmp}", "is not a regular file"),
 ])
 def test_bench_refuses_an_output_it_cannot_write_before_it_runs(out, msg, tmp_path, monkeypatch, capsys):
     _no_work(monkeypatch)
     (tmp_path / "a-file").write_text("x")
+    if "fulldev" in out:
+        make_node(tmp_path / "fulldev", "chardev", tmp_path)  # a private /dev/full, never the system's
     out, msg = out.format(tmp=tmp_path), msg.format(tmp=tmp_path)
     assert main(["bench", "--device", "cpu", "--transports", "packed", "--out", out]) == 2
     assert msg in capsys.readouterr().err
-    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")  # never replaced by the result
+    if "fulldev" in out:
+        assert not os.path.isfile(out)  # never replaced by the result
 
 
 def test_bench_that_cannot_write_its_result_after_the_run_exits_one_with_a_message(tmp_path, monkeypatch,
@@ -259,3 +267,97 @@ def test_bench_that_cannot_write_its_result_after_the_run_exits_one_with_a_messa
     assert main(["bench", "--device", "cpu", "--transports", "packed", "--out", str(tmp_path / "r.json")]) == 1
     err = capsys.readouterr().err
     assert "could not write the result to" in err and "No space left on device" in err
+
+
+# -- issue 32, item 9: inputs that were taken and should not be ---------------------------
+
+@pytest.mark.parametrize("argv,msg", [
+    (["demo", "--bucket-mib", "1e-30"], "argument --bucket-mib: expected a float of at least 0.01"),
+    (["bench", "--bucket-mib", "1e-30"], "argument --bucket-mib: expected a float of at least 0.01"),
+    (["tune", "--gpu-gib", "80", "--model-gib", "1e-300"], "argument --model-gib: expected a float of at least 0.001"),
+    (["tune", "--gpu-gib", "80", "--model-gib", "1", "--bucket-mib", "1e-30"],
+     "argument --bucket-mib: expected a float of at least 0.01"),
+])
+def test_sizes_below_a_sane_least_are_refused(argv, msg, tmp_path, monkeypatch, capsys):
+    """Before: --bucket-mib 1e-30 ran one-byte buckets (past 180 s for one step), and
+    tune --model-gib 1e-300 recommended a one-byte bucket."""
+    _no_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert _exit_code(argv) == 2
+    out = capsys.readouterr()
+    assert msg in out.err and "Traceback" not in out.err and out.out == ""
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_library_refuses_the_same_sizes():
+    from colo.apps.bench import BenchModel
+    from colo.offline.tune import WhatIf
+
+    with pytest.raises(ValueError, match="model_gib must be at least 0.001, got 1e-300"):
+        WhatIf(gpu_gib=80, model_gib=1e-300)
+    with pytest.raises(ValueError, match="bucket_mib must be at least 0.01, got 1e-30"):
+        WhatIf(gpu_gib=80, model_gib=1, bucket_mib=1e-30)
+    with pytest.raises(ValueError, match="bucket_mib must be at least 0.01"):
+        BenchModel(name="m", description="", config={}, bucket_mib=1e-30, repeat=1)
+    # the least sizes themselves are taken, and tune's bucket is then a real one
+    assert WhatIf(gpu_gib=80, model_gib=0.001, bucket_mib=0.01).model_gib == 0.001
+
+
+def test_bench_multi_gpu_refuses_a_tiny_bucket(capsys):
+    import bench.multi_gpu as multi
+
+    assert multi.main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--bucket-mib", "1e-30"]) == 2
+    assert "--bucket-mib must be a finite number of at least 0.01, got 1e-30" in capsys.readouterr().err
+
+
+def test_an_empty_trace_path_is_refused_not_taken_for_the_default(tmp_path, monkeypatch, capsys):
+    """Before: --trace '' wrote traces/demo-offload-first.jsonl."""
+    _no_work(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--trace", "--engine-log"):
+        assert main(["demo", "--quiet", "--steps", "1", flag, ""]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"colo demo: {flag} is empty; expected a file path") and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path) == []
+
+
+def _children():
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_trace_that_is_not_a_new_path_or_a_regular_file_is_refused_with_any_number_of_ranks(
+        kind, gpus, tmp_path, capsys):
+    """Before: with --gpus 2 a device given as the trace had run.rank0.jsonl made beside it
+    (/dev/full.rank0.jsonl), and with one rank the refusal came as a run's failed summary."""
+    trace = tmp_path / "run"
+    make_node(trace, kind, tmp_path)
+    before, names, children = identity(trace), sorted(os.listdir(tmp_path)), _children()
+    rc = main(["demo", "--quiet", "--steps", "1", "--gpus", str(gpus), "--trace", str(trace)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith(f"colo demo: --trace {trace} is ") and len(err.splitlines()) == 1, err
+    assert "expected a new path or an existing regular file" in err
+    assert identity(trace) == before and sorted(os.listdir(tmp_path)) == names  # nothing made beside it
+    assert _children() <= children  # nothing started
+
+
+@pytest.mark.parametrize("planted", ["run.rank1.jsonl", "run.rank0.engine.log", "run.engine.log"])
+def test_a_symlink_where_colo_derives_a_path_is_refused_and_its_target_untouched(planted, tmp_path, capsys):
+    """A rank's trace and the engine's log are paths colo derives from --trace: a link planted
+    there is nobody's request. Before: the engine log's was truncated through the link."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, tmp_path / planted)
+    gpus = "1" if planted == "run.engine.log" else "2"
+    children = _children()
+    rc = main(["demo", "--quiet", "--steps", "1", "--gpus", gpus, "--trace", str(tmp_path / "run.jsonl")])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1, out + err
+    assert f"{tmp_path / planted} is a symbolic link colo did not ask for" in err
+    assert victim.read_text() == "precious\n" and os.path.islink(tmp_path / planted)
+    assert sorted(os.listdir(tmp_path)) == sorted([planted, "victim"])
+    assert _children() <= children

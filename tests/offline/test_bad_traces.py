@@ -10,6 +10,7 @@ import pytest
 
 from colo.cli import main
 from colo.offline import export as export_mod
+from tests.nodes import KINDS, identity as _identity, make_node as _node
 
 HEAD = {"event": "trace.started", "schema": "colo.trace/1", "ts": 0.0, "rank": 0, "world_size": 1,
         "device": {"kind": "cpu", "name": "x", "total_bytes": 1 << 30}, "config": {}}
@@ -195,32 +196,7 @@ def test_non_finite_or_absurd_numbers_in_flags_exit_two_naming_the_flag(argv, sa
 
 # -- issue 32, item 1: an output goes only to a new path or a regular file -----------------
 
-def _node(path, kind, tmp_path):
-    """A private stand-in for what the issue found replaced (never the system's /dev/full)."""
-    import stat
-
-    if kind in ("chardev", "symlink-to-chardev"):
-        dev = path if kind == "chardev" else tmp_path / "fulldev"
-        try:
-            os.mknod(dev, 0o600 | stat.S_IFCHR, os.makedev(1, 7))  # /dev/full's numbers
-        except PermissionError:
-            pytest.skip("making a character device needs root")
-        if kind == "symlink-to-chardev":
-            os.symlink(dev, path)
-    elif kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "dangling-symlink":
-        os.symlink(tmp_path / "nowhere" / "x.json", path)
-    elif kind == "directory":
-        path.mkdir()
-
-
-def _identity(path):
-    st = os.lstat(path)
-    return st.st_ino, st.st_mode, st.st_rdev, st.st_size
-
-
-@pytest.mark.parametrize("kind", ["chardev", "fifo", "symlink-to-chardev", "dangling-symlink", "directory"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_export_onto_anything_but_a_new_path_or_a_regular_file_exits_two_and_leaves_it_as_it_was(kind, tmp_path,
                                                                                                 capsys):
     p = _write(tmp_path / "t.jsonl", [HEAD, ENTER, DONE, END])
