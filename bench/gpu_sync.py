@@ -551,7 +551,7 @@ def run_bench_gpu(out: str | None, bucket_mib: float = 512, layers: int | None =
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_sync", description="colo's sync on one GPU against its limits, the baselines and checkpoint-engine")
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_sync", allow_abbrev=False, description="colo's sync on one GPU against its limits, the baselines and checkpoint-engine")
     p.add_argument("out", nargs="?", help="where the JSON result goes")
     p.add_argument("--models", default=",".join(GPU_MODEL_NAMES), help=f"comma-separated, of {', '.join(GPU_MODEL_NAMES)}")
     p.add_argument("--layers", type=int, help="cut every model to this many layers (a quick check)")

@@ -77,7 +77,7 @@ def soak(cycles: int, warmup: int, trace: str) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--cycles", type=int, default=500)
     p.add_argument("--warmup", type=int, default=50)
     # default: bench/results/soak-cpu-<date>.json, or -2, -3 ... if that exists (never overwritten)

@@ -67,6 +67,83 @@ def test_a_shortened_flag_is_refused(capsys):
     assert "unrecognized arguments: --engine-vis" in capsys.readouterr().err
 
 
+#: each command's least argv that parses, to which a shortened flag is added
+_LEAST_ARGV = {"demo": [], "replay": ["t.jsonl"], "export": ["t.jsonl", "-o", "t.json"], "tune": [], "bench": []}
+
+
+def _shortened_flags():
+    """Every proper prefix (of 3 characters or more) of every long flag of every command that
+    is not itself a flag of that command: argparse's prefix matching would take each."""
+    for name, parser in _commands().items():
+        flags = {o for a in parser._actions for o in a.option_strings}
+        for flag in sorted(f for f in flags if f.startswith("--")):
+            for k in range(3, len(flag)):
+                if flag[:k] not in flags:
+                    yield name, flag[:k], flag
+
+
+def test_the_least_argv_of_every_command_parses():
+    assert sorted(_LEAST_ARGV) == sorted(_commands())  # a new command is added here too
+    for name, argv in _LEAST_ARGV.items():
+        assert build_parser().parse_args([name, *argv]).command == name
+
+
+@pytest.mark.parametrize("command", ["demo", "replay", "export", "tune", "bench"])
+def test_no_command_takes_a_shortened_flag_for_another(command, capsys):
+    """Issue 32, item 12: ``colo demo --engine-vis 0`` ran with --engine-visible-devices 0. Every
+    shortened spelling of every flag, alone, with a value and as ``--flag=value``, is refused
+    naming itself, exit 2, and never taken for the flag it shortens."""
+    cases = [(p, f) for c, p, f in _shortened_flags() if c == command]
+    assert len(cases) >= 6  # replay has the fewest: --help and --json
+    for prefix, flag in cases:
+        for extra in ([prefix], [prefix, "1"], [f"{prefix}=1"]):
+            with pytest.raises(SystemExit) as e:
+                build_parser().parse_args([command, *_LEAST_ARGV[command], *extra])
+            err = capsys.readouterr().err
+            assert e.value.code == 2, (command, extra, flag)
+            # (a value after it may be taken as a TRACE of replay or tune: the flag is refused all the same)
+            assert f"unrecognized arguments: {extra[0]}" in err, (command, extra, err)
+
+
+def test_the_top_level_and_command_names_are_not_shortened_either(capsys):
+    for argv, said in ((["--hel", "replay", "t.jsonl"], "unrecognized arguments: --hel"),
+                       (["dem"], "invalid choice: 'dem'"), (["rep", "t.jsonl"], "invalid choice: 'rep'")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_issues_case_is_refused_before_anything_runs(capsys, monkeypatch):
+    """``colo demo --eng vllm``: not the engine, not the engine's visible devices."""
+    monkeypatch.setattr("colo.apps.demo.run_demo", lambda args: pytest.fail("the demo ran"))
+    for argv in (["demo", "--eng", "vllm"], ["demo", "--engine-vis", "vllm"], ["demo", "--eng=vllm"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and f"unrecognized arguments: {' '.join(argv[1:])}" in capsys.readouterr().err
+
+
+def test_the_benchmark_harnesses_refuse_shortened_flags_too(capsys):
+    """The harnesses a user runs as ``python -m bench.X`` parse with allow_abbrev=False as colo does."""
+    import ast
+    from pathlib import Path
+
+    import bench.multi_gpu as multi
+
+    assert multi.main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--rep", "1"]) == 2
+    assert "unrecognized arguments: --rep 1" in capsys.readouterr().err
+    root = Path(__file__).resolve().parents[1]
+    made = []
+    for path in sorted([*root.glob("bench/*.py"), *root.glob("colo/**/*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                    "ArgumentParser", "_Parser", "add_parser"):
+                kw = {k.arg: k.value for k in node.keywords}
+                made.append(path.name)
+                assert isinstance(kw.get("allow_abbrev"), ast.Constant) and kw["allow_abbrev"].value is False, \
+                    f"{path}:{node.lineno}: a parser without allow_abbrev=False"
+    assert {"cli.py", "multi_gpu.py", "gpu_sync.py", "soak.py", "replay_speed.py"} <= set(made)
+
+
 def test_the_demo_prints_no_raw_json_and_logs_the_engine_beside_the_trace(tmp_path):
     trace = tmp_path / "run.jsonl"
     proc = subprocess.run([sys.executable, "-m", "colo.cli", "demo", "--steps", "1", "--quiet", "--trace", str(trace)],
