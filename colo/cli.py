@@ -279,6 +279,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _console_errors(err: UnicodeError) -> tuple[str | bytes, int]:
+    """How the console writes what its encoding cannot: a file name's byte that is not valid in
+    the locale's encoding (Python keeps it as a lone surrogate, U+DC80-U+DCFF) is written back as
+    that byte, as the name is on disk; any other character is written escaped (``\\xe9``). A
+    strict console (PYTHONIOENCODING=ascii, utf-8:strict) ended a run with a UnicodeEncodeError
+    traceback at its report's ``trace:`` line."""
+    if not isinstance(err, UnicodeEncodeError):
+        raise err
+    c = ord(err.object[err.start])
+    if 0xDC80 <= c <= 0xDCFF:
+        return bytes([c - 0xDC00]), err.start + 1
+    return (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" if c < 0x10000 else f"\\U{c:08x}"), err.start + 1
+
+
+def _console() -> None:
+    import codecs
+
+    codecs.register_error("colo.console", _console_errors)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="colo.console")
+        except (AttributeError, ValueError, OSError):  # not a text stream of its own (a test's capture)
+            pass
+
+
 def _exit(code: int) -> int:
     """``code``, or the process ends with it here when a GPU command loaded the memory
     saver (whose teardown at interpreter exit would turn any status into 1)."""
@@ -291,6 +316,7 @@ def _exit(code: int) -> int:
 
 def run() -> None:
     """The ``colo`` command (main() is what tests call in-process, and it returns)."""
+    _console()
     sys.exit(_exit(main()))
 
 

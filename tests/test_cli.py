@@ -179,3 +179,27 @@ def test_bench_on_cuda_without_a_gpu_says_so(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["bench", "--device", "cuda", "--model", "qwen2-1.5b"]) == 2
     assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "utf-8:strict"])
+def test_a_file_name_the_console_cannot_encode_is_written_as_it_is_on_disk_not_a_traceback(encoding, tmp_path):
+    """Issue 32, item 11: a trace name that is not UTF-8 (a latin-1 byte) under a strict console
+    encoding ended the demo with a UnicodeEncodeError traceback at the report's ``trace:`` line."""
+    import os
+
+    name = os.fsencode(tmp_path) + b"/\xff\xc3\xa9.jsonl"  # a byte no UTF-8 decodes, then an e-acute
+    env = {**os.environ, "PYTHONIOENCODING": encoding, "LC_ALL": "C.UTF-8"}
+    cmd = [os.fsencode(sys.executable), b"-m", b"colo.cli"]
+    # ascii cannot write the e-acute: escaped; the undecodable byte goes back out as itself
+    shown = name.replace(b"\xc3\xa9", b"\\xe9") if encoding == "ascii" else name
+    demo = subprocess.run([*cmd, b"demo", b"--steps", b"1", b"--quiet", b"--trace", name], capture_output=True,
+                          env=env, timeout=600, cwd=tmp_path)
+    assert demo.returncode == 0 and b"Traceback" not in demo.stderr, demo.stderr.decode("ascii", "replace")[-2000:]
+    assert b"trace: " + shown + b"\n" in demo.stdout and os.path.isfile(name)
+    replay = subprocess.run([*cmd, b"replay", name], capture_output=True, env=env, timeout=120)
+    assert replay.returncode == 0 and replay.stdout.startswith(shown + b": valid: ")
+    missing = name[:-6] + b".missing.jsonl"
+    bad = subprocess.run([*cmd, b"export", missing, b"-o", name + b".json"], capture_output=True, env=env,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stdout == b""
+    assert bad.stderr == b"colo export: " + shown[:-6] + b".missing.jsonl: cannot read (No such file or directory)\n"
