@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from colo.core.buckets import itemsize, numel
-from colo.core.errors import WeightMismatch
+from colo.core.errors import EngineStateError, WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.proc.lifecycle import log
 from colo.transports.wire import Piece, PreflightNotCached, layout_key
@@ -332,3 +332,24 @@ class EngineKit:
 
 
 __all__ = ["EngineKit", "LoadSession", "PieceAssembler", "WeightSink", "parse_specs"]
+
+
+def check_tags(tags: Sequence[str], action: str, *, engine: str, known: Sequence[str],
+               released_now: set[str], released: bool) -> list[str]:
+    """The tags an adapter may ``action`` (release or resume), checked before its engine
+    is asked. ``released`` says which state each tag must be in now: a real engine only
+    warns on a tag woken twice (vLLM), raises deep in its scheduler (SGLang) or aborts
+    the process on a second pause (torch_memory_saver), so colo refuses both directions
+    first, naming the engine's own tags when it is given one it does not have."""
+    if isinstance(tags, str):
+        raise EngineStateError(f"tags must be a sequence of tag names, got the string {tags!r}")
+    tags = list(tags)
+    unknown = [t for t in tags if t not in known]
+    if unknown:
+        raise EngineStateError(f"cannot {action} tag(s) {', '.join(unknown)}: not a tag of this engine "
+                               f"({engine} has only {', '.join(known)})")
+    wrong = [t for t in tags if (t in released_now) != released]
+    if wrong:
+        raise EngineStateError(f"cannot {action} tag(s) {', '.join(wrong)}: already "
+                               f"{'released' if not released else 'resident'}")
+    return tags

@@ -22,7 +22,7 @@ import anyio.to_thread
 from colo.core.errors import EngineError, EngineStateError
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.digest import ReceivedDigest
-from colo.engine.kit import EngineKit, WeightSink
+from colo.engine.kit import EngineKit, WeightSink, check_tags
 
 
 class _Recording:
@@ -83,14 +83,8 @@ class InProcessEngine:
         return dict(self._tag_bytes)
 
     def _check(self, tags: Sequence[str], action: str, *, paused: bool) -> list[str]:
-        tags = list(tags)
-        unknown = [t for t in tags if t not in self._tag_bytes]
-        wrong = [t for t in tags if t in self._tag_bytes and (t in self._paused) != paused]
-        if unknown or wrong:
-            raise EngineStateError(f"cannot {action} tag(s) {', '.join(unknown + wrong)}: "
-                                   + ("not a tag of this engine" if unknown else
-                                      "already " + ("released" if not paused else "resident")))
-        return tags
+        return check_tags(tags, action, engine="this engine", known=list(self._tag_bytes),
+                          released_now=self._paused, released=paused)
 
     async def release(self, tags: Sequence[str]) -> None:
         tags = self._check(tags, "release", paused=False)

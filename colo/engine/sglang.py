@@ -81,6 +81,7 @@ from colo.core.interfaces import EngineCapabilities, RolloutResult, SyncContext,
 from colo.digest import ReceivedDigest
 from colo.dtypes import dtype_name
 from colo.engine.dims import Dims, is_moe_config
+from colo.engine.kit import check_tags
 from colo.engine.weights import WeightMap, _check_specs
 from colo.tasks import RolloutData, RolloutTask
 from colo.transports.base import BucketSender, Staged, timed_ack
@@ -510,16 +511,8 @@ class SglangEngine:
         return dict(self._tag_bytes)
 
     def _check_tags(self, tags: Sequence[str], action: str, *, released: bool) -> list[str]:
-        tags = list(tags)
-        unknown = [t for t in tags if t not in TAGS]
-        if unknown:
-            raise EngineStateError(f"cannot {action} tag(s) {', '.join(unknown)}: SGLang has only {', '.join(TAGS)}")
-        wrong = [t for t in tags if (t in self._released) != released]
-        if wrong:
-            # torch_memory_saver aborts the process on a second pause; SGLang's resume of a tag it
-            # does not hold raises KeyError in the scheduler (offload_tags.remove): refused here first
-            raise EngineStateError(f"cannot {action} tag(s) {', '.join(wrong)}: already "
-                                   f"{'released' if not released else 'resident'}")
+        tags = check_tags(tags, action, engine="SGLang", known=TAGS, released_now=self._released,
+                          released=released)
         if not tags:
             # SGLang reads no tags as every tag
             raise EngineStateError(f"cannot {action} no tags: SGLang would {action} all of them")

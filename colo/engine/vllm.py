@@ -54,6 +54,7 @@ import anyio.to_thread
 
 from colo.core.errors import BadInput, EngineDied, EngineError, EngineStateError
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
+from colo.engine.kit import check_tags
 from colo.tasks import RolloutData, RolloutTask
 
 #: the worker extension vLLM must be started with
@@ -362,16 +363,7 @@ class VllmEngine:
         return dict(self._tag_bytes)
 
     def _check_tags(self, tags: Sequence[str], action: str, *, paused: bool) -> list[str]:
-        tags = list(tags)
-        unknown = [t for t in tags if t not in TAGS]
-        if unknown:
-            raise EngineStateError(f"cannot {action} tag(s) {', '.join(unknown)}: vLLM has only {', '.join(TAGS)}")
-        wrong = [t for t in tags if (t in self._paused) != paused]
-        if wrong:
-            # vLLM only warns on a second wake; colo refuses both directions first
-            raise EngineStateError(f"cannot {action} tag(s) {', '.join(wrong)}: already "
-                                   f"{'released' if not paused else 'resident'}")
-        return tags
+        return check_tags(tags, action, engine="vLLM", known=TAGS, released_now=self._paused, released=paused)
 
     async def release(self, tags: Sequence[str]) -> None:
         tags = self._check_tags(tags, "release", paused=False)
