@@ -22,7 +22,7 @@ from colo.core.buckets import spec as mkspec
 from colo.engine.client import EngineClient
 from colo.engine.core import EngineCore
 from colo.engine.tp import expected_shard_digest
-from colo.core.errors import EngineDied
+from colo.core.errors import EngineDied, EngineRefused
 from colo.groups import EngineGroup
 from colo.proc.handles import ShmSegment, leftover_segments
 from colo.trainers.models import build_trainer_model, demo_config
@@ -181,7 +181,8 @@ async def test_a_tp_size_the_model_cannot_split_is_refused_on_every_rank(short_t
     config = demo_config(**SMALL_CFG)
     build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": TOTAL,
              "mem_fraction_static": MFS, "checkpoint": None}
-    with pytest.raises(EngineDied):
+    # a build the engine refuses is bad input, said in the engine's own words (issue 32, item 5)
+    with pytest.raises(EngineRefused, match="tensor-parallel size 3 does not divide num_attention_heads 4"):
         await EngineClient.spawn_tp(build, 3, start_timeout_s=60)
     assert engine_children() == []
     assert socket_dirs(short_tmp) == []
