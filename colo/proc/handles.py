@@ -44,6 +44,9 @@ _SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
 
 #: name -> path of every segment this process made and has not unlinked yet
 _MADE: dict[str, str] = {}
+#: names of segments this process mapped from another (a handle it was sent): an orphan
+#: unlinks those of its dead parent (:func:`unlink_opened_of`)
+_OPENED: set[str] = set()
 #: held from a segment's creation to its entry in _MADE, so that unlink_own_segments
 #: (from another thread) never misses one being made; reentrant: a finalizer that
 #: closes another segment may run in the creating thread while it holds the lock
@@ -75,6 +78,7 @@ class ShmSegment:
                 _MADE[name] = path
         else:
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+            _OPENED.add(name)
         try:
             if create:
                 os.ftruncate(fd, nbytes)
@@ -151,11 +155,30 @@ def unlink_own_segments() -> list[str]:
     return names
 
 
+def unlink_opened_of(pid: int) -> list[str]:
+    """Unlink the segments process ``pid`` of this namespace made that this process
+    mapped from a handle it was sent; their names. Called by an orphan once its parent
+    ``pid`` is proven gone: the name carries that pid and the handle came from it, so
+    the segment was its, whoever else may still hold its lock (a descendant of the
+    parent that inherited the descriptor keeps the sweep from proving it free)."""
+    prefix = f"colo-{pid}-"
+    gone = []
+    for name in sorted(n for n in _OPENED if n.startswith(prefix)):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            gone.append(name)
+        except FileNotFoundError:
+            pass
+        _OPENED.discard(name)
+    return gone
+
+
 def _forget_in_child() -> None:
     # a forked child shares its parent's segments but does not own them: it must never
     # unlink them as it ends (and a lock another thread held at the fork stays held)
     global _MADE_LOCK
     _MADE.clear()
+    _OPENED.clear()
     _MADE_LOCK = threading.RLock()
 
 

@@ -44,7 +44,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from colo.core.errors import ChannelError
-from colo.proc.handles import SHM_DIR, unlink_own_segments
+from colo.proc.handles import SHM_DIR, unlink_opened_of, unlink_own_segments
 from colo.proc.owner import TRIES, Swept, create_locked, unowned
 
 #: what the engine binds, inside its socket directory
@@ -390,6 +390,17 @@ _ORPHAN: tuple[int | None, str | None] = (None, None)
 _SIGNALLED = False
 
 
+#: how long an orphan keeps sweeping for its dead parent's segments (see below)
+ORPHAN_SWEEP_S = 3.0
+
+
+def _shm_names() -> list[str]:
+    try:
+        return os.listdir(SHM_DIR)
+    except OSError:
+        return []
+
+
 def remove_run_dir_if_orphaned() -> None:
     """The process that started this one died without its own cleanup (SIGKILL): the
     processes it started are the last of it, and the last thing they do is remove its
@@ -397,20 +408,34 @@ def remove_run_dir_if_orphaned() -> None:
     of another shape) and sweep what dead owners left (:func:`sweep`: its segments,
     its dirs)."""
     parent_pid, run_dir = _ORPHAN
-    if not _SIGNALLED or not run_dir or parent_pid is None \
-            or not os.path.basename(os.path.normpath(run_dir)).startswith(_RUN_DIRS):
+    if not _SIGNALLED or parent_pid is None:
         return
     # The parent-death signal comes when the parent's *thread* ends, which can be a
     # moment before its process is gone: wait a little for that, never long.
+    # Re-parenting comes while the parent is still exiting, before it is a zombie: the
+    # sweep below would take it for alive and keep its segments, so wait for that too.
     deadline = time.monotonic() + 2.0
-    while not _parent_gone(parent_pid):
+    while not _parent_gone(parent_pid) or owner_alive(parent_pid):
         if time.monotonic() > deadline:
             return  # the parent lives: the dir is still its own
         time.sleep(0.05)
+    # the dead parent's segments this process was sent: gone by name, proven by the
+    # parent's death, not by a lock a descendant of it may still hold
+    unlink_opened_of(parent_pid)
+    if not run_dir or not os.path.basename(os.path.normpath(run_dir)).startswith(_RUN_DIRS):
+        return
     shutil.rmtree(run_dir, ignore_errors=True)
     # and what the next run's start-up sweep would remove: the dead parent's staging
-    # segments (this process had them mapped), dirs of runs whose owner is gone
+    # segments (this process had them mapped), dirs of runs whose owner is gone. A
+    # segment's lock can outlive the parent by a moment (a process it forked, which
+    # inherited the descriptor, still ending): sweep again while one named for the dead
+    # parent is there, for a bounded time; what is still locked then is someone's.
     sweep()
+    prefix = f"colo-{parent_pid}-"
+    deadline = time.monotonic() + ORPHAN_SWEEP_S
+    while time.monotonic() < deadline and any(n.startswith(prefix) for n in _shm_names()):
+        time.sleep(0.1)
+        sweep()
 
 
 def _parent_gone(parent_pid: int) -> bool:

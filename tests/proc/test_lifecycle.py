@@ -247,3 +247,66 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# -- an orphan unlinks the segments its dead parent sent it, whoever else holds their lock --
+
+_PARENT = r"""
+import os, subprocess, sys, time
+from colo.proc.handles import ShmSegment
+seg = ShmSegment.create(1 << 16)
+if os.fork() == 0:
+    # a descendant of the parent that inherited the segment's locked descriptor (and
+    # outlives it): the sweep cannot prove the segment free while this one lives
+    time.sleep(3600)
+    os._exit(0)
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], seg.name])
+time.sleep(3600)
+"""
+
+_ORPHAN_CHILD = r"""
+import os, sys, time
+from colo.proc.handles import ShmSegment
+from colo.proc.lifecycle import die_with_parent, end_of_process
+die_with_parent(os.getppid(), sys.argv[1], None)
+try:  # as an engine or a rank worker serves
+    seen = ShmSegment(sys.argv[2], 1 << 16, create=False, writable=False)  # a handle the parent sent
+    print(os.getpid(), seen.name, flush=True)
+    time.sleep(3600)
+finally:
+    end_of_process(sys.argv[1])
+"""
+
+
+def test_an_orphan_unlinks_the_segments_its_dead_parent_sent_it_though_their_lock_is_held(tmp_path):
+    """The parent is SIGKILLed while a forked descendant of it still holds the segment's
+    lock (seen: a one-rank demo SIGKILLed mid-sync left its two staging segments). The
+    engine-like child was sent the segment by that parent: once the parent is proven
+    gone, the orphan unlinks it by name as it ends, with or without a run dir."""
+    from colo.proc.handles import SHM_DIR
+
+    sockdir = tmp_path / "colo-engine-orphan"
+    sockdir.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(out, "wb") as f:
+        parent = subprocess.Popen([sys.executable, "-c", _PARENT, _ORPHAN_CHILD, str(sockdir / "engine.sock")],
+                                  env=env, stdout=f, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not out.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid, name = out.read_text().split()
+    path = os.path.join(SHM_DIR, name)
+    holders = [c for c in psutil.Process(parent.pid).children() if c.pid != int(pid)]
+    assert os.path.exists(path) and len(holders) == 1
+    parent.kill()
+    parent.wait(10)
+    try:
+        psutil.Process(int(pid)).wait(30)
+        left = os.path.exists(path)
+    finally:
+        for h in holders:
+            h.kill()
+        if os.path.exists(path):
+            os.unlink(path)
+    assert not left, f"segment {name} the dead parent sent its orphan left in {SHM_DIR}"
