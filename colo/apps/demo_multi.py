@@ -88,7 +88,7 @@ class MultiDemoRun:
             trace.open()
 
     async def start(self) -> None:
-        from colo.proc.lifecycle import free_port
+        from colo.proc.lifecycle import free_ports
         from colo.engine.tp import TPLayout
 
         cfg = self.cfg
@@ -97,8 +97,9 @@ class MultiDemoRun:
         TPLayout.from_config(self.model_config, tp_rank=0, tp_size=self.n)
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
         self.budgets = [self._budget(r) for r in range(self.n)]
-        trainer_init = f"tcp://127.0.0.1:{free_port()}"
-        engine_init = f"tcp://127.0.0.1:{free_port()}"
+        trainer_port, engine_port = free_ports(2)
+        trainer_init = f"tcp://127.0.0.1:{trainer_port}"
+        engine_init = f"tcp://127.0.0.1:{engine_port}"
         specs = [self._spec(r, trainer_init, engine_init) for r in range(self.n)]
         cfg.start_engine_logs()
         await self._spawn_workers(specs)

@@ -287,6 +287,22 @@ def socket_dir() -> str:
         raise ChannelError(f"no directory for the engine's socket: {e.strerror or e}") from None
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago: all bound at once, so that
+    two rendezvous of one run never get the same port (taken one at a time, nothing keeps
+    the second from being the first, and the second group's store fails EADDRINUSE)."""
+    import socket
+
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (for a process-group rendezvous;
     ``""``: on every interface, for peers on other nodes)."""

@@ -310,3 +310,18 @@ def test_an_orphan_unlinks_the_segments_its_dead_parent_sent_it_though_their_loc
         if os.path.exists(path):
             os.unlink(path)
     assert not left, f"segment {name} the dead parent sent its orphan left in {SHM_DIR}"
+
+
+def test_free_ports_are_distinct_and_bindable():
+    """A run's two rendezvous (trainer group, engine group) never get one port: seen in CI
+    as a --gpus 2 megatron demo whose engine store failed EADDRINUSE."""
+    import socket
+
+    from colo.proc.lifecycle import free_ports
+
+    for _ in range(50):
+        ports = free_ports(4)
+        assert len(set(ports)) == 4 and all(1024 <= p < 65536 for p in ports)
+    for p in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))  # free again once returned
