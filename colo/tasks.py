@@ -8,9 +8,12 @@ builds its own from :data:`TASKS`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
+
+from colo.core.interfaces import RolloutResult
 
 
 class RolloutTask(Protocol):
@@ -58,6 +61,20 @@ class ReinforceTask:
 
 #: name -> task class; a task crosses processes as ``{"name": ..., **kwargs}``
 TASKS: dict[str, type] = {"reinforce": ReinforceTask}
+
+
+async def roll_out(task: RolloutTask | None, tokens: Callable[..., Awaitable[list[list[int]]]], step: int,
+                   engine: str) -> RolloutResult:
+    """One rollout step of ``task`` through an engine's ``tokens`` (token-id prompts in,
+    completions out): what every adapter's ``generate`` is."""
+    if task is None:
+        raise RuntimeError(f"{engine} engine has no rollout task: pass task=")
+    prompts = task.prompts(step)
+    completions = await tokens(prompts, max_new_tokens=task.max_new_tokens, temperature=task.temperature,
+                               seed=task.seed(step))
+    rewards = task.rewards(prompts, completions)
+    return RolloutResult(reward=sum(rewards) / len(rewards), tokens=sum(len(c) for c in completions),
+                         data=RolloutData(prompts, completions, rewards))
 
 
 def make_task(name: str, **kwargs: Any) -> RolloutTask:

@@ -83,7 +83,7 @@ from colo.dtypes import dtype_name
 from colo.engine.dims import Dims, is_moe_config
 from colo.engine.kit import check_tags
 from colo.engine.weights import WeightMap, _check_specs
-from colo.tasks import RolloutData, RolloutTask
+from colo.tasks import RolloutTask, roll_out
 from colo.transports.base import BucketSender, Staged, timed_ack
 from colo.transports.pack import pack_into
 from colo.transports.wire import UNPADDED, TensorMeta, relayout
@@ -557,15 +557,7 @@ class SglangEngine:
         return {k: reply[k] for k in ("per_engine_checksum", "ranks") if k in reply}
 
     async def generate(self, step: int) -> RolloutResult:
-        if self.task is None:
-            raise RuntimeError("SGLang engine has no rollout task: pass task=")
-        t = self.task
-        prompts = t.prompts(step)
-        completions = await self.tokens(prompts, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                                        seed=t.seed(step))
-        rewards = t.rewards(prompts, completions)
-        return RolloutResult(reward=sum(rewards) / len(rewards), tokens=sum(len(c) for c in completions),
-                             data=RolloutData(prompts, completions, rewards))
+        return await roll_out(self.task, self.tokens, step, "SGLang")
 
     async def _ready(self, what: str, *, stale_ok: bool = False) -> None:
         if self._released:

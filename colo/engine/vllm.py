@@ -55,7 +55,7 @@ import anyio.to_thread
 from colo.core.errors import BadInput, EngineDied, EngineError, EngineStateError
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.engine.kit import check_tags
-from colo.tasks import RolloutData, RolloutTask
+from colo.tasks import RolloutTask, roll_out
 
 #: the worker extension vLLM must be started with
 EXTENSION = "colo.engine.vllm_worker.ColoWorkerExtension"
@@ -400,15 +400,7 @@ class VllmEngine:
         return str(await self._rpc("colo_digest"))
 
     async def generate(self, step: int) -> RolloutResult:
-        if self.task is None:
-            raise RuntimeError("vLLM engine has no rollout task: pass task=")
-        t = self.task
-        prompts = t.prompts(step)
-        completions = await self.tokens(prompts, max_new_tokens=t.max_new_tokens, temperature=t.temperature,
-                                        seed=t.seed(step))
-        rewards = t.rewards(prompts, completions)
-        return RolloutResult(reward=sum(rewards) / len(rewards), tokens=sum(len(c) for c in completions),
-                             data=RolloutData(prompts, completions, rewards))
+        return await roll_out(self.task, self.tokens, step, "vLLM")
 
     async def tokens(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
                      seed: int = 0) -> list[list[int]]:
