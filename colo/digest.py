@@ -258,6 +258,8 @@ def lanes(tensor: torch.Tensor, offset: int = 0, path: str = "auto") -> torch.Te
 _BATCH_KERNEL: Any = None
 #: the batched kernel's words per iteration and iterations per program
 _BATCH_BLOCK, _BATCH_ITERS = 2048, 128
+# a program's span meets at most two blocks of the multiplier (the kernel relies on it)
+assert _BATCH_BLOCK * _BATCH_ITERS <= 1 << BLOCK_BITS
 
 
 def _batch_kernel() -> Any:
@@ -288,8 +290,18 @@ def _batch_kernel() -> Any:
                 words = addr.to(tl.pointer_type(tl.uint8))
             else:
                 words = addr.to(tl.pointer_type(tl.int16))
-            acc1 = tl.zeros((BLOCK,), tl.int64)
-            acc2 = tl.zeros((BLOCK,), tl.int64)
+            # The block factor of the multiplier is one of two values in a program: its span
+            # (BLOCK * ITERS words, at most 2**LOW_BITS) crosses at most one block boundary.
+            # Computed once here, not per word: two of the four hashes per word gone.
+            base = ((start + first) >> LOW_BITS).to(tl.uint32)
+            here = tl.full((BLOCK,), 0, tl.uint32) + base
+            b1 = fmix(here + tl.full((BLOCK,), K1, tl.uint32)) | 1
+            b1_next = fmix(here + 1 + tl.full((BLOCK,), K1, tl.uint32)) | 1
+            b2 = fmix(here + tl.full((BLOCK,), K2, tl.uint32)) | 1
+            b2_next = fmix(here + 1 + tl.full((BLOCK,), K2, tl.uint32)) | 1
+            # uint32 sums wrap mod 2**32, which is all a lane keeps: no 64-bit adds per word
+            acc1 = tl.zeros((BLOCK,), tl.uint32)
+            acc2 = tl.zeros((BLOCK,), tl.uint32)
             for k in range(ITERS):
                 offs = start + k * BLOCK + tl.arange(0, BLOCK)
                 raw = tl.load(words + offs, mask=offs < n, other=0)
@@ -299,15 +311,13 @@ def _batch_kernel() -> Any:
                     w = raw.to(tl.uint16, bitcast=True).to(tl.uint32)
                 j = offs + first
                 low = (j & ((1 << LOW_BITS) - 1)).to(tl.uint32)
-                block = (j >> LOW_BITS).to(tl.uint32)
-                m1 = (fmix(low ^ tl.full((BLOCK,), S1, tl.uint32)) | 1) * \
-                    (fmix(block + tl.full((BLOCK,), K1, tl.uint32)) | 1)
-                m2 = (fmix(low ^ tl.full((BLOCK,), S2, tl.uint32)) | 1) * \
-                    (fmix(block + tl.full((BLOCK,), K2, tl.uint32)) | 1)
-                acc1 += (w * m1).to(tl.int64)  # < ITERS * 2**32 per element
-                acc2 += (w * m2).to(tl.int64)
-            tl.store(out + pid * 2, tl.sum(acc1, axis=0))
-            tl.store(out + pid * 2 + 1, tl.sum(acc2, axis=0))
+                nxt = (j >> LOW_BITS).to(tl.uint32) != base
+                m1 = (fmix(low ^ tl.full((BLOCK,), S1, tl.uint32)) | 1) * tl.where(nxt, b1_next, b1)
+                m2 = (fmix(low ^ tl.full((BLOCK,), S2, tl.uint32)) | 1) * tl.where(nxt, b2_next, b2)
+                acc1 += w * m1
+                acc2 += w * m2
+            tl.store(out + pid * 2, tl.sum(acc1, axis=0).to(tl.int64))
+            tl.store(out + pid * 2 + 1, tl.sum(acc2, axis=0).to(tl.int64))
 
         _BATCH_KERNEL = batch_kernel
     return _BATCH_KERNEL or None
@@ -332,7 +342,7 @@ def _cuda_batch(words: Sequence[torch.Tensor], firsts: Sequence[int]) -> torch.T
                         BITS=words[0].element_size() * 8, LOW_BITS=BLOCK_BITS, BLOCK=_BATCH_BLOCK,
                         ITERS=_BATCH_ITERS, num_warps=8)
     out = torch.zeros(len(words), 2, dtype=torch.int64, device=device)
-    # exact integer sums (< 2**11 programs per 2**29-word tensor, each < 2**52), in any order
+    # exact integer sums of each program's lane mod 2**32 (< 2**32 each; < 2**31 programs), in any order
     out.index_add_(0, meta_dev[3 * len(words):3 * len(words) + programs], partial)
     return out & _MASK
 
