@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --engine vllm: vLLM's own engine-core and worker processes (else one process)")
     d.add_argument("--trainer", choices=TRAINERS, default="hf",
                    help="hf (transformers), megatron (megatron-core: colo[megatron]), fsdp (FSDP2)")
+    d.add_argument("--trainer-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="the trainer's parameters (bfloat16: fp32 master weights in the optimizer; default: "
+                        "the engine's dtype on a GPU, float32 on a CPU)")
     d.add_argument("--model", choices=DEMO_SIZES, default="demo",
                    help="demo (2.9 M parameters) or qwen2-1.5b (Qwen2-1.5B shapes, random weights: a GPU's size)")
     d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB, MIN_BUCKET_MIB), default=1.0, metavar="MIB",

@@ -51,7 +51,7 @@ def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
     from colo.trainers import build
 
     return build(cfg.trainer, model_config=model_config, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
-                 device=cfg.device)
+                 device=cfg.device, param_dtype=cfg.trainer_dtype)
 
 
 async def start_vllm(cfg: DemoConfig, build: dict, task: Any) -> Any:
@@ -445,6 +445,7 @@ def _failed_phase(out: DemoOutcome) -> str:
 def config_from_args(args: Any) -> DemoConfig:
     try:
         return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport, trainer=getattr(args, "trainer", "hf"),
+                          trainer_dtype=getattr(args, "trainer_dtype", None),
                           model=getattr(args, "model", "demo"),
                           bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,

@@ -127,7 +127,7 @@ class MultiDemoRun:
                           "memory": "saver" if cfg.device == "cuda" else "free"},
             task={"name": "reinforce", "vocab_size": self.model_config.vocab_size, "batch": cfg.batch,
                   "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "seed": cfg.seed},
-            engine_log=cfg.engine_log_path(r),
+            engine_log=cfg.engine_log_path(r), param_dtype=cfg.trainer_dtype,
             workdir=self.workdir)
 
     async def _spawn_workers(self, specs: list[Any]) -> None:

@@ -95,6 +95,9 @@ class DemoConfig:
     #: the engine's dtype; None: bfloat16, or float32 for vLLM on a CPU (its bfloat16 kernels hit an
     #: illegal instruction on short prompts on these CPUs)
     engine_dtype: str | None = None
+    #: the trainer's parameters' dtype; None: the engine's on a GPU (bf16 parameters, fp32 master
+    #: weights in the optimizer, the one-copy sync for the hf trainer), float32 on a CPU
+    trainer_dtype: str | None = None
     #: the rollout engine: ``colo`` (colo's own, a process of its own) or ``vllm`` (a real vLLM)
     engine: str = "colo"
     #: vLLM in its own engine-core and worker processes (else all in this process)
@@ -142,6 +145,8 @@ class DemoConfig:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         from colo.trainers import BUILDERS
 
+        if self.trainer_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"--trainer-dtype must be float32 or bfloat16, got {self.trainer_dtype!r}")
         if self.trainer not in BUILDERS:
             raise ValueError(f"trainer must be one of {', '.join(BUILDERS)}, got {self.trainer!r}")
         from colo.trainers.models import DEMO_MODELS
@@ -319,6 +324,9 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
     zero-argument callable returning the current one (the demo replaces an engine that died)."""
     batch = probe_batch(model_config.vocab_size, seed)
     current = engine if callable(engine) else (lambda: engine)
+    if hasattr(trainer, "probe_logits"):
+        trainer.probe_tokens = batch  # its reference is then taken as it offloads, on the device
+    reference = getattr(trainer, "probe_logits", None) or trainer.logits
 
     async def verify(digests: list[str]) -> None:
         want = trainer_digest(trainer, dtype, fresh=False)
@@ -329,7 +337,7 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
 
     async def probe() -> None:
         eng = current()
-        ref = trainer.logits(batch)
+        ref = reference(batch)
         if eng.capabilities.probe == "logprobs":
             got = torch.tensor(await eng.logprobs(batch))
             logp = torch.log_softmax(ref.float(), dim=-1)

@@ -60,6 +60,8 @@ class RankSpec:
     #: where rank 0 writes the initial checkpoint the engine ranks start from
     workdir: str
     engine_log: str | None = None
+    #: the trainer's parameters' dtype (``colo.trainers.build``'s ``param_dtype``); None: its default
+    param_dtype: str | None = None
     #: ``"module:function"`` building the trainer rank instead of ``colo.trainers.build(trainer)``
     #: (same keywords; the benchmark's synthetic Megatron-layout trainer is one)
     trainer_builder: str | None = None
@@ -227,6 +229,8 @@ class RankHost:
         s = self.spec
         torch.manual_seed(s.seed)
         kw = dict(model_config=self.model_config, seed=s.seed, engine_dtype=s.engine_dtype, device=s.device)
+        if s.param_dtype is not None:
+            kw["param_dtype"] = s.param_dtype
         if s.trainer_builder:
             return load_object(s.trainer_builder)(**kw)
         return build(s.trainer, **kw)

@@ -27,11 +27,15 @@ BUILDERS = {
 }
 
 
-def build(kind: str, *, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[Any, Any]:
+def build(kind: str, *, model_config: Any, seed: int, engine_dtype: str, device: str,
+          param_dtype: str | None = None) -> tuple[Any, Any]:
+    """``param_dtype``: the trainer's parameters' dtype; None: on a GPU the engine's (bf16
+    parameters, fp32 master weights in the optimizer), on the CPU float32
+    (:func:`colo.trainers.base.param_dtype_for`)."""
     try:
         target = BUILDERS[kind]
     except (KeyError, TypeError):
         raise ValueError(f"unknown trainer {kind!r}; expected one of {', '.join(BUILDERS)}") from None
     module, fn = target.split(":")
     return getattr(importlib.import_module(module), fn)(
-        model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device)
+        model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device, param_dtype=param_dtype)

@@ -51,11 +51,27 @@ class PolicyTrainer:
     #: the contract digest of the weights as they were offloaded (see :meth:`sent_digest`);
     #: None whenever the weights may have changed since
     _offloaded_digest: str | None = None
+    #: the verifier's probe batch (:meth:`probe_logits`); None: no probe
+    probe_tokens: list[list[int]] | None = None
+    #: the trainer's logits for ``probe_tokens`` as the weights were offloaded; None whenever
+    #: the weights may have changed since
+    _offloaded_logits: torch.Tensor | None = None
 
     def tag_bytes(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # AdamW keeps exp_avg and exp_avg_sq, each the size of the weights.
-        return {"weights": weights, "optimizer": 2 * weights}
+        return {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
+
+    def _optimizer_bytes(self, weights: int) -> int:
+        """AdamW keeps exp_avg and exp_avg_sq, each the size of the weights; over
+        low-precision parameters (:class:`~colo.trainers.precision.MasterAdamW`) an fp32
+        master and two fp32 moments per element, ``weights`` scaled from the parameters'
+        element size to 12 bytes."""
+        from colo.trainers.precision import MasterAdamW
+
+        if isinstance(self.opt, MasterAdamW):
+            size = next(self.model.parameters()).element_size()
+            return weights // size * 12
+        return 2 * weights
 
     def param_specs(self) -> Sequence[TensorSpec]:
         return self._extractor.specs()
@@ -63,6 +79,10 @@ class PolicyTrainer:
     def init_optimizer_state(self) -> None:
         """Allocate AdamW's state now (it is lazy), so that it lands in the caller's
         memory region (``trainer.optimizer``) rather than wherever the first step runs."""
+        init_state = getattr(self.opt, "init_state", None)
+        if init_state is not None:  # MasterAdamW: the fp32 masters too
+            init_state()
+            return
         for group in self.opt.param_groups:
             for p in group["params"]:
                 state = self.opt.state[p]
@@ -81,7 +101,18 @@ class PolicyTrainer:
                 # While the weights are still on the device, where their checksum is one pass
                 # at memory speed; on the host backup it would be seconds per GB.
                 self._offloaded_digest = await self.compute(self.sent_digest, True)
+                if self.probe_tokens is not None:
+                    # likewise the probe's reference: one forward on the device now, where
+                    # paused it would load the whole model into a CPU twin (seconds at 1.5B)
+                    self._offloaded_logits = await self.compute(self.logits, self.probe_tokens)
             await self._memory_backend.pause("trainer", tags)
+
+    def probe_logits(self, tokens: list[list[int]]) -> torch.Tensor:
+        """``logits(tokens)``; for the probe batch while paused, the logits taken as the
+        weights were offloaded (they cannot have changed without a train step)."""
+        if self._offloaded_logits is not None and self._paused() and tokens == self.probe_tokens:
+            return self._offloaded_logits.clone()
+        return self.logits(tokens)
 
     def sent_digest(self, fresh: bool = False) -> str:
         """The contract digest (:mod:`colo.digest`) every engine must report after a sync of
@@ -100,7 +131,7 @@ class PolicyTrainer:
         if getattr(self, "dirty", False):
             raise RuntimeError("the trainer is dirty: an earlier step failed half-way on a device where its "
                                "state could not be restored; its weights are not a consistent step")
-        self._offloaded_digest = None
+        self._offloaded_digest = self._offloaded_logits = None
         return await self.compute(self._reinforce, rollout.data)
 
     async def compute(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -162,17 +193,24 @@ class PolicyTrainer:
                 self.dirty = True
             raise
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]:
+    def _snapshot(self) -> tuple[list[torch.Tensor], Any]:
         params = [p.detach().clone() for p in self.model.parameters()]
+        snapshot = getattr(self.opt, "snapshot", None)
+        if snapshot is not None:  # MasterAdamW: its masters and their moments
+            return params, snapshot()
         state = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in st.items()}
                  for p, st in self.opt.state.items()}
         return params, state
 
     @torch.no_grad()
-    def _restore(self, saved: tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]) -> None:
+    def _restore(self, saved: tuple[list[torch.Tensor], Any]) -> None:
         params, state = saved
         for p, old in zip(self.model.parameters(), params):
             p.copy_(old)
+        restore = getattr(self.opt, "restore", None)
+        if restore is not None:
+            restore(state)
+            return
         for p in list(self.opt.state):
             if p not in state:
                 del self.opt.state[p]  # lazily created by the failed step
@@ -237,6 +275,31 @@ class PolicyTrainer:
 
     def _clip_grads(self) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+
+
+def new_optimizer(params: Any, config: ReinforceConfig) -> Any:
+    """The trainer's AdamW: over fp32 parameters torch's own, over lower-precision ones
+    :class:`~colo.trainers.precision.MasterAdamW` (fp32 masters in the optimizer's state)."""
+    params = list(params)
+    if all(p.dtype == torch.float32 for p in params):
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    from colo.trainers.precision import MasterAdamW
+
+    return MasterAdamW(params, lr=config.lr, weight_decay=0.0)
+
+
+def param_dtype_for(param_dtype: str | None, engine_dtype: str, device: str) -> torch.dtype:
+    """The dtype a trainer keeps its parameters in. ``None``: on a GPU the engine's (a real
+    trainer's bf16, with fp32 masters in the optimizer; a sync moves each byte once),
+    on the CPU float32 (the CPU demo's learning and its tests are fp32)."""
+    from colo.dtypes import as_dtype
+
+    if param_dtype is None:
+        return as_dtype(engine_dtype, what="engine dtype") if device == "cuda" else torch.float32
+    dtype = as_dtype(param_dtype, what="trainer parameter dtype")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"trainer parameter dtype must be float32, bfloat16 or float16, got {param_dtype!r}")
+    return dtype
 
 
 def _one_process() -> bool:

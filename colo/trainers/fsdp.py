@@ -147,7 +147,7 @@ class FSDPTrainer(ReferenceTrainer):
         world = self.world_size
         weights = sum(math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) * p.element_size()
                       for p in self.model.parameters())
-        return {"weights": weights, "optimizer": 2 * weights}
+        return {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
 
     def extractor(self) -> Any:
         if self._paused():
@@ -236,9 +236,15 @@ class _OwnedProcessGroup:
             dist.destroy_process_group()
 
 
-def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[FSDPTrainer, Any]:
+def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
+          param_dtype: str | None = None) -> tuple[FSDPTrainer, Any]:
     """The FSDP2 trainer over the default process group (started here, one rank, if
     none exists: the caller must then call ``trainer.close()``).
+
+    Its sharded parameters are in ``param_dtype``
+    (:func:`~colo.trainers.base.param_dtype_for`: on a GPU the engine's, bf16, with
+    fp32 masters of the shards in the optimizer), as an FSDP2 trainer without a
+    mixed-precision policy keeps them.
 
     On a GPU the shards and AdamW's state live in memory-saver regions with a
     pinned host backup, so offload and onload are real pauses (as in
@@ -246,10 +252,13 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
     """
     from torch.distributed.device_mesh import init_device_mesh
 
+    from colo.trainers.base import param_dtype_for
     from colo.trainers.models import build_trainer_model
+    from colo.trainers.precision import cast_parameters
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    dtype = param_dtype_for(param_dtype, engine_dtype, device)
     saver = None
     if device == "cuda":
         from colo.device.cuda_memory import Saver
@@ -259,14 +268,14 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
     try:
         mesh = init_device_mesh(device, (dist.get_world_size(),))
         if saver is None:
-            model = shard(build_trainer_model(model_config, seed), mesh)
+            model = shard(cast_parameters(build_trainer_model(model_config, seed), dtype), mesh)
             return FSDPTrainer(model, engine_dtype=engine_dtype, group=group), None
         from colo.device.cuda_memory import TrainerMemory
 
         # fully_shard moves each group's parameters to the GPU and copies them
         # into their shards here: the shards are the region's allocations.
         with saver.region("trainer.weights", cpu_backup=True):
-            model = shard(build_trainer_model(model_config, seed), mesh)
+            model = shard(cast_parameters(build_trainer_model(model_config, seed), dtype), mesh)
         trainer = FSDPTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver), group=group)
         with saver.region("trainer.optimizer", cpu_backup=True):
             trainer.init_optimizer_state()

@@ -14,17 +14,25 @@ from typing import Any
 
 import torch
 
-from colo.trainers.base import PolicyTrainer, ReinforceConfig  # noqa: F401 (re-exported)
+from colo.trainers.base import PolicyTrainer, ReinforceConfig, new_optimizer, param_dtype_for  # noqa: F401
 
 
 class ReferenceTrainer(PolicyTrainer):
+    """``flat_weights``: the :class:`~colo.device.flat_weights.FlatWeights` the model's
+    parameters were adopted into (their own storage, one buffer): the sync reads the
+    engine's bytes straight out of it, or out of its shared host backup while paused
+    (the one-copy sync of :mod:`colo.transports.packed`). It must hold the parameters
+    in the engine's dtype for that; the memory backend pauses it as the weights tag."""
+
     def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
-                 config: ReinforceConfig | None = None, memory_backend: Any = None, dp_group: Any = None):
+                 config: ReinforceConfig | None = None, memory_backend: Any = None, dp_group: Any = None,
+                 flat_weights: Any = None):
         self.model = model
         self._dp_group = dp_group
         self.config = config or ReinforceConfig()
         self.engine_dtype = engine_dtype
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
+        self.flat_weights = flat_weights
+        self.opt = new_optimizer(self.model.parameters(), self.config)
         self._extractor = self._live_extractor()
         self._memory_backend = memory_backend
         self._cpu_twin: torch.nn.Module | None = None
@@ -48,7 +56,23 @@ class ReferenceTrainer(PolicyTrainer):
         return type(self.model)(self.model.config).eval()
 
     # -- TrainerSide -----------------------------------------------------------
+    def tag_bytes(self) -> dict[str, int]:
+        out = super().tag_bytes()
+        if self.flat_weights is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
+            out["weights"] = self.flat_weights.nbytes
+        return out
+
     def extractor(self) -> Any:
+        if self._paused() and self.flat_weights is not None:
+            # the shared host backup: allocated at the first pause and kept, so its views
+            # and the extractor over them are made once (the one-copy layout too)
+            if self._host_extractor is None:
+                from colo.extractors.plain import PlainExtractor
+
+                self._host_extractor = (None, PlainExtractor(self.flat_weights.host_tensors(),
+                                                             dtype=getattr(torch, self.engine_dtype),
+                                                             upload_to=self.flat_weights.device))
+            return self._host_extractor[1]
         if self._paused():
             # offload-first on a GPU: the weights are paused, their pinned host
             # backup is the source; tensors are uploaded as buckets are built.
@@ -88,8 +112,18 @@ class ReferenceTrainer(PolicyTrainer):
         first, last = self._params[0], self._params[-1]
         return id(first), id(last), saver.host_view(first).data_ptr(), saver.host_view(last).data_ptr()
 
+    def close(self) -> None:
+        """The compute thread stops; the flat buffer's name (a ``/dev/shm`` segment on the
+        CPU) and its shared host backup go: the parameters keep their mapping while
+        the model lives, nothing outlives the process."""
+        super().close()
+        if self.flat_weights is not None:
+            self.flat_weights.close()
+
     # -- verification ----------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
+        if self._paused() and self.flat_weights is not None:
+            return self.flat_weights.host_tensors()  # named as named_parameters() names them
         if self._paused():
             # the device pages are unmapped: read the pinned host backup instead
             return {n: self._memory_backend.saver.host_view(p) for n, p in self.model.named_parameters()}
@@ -135,25 +169,52 @@ def _data_parallel_world() -> Any:
     return None
 
 
-def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[ReferenceTrainer, Any]:
-    """The reference trainer; on a GPU its weights and AdamW state live in memory-saver
-    regions with a pinned host backup, so offload and onload are real pauses.
+def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
+          param_dtype: str | None = None) -> tuple[ReferenceTrainer, Any]:
+    """The reference trainer, its parameters in ``param_dtype``
+    (:func:`~colo.trainers.base.param_dtype_for`: on a GPU the engine's, with fp32
+    master weights in the optimizer).
+
+    One rank with parameters in the engine's dtype: they are adopted into one
+    :class:`~colo.device.flat_weights.FlatWeights` buffer, the model's own storage
+    from then on, which the engine reads straight from (the one-copy sync). On a GPU
+    that buffer pauses to a shared pinned host backup; otherwise the weights live in
+    a memory-saver region with a pinned host backup. The optimizer's state (masters
+    and moments) lives in a region of its own, so offload and onload are real pauses.
 
     With torch.distributed initialised over N > 1 ranks, this rank of an
     N-rank data-parallel trainer (see the module docstring)."""
     from colo.trainers.models import build_trainer_model
+    from colo.trainers.precision import cast_parameters
 
+    dtype = param_dtype_for(param_dtype, engine_dtype, device)
     group = _data_parallel_world()
+    one_copy = group is None and dtype == getattr(torch, engine_dtype)
     if device == "cpu":
-        model = build_trainer_model(model_config, seed)
-        return ReferenceTrainer(model, engine_dtype=engine_dtype, dp_group=group), None
+        model = cast_parameters(build_trainer_model(model_config, seed), dtype)
+        flat = _adopt(model, "cpu") if one_copy else None
+        return ReferenceTrainer(model, engine_dtype=engine_dtype, dp_group=group, flat_weights=flat), None
     from colo.device.cuda_memory import Saver, TrainerMemory
 
     saver = Saver()
-    with saver.region("trainer.weights", cpu_backup=True):
-        model = build_trainer_model(model_config, seed).to("cuda")
-    trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver),
-                               dp_group=group)
+    if one_copy:
+        model = cast_parameters(build_trainer_model(model_config, seed), dtype).to("cuda")
+        flat = _adopt(model, "cuda")
+        memory = TrainerMemory(saver, flats={"weights": flat})
+    else:
+        flat = None
+        with saver.region("trainer.weights", cpu_backup=True):
+            model = cast_parameters(build_trainer_model(model_config, seed), dtype).to("cuda")
+        memory = TrainerMemory(saver)
+    trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=memory, dp_group=group,
+                               flat_weights=flat)
     with saver.region("trainer.optimizer", cpu_backup=True):
         trainer.init_optimizer_state()
     return trainer, saver
+
+
+def _adopt(model: torch.nn.Module, device: str) -> Any:
+    """The model's parameters moved into one flat buffer on ``device`` (their storage from now on)."""
+    from colo.device.flat_weights import FlatWeights
+
+    return FlatWeights.adopt(model, device=device)

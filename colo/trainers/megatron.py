@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from colo.trainers.base import PolicyTrainer, ReinforceConfig
+from colo.trainers.base import PolicyTrainer, ReinforceConfig, new_optimizer, param_dtype_for
 
 #: What megatron marks a parameter with; a host view of a paused parameter is a
 #: fresh tensor without them, and the extractor reads them.
@@ -219,9 +219,9 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def build_gpt(hf_config: Any, *, device: str) -> Any:
-    """A megatron-core ``GPTModel`` shaped like ``hf_config`` (float32, megatron's own
-    random init), this rank's shard on ``device``. Needs ``parallel_state`` (see
+def build_gpt(hf_config: Any, *, device: str, params_dtype: torch.dtype = torch.float32) -> Any:
+    """A megatron-core ``GPTModel`` shaped like ``hf_config`` (parameters in ``params_dtype``,
+    megatron's own random init), this rank's shard on ``device``. Needs ``parallel_state`` (see
     :class:`MegatronRuntime`); the vocabulary is padded to a multiple of its TP size."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -239,7 +239,8 @@ def build_gpt(hf_config: Any, *, device: str) -> Any:
         gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=True,  # Qwen2: a bias on q, k, v only
         hidden_dropout=0.0, attention_dropout=0.0,  # as the reference trainer (Qwen2's dropout is 0)
-        params_dtype=torch.float32,
+        # bf16 parameters: megatron's bf16 training (its softmax then runs in fp32)
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         # the local layer spec's own attention; "auto" sets NVTE_*_ATTN in os.environ,
         # which every process started afterwards inherits (it broke megatron tests run later)
         attention_backend=AttnBackend.local,
@@ -377,7 +378,7 @@ class MegatronTrainer(PolicyTrainer):
         self.runtime = runtime
         self.config = config or ReinforceConfig()
         self.engine_dtype = engine_dtype
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
+        self.opt = new_optimizer(self.model.parameters(), self.config)
         self._memory_backend = memory_backend
         d = qwen2_dims(hf_config)
         self._extractor_args = {"attention": (d["heads"], d["groups"]), "vocab_size": hf_config.vocab_size,
@@ -470,7 +471,7 @@ class MegatronTrainer(PolicyTrainer):
         return out
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter as one full float32 tensor under its HF name, through the
+        """Every parameter as one full tensor (the trainer's dtype) under its HF name, through the
         extractor the sync uses (so the digest compares like with like)."""
         if self._paused():
             # the device pages are unmapped: read the pinned host backup instead
@@ -539,24 +540,30 @@ def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) ->
         raise RuntimeError(f"megatron trainer: the extractor reads back different values for {bad}")
 
 
-def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[MegatronTrainer, Any]:
+def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
+          param_dtype: str | None = None) -> tuple[MegatronTrainer, Any]:
     """The megatron-core trainer, starting from the reference trainer's initial weights for
-    ``seed``: this rank of TP=N when torch.distributed is initialised with N ranks
-    (see the module docstring), else one rank. On a GPU its weights and AdamW state
-    live in memory-saver regions with a pinned host backup, so offload and onload
-    are real pauses. Call ``close()`` when done."""
+    ``seed`` (rounded to ``param_dtype``, :func:`~colo.trainers.base.param_dtype_for`:
+    on a GPU the engine's, bf16, with fp32 master weights in the optimizer, as
+    megatron's own bf16 training keeps them): this rank of TP=N when
+    torch.distributed is initialised with N ranks (see the module docstring), else
+    one rank. On a GPU its weights and AdamW state live in memory-saver regions with
+    a pinned host backup, so offload and onload are real pauses. Call ``close()``
+    when done."""
     from colo.trainers.models import build_trainer_model
+    from colo.trainers.precision import cast_parameters
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    dtype = param_dtype_for(param_dtype, engine_dtype, device)
     # refuse an unsupported config before any process group or parallel state exists
     check_tensor_parallel(model_config, dist.get_world_size() if dist.is_initialized() else 1)
     # named_parameters, not state_dict: a tied lm_head is listed once, as embed_tokens
-    hf = {n: p.detach() for n, p in build_trainer_model(model_config, seed).named_parameters()}
+    hf = {n: p.detach().to(dtype) for n, p in build_trainer_model(model_config, seed).named_parameters()}
     runtime = MegatronRuntime(device, seed=seed)
     try:
         if device == "cpu":
-            model = build_gpt(model_config, device="cpu")
+            model = cast_parameters(build_gpt(model_config, device="cpu", params_dtype=dtype), dtype)
             load_hf(model, hf, model_config)
             trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype)
             _check_readback(trainer, hf)
@@ -568,7 +575,8 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tu
             # The local spec's RMSNorm is torch's own, built on the CPU whatever
             # use_cpu_initialization says (megatron's scripts call .cuda() after):
             # move everything onto the GPU inside the region.
-            model = build_gpt(model_config, device="cuda").cuda(torch.cuda.current_device())
+            model = build_gpt(model_config, device="cuda", params_dtype=dtype).cuda(torch.cuda.current_device())
+            model = cast_parameters(model, dtype)  # the norms too (torch's own RMSNorm is built in fp32)
             load_hf(model, hf, model_config)
         trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype,
                                   memory_backend=TrainerMemory(saver))

@@ -131,8 +131,10 @@ def test_saver_pause_returns_device_memory_and_keeps_a_pinned_backup():
 def test_on_cuda_tensors_larger_than_the_bucket_arrive_bit_exact_within_two_buckets(transport, tmp_path):
     # 0.25 MiB buckets: the 1024 x 256 embedding and lm_head (512 KiB in bf16) travel in pieces
     bucket = MiB // 4
+    # an fp32 trainer: its bf16 tensors are converted into staging, bucket by bucket (a bf16
+    # trainer's hf weights would go in one request out of its own buffer, unbucketed)
     events = demo(tmp_path, "--transport", transport, "--bucket-mib", "0.25", "--steps", "2",
-                  "--mem-fraction-static", "0.5")
+                  "--mem-fraction-static", "0.5", "--trainer-dtype", "float32")
     syncs = [e for e in events if e["event"] == "sync.finished"]
     # every sync verified: the engine's digest equal to the trainer's, all tensors complete
     assert [s["weight_version"] for s in syncs] == [1, 2] and all(s["digest"] for s in syncs)
@@ -148,7 +150,8 @@ def test_demo_on_cuda_in_one_bucket_verifies_every_sync(plan, tmp_path):
     # the whole 5.8 MB model in one bucket: gathered and packed on the event loop,
     # its two staging buffers kept and mapped from sync to sync, the fp32 host backup
     # read by the conversion kernel in place (offload-first); every digest checked
-    events = demo(tmp_path, "--plan", plan, "--bucket-mib", "64", "--steps", "4", "--mem-fraction-static", "0.5")
+    events = demo(tmp_path, "--plan", plan, "--bucket-mib", "64", "--steps", "4", "--mem-fraction-static", "0.5",
+                  "--trainer-dtype", "float32")
     syncs = [e for e in events if e["event"] == "sync.finished"]
     assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len({s["digest"] for s in syncs}) == 4
     assert all(s["buckets"] == 1 and s["tensors"] == s["params"] for s in syncs)

@@ -1,0 +1,187 @@
+"""bf16 parameters with fp32 master weights (issue 31, item 1): what a real trainer keeps.
+
+The ground truth for the optimizer is torch's own AdamW stepping fp32 copies of the
+parameters with the same gradients; for the sync, a real engine process's digest of
+what it loaded, against the trainer's contract digest, bit for bit.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import pytest_asyncio
+import torch
+import torch.distributed as dist
+
+from colo.core.interfaces import SyncContext
+from colo.core.memory import StagingBudget
+from colo.proc.handles import leftover_segments
+from colo.trainers import build
+from colo.trainers.base import param_dtype_for
+from colo.trainers.models import demo_config
+from colo.trainers.precision import MasterAdamW, cast_parameters
+from colo.transports.packed import PackedTransport
+from colo.testing.engines import RecordingEngine
+from tests.conftest import SMALL_CFG
+
+
+def batch(config, seed=1, rows=8, prompt_len=6, new_tokens=8):
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, config.vocab_size, (rows, prompt_len), generator=g).tolist()
+    completions = torch.randint(0, config.vocab_size, (rows, new_tokens), generator=g).tolist()
+    rewards = [sum(t % 8 == 0 for t in c) / len(c) for c in completions]
+    return SimpleNamespace(prompts=prompts, completions=completions, rewards=rewards)
+
+
+def test_master_adamw_steps_fp32_masters_exactly_as_torch_adamw_and_rounds_them_into_the_parameters():
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(5, 7, generator=g), torch.randn(3, generator=g)]
+    params = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in full]
+    reference = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = MasterAdamW(params, lr=1e-2, weight_decay=0.0)
+    ref = torch.optim.AdamW(reference, lr=1e-2, weight_decay=0.0)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in params]
+        for p, r, gr in zip(params, reference, grads):
+            p.grad, r.grad = gr.clone(), gr.float()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        for m, r, p in zip(opt.masters, reference, params):
+            assert m.dtype == torch.float32 and torch.equal(m.detach(), r.detach()), step
+            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), r.detach().to(torch.bfloat16)), step
+            assert p.grad is None and m.grad is None
+    # small updates accumulate in the masters where bf16 alone would round them away
+    assert any(not torch.equal(m.detach().to(torch.bfloat16).float(), m.detach()) for m in opt.masters)
+    assert opt.state_bytes == 12 * sum(p.numel() for p in params)
+
+
+def test_master_adamw_restores_a_failed_step_and_refuses_what_it_is_not_for():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([p], lr=0.1)
+    assert opt.snapshot() is None
+    p.grad = torch.ones_like(p)
+    opt.step()
+    saved, before = opt.snapshot(), opt.masters[0].detach().clone()
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(opt.masters[0].detach(), before)
+    opt.restore(saved)
+    assert torch.equal(opt.masters[0].detach(), before)
+    assert opt.inner.state[opt.masters[0]]["step"] == 1
+    with pytest.raises(ValueError, match="float32 already"):
+        MasterAdamW([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="no parameters"):
+        MasterAdamW([])
+
+
+def test_the_parameter_dtype_follows_the_engine_on_a_gpu_and_is_float32_on_the_cpu_unless_asked():
+    assert param_dtype_for(None, "bfloat16", "cuda") == torch.bfloat16
+    assert param_dtype_for(None, "bfloat16", "cpu") == torch.float32
+    assert param_dtype_for("bfloat16", "float32", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="trainer parameter dtype must be float32, bfloat16 or float16"):
+        param_dtype_for("int8", "bfloat16", "cpu")
+    with pytest.raises(ValueError, match="trainer parameter dtype 'bf16' is not a torch dtype"):
+        param_dtype_for("bf16", "bfloat16", "cpu")
+
+
+def test_cast_parameters_leaves_the_rotary_frequencies_in_fp32():
+    from colo.trainers.models import build_trainer_model
+
+    model = cast_parameters(build_trainer_model(demo_config(**SMALL_CFG), 0), torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for n, b in model.named_buffers() if "inv_freq" in n} == {torch.float32}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def bf16_engine(tmp_path_factory):
+    from colo.engine.client import EngineClient
+
+    config = demo_config(**SMALL_CFG)
+    log = tmp_path_factory.mktemp("precision") / "engine.log"
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "bfloat16", "device": "cpu",
+                                       "total_bytes": 64 << 20, "mem_fraction_static": 0.5, "checkpoint": None,
+                                       "log_path": str(log)})
+    try:
+        yield client, config
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("kind", ["hf", "fsdp", "megatron"])
+async def test_every_trainer_keeps_bf16_parameters_fp32_masters_and_syncs_exactly_over_steps(bf16_engine, kind):
+    client, config = bf16_engine
+    trainer, saver = build(kind, model_config=config, seed=3, engine_dtype="bfloat16", device="cpu",
+                           param_dtype="bfloat16")
+    engine = RecordingEngine(client)
+    transport = PackedTransport()
+    try:
+        assert saver is None and isinstance(trainer.opt, MasterAdamW)
+        assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+        elements = sum(p.numel() for p in trainer.model.parameters())
+        if kind != "fsdp":  # (FSDP's counts its padded shard)
+            assert trainer.tag_bytes()["optimizer"] == 12 * elements
+        trainer.init_optimizer_state()
+        assert {m.dtype for m in trainer.opt.masters} == {torch.float32}
+        digests = []
+        for step in (1, 2):
+            before = [p.detach().clone() for p in trainer.model.parameters()]
+            await trainer.train_step(SimpleNamespace(data=batch(config, seed=step)))
+            assert trainer.steps == step
+            moved = [not torch.equal(b, p.detach()) for b, p in zip(before, trainer.model.parameters())]
+            assert sum(moved) > len(moved) // 2, f"step {step}: only {sum(moved)} of {len(moved)} tensors moved"
+            # the parameters are the masters, rounded
+            for p, m in zip(trainer.model.parameters(), trainer.opt.masters):
+                assert torch.equal(p.detach().full_tensor() if kind == "fsdp" else p.detach(),
+                                   (m.detach().full_tensor() if kind == "fsdp" else m.detach()).to(torch.bfloat16))
+            budget = StagingBudget(None)
+            ctx = SyncContext(step=step, weight_version=step, bucket_bytes=64 << 10, source="device",
+                              staging=budget)
+            result = await transport.sync(trainer, engine, ctx)
+            want = trainer.sent_digest(fresh=True)
+            assert await client.digest() == want, (kind, step)
+            digests.append(want)
+            # bf16 end to end: each byte of the model crosses once, nothing converted
+            assert result.bytes == sum(2 * p.numel() for p in trainer.hf_state().values())
+            if kind == "hf":
+                # the model's own storage is the flat buffer: one request, nothing staged
+                assert (result.buckets, result.staging_peak, budget.peak_bytes) == (1, 0, 0)
+            else:
+                assert result.buckets > 1 and result.staging_peak > 0
+        assert digests[0] != digests[1]
+    finally:
+        await transport.aclose()
+        trainer.close()
+    assert not dist.is_initialized()
+    assert leftover_segments() == []
+
+
+async def test_bf16_parameters_learn_like_fp32_ones_from_the_same_start():
+    """One step of the bf16 trainer (fp32 masters) lands where the fp32 trainer's step
+    lands, to bf16's rounding of the start: the masters start at the bf16 weights, so
+    the fp32 reference starts there too."""
+    config = demo_config(**SMALL_CFG)
+    low, _ = build("hf", model_config=config, seed=2, engine_dtype="bfloat16", device="cpu", param_dtype="bfloat16")
+    full, _ = build("hf", model_config=config, seed=2, engine_dtype="bfloat16", device="cpu")
+    try:
+        with torch.no_grad():
+            for p, q in zip(full.model.parameters(), low.model.parameters()):
+                p.copy_(q.float())
+        start = [p.detach().clone() for p in full.model.parameters()]
+        data = batch(config, seed=4)
+        a = await low.train_step(SimpleNamespace(data=data))
+        b = await full.train_step(SimpleNamespace(data=data))
+        assert a["reward"] == b["reward"]
+        assert abs(a["loss"] - b["loss"]) < 0.02 * abs(b["loss"]) + 1e-3
+        # AdamW's first step moves each weight by about lr (2e-3) in its gradient's direction:
+        # the two steps agree where the gradients' signs do, which is nearly everywhere
+        apart = torch.cat([(p.detach() - m.detach()).abs().flatten()
+                           for m, p in zip(low.opt.masters, full.model.parameters())])
+        moved = torch.cat([(p.detach() - s).abs().flatten() for p, s in zip(full.model.parameters(), start)])
+        assert float((moved > 1e-3).float().mean()) > 0.5  # the step did move most weights
+        assert float((apart > 1e-3).float().mean()) < 0.05, float((apart > 1e-3).float().mean())
+    finally:
+        low.close()
+        full.close()
