@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|verify|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|trainers|trainer-syncs|verify|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -37,6 +37,15 @@ case "${1:-tests}" in
       2>&1 | tee "$OUT/gpu-tests.log" | tail -22
     python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --reps 3 --out "$OUT/colo-bench-cuda.json" \
       2>&1 | tee "$OUT/colo-bench-cuda.log" | tail -8
+    ;;
+  trainers)  # issue 31 item 1: bf16 real trainers (hf one-copy), their GPU tests, the device digest
+    python3 -m pytest -q -p no:cacheprovider -m gpu --durations=10 tests/gpu/test_real_trainers.py tests/gpu/test_digest_cuda.py \
+      tests/gpu/test_one_gpu.py -k "real_trainers or digest or framework or one_bucket or larger_than" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+    python3 -m bench.digest_speed "$OUT/digest-speed.json" 2>&1 | tail -8
+    ;;
+  trainer-syncs)  # issue 31 items 3 and 4: each real trainer's syncs and transitions at 1.5B (further args: bench.trainer_syncs)
+    python3 -m bench.trainer_syncs "$OUT/trainer-syncs.json" --trace-dir /tmp/ts "${@:2}" 2>&1 | tee "$OUT/trainer-syncs.log" | tail -20
     ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_one_gpu.py tests/device/test_cuda_memory.py tests/transports/test_staging_pipeline.py tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
