@@ -334,11 +334,36 @@ def scoped_env(values: Mapping[str, str | None] | None) -> Iterator[None]:
 
 
 def start_with_env(proc: Any, env: dict[str, str] | None) -> Any:
-    """``proc.start()`` with ``env`` added to the child's environment only."""
-    # a spawned child copies os.environ at start(): set it for that moment only
-    with scoped_env(env):
-        proc.start()
+    """``proc.start()`` with ``env`` added to the child's environment only, and SIGINT
+    blocked in the child from its first instruction (:func:`leave_interrupts_to_parent`)."""
+    # a spawned child copies os.environ at start(): set it for that moment only. Ctrl-C
+    # sends SIGINT to the whole process group: a child that took it would die with a
+    # KeyboardInterrupt traceback while its parent cancels the run. A blocked signal
+    # stays blocked across fork and exec, so the child cannot take one even while it
+    # imports; its entry point then ignores it and unblocks (multiprocessing starts its
+    # resource tracker the same way). Blocked here only in this thread: a Ctrl-C to
+    # this process meanwhile is taken by another thread or waits, never lost.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if _HAVE_SIGMASK else None
+    try:
+        with scoped_env(env):
+            proc.start()
+    finally:
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return proc
+
+
+_HAVE_SIGMASK = hasattr(signal, "pthread_sigmask")
+
+
+def leave_interrupts_to_parent() -> None:
+    """In a process colo started: SIGINT is its parent's to act on (it cancels the run
+    and ends this process through its own cleanup), so ignore it, then unblock it
+    (:func:`start_with_env` started this process with it blocked)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if _HAVE_SIGMASK:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 # -- a child's own log -------------------------------------------------------------
@@ -480,6 +505,7 @@ def die_with_parent(parent_pid: int | None, sock_path: str, run_dir: str | None 
     """
     global _ORPHAN
     _ORPHAN = (parent_pid, run_dir)
+    leave_interrupts_to_parent()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
     if sys.platform.startswith("linux"):

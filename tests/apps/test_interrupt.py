@@ -45,12 +45,15 @@ def _mid_sync(events: list[dict]) -> bool:
     return any(e.get("event") == "bucket.finished" for e in events[entered[-1]:])
 
 
-def _demo(tmp: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _demo(tmp: Path, *extra: str, new_session: bool = False) -> tuple[subprocess.Popen, Path]:
+    """``new_session``: the demo leads a process group of its own (as a shell's foreground
+    job), so the test can signal that whole group without signalling pytest."""
     trace = tmp / "t.jsonl"
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
     with open(tmp / "stderr", "ab") as ferr:
         proc = subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--trace", str(trace),
-                                 *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=ferr)
+                                 *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=ferr,
+                                start_new_session=new_session)
     return proc, trace
 
 
@@ -69,9 +72,10 @@ def _in_phase(phase: str):
     return inside
 
 
-def _start_demo_mid_sync(tmp: Path, phase: str = "sync", *extra: str) -> tuple[subprocess.Popen, Path, list]:
+def _start_demo_mid_sync(tmp: Path, phase: str = "sync", *extra: str,
+                         new_session: bool = False) -> tuple[subprocess.Popen, Path, list]:
     """A 50-step demo with small buckets, stopped inside ``phase`` (in sync: once a bucket was handed over)."""
-    proc, trace = _demo(tmp, "--steps", "50", "--bucket-mib", "0.05", *extra)
+    proc, trace = _demo(tmp, "--steps", "50", "--bucket-mib", "0.05", *extra, new_session=new_session)
     inside = _in_phase(phase)
     if "--gpus" in extra:
         trace = trace.with_name("t.rank0.jsonl")  # every rank writes its own; rank 0's is watched
@@ -98,8 +102,9 @@ def _segments(pids: list[int]) -> list[str]:
 
 
 def _ours(tmp: Path) -> list[str]:
-    """This run's work dirs: the demo's colo-demo-* and the engine's colo-engine-* (TMPDIR is ours)."""
-    return sorted(p.name for p in tmp.iterdir() if p.name.startswith(("colo-demo-", "colo-engine-")))
+    """This run's work dirs (TMPDIR is ours): every colo-<kind>-* it made, the demo's, the
+    engines', the rank workers' and the disk transport's checkpoints alike."""
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("colo-"))
 
 
 def _assert_nothing_left(proc: subprocess.Popen, children: list, tmp: Path) -> None:
@@ -172,4 +177,32 @@ def test_a_two_rank_demo_interrupted_mid_sync_leaves_no_worker_engine_dir_or_seg
     os.kill(proc.pid, sig)
     code = proc.wait(90)
     assert code == (130 if sig == signal.SIGTERM else -signal.SIGKILL)
+    _assert_nothing_left(proc, children, short_tmp)
+
+
+# -- issue 32, item 8: Ctrl-C is the driver's to act on ------------------------------------------
+
+
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_ctrl_c_to_the_process_group_is_one_line_and_exit_130(gpus, short_tmp):
+    """A terminal's Ctrl-C sends SIGINT to every process of the foreground group: the
+    driver, the engine, the rank workers and their engine ranks. The children leave it
+    to the driver, which cancels the run: exit 130, one line, no child's traceback
+    (before: with --gpus 2, exit 1 and seven tracebacks; with one rank, the engine's
+    KeyboardInterrupt traceback), and nothing of the run left."""
+    extra = ("--gpus", "2") if gpus == "2" else ()
+    proc, trace, children = _start_demo_mid_sync(short_tmp, "sync-started" if extra else "sync", *extra,
+                                                 new_session=True)
+    os.killpg(proc.pid, signal.SIGINT)  # the demo leads its own group, as a shell's foreground job
+    code = proc.wait(120)
+    err = (short_tmp / "stderr").read_text(errors="replace")
+    assert code == 130, (code, err[-3000:])
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("{")]  # children's JSON log lines aside
+    assert len(lines) == 1 and lines[0].startswith("colo demo: interrupted (SIGINT)"), lines
+    # every rank's trace ends as a cancelled run's does: its sync failed "cancelled", then trace.finished
+    traces = sorted(short_tmp.glob("t.rank*.jsonl")) if extra else [trace]
+    assert len(traces) == int(gpus), traces
+    for t in traces:
+        _assert_cancelled_and_finished(t, "sync")
     _assert_nothing_left(proc, children, short_tmp)
