@@ -374,8 +374,13 @@ class EngineClient:
     async def drop_handles(self) -> None:
         await self.call("drop_handles")
 
-    async def logits(self, tokens: list[list[int]]) -> list:
-        return (await self.call("logits", tokens=tokens))["logits"]
+    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> list:
+        """``[batch, seq, vocab]`` logits, or only the vocabulary ``columns`` of them: the
+        probe's sample (a Qwen2's whole vocabulary is 4.9 M numbers for the probe batch,
+        seconds of JSON on the control channel)."""
+        if columns is None:
+            return (await self.call("logits", tokens=tokens))["logits"]
+        return (await self.call("logits", tokens=tokens, columns=[int(c) for c in columns]))["logits"]
 
     # -- lifetime --------------------------------------------------------------
     @property

@@ -72,8 +72,15 @@ class EngineServer:
                                             generator=g)
         return {"completions": completions.tolist()}
 
-    def op_logits(self, tokens: list[list[int]]) -> dict:
+    def op_logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> dict:
         out = self.core.logits(torch.tensor(tokens, dtype=torch.long))
+        if columns is not None:
+            vocab = out.shape[-1]
+            bad = [c for c in columns if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < vocab]
+            if bad:
+                raise ValueError(f"logits: columns {bad[:5]} are not vocabulary ids (expected integers in "
+                                 f"[0, {vocab}))")
+            out = out[..., torch.tensor(columns, dtype=torch.long, device=out.device)]
         return {"logits": out.float().cpu().tolist()}
 
     def op_digest(self) -> dict:

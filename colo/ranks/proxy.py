@@ -213,8 +213,10 @@ class RemoteEngine:
     async def generate(self, step: int) -> RolloutResult:
         return rollout_from_json((await self._verb("generate", step=step))["rollout"])
 
-    async def logits(self, tokens: list[list[int]]) -> list:
-        return (await self._verb("logits", tokens=tokens))["value"]
+    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> list:
+        if columns is None:
+            return (await self._verb("logits", tokens=tokens))["value"]
+        return (await self._verb("logits", tokens=tokens, columns=[int(c) for c in columns]))["value"]
 
     async def own_weight_version(self) -> int | None:
         """What the engine rank itself says it holds (None: stale)."""

@@ -185,3 +185,24 @@ async def test_bf16_parameters_learn_like_fp32_ones_from_the_same_start():
     finally:
         low.close()
         full.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_probe_asks_the_engine_for_a_sample_of_the_vocabulary_not_all_of_it(bf16_engine):
+    """The verifier's probe compares logits on the batch's tokens and a seeded sample of the
+    vocabulary (a Qwen2's whole vocabulary is seconds of JSON per sync): the engine returns
+    exactly those columns of its full logits, and refuses ids outside the vocabulary."""
+    from colo.apps.demo_setup import PROBE_COLUMNS, probe_batch, probe_columns
+    from colo.core.errors import EngineError
+
+    client, config = bf16_engine
+    tokens = probe_batch(config.vocab_size, seed=0)
+    columns = probe_columns(config.vocab_size, tokens, seed=0)
+    assert columns == sorted(set(columns)) and {t for row in tokens for t in row} <= set(columns)
+    assert len(columns) <= min(config.vocab_size, PROBE_COLUMNS + 32)
+    assert probe_columns(config.vocab_size, tokens, seed=0) == columns  # the same every sync
+    full = torch.tensor(await client.logits(tokens))
+    part = torch.tensor(await client.logits(tokens, columns=columns))
+    assert full.shape[-1] == config.vocab_size and torch.equal(part, full[..., columns])
+    with pytest.raises(EngineError, match=r"columns \[%d\] are not vocabulary ids" % config.vocab_size):
+        await client.logits(tokens, columns=[0, config.vocab_size])
