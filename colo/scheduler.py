@@ -471,11 +471,14 @@ class Scheduler:
         # which for a small model costs more than moving it; --verify first|none skips it.
         digests: list[str | None] = [None] * self.world_size
         verify_s: float | None = None
+        verify_parts: dict | None = None
         if self.config.verify == "every" or (self.config.verify == "first" and not self._verified):
             t1 = self._clock()
             digests = list(await self.engines.each("digest"))
+            digest_s = self._clock() - t1
             if self._verify is not None:
                 await self._verify(list(digests))
+            t2 = self._clock()
             if self._probe is not None:
                 # an engine whose probe runs through its KV cache (vLLM) answers it once the
                 # cache is back: engine_wake_kv, before any rollout can happen
@@ -484,13 +487,17 @@ class Scheduler:
                 if not self._probe_due:
                     await self._probe()
             verify_s = round(self._clock() - t1, 6)
+            # where verification's time goes: the engines' digests (a read of every weight on
+            # the device, and the round trip), the trainer's side and the probe
+            verify_parts = {"engine_digest_s": round(digest_s, 6), "trainer_check_s": round(t2 - t1 - digest_s, 6),
+                            "probe_s": round(self._clock() - t2, 6)}
             self._verified += 1
         await self.engines.each("set_weight_version", version)
         self.engine_version = version
         params = len(self.trainers.first("param_specs"))
         events = [self._emit(r, "sync.finished", step=step, bytes=res.bytes, buckets=res.buckets,
                              tensors=res.tensors, params=params, duration_s=round(self._clock() - t0, 6),
-                             transfer_s=round(transfer_s, 6), verify_s=verify_s,
+                             transfer_s=round(transfer_s, 6), verify_s=verify_s, verify_parts=verify_parts,
                              weight_version=version, digest=digests[r], cache_flushed=True, source=source)
                   for r, res in enumerate(results)]
         self.last_sync = events[0]
