@@ -445,9 +445,9 @@ def _shm_names() -> list[str]:
 def remove_run_dir_if_orphaned() -> None:
     """The process that started this one died without its own cleanup (SIGKILL): the
     processes it started are the last of it, and the last thing they do is remove its
-    run dir (a driver's ``colo-demo-*``, a rank worker's ``colo-rank-*``; never a path
-    of another shape) and sweep what dead owners left (:func:`sweep`: its segments,
-    its dirs)."""
+    run dir, where it has one (a driver's ``colo-demo-*``, a rank worker's ``colo-rank-*``;
+    never a path of another shape), and sweep what dead owners left (:func:`sweep`: its
+    segments, its dirs)."""
     parent_pid, run_dir = _ORPHAN
     if not _SIGNALLED or parent_pid is None:
         return
@@ -463,11 +463,12 @@ def remove_run_dir_if_orphaned() -> None:
     # the dead parent's segments this process was sent: gone by name, proven by the
     # parent's death, not by a lock a descendant of it may still hold
     unlink_opened_of(parent_pid)
-    if not run_dir or not os.path.basename(os.path.normpath(run_dir)).startswith(_RUN_DIRS):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if run_dir and os.path.basename(os.path.normpath(run_dir)).startswith(_RUN_DIRS):
+        shutil.rmtree(run_dir, ignore_errors=True)
     # and what the next run's start-up sweep would remove: the dead parent's staging
-    # segments (this process had them mapped), dirs of runs whose owner is gone. A
+    # segments (this process had them mapped), dirs of runs whose owner is gone. Also
+    # without a run dir: a rank worker's engine rank has none, and a worker killed (or
+    # stopped, then killed by the driver) mid-sync leaves segments it had not sent yet. A
     # segment's lock can outlive the parent by a moment (a process it forked, which
     # inherited the descriptor, still ending): sweep again while one named for the dead
     # parent is there, for a bounded time; what is still locked then is someone's.

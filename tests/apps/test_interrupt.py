@@ -3,6 +3,7 @@ cancellation (exit 130, phase.failed "cancelled", trace finished, nothing left).
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,9 +51,9 @@ def _demo(tmp: Path, *extra: str, new_session: bool = False) -> tuple[subprocess
     job), so the test can signal that whole group without signalling pytest."""
     trace = tmp / "t.jsonl"
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO), "PYTHONFAULTHANDLER": "1"}
-    with open(tmp / "stderr", "ab") as ferr:
+    with open(tmp / "stderr", "ab") as ferr, open(tmp / "stdout", "ab") as fout:
         proc = subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--trace", str(trace),
-                                 *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=ferr,
+                                 *extra], cwd=REPO, env=env, stdout=fout, stderr=ferr,
                                 start_new_session=new_session)
     return proc, trace
 
@@ -205,4 +206,81 @@ def test_ctrl_c_to_the_process_group_is_one_line_and_exit_130(gpus, short_tmp):
     assert len(traces) == int(gpus), traces
     for t in traces:
         _assert_cancelled_and_finished(t, "sync")
+    _assert_nothing_left(proc, children, short_tmp)
+
+
+# -- issue 32, item 4: a rank that dies or is stopped fails the run and leaves nothing -------------
+
+
+def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The demo's rank workers by rank: its children whose engine rank writes ``*.rank<N>.engine.log``."""
+    out = {}
+    for c in psutil.Process(proc.pid).children():
+        for p in (c, *c.children(recursive=True)):
+            m = [re.search(r"\.rank(\d+)\.engine\.log$", f.path) for f in p.open_files()]
+            ranks = {int(x.group(1)) for x in m if x}
+            if ranks:
+                (rank,) = ranks
+                out[rank] = c
+                break
+    return out
+
+
+def _when_it_has_segments(pid: int, timeout_s: float = 120) -> list[str]:
+    """Wait until process ``pid`` holds shared-memory segments (it is inside a sync); their names."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = _segments([pid])
+        if held:
+            return held
+        time.sleep(0.005)
+    pytest.fail(f"process {pid} made no segment within {timeout_s:.0f} s")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "sigstop"])
+def test_a_rank_worker_killed_or_stopped_mid_sync_fails_the_run_naming_it_and_leaves_nothing(how, short_tmp):
+    """``--gpus 2``: rank 1's worker is SIGKILLed, or SIGSTOPped, while it holds its staging
+    segments in a sync. The run fails, not hangs: exit 1, one FAILED line naming rank 1, no
+    traceback, the sync's ``phase.failed`` naming the rank in every rank's trace (the engines
+    stale from there: the replay checker holds the trace to it), and well before the phase
+    deadline (a stopped worker is seen by its state, in seconds). Within 10 s of the driver's
+    exit nothing the run made is left: not the worker's segments (its engine rank, orphaned,
+    sweeps them), not any dir, not any process (a stopped worker runs no shutdown of its
+    own: the driver kills it)."""
+    proc, trace, _ = _start_demo_mid_sync(short_tmp, "sync-started", "--gpus", "2", "--phase-deadline", "60")
+    workers = _workers(proc)
+    assert sorted(workers) == [0, 1], [c.cmdline() for c in psutil.Process(proc.pid).children()]
+    victim = workers[1]
+    children = psutil.Process(proc.pid).children(recursive=True)
+    held = _when_it_has_segments(victim.pid)
+    t0 = time.monotonic()
+    victim.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+    try:
+        code = proc.wait(120)
+    finally:
+        if how == "sigstop" and not _gone(victim):
+            victim.send_signal(signal.SIGCONT)
+        if proc.poll() is None:  # a hung driver: end the run's processes before failing
+            for p in (*children, psutil.Process(proc.pid)):
+                if not _gone(p):
+                    p.kill()
+    took = time.monotonic() - t0
+    err = (short_tmp / "stderr").read_text(errors="replace")
+    out = (short_tmp / "stdout").read_text(errors="replace")
+    assert code == 1, (code, err[-3000:])  # a failed run, not an interrupted one
+    assert took < 50, f"the run took {took:.0f} s to fail: the phase deadline (60 s), not the worker's state"
+    assert "Traceback" not in err + out, err[-3000:]
+    failed = [ln for ln in (err + out).splitlines() if "FAILED" in ln]
+    assert len(failed) == 1 and "FAILED in phase sync" in failed[0] and "rank 1" in failed[0], (failed, err[-2000:])
+    traces = sorted(short_tmp.glob("t.rank*.jsonl"))
+    assert [t.name for t in traces] == ["t.rank0.jsonl", "t.rank1.jsonl"]
+    for t in traces:
+        events = _events(t)
+        assert events[-1]["event"] == "trace.finished", t
+        (f,) = [e for e in events if e["event"] == "phase.failed"]
+        assert (f["phase"], f["failed_rank"]) == ("sync", 1), f
+    replay = subprocess.run([sys.executable, "-m", "colo.cli", "replay", *map(str, traces)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    assert held  # what the worker held when the signal came: gone below
     _assert_nothing_left(proc, children, short_tmp)

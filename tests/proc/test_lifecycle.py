@@ -312,6 +312,62 @@ def test_an_orphan_unlinks_the_segments_its_dead_parent_sent_it_though_their_loc
     assert not left, f"segment {name} the dead parent sent its orphan left in {SHM_DIR}"
 
 
+# -- an orphan without a run dir (a rank worker's engine rank) sweeps what its dead parent had not sent --
+
+_MAKER = r"""
+import subprocess, sys, time
+from colo.proc.handles import ShmSegment
+seg = ShmSegment.create(1 << 16)  # made, never sent: a staging segment the worker was filling
+print(seg.name, flush=True)
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+time.sleep(3600)
+"""
+
+_RUNLESS_CHILD = r"""
+import os, sys, time
+from colo.proc.lifecycle import die_with_parent, end_of_process
+die_with_parent(os.getppid(), sys.argv[1], None)  # no run dir: as a worker starts its engine rank
+try:
+    print(os.getpid(), flush=True)
+    time.sleep(3600)
+finally:
+    end_of_process(sys.argv[1])
+"""
+
+
+def test_an_orphan_without_a_run_dir_sweeps_the_segments_its_dead_parent_had_not_sent(tmp_path):
+    """A ``--gpus N`` rank worker SIGKILLed (or stopped, then killed by the driver) mid-sync
+    holds a staging segment it has not handed to its engine rank yet. The engine rank is its
+    orphan, and has no run dir: it must still sweep what its dead parent left (the segment's
+    lock died with the parent), or the segment stays in /dev/shm until the next run starts
+    (seen: 1 segment left in about half of the killed or stopped workers)."""
+    from colo.proc.handles import SHM_DIR
+
+    sockdir = tmp_path / "colo-engine-runless"
+    sockdir.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path)}  # its sweep looks here, not in /tmp
+    with open(out, "wb") as f:
+        parent = subprocess.Popen([sys.executable, "-c", _MAKER, _RUNLESS_CHILD, str(sockdir / "engine.sock")],
+                                  env=env, stdout=f, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while len(out.read_text().split()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    name, pid = out.read_text().split()
+    path = os.path.join(SHM_DIR, name)
+    assert os.path.exists(path) and psutil.Process(int(pid)).ppid() == parent.pid
+    parent.kill()
+    parent.wait(10)
+    try:
+        psutil.Process(int(pid)).wait(30)
+        left = os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    assert not left, f"segment {name} of the dead parent left in {SHM_DIR} after its orphan ended"
+    assert not sockdir.exists()
+
+
 def test_free_ports_are_distinct_and_bindable():
     """A run's two rendezvous (trainer group, engine group) never get one port: seen in CI
     as a --gpus 2 megatron demo whose engine store failed EADDRINUSE."""
