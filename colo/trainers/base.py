@@ -69,8 +69,6 @@ class PolicyTrainer:
         from colo.trainers.precision import MasterAdamW
 
         if isinstance(self.opt, MasterAdamW):
-            if self.opt.flat is not None:
-                return self.opt.state_bytes
             size = next(self.model.parameters()).element_size()
             return weights // size * 12
         return 2 * weights

@@ -119,9 +119,6 @@ class ReferenceTrainer(PolicyTrainer):
         super().close()
         if self.flat_weights is not None:
             self.flat_weights.close()
-        close = getattr(self.opt, "close", None)
-        if close is not None:
-            close()
 
     # -- verification ----------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
@@ -188,7 +185,7 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     With torch.distributed initialised over N > 1 ranks, this rank of an
     N-rank data-parallel trainer (see the module docstring)."""
     from colo.trainers.models import build_trainer_model
-    from colo.trainers.precision import MasterAdamW, cast_parameters
+    from colo.trainers.precision import cast_parameters
 
     dtype = param_dtype_for(param_dtype, engine_dtype, device)
     group = _data_parallel_world()
@@ -211,13 +208,8 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
         memory = TrainerMemory(saver)
     trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=memory, dp_group=group,
                                flat_weights=flat)
-    if flat is not None and isinstance(trainer.opt, MasterAdamW):
-        # the masters and moments in one flat buffer of their own, paused like the weights
-        trainer.opt.init_state(flat_on=flat.device)
-        memory.flats["optimizer"] = trainer.opt.flat
-    else:
-        with saver.region("trainer.optimizer", cpu_backup=True):
-            trainer.init_optimizer_state()
+    with saver.region("trainer.optimizer", cpu_backup=True):
+        trainer.init_optimizer_state()
     return trainer, saver
 
 

@@ -41,63 +41,31 @@ class MasterAdamW:
         self._adamw = dict(adamw)
         self.masters: list[torch.Tensor] | None = None
         self.inner: torch.optim.AdamW | None = None
-        #: the flat buffer holding masters and moments (``init_state(flat_on=...)``), or None
-        self.flat: Any = None
 
     # -- state ---------------------------------------------------------------------
     @torch.no_grad()
-    def init_state(self, *, flat_on: torch.device | str | None = None) -> None:
-        """Allocate the masters (the parameters' values in fp32) and both AdamW moments now.
-
-        ``flat_on``: as views of one flat buffer there (a
-        :class:`~colo.device.flat_weights.FlatWeights`, ``self.flat``), which the memory
-        backend pauses with one copy to a pinned host backup kept across cycles, instead
-        of a memory-saver region (whose own pause measured 0.72 of the link at
-        Qwen2-1.5B on an H100). Plain tensors only (not DTensors)."""
+    def init_state(self) -> None:
+        """Allocate the masters (the parameters' values in fp32) and both AdamW moments now."""
         if self.inner is not None:
             return
-        if flat_on is not None:
-            from colo.device.flat_weights import FlatWeights
-
-            layout = {}
-            for i, p in enumerate(self.params):
-                for part in ("master", "exp_avg", "exp_avg_sq"):
-                    layout[f"{i}.{part}"] = (tuple(p.shape), torch.float32)
-            self.flat = FlatWeights(layout, device=flat_on, share_host=False)
-            views = self.flat.tensors
-            masters = [views[f"{i}.master"].copy_(p.detach()) for i, p in enumerate(self.params)]
-        else:
-            masters = []
-            for p in self.params:
-                m = p.detach().to(torch.float32)
-                if m.data_ptr() == p.data_ptr():  # never alias: a parameter might already be fp32
-                    m = m.clone()
-                masters.append(m)
-        for m in masters:
-            m.requires_grad_(True)
+        masters = []
+        for p in self.params:
+            m = p.detach().to(torch.float32)
+            if m.data_ptr() == p.data_ptr():  # never alias: a parameter might already be fp32
+                m = m.clone()
+            masters.append(m.requires_grad_(True))
         inner = torch.optim.AdamW(masters, **self._adamw)
-        for i, m in enumerate(masters):
+        for m in masters:
             state = inner.state[m]
             state["step"] = torch.tensor(0.0)
-            if flat_on is not None:
-                state["exp_avg"] = self.flat.tensors[f"{i}.exp_avg"].zero_()
-                state["exp_avg_sq"] = self.flat.tensors[f"{i}.exp_avg_sq"].zero_()
-            else:
-                state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
         self.masters, self.inner = masters, inner
 
     @property
     def state_bytes(self) -> int:
-        """What the optimizer holds once initialised: a master and two moments per element, fp32
-        (in a flat buffer, that buffer's size: aligned views, rounded to the allocator's segments)."""
-        if self.flat is not None:
-            return self.flat.nbytes
+        """What the optimizer holds once initialised: a master and two moments per element, fp32."""
         return sum(3 * 4 * p.numel() for p in self.params)
-
-    def close(self) -> None:
-        if self.flat is not None:
-            self.flat.close()
 
     # -- the step --------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -134,9 +102,6 @@ class MasterAdamW:
         if saved is None:
             # the failed step was the first: it made the state, which is dropped again
             self.masters = self.inner = None
-            if self.flat is not None:
-                self.flat.close()
-                self.flat = None
             return
         masters, states = saved
         assert self.masters is not None and self.inner is not None

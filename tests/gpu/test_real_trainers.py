@@ -41,9 +41,7 @@ def test_hf_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_p
     tags = trainer.tag_bytes()
     assert tags["weights"] == flat.nbytes
     elements = sum(p.numel() for p in trainer.model.parameters())
-    # masters and moments in one flat buffer (aligned views, rounded to the allocator's 2 MiB)
-    assert trainer.opt.flat is not None and tags["optimizer"] == trainer.opt.flat.nbytes
-    assert 12 * elements <= tags["optimizer"] < 12 * elements + 2 * MiB + 3 * 512 * len(trainer.opt.params)
+    assert tags["optimizer"] == 12 * elements
     trainer.probe_tokens = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     masters = [m.detach().clone() for m in trainer.opt.masters]

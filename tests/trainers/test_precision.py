@@ -57,34 +57,6 @@ def test_master_adamw_steps_fp32_masters_exactly_as_torch_adamw_and_rounds_them_
     assert opt.state_bytes == 12 * sum(p.numel() for p in params)
 
 
-def test_master_adamw_in_a_flat_buffer_steps_exactly_as_without_and_its_views_are_the_state():
-    g = torch.Generator().manual_seed(1)
-    full = [torch.randn(33, 7, generator=g), torch.randn(5, generator=g)]
-    a = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in full]
-    b = [torch.nn.Parameter(t.to(torch.bfloat16)) for t in full]
-    flat, plain = MasterAdamW(a, lr=1e-2), MasterAdamW(b, lr=1e-2)
-    flat.init_state(flat_on="cpu")
-    try:
-        assert flat.state_bytes == flat.flat.nbytes >= 12 * sum(p.numel() for p in a)
-        for step in range(2):
-            grads = [torch.randn(p.shape, generator=g).to(torch.bfloat16) for p in a]
-            for p, q, gr in zip(a, b, grads):
-                p.grad, q.grad = gr.clone(), gr.clone()
-            flat.step()
-            plain.step()
-            assert all(torch.equal(p, q) for p, q in zip(a, b)), step
-            assert all(torch.equal(m, n) for m, n in zip(flat.masters, plain.masters)), step
-        # the state the optimizer steps is the buffer's: masters and both moments are its views
-        storage = flat.flat.tensors["0.master"].untyped_storage()._cdata
-        for m in flat.masters:
-            st = flat.inner.state[m]
-            assert {t.untyped_storage()._cdata for t in (m, st["exp_avg"], st["exp_avg_sq"])} == {storage}
-        assert torch.count_nonzero(flat.inner.state[flat.masters[0]]["exp_avg_sq"]) > 0
-    finally:
-        flat.close()
-    assert leftover_segments() == []
-
-
 def test_master_adamw_restores_a_failed_step_and_refuses_what_it_is_not_for():
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     opt = MasterAdamW([p], lr=0.1)
