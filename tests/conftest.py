@@ -11,13 +11,30 @@ SMALL_CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attent
                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
 
 
+def small_engine_build(log_path, dtype: str = "float32") -> dict:
+    """The build of a real engine process of SMALL_CFG on the CPU, stale (no checkpoint)."""
+    return {"config": demo_config(**SMALL_CFG).to_dict(), "dtype": dtype, "device": "cpu",
+            "total_bytes": 64 << 20, "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(log_path)}
+
+
+def fixed_batch(config, seed=1, batch=16, prompt_len=6, new_tokens=10):
+    """A rollout's data drawn from ``seed``, rewarded as the demo's task rewards (the share of
+    completion tokens in a fixed eighth of the vocabulary): one REINFORCE step's input."""
+    import torch
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=g).tolist()
+    completions = torch.randint(0, config.vocab_size, (batch, new_tokens), generator=g).tolist()
+    rewards = [sum(t % 8 == 0 for t in c) / len(c) for c in completions]
+    return SimpleNamespace(prompts=prompts, completions=completions, rewards=rewards)
+
+
 @pytest.fixture
 async def small_engine(tmp_path):
     """A real float32 engine process on the CPU, stale (no checkpoint); its log in tmp_path."""
     config = demo_config(**SMALL_CFG)
-    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
-             "mem_fraction_static": 0.5, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
-    client = await EngineClient.spawn(build)
+    client = await EngineClient.spawn(small_engine_build(tmp_path / "engine.log"))
     try:
         yield client, config
     finally:

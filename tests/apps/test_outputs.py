@@ -25,6 +25,7 @@ from colo.core.errors import EXIT_BAD_INPUT, UsageError
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.trace.writer import TraceWriter, read_trace
 from colo.trainers.hf import ReferenceTrainer
+from tests.conftest import fixed_batch as shared_fixed_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -222,12 +223,8 @@ def test_soak_default_out_never_overwrites_an_existing_result(tmp_path, monkeypa
 
 # -- item 10: a recovered fault does not change the math ---------------------------------
 
-def fixed_batch(config, seed=1, batch=4, prompt_len=4, new_tokens=6):
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=g).tolist()
-    completions = torch.randint(0, config.vocab_size, (batch, new_tokens), generator=g).tolist()
-    rewards = [sum(t % 8 == 0 for t in c) / len(c) for c in completions]
-    return SimpleNamespace(prompts=prompts, completions=completions, rewards=rewards)
+def fixed_batch(config, seed=1):
+    return shared_fixed_batch(config, seed=seed, batch=4, prompt_len=4, new_tokens=6)
 
 
 def test_a_step_that_fails_half_way_rolls_the_trainer_back():

@@ -25,7 +25,7 @@ from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import CountingExtractor, FlatTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport
-from tests.conftest import SMALL_CFG
+from tests.conftest import SMALL_CFG, small_engine_build
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -91,10 +91,7 @@ async def cpu_engine(tmp_path_factory):
     from colo.engine.client import EngineClient
 
     config = demo_config(**SMALL_CFG)
-    log = tmp_path_factory.mktemp("one-copy") / "engine.log"
-    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cpu",
-                                       "total_bytes": 64 << 20, "mem_fraction_static": 0.5, "checkpoint": None,
-                                       "log_path": str(log)})
+    client = await EngineClient.spawn(small_engine_build(tmp_path_factory.mktemp("one-copy") / "engine.log"))
     try:
         yield client, config
     finally:

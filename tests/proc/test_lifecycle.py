@@ -299,17 +299,23 @@ def test_an_orphan_unlinks_the_segments_its_dead_parent_sent_it_though_their_loc
     path = os.path.join(SHM_DIR, name)
     holders = [c for c in psutil.Process(parent.pid).children() if c.pid != int(pid)]
     assert os.path.exists(path) and len(holders) == 1
+    left = _left_after_killing(parent, int(pid), path, holders)
+    assert not left, f"segment {name} the dead parent sent its orphan left in {SHM_DIR}"
+
+
+def _left_after_killing(parent: subprocess.Popen, orphan: int, path: str, holders=()) -> bool:
+    """SIGKILL ``parent``, wait for its ``orphan`` to end; whether ``path`` outlived them
+    (removed here either way, with any other ``holders`` the test made)."""
     parent.kill()
     parent.wait(10)
     try:
-        psutil.Process(int(pid)).wait(30)
-        left = os.path.exists(path)
+        psutil.Process(orphan).wait(30)
+        return os.path.exists(path)
     finally:
         for h in holders:
             h.kill()
         if os.path.exists(path):
             os.unlink(path)
-    assert not left, f"segment {name} the dead parent sent its orphan left in {SHM_DIR}"
 
 
 # -- an orphan without a run dir (a rank worker's engine rank) sweeps what its dead parent had not sent --
@@ -356,14 +362,7 @@ def test_an_orphan_without_a_run_dir_sweeps_the_segments_its_dead_parent_had_not
     name, pid = out.read_text().split()
     path = os.path.join(SHM_DIR, name)
     assert os.path.exists(path) and psutil.Process(int(pid)).ppid() == parent.pid
-    parent.kill()
-    parent.wait(10)
-    try:
-        psutil.Process(int(pid)).wait(30)
-        left = os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    left = _left_after_killing(parent, int(pid), path)
     assert not left, f"segment {name} of the dead parent left in {SHM_DIR} after its orphan ended"
     assert not sockdir.exists()
 

@@ -5,8 +5,6 @@ trainer's ``hf_state()`` must compute the trainer's logits, and the reference
 (HF) trainer, started from the same weights, must take the same step.
 """
 
-from types import SimpleNamespace
-
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -18,6 +16,7 @@ from transformers import Qwen2ForCausalLM  # noqa: E402
 from colo.trainers.models import build_trainer_model, demo_config  # noqa: E402
 from colo.trainers import BUILDERS, build  # noqa: E402
 from colo.trainers.hf import ReferenceTrainer  # noqa: E402
+from tests.conftest import fixed_batch  # noqa: E402
 
 #: A float32 megatron forward against a float32 transformers forward of the same
 #: weights: the same math in a different order (fused QKV, [gate; up]), so they
@@ -49,14 +48,6 @@ def trainers():
     for t in made:
         t.close()
     assert not dist.is_initialized()
-
-
-def fixed_batch(config, seed=1, batch=16, prompt_len=6, new_tokens=10):
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=g).tolist()
-    completions = torch.randint(0, config.vocab_size, (batch, new_tokens), generator=g).tolist()
-    rewards = [sum(t % 8 == 0 for t in c) / len(c) for c in completions]
-    return SimpleNamespace(prompts=prompts, completions=completions, rewards=rewards)
 
 
 def test_registered():

@@ -23,15 +23,7 @@ from colo.trainers.models import demo_config
 from colo.trainers.precision import MasterAdamW, cast_parameters
 from colo.transports.packed import PackedTransport
 from colo.testing.engines import RecordingEngine
-from tests.conftest import SMALL_CFG
-
-
-def batch(config, seed=1, rows=8, prompt_len=6, new_tokens=8):
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, config.vocab_size, (rows, prompt_len), generator=g).tolist()
-    completions = torch.randint(0, config.vocab_size, (rows, new_tokens), generator=g).tolist()
-    rewards = [sum(t % 8 == 0 for t in c) / len(c) for c in completions]
-    return SimpleNamespace(prompts=prompts, completions=completions, rewards=rewards)
+from tests.conftest import SMALL_CFG, fixed_batch, small_engine_build
 
 
 def test_master_adamw_steps_fp32_masters_exactly_as_torch_adamw_and_rounds_them_into_the_parameters():
@@ -99,10 +91,8 @@ async def bf16_engine(tmp_path_factory):
     from colo.engine.client import EngineClient
 
     config = demo_config(**SMALL_CFG)
-    log = tmp_path_factory.mktemp("precision") / "engine.log"
-    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "bfloat16", "device": "cpu",
-                                       "total_bytes": 64 << 20, "mem_fraction_static": 0.5, "checkpoint": None,
-                                       "log_path": str(log)})
+    client = await EngineClient.spawn(small_engine_build(tmp_path_factory.mktemp("precision") / "engine.log",
+                                                         "bfloat16"))
     try:
         yield client, config
     finally:
@@ -128,7 +118,7 @@ async def test_every_trainer_keeps_bf16_parameters_fp32_masters_and_syncs_exactl
         digests = []
         for step in (1, 2):
             before = [p.detach().clone() for p in trainer.model.parameters()]
-            await trainer.train_step(SimpleNamespace(data=batch(config, seed=step)))
+            await trainer.train_step(SimpleNamespace(data=fixed_batch(config, batch=8, new_tokens=8, seed=step)))
             assert trainer.steps == step
             moved = [not torch.equal(b, p.detach()) for b, p in zip(before, trainer.model.parameters())]
             assert sum(moved) > len(moved) // 2, f"step {step}: only {sum(moved)} of {len(moved)} tensors moved"
@@ -170,7 +160,7 @@ async def test_bf16_parameters_learn_like_fp32_ones_from_the_same_start():
             for p, q in zip(full.model.parameters(), low.model.parameters()):
                 p.copy_(q.float())
         start = [p.detach().clone() for p in full.model.parameters()]
-        data = batch(config, seed=4)
+        data = fixed_batch(config, batch=8, new_tokens=8, seed=4)
         a = await low.train_step(SimpleNamespace(data=data))
         b = await full.train_step(SimpleNamespace(data=data))
         assert a["reward"] == b["reward"]
