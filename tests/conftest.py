@@ -50,9 +50,17 @@ def no_leftover_segments():
 
 
 def pytest_collection_modifyitems(config, items):
-    """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer."""
+    """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
+    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them)."""
+    import os
+
     import torch
 
+    if os.environ.get("COLO_SOAK") != "1":
+        skip_soak = pytest.mark.skip(reason="a long soak: COLO_SOAK=1 runs it")
+        for item in items:
+            if "soak" in item.keywords:
+                item.add_marker(skip_soak)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have >= 2:
         return
