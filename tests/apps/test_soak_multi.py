@@ -8,7 +8,7 @@ start: most of that is the first cycles (allocator pools, lazily built kernels),
 why the slope is taken after warm-up and over a long run, not end against start.
 
 It runs in a child interpreter of its own, so that only the run's own processes are
-counted. Marked ``slow`` and kept out of CI's default run (about 5 minutes on the 2-core
+counted. Marked ``soak`` (and ``slow``) and skipped in CI's default run (about 5 minutes on the 2-core
 development VM, and CI's budget is 15 minutes): ``COLO_SOAK=1 python -m pytest -s
 tests/apps/test_soak_multi.py`` runs it and prints each process's slope.
 """
