@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 import weakref
@@ -45,6 +44,7 @@ from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
 from colo.transports.wire import piece_of
 from colo.core.errors import IncompleteCheckpoint
+from colo.proc.lifecycle import make_dir, release_dir
 
 FORMAT = "colo.checkpoint/1"
 MANIFEST = "manifest.json"
@@ -235,9 +235,11 @@ class DiskTransport(BucketSender):
         self.keep = keep
         if root is None:
             # No root given (``colo demo --transport disk``): a private one that
-            # goes with this sender. Give a root to keep the checkpoints.
-            root = tempfile.mkdtemp(prefix="colo-ckpt-")
-            self._finalizer: Any = weakref.finalize(self, shutil.rmtree, root, True)
+            # goes with this sender. Give a root to keep the checkpoints. Made as
+            # colo's other run dirs are, holding their owner's lock: a process killed
+            # mid-sync leaves a model-sized dir that the next sweep can prove dead.
+            root = make_dir("ckpt")
+            self._finalizer: Any = weakref.finalize(self, release_dir, root)
         else:
             self._finalizer = None
             os.makedirs(root, exist_ok=True)
