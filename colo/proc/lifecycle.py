@@ -469,15 +469,31 @@ def remove_run_dir_if_orphaned() -> None:
     # segments (this process had them mapped), dirs of runs whose owner is gone. Also
     # without a run dir: a rank worker's engine rank has none, and a worker killed (or
     # stopped, then killed by the driver) mid-sync leaves segments it had not sent yet. A
-    # segment's lock can outlive the parent by a moment (a process it forked, which
-    # inherited the descriptor, still ending): sweep again while one named for the dead
-    # parent is there, for a bounded time; what is still locked then is someone's.
+    # lock can outlive the parent's pid by a moment (a process it forked, which inherited
+    # the descriptor, still ending; or the parent's own threads, such as a disk sync's
+    # writer, still exiting after its main thread is a zombie: descriptors close with the
+    # last thread; a disk run's checkpoint dir was seen left so without this): sweep
+    # again while a segment or dir named for the dead parent is there, for a bounded
+    # time; what is still locked then is someone's.
     sweep()
-    prefix = f"colo-{parent_pid}-"
     deadline = time.monotonic() + ORPHAN_SWEEP_S
-    while time.monotonic() < deadline and any(n.startswith(prefix) for n in _shm_names()):
+    while time.monotonic() < deadline and _named_for(parent_pid):
         time.sleep(0.1)
         sweep()
+
+
+def _named_for(pid: int) -> bool:
+    """Whether a segment or a dir that :func:`sweep` would look at is named for ``pid``."""
+    if any(n.startswith(f"colo-{pid}-") for n in _shm_names()):
+        return True
+    for base in _bases():
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        if any((m := _DIR_NAME.match(n)) and int(m.group(1)) == pid for n in names):
+            return True
+    return False
 
 
 def _parent_gone(parent_pid: int) -> bool:

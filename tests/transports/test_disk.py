@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -224,3 +225,65 @@ def test_disk_receiver_refuses_paths_outside_the_root_and_shards_that_disagree(t
             pass
     with pytest.raises(RequestError, match="checkpoint root must be an absolute path"):
         DiskInitInfo("relative/root")
+
+
+# -- issue 32, item 4: a killed run's checkpoint dir is owned like colo's other dirs -------
+
+#: a process that makes its checkpoint dir the way ``colo demo --transport disk`` does (no
+#: root given), says where, and holds it until its stdin closes
+_HOLDER = """
+import sys
+from colo.transports import make_transport
+t = make_transport("disk")
+print(t.root, flush=True)
+sys.stdin.read()
+"""
+
+
+def _holder(tmp):
+    from tests.proc.test_lifecycle import REPO
+
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_killed_holders_checkpoint_dir_is_swept_and_a_live_holders_is_not(tmp_path):
+    from colo.proc.lifecycle import sweep
+
+    tmp = os.path.realpath(tmp_path)
+    killed, dead_root = _holder(tmp)
+    live, live_root = _holder(tmp)
+    try:
+        for root in (dead_root, live_root):
+            assert os.path.dirname(root) == tmp and os.path.basename(root).startswith("colo-ckpt-"), root
+            assert os.path.isdir(root)
+        killed.kill()  # no cleanup runs: the model-sized dir stays, as after a SIGKILL mid-sync
+        assert killed.wait(10) == -signal.SIGKILL
+        assert os.path.isdir(dead_root)
+        # the next run's sweep removes the dead holder's dir and nothing else of this test's
+        assert sweep((tmp,)) == [dead_root]
+        assert not os.path.exists(dead_root) and os.path.isdir(live_root)
+        assert live.poll() is None
+    finally:
+        for p in (killed, live):
+            p.stdin.close()
+            p.wait(10)
+    # the live holder, ending normally, removed its own
+    assert live.returncode == 0 and os.listdir(tmp) == []
+
+
+def test_a_disk_demo_sigkilled_mid_sync_leaves_no_checkpoint_dir(tmp_path):
+    """The driver, which holds the checkpoint dir, SIGKILLed mid-sync: its orphaned engine,
+    last of the run, sweeps it with the run's other dirs."""
+    from tests.apps.test_interrupt import _assert_nothing_left, _ours, _start_demo_mid_sync
+
+    tmp = tmp_path / "t"
+    tmp.mkdir()
+    proc, _, children = _start_demo_mid_sync(tmp, "sync", "--transport", "disk")
+    made = [n for n in _ours(tmp) if n.startswith("colo-ckpt-")]
+    assert len(made) == 1 and any(n.startswith(".tmp-") for n in os.listdir(tmp / made[0])), made
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    _assert_nothing_left(proc, children, tmp)
