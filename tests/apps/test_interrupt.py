@@ -272,6 +272,11 @@ def test_a_rank_worker_killed_or_stopped_mid_sync_fails_the_run_naming_it_and_le
     assert "Traceback" not in err + out, err[-3000:]
     failed = [ln for ln in (err + out).splitlines() if "FAILED" in ln]
     assert len(failed) == 1 and "FAILED in phase sync" in failed[0] and "rank 1" in failed[0], (failed, err[-2000:])
+    if how == "sigstop":
+        # found by its state (the driver's heartbeat reads /proc/<pid>/stat while a request
+        # waits), then killed: not the phase deadline
+        assert f"rank 1 worker process {victim.pid} was stopped (state T) for " in failed[0], failed[0]
+        assert "killed it" in failed[0], failed[0]
     traces = sorted(short_tmp.glob("t.rank*.jsonl"))
     assert [t.name for t in traces] == ["t.rank0.jsonl", "t.rank1.jsonl"]
     for t in traces:
