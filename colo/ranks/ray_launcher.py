@@ -47,12 +47,14 @@ then issues its collectives in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -508,6 +510,31 @@ async def _ensure_ray(address: str | None) -> bool:
     most :data:`RAY_INIT_TIMEOUT_S`; each failure is one error naming the address."""
     if ray.is_initialized():
         return False
+    with _signals_kept():
+        return await _init_ray(address)
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """SIGTERM stays the driver's (:func:`colo.apps.demo.run_until_signalled`'s clean stop).
+
+    ``ray.init`` on the main thread sets a SIGTERM handler of its own (``sys.exit(15)``,
+    which raised out of the event loop), and its core worker, on any thread, installs a
+    native one over it that prints a stack dump first: a ``--launcher ray`` run stopped
+    by SIGTERM exited 15 (or aborted) with that dump, its traces in a bare ``failed``
+    phase. The handler the driver had is put back once Ray is up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # no handler can be set off the main thread: there is none of ours to keep
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGTERM, before)
+
+
+async def _init_ray(address: str | None) -> bool:
     # a local cluster by default; the dashboard is not needed and costs a core at start-up
     kwargs = {"address": address, "include_dashboard": False, "log_to_driver": False}
     if address is None:

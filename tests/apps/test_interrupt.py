@@ -289,3 +289,31 @@ def test_a_rank_worker_killed_or_stopped_mid_sync_fails_the_run_naming_it_and_le
     assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
     assert held  # what the worker held when the signal came: gone below
     _assert_nothing_left(proc, children, short_tmp)
+
+
+# -- issue 32, item 11: SIGTERM to a Ray driver is colo's clean stop ------------------------------
+
+
+def test_sigterm_to_a_ray_driver_is_one_line_exit_130_and_leaves_nothing(short_tmp, monkeypatch):
+    """``--launcher ray --gpus 2`` on a local Ray the run starts itself: ``ray.init`` sets a
+    SIGTERM handler of its own (``sys.exit(15)``) and Ray's core worker a native one that
+    prints a stack dump first, both over colo's. Before: exit 15, the dump on stderr and
+    the traces ending in a bare ``failed`` phase. Now the signal is colo's, as without Ray:
+    exit 130, one line, every rank's running phase failed "cancelled" and its trace
+    finished, and nothing of the run left (its actors and Ray's own processes included)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local Ray of the run's own, whatever this process joined
+    proc, trace, _ = _start_demo_mid_sync(short_tmp, "rollout", "--gpus", "2", "--launcher", "ray")
+    children = psutil.Process(proc.pid).children(recursive=True)  # Ray's daemons and its actors' workers
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(90)
+    err = (short_tmp / "stderr").read_text(errors="replace")
+    assert code == 130, (code, err[-3000:])
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    # Ray's own start-up notices (its log lines, timestamped) aside
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", ln)]
+    assert len(lines) == 1 and lines[0].startswith("colo demo: interrupted (SIGTERM)"), lines
+    traces = sorted(short_tmp.glob("t.rank*.jsonl"))
+    assert [t.name for t in traces] == ["t.rank0.jsonl", "t.rank1.jsonl"]
+    for t in traces:
+        _assert_cancelled_and_finished(t, None)
+    _assert_nothing_left(proc, children, short_tmp)
