@@ -53,6 +53,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -65,7 +66,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
 from colo.engine.client import DEATH_WAIT_S, EngineClient
-from colo.proc.lifecycle import process_state
+from colo.proc.handles import SHM_DIR
+from colo.proc.lifecycle import owner_alive, process_state, sweep
 from colo.core.errors import ClusterUnreachable, EngineDied, EngineError, EngineRefused, RankDied, UsageError
 from colo.ranks.address import check_reachable, parse_address
 
@@ -78,6 +80,8 @@ STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 ACTORS_PER_BUNDLE = 2
 #: after ``ray.kill`` (asynchronous), how long to wait for the engine actor's process to end
 KILL_WAIT_S = 10.0
+#: how long the driver waits for a dead rank actor's process to end and its segments to be free
+SWEEP_AFTER_DEATH_S = 5.0
 
 
 def bundles_for(n: int, *, gpu: bool, cpus_per_rank: float = 1) -> list[dict[str, float]]:
@@ -385,7 +389,7 @@ class RankActor:
         """This node's IP and ``n`` ports free on it a moment ago (rank 0's: where the groups meet)."""
         return {"ip": ray.util.get_node_ip_address(), "ports": _free_ports(n), "pid": os.getpid()}
 
-    def setup(self, spec: dict, where: dict) -> int:
+    def setup(self, spec: dict, where: dict) -> dict:
         """``where``: the placement group, this rank's share of a bundle, the run's token."""
         from colo.ranks.host import RankHost, RankSpec, load_object
 
@@ -394,7 +398,7 @@ class RankActor:
         host_class = type(f"Ray{base.__name__}", (_EngineActors, base), {})
         self.host = host_class(rank_spec)
         self.host.ray_placement = dict(where)
-        return os.getpid()
+        return placement()
 
     async def handle(self, op: str, fields: dict) -> dict:
         # the process worker's answer: {"ok": True, ...} or the error as data
@@ -429,11 +433,15 @@ class _Launch:
 class RayWorker:
     """One rank's actor, from the driver (the surface of :class:`colo.ranks.proxy.Worker`)."""
 
-    def __init__(self, rank: int, actor: Any, launch: _Launch, name: str):
+    def __init__(self, rank: int, actor: Any, launch: _Launch, name: str, where: dict | None = None):
         self.rank, self.actor, self.name, self._launch = rank, actor, name, launch
+        #: the actor's process and node (:func:`placement`)
+        self.where = dict(where or {})
         self._lock = anyio.Lock()
         self.closed = False
         self._released = False
+        #: Ray said the actor died (a call failed with RayActorError)
+        self.died = False
 
     async def call(self, op: str, **fields: Any) -> dict:
         from colo.ranks.proxy import rebuild_error
@@ -444,7 +452,7 @@ class RayWorker:
             try:
                 reply = await self.actor.handle.remote(op, fields)
             except RayActorError as e:
-                self.closed = True  # nothing more can be asked of it; aclose still releases it
+                self.closed = self.died = True  # nothing more can be asked of it; aclose still releases it
                 # unlike an engine rank, a trainer rank is not replaced: its weights and
                 # optimizer exist nowhere else (that needs a trainer checkpoint)
                 raise RankDied(f"rank {self.rank} actor {self.name} (trainer rank {self.rank}) is gone during "
@@ -460,7 +468,7 @@ class RayWorker:
             try:
                 where = await self.actor.rendezvous.remote(1)
             except RayActorError as e:
-                self.closed = True
+                self.closed = self.died = True
                 raise RankDied(f"rank {self.rank} actor {self.name} is gone: {_first_line(e)}") from e
         return f"tcp://{where['ip']}:{where['ports'][0]}"
 
@@ -479,7 +487,40 @@ class RayWorker:
                         pass  # killed below either way; its engine actor dies with it
             _kill(self.actor)
             self.closed = self._released = True
+            if self.died:
+                await anyio.to_thread.run_sync(self._sweep_after_death)
             self._launch.release_one()
+
+    def _sweep_after_death(self) -> None:
+        """What a rank actor that died left in ``/dev/shm``: the staging segments it had made
+        and not yet handed to its engine actor (or whose engine actor was killed with it).
+
+        A rank worker's engine rank is its child and sweeps them as an orphan
+        (:func:`colo.proc.lifecycle.remove_run_dir_if_orphaned`); an engine actor is not
+        the rank actor's child, and Ray kills it as its owner's death is known, so
+        the driver does: with :func:`colo.proc.lifecycle.sweep`, which removes only what
+        nobody holds the lock of (the dead actor's went with it), as the next run's
+        start-up would. Only on the driver's node, where its /dev/shm is this one: an
+        actor on another node leaves its segments to the next run started there."""
+        pid, node = self.where.get("pid"), self.where.get("node_id")
+        if not pid or node is None or node != ray.get_runtime_context().get_node_id():
+            return
+        deadline = time.monotonic() + SWEEP_AFTER_DEATH_S
+        while owner_alive(pid) and time.monotonic() < deadline:  # Ray's word can come first
+            time.sleep(0.05)
+        prefix = f"colo-{pid}-"
+        sweep()
+        # a lock can outlive its maker by a moment (a process it forked, still ending)
+        while time.monotonic() < deadline and any(n.startswith(prefix) for n in _shm_names()):
+            time.sleep(0.1)
+            sweep()
+
+
+def _shm_names() -> list[str]:
+    try:
+        return os.listdir(SHM_DIR)
+    except OSError:
+        return []
 
 
 def _kill(actor: Any) -> None:
@@ -598,15 +639,15 @@ async def spawn_workers(specs: Sequence[Any], *, envs: Sequence[dict[str, str] |
         specs = await _meet_at_rank0(actors[0], specs)
         with anyio.fail_after(START_TIMEOUT_S):
             # submitted together (each imports torch), awaited together
-            for ref in [actor.setup.remote(spec.to_json(), share) for actor, spec in zip(actors, specs)]:
-                await ref
+            refs = [actor.setup.remote(spec.to_json(), share) for actor, spec in zip(actors, specs)]
+            wheres = [await ref for ref in refs]
     except BaseException:
         with anyio.CancelScope(shield=True):
             for actor in actors:
                 _kill(actor)
             launch.release()
         raise
-    return [RayWorker(s.rank, a, launch, f"colo-rank{s.rank}-{token}") for s, a in zip(specs, actors)]
+    return [RayWorker(s.rank, a, launch, f"colo-rank{s.rank}-{token}", w) for s, a, w in zip(specs, actors, wheres)]
 
 
 def _actor_env(env: dict[str, str] | None, gpu: bool) -> dict[str, str]:

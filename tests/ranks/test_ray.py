@@ -228,3 +228,79 @@ def test_bundles_the_cluster_cannot_place_fail_the_start_naming_them_and_leave_n
     assert "bundle 0 {'GPU': 1, 'CPU': 1}" in str(e.value) and "bundle 1" in str(e.value)
     assert "STRICT_PACK" in str(e.value)
     assert _live_groups() == []
+
+
+# -- issue 32, item 4: a rank actor killed mid-sync fails the run and leaves nothing ---------------
+
+
+def _actor_pids(prefix: str) -> dict[str, int]:
+    """The live colo actors' worker pids by name, as Ray's GCS records them."""
+    from ray._private import state
+
+    return {a["Name"]: int(a["Pid"]) for a in state.actors().values()
+            if str(a.get("Name", "")).startswith(prefix) and a.get("State") == "ALIVE" and a.get("Pid")}
+
+
+def _made_by(pid: int) -> list[str]:
+    """/dev/shm segments process ``pid`` made (colo names them ``colo-<pid>-<uuid>``)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"colo-{pid}-"))
+
+
+def test_a_rank_actor_sigkilled_mid_sync_fails_the_run_naming_it_and_leaves_nothing(cluster, tmp_path):
+    """SIGKILL of rank 1's trainer actor's worker process while it holds its staging
+    segments in a sync: the run fails naming rank 1 (exit 1, one FAILED line, no
+    traceback, the sync's phase.failed with failed_rank 1 in both traces: the engines
+    stale), and within 10 s of the driver's exit nothing of the run is left: no colo
+    actor, no placement group, no actor process, no colo dir, and no segment of any of
+    its actors (before: the killed actor's 2 segments stayed until the next run's start).
+    Its segments are checked at the driver's exit too: any colo run started on this
+    machine meanwhile sweeps them as well, which would hide a driver that does not."""
+    import psutil
+
+    trace = tmp_path / "t.jsonl"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    cmd = [sys.executable, "-m", "colo.cli", "demo", "--launcher", "ray", "--address", cluster, "--gpus", "2",
+           "--steps", "50", "--bucket-mib", "0.05", "--trace", str(trace), "--quiet"]
+    with open(tmp_path / "stderr", "wb") as ferr, open(tmp_path / "stdout", "wb") as fout:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=fout, stderr=ferr, env=env)
+    try:
+        deadline, pids, held = time.monotonic() + 150, {}, []
+        while not held:  # rank 1's actor is inside a sync: it holds segments it made
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            pids = pids if len(pids) == 4 else _actor_pids("colo-")  # 2 rank actors, 2 engine actors
+            victim = next((pid for name, pid in pids.items() if name.startswith("colo-rank1-")), None)
+            held = _made_by(victim) if victim and len(pids) == 4 else []
+            time.sleep(0.005)
+        os.kill(victim, signal.SIGKILL)
+        code = proc.wait(120)
+        # at the driver's exit: any colo run's start-up on this machine sweeps them too, later
+        at_exit = _made_by(victim)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = (tmp_path / "stderr").read_text(errors="replace")
+    out = (tmp_path / "stdout").read_text(errors="replace")
+    assert code == 1, (code, err[-3000:])
+    assert "Traceback" not in err + out, err[-3000:]
+    failed = [ln for ln in (err + out).splitlines() if "FAILED" in ln]
+    assert len(failed) == 1 and "FAILED in phase sync" in failed[0] and "rank 1" in failed[0], (failed, err[-2000:])
+    traces = [tmp_path / "t.rank0.jsonl", tmp_path / "t.rank1.jsonl"]
+    for t in traces:
+        events = _events(t)
+        assert events[-1]["event"] == "trace.finished", t
+        (f,) = [e for e in events if e["event"] == "phase.failed"]
+        assert (f["phase"], f["failed_rank"]) == ("sync", 1), f
+    assert replay([str(t) for t in traces]).valid
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        left = ([n for pid in pids.values() for n in _made_by(pid)], _live_actors(), _live_groups(),
+                [pid for pid in pids.values() if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
+                sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("colo-")))
+        if not any(left):
+            break
+        time.sleep(0.2)
+    assert held  # what rank 1's actor held when it was killed: gone below, and by the driver's exit
+    assert at_exit == [], "the killed rank actor's segments outlived the driver"
+    assert left == ([], [], [], [], []), "segments, actors, groups, actor processes, dirs of the run left behind"
