@@ -339,7 +339,6 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
     current = engine if callable(engine) else (lambda: engine)
     if hasattr(trainer, "probe_logits"):
         trainer.probe_tokens = batch  # its reference is then taken as it offloads, on the device
-    reference = getattr(trainer, "probe_logits", None) or trainer.logits
 
     async def verify(digests: list[str]) -> None:
         want = trainer_digest(trainer, dtype, fresh=False)
@@ -350,7 +349,9 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed
 
     async def probe() -> None:
         eng = current()
-        ref = reference(batch)
+        # looked up here, not when the verifier is made: a trainer that only syncs (and is only
+        # ever digest-checked) has no logits to offer
+        ref = (getattr(trainer, "probe_logits", None) or trainer.logits)(batch)
         if eng.capabilities.probe == "logprobs":
             got = torch.tensor(await eng.logprobs(batch))
             logp = torch.log_softmax(ref.float(), dim=-1)
