@@ -151,7 +151,12 @@ class FSDPTrainer(ReferenceTrainer):
 
     def extractor(self) -> Any:
         if self._paused() and self.world_size == 1 and next(iter(self.model.parameters())).device.type == "cuda":
-            return self._one_rank_host_extractor()
+            # Paused on one rank, each shard is its whole tensor and its pinned host backup is
+            # the source as it lies (hf_state's views): the reference trainer's host extractor,
+            # uploaded straight into staging with no per-tensor upload, gather and pack copy
+            # (3 device passes and an allocation per tensor: 5.4 x the link's floor at
+            # Qwen2-1.5B on an H100), built once while the saver keeps its backups in place.
+            return super().extractor()
         if self._paused():
             # offload-first on a GPU: the shards are paused; upload each from its
             # pinned host backup as its bucket is built, then gather it.
@@ -173,31 +178,9 @@ class FSDPTrainer(ReferenceTrainer):
             return PlainExtractor(local, dtype=getattr(torch, self.engine_dtype))
         return self._live_extractor()
 
-    def _one_rank_host_extractor(self) -> Any:
-        """Paused on one rank, each shard is its whole tensor and its pinned host backup is
-        the source as it lies: the transport uploads it straight into its staging buffer,
-        with no per-tensor upload, gather and pack copy (3 device passes and an allocation
-        per tensor; 5.4 x the link's floor at Qwen2-1.5B on an H100). Built once while the
-        saver keeps its backups at the same addresses (its retained backups do)."""
-        from colo.extractors.plain import PlainExtractor
-
-        saver = self._memory_backend.saver
-        key = None
-        if getattr(saver, "retains_backups", False):
-            # viewing all 338 backups of a 1.5B model again would cost ~8 ms a sync
-            params = list(self.model.parameters())
-            key = (id(params[0]), id(params[-1]), saver.host_view(params[0].to_local()).data_ptr(),
-                   saver.host_view(params[-1].to_local()).data_ptr())
-        if key is None or self._host_extractor is None or self._host_extractor[0] != key:
-            host = self.hf_state()  # the local shards' host views, by HF name
-            device = next(iter(self.model.parameters())).device
-            dtype = getattr(torch, self.engine_dtype)
-            if all(v.dtype == dtype for v in host.values()):
-                ex = PlainExtractor(host, dtype=dtype, upload_to=device)
-            else:  # converted on the device, the kernel reading the pinned backup in place
-                ex = PlainExtractor(host, dtype=dtype, device=device)
-            self._host_extractor = (key, ex)
-        return self._host_extractor[1]
+    @staticmethod
+    def _stored(p: torch.Tensor) -> torch.Tensor:
+        return p.to_local()
 
     def _data_parallel(self) -> tuple[int, int, Any]:
         return self._mesh.get_local_rank(), self._mesh.size(), self._mesh.get_group()
