@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|trainers|trainer-syncs|verify|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -30,6 +30,11 @@ case "${1:-tests}" in
   colo-bench)  # the user's command on the GPU: colo bench --device cuda, the sizes of a GPU, every flag as documented
     python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --reps 3 --out "$OUT/colo-bench-cuda.json" \
       2>&1 | tee "$OUT/colo-bench-cuda.log" | tail -12
+    ;;
+  colo-bench-trainers)  # issue 31 items 3 and 4: colo bench --device cuda with the real trainers' rows (every
+    # transition, torch_memory_saver's own backup beside them) at one model: qwen2-1.5b (default) or qwen2-7b
+    python3 -m colo.cli bench --device cuda --model "${2:-qwen2-1.5b}" --reps 3 --trainers all \
+      --out "$OUT/colo-bench-trainers-${2:-qwen2-1.5b}.json" 2>&1 | tee "$OUT/colo-bench-trainers-${2:-qwen2-1.5b}.log" | tail -24
     ;;
   verify)  # issue 31 item 2: the device digest's GPU tests, the one-GPU tests (every demo verifies every
     # sync through it), and colo bench --device cuda with verify_s per row

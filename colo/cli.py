@@ -223,7 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"bucket size, at least {MIN_BUCKET_MIB:g} (default: the model's own: 1 for demo, 64 for qwen2-1b, "
                         "512 for the rest)")
     b.add_argument("--reps", type=_positive(int, 100), default=None, metavar="N",
-                   help="timed syncs per transport after one warm-up (default: the model's own, 3-5)")
+                   help="timed syncs per transport after one warm-up (default: the model's own, 3-5); for the "
+                        "real trainers, cycles of each kind")
+    b.add_argument("--trainers", default=None, metavar="NAME[,NAME]",
+                   help="the real trainers' rows too (hf, megatron, fsdp, a comma-separated list, all or none; "
+                        "default: all on cuda, none on cpu): each trainer's sync under every plan and every "
+                        "transition of the cycle, in a process of its own")
     b.add_argument("--out", default=None, metavar="PATH",
                    help="result JSON (default: bench/results/<device>-sync-<date>.json, never replacing one)")
     b.set_defaults(module="colo.apps.bench", func="run_bench")

@@ -403,10 +403,13 @@ def machine_info() -> dict:
 
 
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
-                progress: Any = None, engine: str = "colo") -> dict:
+                progress: Any = None, engine: str = "colo", trainers: Sequence[str] = (),
+                trainer_reps: int | None = None) -> dict:
     """Every model through every case on ``device``, beside the limits measured first.
     ``engine="vllm"``: each model into colo's engine and into a real vLLM, same transport and
-    bucket, and their ratio (``comparison``)."""
+    bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
+    model too, every transition of the cycle timed (:mod:`colo.apps.bench_trainers`), and on a
+    GPU torch_memory_saver's own CPU backup over each model's weight bytes."""
     if device == "cuda":
         limits = measure_gpu_limits()
         limit, link = limits["pinned_h2d_GBps"], "pinned host->device"
@@ -423,6 +426,18 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
     if engine == "vllm":
         out["comparison"] = compare_engines(results)
         out["vllm"] = {"version": _vllm_version()}
+    if trainers:
+        from colo.apps import bench_trainers as bt
+
+        if device == "cuda":
+            release_cached()  # the rows' children get the device as the parent left it: nothing cached
+        say = progress or (lambda *_: None)
+        entries = bt.trainer_rows(models, trainers, device=device, reps=trainer_reps, say=say)
+        out["trainers"] = [bt.against_limits(e, limits, device) for e in entries]
+        if device == "cuda":
+            sizes = sorted({m["rows"][0]["bytes"] for m in results if m["rows"]})
+            out["saver_backup"] = [bt.saver_against_limits(e, limits)
+                                   for e in bt.saver_rows(sizes, reps=trainer_reps or 3, say=say)]
     return out
 
 
@@ -577,8 +592,15 @@ def run_bench(args: Any) -> int:
     engine = getattr(args, "engine", "colo")
     if engine == "vllm":
         models = [vllm_model(m, args.device) for m in models]
-    result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say, engine=engine))
+    trainers = choose_trainers(getattr(args, "trainers", None), args.device)
+    result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say, engine=engine,
+                                     trainers=trainers, trainer_reps=args.reps))
     print(table(result))
+    if trainers:
+        from colo.apps.bench_trainers import table as trainer_table
+
+        print()
+        print(trainer_table(result["trainers"], result.get("saver_backup", ())))
     try:
         out = write_result(json.dumps(result, indent=2) + "\n", out=args.out or None, directory=RESULTS_DIR,
                            stem=f"{args.device}-sync-{dt.date.today().isoformat()}")
@@ -588,7 +610,28 @@ def run_bench(args: Any) -> int:
         return EXIT_FAILED
     print(f"results: {out}")
     ok = all(r["digest_ok"] for m in result["models"] for r in m["rows"])
+    # a trainer row that failed (its digest or probe did not match, or its child died) fails the run
+    ok = ok and not any("error" in e for e in result.get("trainers", []) + result.get("saver_backup", []))
     return EXIT_OK if ok else EXIT_FAILED
+
+
+def choose_trainers(value: str | None, device: str) -> list[str]:
+    """``--trainers``: a comma-separated list of hf, megatron, fsdp, or all, or none; unset:
+    all three on a GPU, none on a CPU (the CPU's rows are the transports')."""
+    from colo.apps.bench_trainers import TRAINERS
+
+    if value is None:
+        return list(TRAINERS) if device == "cuda" else []
+    if value == "none":
+        return []
+    if value == "all":
+        return list(TRAINERS)
+    names = [n.strip() for n in value.split(",")]
+    bad = [n for n in names if n not in TRAINERS]
+    if bad or not names or len(set(names)) != len(names):
+        raise UsageError(f"--trainers {value!r}: expected a comma-separated list of {', '.join(TRAINERS)} "
+                         "(each once), all, or none")
+    return names
 
 
 __all__ = ["RESULTS_DIR", "write_result", "BenchModel", "CASES", "Case", "MODELS", "bench", "check_out", "bench_model", "machine_info",

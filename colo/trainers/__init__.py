@@ -28,14 +28,18 @@ BUILDERS = {
 
 
 def build(kind: str, *, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None) -> tuple[Any, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[Any, Any]:
     """``param_dtype``: the trainer's parameters' dtype; None: on a GPU the engine's (bf16
     parameters, fp32 master weights in the optimizer), on the CPU float32
-    (:func:`colo.trainers.base.param_dtype_for`)."""
+    (:func:`colo.trainers.base.param_dtype_for`). ``optimizer_state=False``: the
+    optimizer's state is not made (on a GPU, no ``trainer.optimizer`` region): a trainer
+    that only syncs, as the benchmark's real-trainer rows at 7B where 12 bytes a
+    parameter of fp32 masters and moments would not fit beside the engine."""
     try:
         target = BUILDERS[kind]
     except (KeyError, TypeError):
         raise ValueError(f"unknown trainer {kind!r}; expected one of {', '.join(BUILDERS)}") from None
     module, fn = target.split(":")
     return getattr(importlib.import_module(module), fn)(
-        model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device, param_dtype=param_dtype)
+        model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device, param_dtype=param_dtype,
+        optimizer_state=optimizer_state)

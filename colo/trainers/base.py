@@ -57,6 +57,12 @@ class PolicyTrainer:
     #: the weights may have changed since
     _offloaded_logits: torch.Tensor | None = None
 
+    @property
+    def memory_backend(self) -> Any:
+        """What pauses and resumes this trainer's tags (``pause(owner, tags)``,
+        ``resume(owner, tags)``, ``resident(tag)``); None on the CPU, where nothing moves."""
+        return self._memory_backend
+
     def tag_bytes(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {"weights": weights, "optimizer": self._optimizer_bytes(weights)}

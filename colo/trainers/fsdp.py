@@ -257,7 +257,7 @@ class _OwnedProcessGroup:
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None) -> tuple[FSDPTrainer, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[FSDPTrainer, Any]:
     """The FSDP2 trainer over the default process group (started here, one rank, if
     none exists: the caller must then call ``trainer.close()``).
 
@@ -268,7 +268,8 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
 
     On a GPU the shards and AdamW's state live in memory-saver regions with a
     pinned host backup, so offload and onload are real pauses (as in
-    :func:`colo.trainers.hf.build`).
+    :func:`colo.trainers.hf.build`). ``optimizer_state=False``: AdamW's state is left
+    unmade (a trainer that only syncs: :mod:`colo.apps.bench_trainers`).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -297,8 +298,9 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
         with saver.region("trainer.weights", cpu_backup=True):
             model = shard(cast_parameters(build_trainer_model(model_config, seed), dtype), mesh)
         trainer = FSDPTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver), group=group)
-        with saver.region("trainer.optimizer", cpu_backup=True):
-            trainer.init_optimizer_state()
+        if optimizer_state:
+            with saver.region("trainer.optimizer", cpu_backup=True):
+                trainer.init_optimizer_state()
         return trainer, saver
     except BaseException:
         if group is not None:

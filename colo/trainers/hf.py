@@ -176,7 +176,7 @@ def _data_parallel_world() -> Any:
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None) -> tuple[ReferenceTrainer, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[ReferenceTrainer, Any]:
     """The reference trainer, its parameters in ``param_dtype``
     (:func:`~colo.trainers.base.param_dtype_for`: on a GPU the engine's, with fp32
     master weights in the optimizer).
@@ -186,7 +186,9 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     from then on, which the engine reads straight from (the one-copy sync). On a GPU
     that buffer pauses to a shared pinned host backup; otherwise the weights live in
     a memory-saver region with a pinned host backup. The optimizer's state (masters
-    and moments) lives in a region of its own, so offload and onload are real pauses.
+    and moments) lives in a region of its own, so offload and onload are real pauses;
+    ``optimizer_state=False`` leaves it unmade (a trainer that only syncs:
+    :mod:`colo.apps.bench_trainers`).
 
     With torch.distributed initialised over N > 1 ranks, this rank of an
     N-rank data-parallel trainer (see the module docstring)."""
@@ -214,8 +216,9 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
         memory = TrainerMemory(saver)
     trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=memory, dp_group=group,
                                flat_weights=flat)
-    with saver.region("trainer.optimizer", cpu_backup=True):
-        trainer.init_optimizer_state()
+    if optimizer_state:
+        with saver.region("trainer.optimizer", cpu_backup=True):
+            trainer.init_optimizer_state()
     return trainer, saver
 
 

@@ -541,7 +541,7 @@ def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) ->
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None) -> tuple[MegatronTrainer, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[MegatronTrainer, Any]:
     """The megatron-core trainer, starting from the reference trainer's initial weights for
     ``seed`` (rounded to ``param_dtype``, :func:`~colo.trainers.base.param_dtype_for`:
     on a GPU the engine's, bf16, with fp32 master weights in the optimizer, as
@@ -549,7 +549,8 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     torch.distributed is initialised with N ranks (see the module docstring), else
     one rank. On a GPU its weights and AdamW state live in memory-saver regions with
     a pinned host backup, so offload and onload are real pauses. Call ``close()``
-    when done."""
+    when done. ``optimizer_state=False``: AdamW's state is left unmade (a trainer that
+    only syncs: :mod:`colo.apps.bench_trainers`)."""
     from colo.trainers.models import build_trainer_model
     from colo.trainers.precision import cast_parameters
 
@@ -580,8 +581,9 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
             load_hf(model, hf, model_config)
         trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype,
                                   memory_backend=TrainerMemory(saver))
-        with saver.region("trainer.optimizer", cpu_backup=True):
-            trainer.init_optimizer_state()
+        if optimizer_state:
+            with saver.region("trainer.optimizer", cpu_backup=True):
+                trainer.init_optimizer_state()
         _check_readback(trainer, hf)
         return trainer, saver
     except BaseException:

@@ -1,0 +1,431 @@
+"""``colo bench --trainers``: the real trainers' syncs and every transition of the cycle.
+
+Beside the flat-buffer rows of :mod:`colo.apps.bench`, one row per trainer (hf,
+megatron, fsdp: :mod:`colo.trainers`) and plan. Each trainer is measured in a
+child process of its own (torch_memory_saver is process-wide, and megatron-core
+must be imported before a saver exists), as it is deployed: built by its own
+builder with its parameters in the engine's dtype on a GPU (fp32 master weights
+in its optimizer where that fits beside the engine), colo's engine in a further
+process, colo's default transport (``packed``: one copy where the trainer's
+weights are one flat buffer).
+
+Per plan, cycles of the real sequence, each step timed on its own:
+
+- ``offload-first``: engine release (KV and weights), trainer onload, trainer
+  pause, engine wake weights, the sync from the pinned host backup, engine wake KV;
+- ``sync-first``: engine release, trainer onload, engine wake weights, the sync
+  from the resident device weights, trainer pause, engine wake KV.
+
+One warm-up cycle and ``reps`` plain cycles (``--verify none``: the trainer's
+memory moved by its backend alone), then ``reps`` verified cycles as the demo
+verifies (:func:`colo.apps.demo_setup.make_verifier`): the trainer offloads
+through ``trainer.offload`` (which takes its digest and the probe's reference on
+the device first), and after the sync the engine's digest is checked against
+the trainer's and the engine's logits on the probe batch against the trainer's.
+Reported: every step's median, the verification's parts, and the verified
+offload beside the plain pause (what verification adds to the offload).
+
+The parent (:func:`trainer_rows`) sets every figure against the link limits
+measured in the same run; :func:`saver_rows` measures torch_memory_saver's own
+CPU backup (``enable_cpu_backup``) over the same bytes, with and without a
+retained backup, each in a process of its own (the retain flag is process-wide).
+
+usage (the child): python -m colo.apps.bench_trainers trainer|saver JSON_ARGS OUT
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: the plans a trainer row is measured under, per device (a CPU trainer has no device memory to
+#: move: its weights are always resident, so only ``sync-first`` means anything there)
+PLANS = {"cuda": ("offload-first", "sync-first"), "cpu": ("sync-first",)}
+#: the trainers ``--trainers all`` means, in the order they run
+TRAINERS = ("hf", "megatron", "fsdp")
+#: bytes a parameter costs in a real trainer's optimizer (fp32 master and two fp32 moments)
+OPTIMIZER_BYTES_PER_PARAM = 12
+#: device memory left free beside the trainer and the engine when deciding whether the
+#: optimizer's state fits (activations of the probe, staging, the CUDA contexts)
+HEADROOM_BYTES = 4 << 30
+#: how long one trainer's child may run (a 7B model is built on the host in fp32 first)
+CHILD_TIMEOUT_S = 1800
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def optimizer_fits(params: int, weight_bytes: int, engine_bytes: int, free_bytes: int) -> tuple[bool, str]:
+    """Whether the trainer's optimizer state (12 bytes a parameter) fits on the device beside
+    its weights (twice: the hf trainer's adoption into one buffer holds both copies for a
+    moment) and the engine's weights, with :data:`HEADROOM_BYTES` to spare; and why."""
+    need = params * OPTIMIZER_BYTES_PER_PARAM + 2 * weight_bytes + engine_bytes + HEADROOM_BYTES
+    if need <= free_bytes:
+        return True, f"fits: {need / 2**30:.1f} GiB of {free_bytes / 2**30:.1f} GiB free"
+    return False, (f"left out: {params:,} parameters x {OPTIMIZER_BYTES_PER_PARAM} bytes of fp32 masters and moments "
+                   f"need {need / 2**30:.1f} GiB with the weights and the engine, {free_bytes / 2**30:.1f} GiB free")
+
+
+class _Clock:
+    """Seconds of an awaited step, the device's queued work included."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    async def time(self, step: Callable[[], Any]) -> tuple[float, Any]:
+        self.sync()
+        t0 = time.perf_counter()
+        out = await step()
+        self.sync()  # a flat buffer's resume is queued: its copy belongs to the step
+        return time.perf_counter() - t0, out
+
+
+async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: list[str], clock: _Clock, step: int,
+                 bucket_bytes: int, verifier: tuple[Callable, Callable] | None) -> dict:
+    """One cycle of ``plan``, each transition timed; with ``verifier`` the demo's verification."""
+    from colo.core.interfaces import SyncContext
+    from colo.core.memory import StagingBudget
+
+    out: dict[str, Any] = {}
+    backend = trainer.memory_backend
+
+    async def pause() -> None:
+        if verifier is not None:
+            # as colo's trainer offloads: its digest and the probe's reference first, on the device
+            out["trainer_offload_verified_s"], _ = await clock.time(lambda: trainer.offload(tags))
+        elif backend is not None:
+            out["trainer_pause_s"], _ = await clock.time(lambda: backend.pause("trainer", tags))
+
+    out["engine_release_s"], _ = await clock.time(lambda: engine.release(["kv_cache", "weights"]))
+    if backend is not None and not backend.resident("weights"):  # the first cycle finds it resident, as built
+        out["trainer_onload_s"], _ = await clock.time(lambda: backend.resume("trainer", tags))
+    if plan == "offload-first":
+        await pause()
+    out["engine_wake_weights_s"], _ = await clock.time(lambda: engine.resume(["weights"]))
+    source = "host" if backend is not None and not backend.resident("weights") else "device"
+    ctx = SyncContext(step=step, weight_version=step, bucket_bytes=bucket_bytes, source=source,
+                      staging=StagingBudget(None), flush_cache=True)
+    out["sync_s"], result = await clock.time(lambda: transport.sync(trainer, engine, ctx))
+    out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
+               peak_staging_bytes=ctx.staging.peak_bytes)
+    if verifier is not None:
+        verify, probe = verifier
+        t0 = time.perf_counter()
+        digest = await engine.digest()
+        t1 = time.perf_counter()
+        await verify([digest])  # raises VerificationError on a mismatch: the row fails, loudly
+        t2 = time.perf_counter()
+        await probe()
+        t3 = time.perf_counter()
+        out["verify_s"] = t3 - t0
+        out["verify_parts"] = {"engine_digest_s": t1 - t0, "trainer_check_s": t2 - t1, "probe_s": t3 - t2}
+        out["digest"] = digest
+    if plan == "sync-first":
+        await pause()
+    out["engine_wake_kv_s"], _ = await clock.time(lambda: engine.resume(["kv_cache"]))
+    return out
+
+
+def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
+    """A plan's row: every step's median over its cycles (the warm-up left out by the caller)."""
+    steps = ("engine_release_s", "trainer_onload_s", "trainer_pause_s", "engine_wake_weights_s", "sync_s",
+             "engine_wake_kv_s")
+    last = plain[-1]
+    row = {"plan": plan, "source": last["source"], "bytes": last["bytes"], "buckets": last["buckets"],
+           "tensors": last["tensors"], "peak_staging_bytes": max(c["peak_staging_bytes"] for c in plain),
+           "cycles": len(plain), "verified_cycles": len(verified),
+           "sync_s_all": [c["sync_s"] for c in plain],
+           "step_s": {k: _median([c[k] for c in plain if k in c]) for k in steps if any(k in c for c in plain)}}
+    row["sync_s"] = row["step_s"]["sync_s"]
+    if verified:
+        row["verify_s"] = _median([c["verify_s"] for c in verified])
+        row["verify_s_all"] = [c["verify_s"] for c in verified]
+        row["verify_parts"] = {k: _median([c["verify_parts"][k] for c in verified])
+                               for k in verified[0]["verify_parts"]}
+        row["verified_sync_s"] = _median([c["sync_s"] for c in verified])
+        row["digests"] = sorted({c["digest"] for c in verified})
+        offload = [c["trainer_offload_verified_s"] for c in verified if "trainer_offload_verified_s" in c]
+        if offload:
+            row["trainer_offload_verified_s"] = _median(offload)
+    return row
+
+
+async def measure_trainer(kind: str, model: Any, *, device: str, reps: int, seed: int = 0,
+                          say: Callable[[str], None] = lambda _: None) -> dict:
+    """``kind``'s rows at ``model`` (a :class:`colo.apps.bench.BenchModel`): see the module docstring."""
+    import torch
+
+    from colo.apps.bench import _engine_build
+    from colo.apps.demo_setup import make_verifier
+    from colo.engine.client import EngineClient
+    from colo.engine.weights import expected_hf_specs
+    from colo.trainers import build
+    from colo.trainers.models import demo_config
+    from colo.transports import make_transport
+
+    if kind == "megatron":
+        import megatron.core  # noqa: F401 - before any memory saver exists (its import sets the hook mode)
+    config = demo_config(**model.config)
+    cuda = device == "cuda"
+    engine_dtype = getattr(torch, model.engine_dtype)
+    specs = expected_hf_specs(config, engine_dtype)
+    params = sum(s.nbytes // engine_dtype.itemsize for s in specs)
+    engine_bytes = sum(s.nbytes for s in specs)
+    engine = await EngineClient.spawn(_engine_build(config, model, device))
+    trainer = None
+    try:
+        optimizer, why = True, "the CPU: host memory"
+        if cuda:
+            free, _ = torch.cuda.mem_get_info()
+            # the engine is up, so its weights are already out of ``free``: the trainer's own bf16
+            # weights are the engine's bytes
+            optimizer, why = optimizer_fits(params, engine_bytes, 0, free)
+        say(f"{kind} at {model.name}: building (optimizer state {why})")
+        t0 = time.perf_counter()
+        trainer, _saver = build(kind, model_config=config, seed=seed, engine_dtype=model.engine_dtype, device=device,
+                                optimizer_state=optimizer)
+        build_s = time.perf_counter() - t0
+        tags = ["weights", "optimizer"] if optimizer else ["weights"]
+        tag_bytes = {t: b for t, b in trainer.tag_bytes().items() if t in tags}
+        param_dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+        clock = _Clock(cuda)
+        transport = make_transport("packed")
+        verifier = make_verifier(trainer, engine, config, model.engine_dtype, seed)
+        rows = []
+        # untimed: each process compiles the checksum kernel on its first digest
+        await engine.digest()
+        await trainer.compute(trainer.sent_digest, True)
+        try:
+            for plan in PLANS[device]:
+                say(f"{kind} at {model.name}: {plan}")
+                plain = [await _cycle(plan, trainer, engine, transport, tags, clock, i, int(model.bucket_mib * 2**20),
+                                      None) for i in range(1 + reps)][1:]
+                verified = [await _cycle(plan, trainer, engine, transport, tags, clock, i,
+                                         int(model.bucket_mib * 2**20), verifier) for i in range(reps)]
+                rows.append(_summary(plan, plain, verified))
+        finally:
+            await transport.aclose()
+        return {"trainer": kind, "model": model.name, "params": params, "param_dtype": param_dtype,
+                "engine_dtype": model.engine_dtype, "optimizer_state": optimizer, "optimizer_state_why": why,
+                # the order the contract digest goes in (:mod:`colo.digest`): the trainer's
+                "spec_names": [sp.name for sp in trainer.param_specs()], "tag_bytes": tag_bytes, "trainer_bytes": sum(tag_bytes.values()), "engine_weight_bytes": engine_bytes,
+                "build_s": build_s, "bucket_mib": model.bucket_mib, "reps": reps, "transport": "packed",
+                "rows": rows}
+    finally:
+        if trainer is not None:
+            trainer.close()
+        await engine.aclose()
+
+
+def measure_saver(nbytes: int, *, retain: bool, reps: int) -> dict:
+    """torch_memory_saver's own CPU backup (``enable_cpu_backup``) of one ``nbytes`` region:
+    pause (device -> its host backup, the device pages released) and resume, each timed to
+    the device's completion; ``retain``: the backup kept between pauses (colo's setting)
+    or made anew on every pause (torch_memory_saver's default)."""
+    import torch
+
+    from colo.device.cuda_memory import Saver
+
+    saver = Saver(retain_cpu_backup=retain)
+    with saver.region("bench.saver", cpu_backup=True):
+        x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    x.random_(0, 255)
+    want = int(x[:: max(1, nbytes // 4096)].sum())
+    pauses, resumes = [], []
+    for _ in range(1 + reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        saver.pause("bench.saver")
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        saver.resume("bench.saver")
+        torch.cuda.synchronize()
+        pauses.append(t1 - t0)
+        resumes.append(time.perf_counter() - t1)
+    got = int(x[:: max(1, nbytes // 4096)].sum())
+    if got != want:
+        raise RuntimeError(f"torch_memory_saver's backup changed the region: sample sum {got} != {want}")
+    import torch_memory_saver
+
+    return {"bytes": nbytes, "retain_cpu_backup": retain, "reps": reps,
+            "torch_memory_saver": getattr(torch_memory_saver, "__version__", None) or _dist_version(),
+            "pause_s": statistics.median(pauses[1:]), "resume_s": statistics.median(resumes[1:]),
+            "pause_s_all": pauses[1:], "resume_s_all": resumes[1:]}
+
+
+def _dist_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch_memory_saver")
+    except PackageNotFoundError:
+        return None
+
+
+# -- the parent: one child per trainer --------------------------------------------------------
+
+def _run_child(what: str, args: dict, say: Callable[[str], None]) -> dict:
+    """``python -m colo.apps.bench_trainers what`` in a process of its own; its JSON, or an
+    ``error`` with the end of what it printed."""
+    with tempfile.TemporaryDirectory(prefix="colo-bench-trainer-") as d:
+        out, log = os.path.join(d, "out.json"), os.path.join(d, "log")
+        with open(log, "w", encoding="utf-8") as fh:
+            try:
+                proc = subprocess.run([sys.executable, "-m", "colo.apps.bench_trainers", what, json.dumps(args), out],
+                                      stdout=fh, stderr=subprocess.STDOUT, timeout=CHILD_TIMEOUT_S)
+                code: int | str = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = f"timeout after {CHILD_TIMEOUT_S} s"
+        if code == 0 and os.path.exists(out):
+            with open(out, encoding="utf-8") as fh:
+                return json.load(fh)
+        with open(log, encoding="utf-8", errors="replace") as fh:
+            tail = fh.read()[-2000:]
+        say(f"{what} {args.get('kind', '')} failed ({code}): {tail.strip().splitlines()[-1] if tail.strip() else ''}")
+        return {"error": f"exit {code}", "log_tail": tail, **{k: v for k, v in args.items() if k != "model"}}
+
+
+def against_limits(entry: dict, limits: dict, device: str) -> dict:
+    """A trainer's rows over the link limits of the same run: each sync over its floor (its bytes
+    over pinned host->device for ``offload-first``, over one device copy for ``sync-first``;
+    the host memcpy on a CPU), verification over the sync, the trainer's pause and onload
+    over pinned device->host and host->device."""
+    if "error" in entry:
+        return entry
+    trainer_bytes = entry["trainer_bytes"]
+    for row in entry["rows"]:
+        if device == "cuda":
+            if row["plan"] == "offload-first":
+                rate, what = limits["pinned_h2d_GBps"], "payload / pinned host->device"
+            else:
+                rate, what = limits["d2d_copy_GBps_read_plus_write"] / 2, "payload / one device copy"
+        else:
+            rate, what = limits["memcpy_GBps"], "payload / host memcpy"
+        row["floor_s"], row["floor_is"] = row["bytes"] / rate / 1e9, what
+        row["sync_over_floor"] = row["sync_s"] / row["floor_s"]
+        if row.get("verify_s") is not None:
+            row["verify_of_sync"] = row["verify_s"] / row["sync_s"]
+        steps = row["step_s"]
+        rates = {}
+        for step, link, key in (("trainer_pause_s", "pinned device->host", "pinned_d2h_GBps"),
+                                ("trainer_onload_s", "pinned host->device", "pinned_h2d_GBps")):
+            if device == "cuda" and steps.get(step):
+                got = trainer_bytes / steps[step] / 1e9
+                rates[step.removesuffix("_s")] = {"bytes": trainer_bytes, "GBps": got, "link": link,
+                                                  "of_link": got / limits[key]}
+        row["trainer_rates"] = rates
+    return entry
+
+
+def trainer_rows(models: Sequence[Any], trainers: Sequence[str], *, device: str, reps: int | None,
+                 say: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """Every trainer at every model, each in a child process (unset ``reps``: the model's own)."""
+    out = []
+    for model in models:
+        for kind in trainers:
+            entry = _run_child("trainer", {"kind": kind, "model": dataclasses.asdict(model), "device": device,
+                                           "reps": reps or model.repeat}, say)
+            entry.setdefault("trainer", kind)
+            entry.setdefault("model", model.name)
+            out.append(entry)
+            for r in entry.get("rows", []):
+                say(f"{model.name} {kind:8s} {r['plan']:13s} sync {r['sync_s'] * 1e3:8.1f} ms  "
+                    f"verify {r.get('verify_s', float('nan')) * 1e3:7.1f} ms  buckets {r['buckets']}")
+    return out
+
+
+def saver_rows(nbytes: Sequence[int], *, reps: int, say: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """torch_memory_saver's CPU backup over each size, retained (colo's) and not (its default)."""
+    out = []
+    for n in nbytes:
+        for retain in (True, False):
+            entry = _run_child("saver", {"bytes": n, "retain": retain, "reps": reps}, say)
+            out.append(entry)
+            if "error" not in entry:
+                say(f"torch_memory_saver cpu backup {n / 2**30:.2f} GiB retain={retain}: pause "
+                    f"{entry['pause_s'] * 1e3:.0f} ms, resume {entry['resume_s'] * 1e3:.0f} ms")
+    return out
+
+
+def saver_against_limits(entry: dict, limits: dict) -> dict:
+    if "error" in entry:
+        return entry
+    n = entry["bytes"]
+    entry["pause_of_link"] = n / entry["pause_s"] / 1e9 / limits["pinned_d2h_GBps"]
+    entry["resume_of_link"] = n / entry["resume_s"] / 1e9 / limits["pinned_h2d_GBps"]
+    return entry
+
+
+def table(entries: Sequence[dict], savers: Sequence[dict] = ()) -> str:
+    """The README's table of the real trainers: one line per trainer, model and plan."""
+    lines = ["| model | trainer | plan | sync ms | of floor | verify ms (of sync) | trainer pause / onload of link "
+             "| engine release / wake weights / wake KV ms | optimizer state |",
+             "|---|---|---|---:|---:|---:|---|---|---|"]
+    for e in entries:
+        if "error" in e:
+            lines.append(f"| {e.get('model')} | {e.get('trainer')} | - | FAILED ({e['error']}) | | | | | |")
+            continue
+        for r in e["rows"]:
+            s, rates = r["step_s"], r.get("trainer_rates", {})
+            pause = rates.get("trainer_pause", {}).get("of_link")
+            onload = rates.get("trainer_onload", {}).get("of_link")
+            link = "-" if pause is None else f"{pause:.2f} / {onload:.2f}"
+            verify = "-" if r.get("verify_s") is None else f"{r['verify_s'] * 1e3:.1f} ({r['verify_of_sync']:.2f})"
+            eng = " / ".join(f"{s[k] * 1e3:.1f}" for k in ("engine_release_s", "engine_wake_weights_s",
+                                                          "engine_wake_kv_s"))
+            lines.append(f"| {e['model']} | {e['trainer']} | {r['plan']} | {r['sync_s'] * 1e3:.1f} "
+                         f"| {r['sync_over_floor']:.2f} | {verify} | {link} | {eng} "
+                         f"| {'yes' if e['optimizer_state'] else 'no'} |")
+    for v in savers:
+        if "error" in v:
+            continue
+        lines.append(f"\ntorch_memory_saver CPU backup, {v['bytes'] / 2**30:.2f} GiB, retain_cpu_backup="
+                     f"{v['retain_cpu_backup']}: pause {v['pause_s'] * 1e3:.0f} ms ({v['pause_of_link']:.2f} of "
+                     f"pinned device->host), resume {v['resume_s'] * 1e3:.0f} ms ({v['resume_of_link']:.2f} of "
+                     "pinned host->device)")
+    return "\n".join(lines)
+
+
+def _child(argv: Sequence[str]) -> int:
+    import anyio
+
+    what, args, out = argv
+    args = json.loads(args)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if what == "trainer":
+        from colo.apps.bench import BenchModel
+
+        model = BenchModel(**args["model"])
+        result = anyio.run(lambda: measure_trainer(args["kind"], model, device=args["device"], reps=args["reps"],
+                                                   say=say))
+    elif what == "saver":
+        result = measure_saver(args["bytes"], retain=args["retain"], reps=args["reps"])
+    else:
+        raise SystemExit(f"bench_trainers: unknown child {what!r}; expected trainer or saver")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    from colo.device.cuda_memory import exit_past_the_saver
+
+    return exit_past_the_saver(0)
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -1,0 +1,85 @@
+"""``colo bench --trainers``: the real trainers' rows, each trainer in a process of its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import colo.apps.bench as bench
+from colo.apps.bench_trainers import OPTIMIZER_BYTES_PER_PARAM, HEADROOM_BYTES, optimizer_fits
+from colo.cli import main
+from colo.core.buckets import plan_buckets
+from colo.digest import expected_weights_digest
+from colo.engine.weights import expected_hf_specs
+from colo.proc.handles import leftover_segments
+from colo.trainers.models import build_trainer_model, demo_config
+
+from tests.apps.test_bench import TINY
+
+
+def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(bench.MODELS, "tiny", TINY)
+    real = bench.measure_limits
+    monkeypatch.setattr(bench, "measure_limits", lambda: real(nbytes=4 << 20, reps=1, directory=str(tmp_path)))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--transports", "packed", "--trainers",
+                 "hf,megatron,fsdp", "--reps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    config = demo_config(**TINY.config)
+    specs = expected_hf_specs(config, torch.bfloat16)
+    # every trainer starts from the reference model of seed 0 (megatron and fsdp load its weights):
+    # the engine's digest after each trainer's verified syncs is that model's, in the engine's dtype,
+    # over the trainer's own spec order
+    ref = {n: p.detach() for n, p in build_trainer_model(config, 0).named_parameters()}
+    assert [e["trainer"] for e in result["trainers"]] == ["hf", "megatron", "fsdp"]
+    memcpy = result["limits"]["memcpy_GBps"]
+    for e in result["trainers"]:
+        name = e["trainer"]
+        assert "error" not in e, e.get("log_tail")
+        assert (e["model"], e["param_dtype"], e["engine_dtype"], e["optimizer_state"]) == \
+            ("tiny", "float32", "bfloat16", True), name
+        assert e["params"] == sum(t.numel() for t in ref.values()) and e["engine_weight_bytes"] == \
+            sum(s.nbytes for s in specs)
+        [row] = e["rows"]  # a CPU trainer's weights are always resident: sync-first only
+        assert (row["plan"], row["source"], row["cycles"], row["verified_cycles"]) == ("sync-first", "device", 1, 1)
+        assert sorted(e["spec_names"]) == sorted(s.name for s in specs)
+        assert row["digests"] == [expected_weights_digest(ref, e["spec_names"], torch.bfloat16)], name
+        assert (row["bytes"], row["tensors"]) == (sum(s.nbytes for s in specs), len(specs)), name
+        by_name = {s.name: s for s in specs}
+        ordered = [by_name[n] for n in e["spec_names"]]
+        assert row["buckets"] == len(plan_buckets(ordered, int(TINY.bucket_mib * (1 << 20)))), name
+        assert row["floor_s"] == pytest.approx(row["bytes"] / memcpy / 1e9)
+        assert row["sync_over_floor"] == pytest.approx(row["sync_s"] / row["floor_s"])
+        assert row["verify_of_sync"] == pytest.approx(row["verify_s"] / row["sync_s"])
+        assert set(row["verify_parts"]) == {"engine_digest_s", "trainer_check_s", "probe_s"}
+        assert row["verify_s"] >= sum(row["verify_parts"].values()) * 0.999 > 0
+        # every step of the cycle a CPU has, timed (no trainer memory moves on a CPU)
+        assert set(row["step_s"]) == {"engine_release_s", "engine_wake_weights_s", "sync_s", "engine_wake_kv_s"}
+        assert row["trainer_rates"] == {}
+    printed = capsys.readouterr().out
+    assert "| tiny | megatron | sync-first |" in printed and "| tiny | fsdp | sync-first |" in printed
+    assert leftover_segments() == []
+
+
+@pytest.mark.parametrize("value,msg", [
+    ("gpt", "--trainers 'gpt': expected a comma-separated list of hf, megatron, fsdp (each once), all, or none"),
+    ("hf,hf", "--trainers 'hf,hf': expected"),
+    ("", "--trainers '': expected"),
+])
+def test_bad_trainers_exit_two_naming_the_choice(value, msg, tmp_path, capsys):
+    assert main(["bench", "--trainers", value, "--out", str(tmp_path / "x.json")]) == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_optimizer_state_is_left_out_only_where_it_cannot_fit():
+    params, weights = 1_000, 2_000
+    need = params * OPTIMIZER_BYTES_PER_PARAM + 2 * weights + 500 + HEADROOM_BYTES
+    assert optimizer_fits(params, weights, 500, need)[0] is True
+    fits, why = optimizer_fits(params, weights, 500, need - 1)
+    assert fits is False and "1,000 parameters x 12 bytes" in why
+    # Qwen2-7B's shapes beside its engine on an 80 GB device: 7.6 B parameters need 106 GB of trainer state
+    p7 = 7_615_616_512
+    assert optimizer_fits(p7, 2 * p7, 2 * p7, 79 << 30)[0] is False
