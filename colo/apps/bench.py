@@ -268,19 +268,9 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
 
 
 def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
-    from colo.engine.dims import dims_from_config
-    from colo.engine.weights import expected_hf_specs
+    from colo.apps.bench_trainers import engine_build
 
-    dtype = getattr(torch, model.engine_dtype)
-    weights = sum(s.nbytes for s in expected_hf_specs(config, dtype))
-    dims = dims_from_config(config)
-    # the smallest KV pool the engine accepts (one sequence of max length), twice over:
-    # the benchmark never generates, and the host's memory is for the weights
-    kv = 2 * dims.max_positions * dims.slot_bytes(dtype)
-    fraction = 0.9
-    return {"config": config.to_dict(), "dtype": model.engine_dtype, "device": device,
-            "total_bytes": int((weights + kv) / fraction) + 1, "mem_fraction_static": fraction,
-            "checkpoint": None}
+    return engine_build(config, model.engine_dtype, device)
 
 
 async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, state: dict, workdir: str) -> Any:

@@ -60,6 +60,25 @@ HEADROOM_BYTES = 4 << 30
 CHILD_TIMEOUT_S = 1800
 
 
+def engine_build(config: Any, engine_dtype: str, device: str) -> dict:
+    """colo's engine as the benchmark starts it: weights in ``engine_dtype`` on ``device`` and the
+    smallest KV pool it accepts (one sequence of maximum length), twice over: the benchmark
+    never generates, and the device's memory is for the weights."""
+    import torch
+
+    from colo.engine.dims import dims_from_config
+    from colo.engine.weights import expected_hf_specs
+
+    dtype = getattr(torch, engine_dtype)
+    weights = sum(s.nbytes for s in expected_hf_specs(config, dtype))
+    dims = dims_from_config(config)
+    kv = 2 * dims.max_positions * dims.slot_bytes(dtype)
+    fraction = 0.9
+    return {"config": config.to_dict(), "dtype": engine_dtype, "device": device,
+            "total_bytes": int((weights + kv) / fraction) + 1, "mem_fraction_static": fraction,
+            "checkpoint": None}
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -165,12 +184,11 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
     return row
 
 
-async def measure_trainer(kind: str, model: Any, *, device: str, reps: int, seed: int = 0,
+async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, seed: int = 0,
                           say: Callable[[str], None] = lambda _: None) -> dict:
-    """``kind``'s rows at ``model`` (a :class:`colo.apps.bench.BenchModel`): see the module docstring."""
+    """``kind``'s rows at ``model`` (a :class:`colo.apps.bench.BenchModel` as a dict: its
+    ``name``, ``config``, ``engine_dtype`` and ``bucket_mib``): see the module docstring."""
     import torch
-
-    from colo.apps.bench import _engine_build
     from colo.apps.demo_setup import make_verifier
     from colo.engine.client import EngineClient
     from colo.engine.weights import expected_hf_specs
@@ -180,13 +198,14 @@ async def measure_trainer(kind: str, model: Any, *, device: str, reps: int, seed
 
     if kind == "megatron":
         import megatron.core  # noqa: F401 - before any memory saver exists (its import sets the hook mode)
-    config = demo_config(**model.config)
+    name, bucket_bytes = model["name"], int(model["bucket_mib"] * 2**20)
+    config = demo_config(**model["config"])
     cuda = device == "cuda"
-    engine_dtype = getattr(torch, model.engine_dtype)
+    engine_dtype = getattr(torch, model["engine_dtype"])
     specs = expected_hf_specs(config, engine_dtype)
     params = sum(s.nbytes // engine_dtype.itemsize for s in specs)
     engine_bytes = sum(s.nbytes for s in specs)
-    engine = await EngineClient.spawn(_engine_build(config, model, device))
+    engine = await EngineClient.spawn(engine_build(config, model["engine_dtype"], device))
     trainer = None
     try:
         optimizer, why = True, "the CPU: host memory"
@@ -195,36 +214,36 @@ async def measure_trainer(kind: str, model: Any, *, device: str, reps: int, seed
             # the engine is up, so its weights are already out of ``free``: the trainer's own bf16
             # weights are the engine's bytes
             optimizer, why = optimizer_fits(params, engine_bytes, 0, free)
-        say(f"{kind} at {model.name}: building (optimizer state {why})")
+        say(f"{kind} at {name}: building (optimizer state {why})")
         t0 = time.perf_counter()
-        trainer, _saver = build(kind, model_config=config, seed=seed, engine_dtype=model.engine_dtype, device=device,
-                                optimizer_state=optimizer)
+        trainer, _saver = build(kind, model_config=config, seed=seed, engine_dtype=model["engine_dtype"],
+                                device=device, optimizer_state=optimizer)
         build_s = time.perf_counter() - t0
         tags = ["weights", "optimizer"] if optimizer else ["weights"]
         tag_bytes = {t: b for t, b in trainer.tag_bytes().items() if t in tags}
         param_dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         clock = _Clock(cuda)
         transport = make_transport("packed")
-        verifier = make_verifier(trainer, engine, config, model.engine_dtype, seed)
+        verifier = make_verifier(trainer, engine, config, model["engine_dtype"], seed)
         rows = []
         # untimed: each process compiles the checksum kernel on its first digest
         await engine.digest()
         await trainer.compute(trainer.sent_digest, True)
         try:
             for plan in PLANS[device]:
-                say(f"{kind} at {model.name}: {plan}")
-                plain = [await _cycle(plan, trainer, engine, transport, tags, clock, i, int(model.bucket_mib * 2**20),
-                                      None) for i in range(1 + reps)][1:]
-                verified = [await _cycle(plan, trainer, engine, transport, tags, clock, i,
-                                         int(model.bucket_mib * 2**20), verifier) for i in range(reps)]
+                say(f"{kind} at {name}: {plan}")
+                plain = [await _cycle(plan, trainer, engine, transport, tags, clock, i, bucket_bytes, None)
+                         for i in range(1 + reps)][1:]
+                verified = [await _cycle(plan, trainer, engine, transport, tags, clock, i, bucket_bytes, verifier)
+                            for i in range(reps)]
                 rows.append(_summary(plan, plain, verified))
         finally:
             await transport.aclose()
-        return {"trainer": kind, "model": model.name, "params": params, "param_dtype": param_dtype,
-                "engine_dtype": model.engine_dtype, "optimizer_state": optimizer, "optimizer_state_why": why,
+        return {"trainer": kind, "model": name, "params": params, "param_dtype": param_dtype,
+                "engine_dtype": model["engine_dtype"], "optimizer_state": optimizer, "optimizer_state_why": why,
                 # the order the contract digest goes in (:mod:`colo.digest`): the trainer's
                 "spec_names": [sp.name for sp in trainer.param_specs()], "tag_bytes": tag_bytes, "trainer_bytes": sum(tag_bytes.values()), "engine_weight_bytes": engine_bytes,
-                "build_s": build_s, "bucket_mib": model.bucket_mib, "reps": reps, "transport": "packed",
+                "build_s": build_s, "bucket_mib": model["bucket_mib"], "reps": reps, "transport": "packed",
                 "rows": rows}
     finally:
         if trainer is not None:
@@ -271,10 +290,12 @@ def measure_saver(nbytes: int, *, retain: bool, reps: int) -> dict:
 def _dist_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        return version("torch_memory_saver")
-    except PackageNotFoundError:
-        return None
+    for name in ("torch-memory-saver", "torch_memory_saver"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            pass
+    return None
 
 
 # -- the parent: one child per trainer --------------------------------------------------------
@@ -411,11 +432,8 @@ def _child(argv: Sequence[str]) -> int:
         print(line, file=sys.stderr, flush=True)
 
     if what == "trainer":
-        from colo.apps.bench import BenchModel
-
-        model = BenchModel(**args["model"])
-        result = anyio.run(lambda: measure_trainer(args["kind"], model, device=args["device"], reps=args["reps"],
-                                                   say=say))
+        result = anyio.run(lambda: measure_trainer(args["kind"], args["model"], device=args["device"],
+                                                   reps=args["reps"], say=say))
     elif what == "saver":
         result = measure_saver(args["bytes"], retain=args["retain"], reps=args["reps"])
     else:
