@@ -18,17 +18,24 @@ trainer's flat weight buffer, nothing packed; issue 18, item 2). The baselines
 and the pipelined row are told not to use the flat buffer, so they still pack.
 The trainer's weights are that flat buffer (``colo.device.flat_weights``), paused to
 its own pinned host copy. Beside them, per model, a
-real peer: MoonshotAI's checkpoint-engine from the same pinned weights into a
-receiver process on the same GPU (``bench.peer``).
+real peer: MoonshotAI's checkpoint-engine from the same weights (the same seed,
+``bench.models``) into a receiver process on the same GPU, run first, as a user
+would run it: ``python -m bench.peer`` in a process of its own that holds nothing
+else, before this process has built any of colo's rows. Each model's ratios say
+how much faster colo's one-copy ``offload-first`` sync is than the peer's best
+configuration and than its default.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,24 +46,8 @@ import torch
 from colo.core.interfaces import SyncContext
 from colo.apps.bench import measure_gpu_limits as measure_limits, median_time, release_cached
 from colo.core.memory import GiB, MiB, StagingBudget
-from colo.trainers.models import QWEN2_7B
+from bench.models import GPU_MODEL_NAMES, gpu_models, seeded_flat_weights, shapes_of
 
-#: the benchmark's models, in the order they run (:func:`gpu_models` has their shapes)
-GPU_MODEL_NAMES: tuple[str, ...] = ("qwen2-7b", "qwen2-1.5b")
-
-
-def gpu_models() -> dict[str, tuple[str, dict]]:
-    """name -> (what the results call its shapes, Qwen2Config overrides).
-
-    Qwen2-1.5B is the demo's 1.5B size (``colo.trainers.models.DEMO_MODELS``: tied
-    embeddings, no lm_head of its own). colo.trainers.models is imported here, not with
-    this module: the peer's receiver is a spawned process, which imports the
-    parent's main module again, and transformers in the receiver would lengthen
-    the ``gc.collect()`` checkpoint-engine runs there on every update."""
-    from colo.trainers.models import DEMO_MODELS
-
-    return {"qwen2-7b": ("Qwen2-7B", QWEN2_7B),
-            "qwen2-1.5b": ("Qwen2-1.5B (tied embeddings)", dict(DEMO_MODELS["qwen2-1.5b"]))}
 #: (label, transport, options, plans it runs under). One-copy is colo's default and runs first
 #: under each plan, so the digest taken after it shows it delivered: under sync-first the engine
 #: reads the trainer's flat device buffer, under offload-first the paused weights' shared pinned
@@ -102,16 +93,13 @@ class BenchTrainer:
 
     def __init__(self, config: Any, saver: Any, tag: str = "trainer"):
         from colo.engine.weights import expected_hf_specs
-        from colo.device.flat_weights import FlatWeights
 
         self.saver = saver
         self.weights_tag, self.optimizer_tag = f"{tag}.weights", f"{tag}.optimizer"
         self.specs = expected_hf_specs(config, torch.bfloat16)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        self.flat_weights = FlatWeights({s.name: (s.shape, torch.bfloat16) for s in self.specs}, device="cuda")
+        # seeded as bench.peer seeds the peer's: both move the same bytes
+        self.flat_weights = seeded_flat_weights(self.specs)
         self.params = self.flat_weights.tensors
-        for s in self.specs:
-            self.params[s.name].copy_(torch.randn(s.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
         with saver.region(self.optimizer_tag, cpu_backup=True):
             # AdamW keeps two moments per parameter, in the parameter's dtype here
             self.moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
@@ -390,16 +378,15 @@ def target_ratios(rows: list[dict], limits: dict, bucket_mib: float, floors: dic
 
 
 async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float, reps: int,
-                      layers: int | None, peer_configs: Sequence[Any]) -> dict:
-    """One model: its floors, colo's syncs under both plans, the cycle's phases, then the peer."""
+                      layers: int | None, peer: dict | None = None) -> dict:
+    """One model: its floors, colo's syncs under both plans, the cycle's phases, and their
+    ratios against the peer's result (``peer``: :func:`run_peer_process`'s, measured before)."""
     from colo.engine.client import EngineClient
     from colo.engine.weights import expected_digest, expected_hf_specs
     from colo.trainers.models import demo_config
 
-    label, base = gpu_models()[name]
-    shapes = dict(base)
-    if layers is not None:
-        shapes["num_hidden_layers"] = layers
+    label = gpu_models()[name][0]
+    shapes = shapes_of(name, layers)
     config = demo_config(**shapes)
     model_bytes = sum(s.nbytes for s in expected_hf_specs(config, torch.bfloat16))
     floors = measure_floors(model_bytes)
@@ -428,18 +415,10 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     finally:
         await engine.aclose()
     ratios = target_ratios(rows, limits, bucket_mib, floors)
-    colo_of = next(r for r in rows if (r["plan"], r["transport"]) == ("offload-first", "packed-pipelined"))
-    one_of = next((r for r in rows if (r["plan"], r["transport"]) == ("offload-first", "packed-one-copy")), None)
-    peer = None
-    if peer_configs:
-        peer = run_peer_row(trainer, config.to_dict(), want, peer_configs, colo_of["sync_s"])
-        persistent = [r for r in peer.get("rows", []) if r["config"]["mode"] == "persistent"
-                      and r["config"]["bucket_gib"] is None]
-        if persistent:  # the issue's comparison: its persistent process group, its own bucket choice
-            ratios["checkpoint_engine_persistent_over_colo_offload_first"] = persistent[0]["update_s"] / colo_of["sync_s"]
-            if one_of is not None:
-                ratios["checkpoint_engine_persistent_over_colo_offload_first_one_copy"] = \
-                    persistent[0]["update_s"] / one_of["sync_s"]
+    if peer is not None:
+        ratios.update(peer_ratios(peer, rows, want))
+        print(json.dumps({"model": name, "peer_ratios": {k: v for k, v in ratios.items() if "checkpoint" in k}}),
+              flush=True)
     flat = trainer.flat_weights
     host_backup = {"shared": flat.host_shared, "unshared_reason": flat.host_unshared,
                    "first_pause_s": trainer.first_pause_s}
@@ -456,46 +435,106 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
     }
 
 
-def run_peer_row(trainer: BenchTrainer, config: dict, want_digest: str, configs: Sequence[Any],
-                 colo_offload_first_s: float) -> dict:
-    """checkpoint-engine from the trainer's pinned weights (the offload-first source), or why it could not run.
+#: how long one model's peer process may take: its 7B run registers 15 GB of pinned memory
+#: twice and times about 24 updates, a few minutes; past this it is stopped and said
+PEER_TIMEOUT_S = 1200.0
 
-    A peer that fails is recorded with its error and fails the benchmark's exit
-    status, without losing colo's rows measured before it; one that is not
-    installed is recorded as skipped."""
-    import traceback
 
-    from bench.peer import run_peer
+def peer_command(name: str, out: str, *, layers: int | None, reps: int) -> list[str]:
+    """The peer's own process: ``python -m bench.peer`` with this benchmark's model and reps."""
+    cmd = [sys.executable, "-m", "bench.peer", out, "--model", name, "--reps", str(reps)]
+    return cmd + (["--layers", str(layers)] if layers is not None else [])
 
+
+def read_peer_result(path: str, returncode: int | None) -> dict:
+    """What ``python -m bench.peer`` wrote, or why there is nothing to read.
+
+    ``skipped`` (checkpoint-engine not importable) and ``error`` (it failed, with its
+    traceback) are its own results; a process that wrote nothing (killed, timed out) is
+    an error here. Its exit status is kept beside its result."""
+    from bench.peer import KIND
+
+    said = "timed out" if returncode is None else f"exited {returncode}"
     try:
-        import checkpoint_engine  # noqa: F401
-    except ImportError as e:  # an optional peer: its absence is said, not a failure of colo's rows
-        reason = f"checkpoint-engine is not importable ({e}); pip install checkpoint-engine, or --no-peer"
-        print(reason, file=sys.stderr, flush=True)
-        return {"skipped": reason, "rows": []}
-    if not trainer.weights_paused:
-        raise RuntimeError(f"{trainer.weights_tag} is resident; the peer reads the pinned host copy of paused weights")
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        return {"error": f"bench.peer {said} without writing {path} (its output is in the log above)",
+                "rows": [], "returncode": returncode}
+    except (OSError, ValueError) as e:
+        return {"error": f"bench.peer {said}; its result {path} is unreadable: {e}", "rows": [],
+                "returncode": returncode}
+    if not isinstance(data, dict) or data.get("kind") != KIND or not isinstance(data.get("rows"), list):
+        return {"error": f"bench.peer {said}; {path} is not a {KIND} result", "rows": [], "returncode": returncode}
+    if returncode != 0 and "skipped" not in data and "error" not in data and all(r.get("digest_ok") for r in data["rows"]):
+        data["error"] = f"bench.peer {said} after writing its result"
+    data["returncode"] = returncode
+    return data
+
+
+def run_peer_process(name: str, *, layers: int | None, reps: int, folder: str,
+                     timeout_s: float = PEER_TIMEOUT_S) -> dict:
+    """checkpoint-engine for one model, in a process of its own (its lines go to this log as
+    they come), and its result; a missing checkpoint-engine is a ``skipped`` result."""
+    out = os.path.join(folder, f"peer-{name}.json")
+    cmd = peer_command(name, out, layers=layers, reps=reps)
+    print(json.dumps({"model": name, "peer_command": cmd}), flush=True)
+    # the child imports this very bench package, wherever the caller's working directory is
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    t = time.perf_counter()
     try:
-        peer = run_peer(trainer.host_state(), config, want_digest=want_digest, configs=configs,
-                        say=lambda line: print(line, flush=True))
-    except Exception:  # noqa: BLE001 - recorded in the result, and the exit status says it failed
-        text = traceback.format_exc()
-        print(text, file=sys.stderr, flush=True)
-        return {"error": text, "rows": []}
-    for r in peer["rows"]:
-        # > 1: colo's offload-first sync is that many times faster than this update
-        r["over_colo_offload_first"] = r["update_s"] / colo_offload_first_s
-    return peer
+        returncode: int | None = subprocess.run(cmd, timeout=timeout_s, check=False, env=env).returncode
+    except subprocess.TimeoutExpired:
+        returncode = None
+    result = read_peer_result(out, returncode)
+    result["process_wall_s"] = time.perf_counter() - t
+    for key in ("skipped", "error"):
+        if key in result:
+            print(f"checkpoint-engine ({name}) {key}: {result[key]}", file=sys.stderr, flush=True)
+    return result
+
+
+def peer_ratios(peer: dict, rows: Sequence[dict], want_digest: str | None = None) -> dict:
+    """colo against the peer, > 1 where colo is faster: the peer's best and its default
+    update over colo's one-copy ``offload-first`` sync (and its pipelined packed one); each
+    peer row gets its own. A default whose bytes did not arrive gets no ratio. With
+    ``want_digest`` (colo's trainer's), the peer's result also records whether its own
+    weights were the same bytes (``same_weights_as_colo``)."""
+    by = {(r["plan"], r["transport"]): r for r in rows}
+    colo = {"offload_first_one_copy": by.get(("offload-first", "packed-one-copy")),
+            "offload_first": by.get(("offload-first", "packed-pipelined"))}
+    out: dict[str, Any] = {}
+    for which in ("best", "default"):
+        r = peer.get(which)
+        if r is None or not r.get("digest_ok"):
+            continue
+        for key, row in colo.items():
+            if row is not None:
+                out[f"checkpoint_engine_{which}_over_colo_{key}"] = r["update_s"] / row["sync_s"]
+    for r in peer.get("rows", []):
+        for key, row in colo.items():
+            if row is not None:
+                r[f"over_colo_{key}"] = r["update_s"] / row["sync_s"]
+    if want_digest is not None and "expected_digest" in peer:
+        # the peer's process made its weights itself: the same bytes as colo's trainer, or the ratio is void
+        peer["same_weights_as_colo"] = peer["expected_digest"] == want_digest
+    return out
 
 
 async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = None,
                 models: Sequence[str] = GPU_MODEL_NAMES, peer: bool = True) -> dict:
-    from bench.peer import DEFAULT_CONFIGS
     from colo.device.cuda_memory import Saver
 
     unknown = [m for m in models if m not in GPU_MODEL_NAMES]
     if unknown or not models:
         raise ValueError(f"unknown model {', '.join(unknown) or repr(models)}; expected some of {', '.join(GPU_MODEL_NAMES)}")
+    peers: dict[str, dict] = {}
+    if peer:
+        # first, each in a process of its own: this process holds nothing on the GPU yet
+        with tempfile.TemporaryDirectory(prefix="colo-bench-peer-") as folder:
+            for name in models:
+                peers[name] = run_peer_process(name, layers=layers, reps=reps, folder=folder)
     limits = measure_limits()
     print(json.dumps({"limits": limits}), flush=True)
     saver = Saver()
@@ -503,10 +542,9 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
     entries = []
     for name in models:
         entries.append(await bench_model(name, saver, limits, bucket_mib=bucket_mib, reps=reps, layers=layers,
-                                         peer_configs=DEFAULT_CONFIGS if peer else ()))
+                                         peer=peers.get(name)))
     first = entries[0]
-    peers_ok = all(e["peer"] is None or ("error" not in e["peer"] and all(r["digest_ok"] for r in e["peer"]["rows"]))
-                   for e in entries)
+    peers_ok = all(peer_ok(e["peer"]) for e in entries)
     return {
         "kind": "colo.apps.bench/gpu-sync", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(), "gpu_count": torch.cuda.device_count(), "device_total_bytes": total,
@@ -521,15 +559,32 @@ async def bench(*, bucket_mib: float = 512, reps: int = 3, layers: int | None = 
     }
 
 
+def peer_ok(peer: dict | None) -> bool:
+    """Not run, skipped (not installed), or run with every row's bytes delivered, a best
+    among them, and the same weights as colo's trainer."""
+    if peer is None or "skipped" in peer:
+        return True
+    return ("error" not in peer and peer.get("best") is not None and all(r["digest_ok"] for r in peer["rows"])
+            and peer.get("same_weights_as_colo", True))
+
+
+def peer_summary(peer: dict | None) -> Any:
+    """A model's peer in the log's summary: why it did not run, or its default and best."""
+    if peer is None:
+        return None
+    if "skipped" in peer or "error" in peer:
+        return peer.get("skipped") or peer.get("error")
+    return {"default": peer.get("default"), "best": peer.get("best"),
+            "rows": {r["label"]: {"update_s": r["update_s"], "bucket_gib": r["bucket_gib"], "digest_ok": r["digest_ok"]}
+                     for r in peer["rows"]}}
+
+
 def summary(result: dict) -> dict:
     """What the log ends with: the limits, each model's ratios and the peer's updates."""
     return {"device": result["device"], "limits": result["limits"],
             "models": {e["name"]: {"floors": e["floors"], "ratios": e["ratios"],
                                    "colo": {f"{r['plan']} {r['transport']}": r["sync_s"] for r in e["syncs"]},
-                                   "peer": None if e["peer"] is None else
-                                   e["peer"].get("error") or e["peer"].get("skipped") or
-                                   {r["label"]: {"update_s": r["update_s"], "digest_ok": r["digest_ok"]}
-                                    for r in e["peer"]["rows"]}}
+                                   "peer": peer_summary(e["peer"])}
                        for e in result["models"]},
             "digest_verified": result["digest_verified"], "peer_digests_verified": result["peer_digests_verified"]}
 

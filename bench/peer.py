@@ -22,8 +22,17 @@ After each configuration's timed updates the receiver's weights are digested
 the way colo's engine digests its own (``colo.engine.model.expected_digest``)
 and compared with the trainer's: a row whose bytes did not arrive says so.
 
-Nothing here is colo's sync path; the benchmark (``bench.gpu_sync``) runs
-it beside colo's rows, in the same run, from the same pinned trainer weights.
+Nothing here is colo's sync path. ``python -m bench.peer OUT.json`` runs it as a
+user would: in a fresh process that holds nothing but checkpoint-engine's
+parameter server and the trainer's weights in pinned host memory (seeded as
+``bench.gpu_sync``'s trainer seeds its own, ``bench.models``), after measuring the
+pinned host->device limit in the same process. It times its default (per-update
+process group, its own bucket choice), a persistent process group with its own
+bucket choice, and a persistent one under each ``--buckets-gib`` cap, and names
+the fastest whose bytes arrived (``best``). ``bench.gpu_sync`` runs it that way, per
+model, before it builds any of colo's rows: run in the benchmark's own process
+after them, its post-release step (``gc.collect``, ``ipc_collect``, ``empty_cache``
+per update) slowed with what that process held (issue 31, item 5).
 """
 
 from __future__ import annotations
@@ -82,11 +91,21 @@ class PeerConfig:
         return f"checkpoint-engine {self.mode} ({bucket})"
 
 
-#: what the benchmark runs by default: the issue's comparison (persistent, its own bucket
-#: choice), the same with colo's 512 MiB bucket, and its default per-update process group
-DEFAULT_CONFIGS: tuple[PeerConfig, ...] = (PeerConfig(mode="persistent"),
-                                          PeerConfig(mode="persistent", bucket_gib=0.5),
-                                          PeerConfig(mode="per-update"))
+#: the bucket caps (``PS_MAX_BUCKET_SIZE_GB``) a persistent process group is timed under
+#: beside its own choice. Its choice is ``min(max(cap, largest tensor), free device memory
+#: x mem_fraction / 3)`` (``ParameterServer._detect_bucket_size``): a cap below the largest
+#: tensor (Qwen2-7B's 1.09 GB embedding) gives that tensor's size, which each row reports.
+DEFAULT_BUCKETS_GIB: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+
+
+def peer_configs(buckets_gib: Iterable[float] = DEFAULT_BUCKETS_GIB, *, reps: int = 3,
+                 warmup: int = 1) -> list[PeerConfig]:
+    """What ``python -m bench.peer`` times: its default (``ParameterServer()``'s ``auto_pg=True``,
+    a process group per update, its own bucket choice), a persistent process group with its
+    own bucket choice, and a persistent one under each bucket cap."""
+    return [PeerConfig(mode="per-update", reps=reps, warmup=warmup),
+            PeerConfig(mode="persistent", reps=reps, warmup=warmup),
+            *(PeerConfig(mode="persistent", bucket_gib=float(b), reps=reps, warmup=warmup) for b in buckets_gib)]
 
 
 def check_configs(configs: Iterable[PeerConfig]) -> list[PeerConfig]:
@@ -276,15 +295,16 @@ def _make_server(auto_pg: bool, mem_fraction: float | None) -> Any:
 
 
 def run_peer(named_host: Mapping[str, torch.Tensor], config: dict, *, want_digest: str,
-             configs: Iterable[PeerConfig] = DEFAULT_CONFIGS, say: Callable[[str], None] = print) -> dict:
+             configs: Iterable[PeerConfig] | None = None, say: Callable[[str], None] = print) -> dict:
     """Every configuration of checkpoint-engine from ``named_host`` (pinned trainer weights, bf16)
-    into one receiver process on this GPU; one row per configuration. ``config`` is the model's
-    ``Qwen2Config.to_dict()``."""
+    into one receiver process on this GPU; one row per configuration (``configs``; None:
+    :func:`peer_configs`). ``config`` is the model's config as a dict (``Qwen2Config.to_dict()``,
+    or ``bench.models.attr_config``'s fields)."""
     import checkpoint_engine
     import torch.distributed as dist
     from loguru import logger
 
-    configs = check_configs(configs)
+    configs = check_configs(peer_configs() if configs is None else configs)
     specs = [(n, tuple(t.shape)) for n, t in named_host.items()]
     model_bytes = sum(t.numel() * t.element_size() for t in named_host.values())
     log = _Log()
@@ -388,5 +408,203 @@ def run_peer(named_host: Mapping[str, torch.Tensor], config: dict, *, want_diges
     return {"rows": rows, "receiver_pid": receiver.info["pid"], "device_uuid": receiver.info["device_uuid"]}
 
 
-__all__ = ["DEFAULT_CONFIGS", "MODES", "Copier", "PeerConfig", "Receiver", "check_configs", "digest_config", "pick_handle",
-           "read_update_log", "run_peer"]
+# -- python -m bench.peer: checkpoint-engine in a process of its own ---------------------------
+
+#: what ``python -m bench.peer`` writes; ``bench.gpu_sync`` reads it (:func:`bench.gpu_sync.read_peer_result`)
+KIND = "bench.peer/checkpoint-engine"
+
+
+def _brief(row: Mapping[str, Any] | None) -> dict | None:
+    if row is None:
+        return None
+    return {"label": row["label"], "mode": row["config"]["mode"], "bucket_gib_cap": row["config"]["bucket_gib"],
+            "bucket_gib": row["bucket_gib"], "buckets_per_update": row["buckets_per_update"],
+            "update_s": row["update_s"], "GBps": row["GBps"], "digest_ok": row["digest_ok"]}
+
+
+def summarize(rows: Iterable[Mapping[str, Any]]) -> dict:
+    """``default``: the row of its default configuration (per-update process group, its own
+    bucket choice), whatever its digest says; ``best``: the fastest row whose digest is ok
+    (None when none is): an update that did not deliver the weights is no candidate."""
+    rows = list(rows)
+    default = next((r for r in rows if r["config"]["mode"] == "per-update" and r["config"]["bucket_gib"] is None),
+                   None)
+    delivered = [r for r in rows if r["digest_ok"] is True]
+    best = min(delivered, key=lambda r: r["update_s"]) if delivered else None
+    return {"default": _brief(default), "best": _brief(best)}
+
+
+def parse_buckets(text: str) -> tuple[float, ...]:
+    """``--buckets-gib``: comma-separated bucket caps in GiB, each a finite number > 0, each
+    once ("" for none: only its own choice is timed)."""
+    items = [x.strip() for x in text.split(",")] if text.strip() else []
+    out: list[float] = []
+    for item in items:
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0 or value > 1 << 20:
+            raise ValueError(f"--buckets-gib takes comma-separated sizes in GiB, each > 0 and at most 1 PiB "
+                             f"(e.g. 0.5,1,2,4); got {item!r} in {text!r}")
+        if value in out:
+            raise ValueError(f"--buckets-gib names {item} GiB twice in {text!r}; expected each size once")
+        out.append(value)
+    return tuple(out)
+
+
+class _Parser:
+    """argparse, with each bad argument said in one line (exit 2), no usage block."""
+
+    def __init__(self) -> None:
+        import argparse
+
+        from bench.models import GPU_MODEL_NAMES
+
+        class Parser(argparse.ArgumentParser):
+            def error(self, message: str) -> None:
+                raise _BadInput(message)
+
+        p = Parser(prog="python -m bench.peer", allow_abbrev=False,
+                   description="checkpoint-engine on one GPU, in this process alone: its default, a persistent "
+                               "process group, and each bucket cap")
+        p.add_argument("out", help="where the JSON result goes")
+        p.add_argument("--model", default=GPU_MODEL_NAMES[0], help=f"one of {', '.join(GPU_MODEL_NAMES)}")
+        p.add_argument("--layers", help="cut the model to this many layers (a quick check)")
+        p.add_argument("--buckets-gib", default=",".join(f"{b:g}" for b in DEFAULT_BUCKETS_GIB),
+                       help="bucket caps (PS_MAX_BUCKET_SIZE_GB) a persistent process group is timed under")
+        p.add_argument("--reps", default="3", help="timed updates per configuration, after one warm-up")
+        self.parser, self.models = p, GPU_MODEL_NAMES
+
+    def parse(self, argv: Any) -> SimpleNamespace:
+        a = self.parser.parse_args(argv)
+        if a.model not in self.models:
+            raise _BadInput(f"--model {a.model!r}: expected one of {', '.join(self.models)}")
+        layers = None if a.layers is None else _positive_int("--layers", a.layers)
+        reps = _positive_int("--reps", a.reps)
+        try:
+            buckets = parse_buckets(a.buckets_gib)
+        except ValueError as e:
+            raise _BadInput(str(e)) from None
+        folder = os.path.dirname(os.path.abspath(a.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise _BadInput(f"OUT {a.out!r}: its folder {folder} is not a writable folder")
+        return SimpleNamespace(out=a.out, model=a.model, layers=layers, reps=reps, buckets_gib=buckets)
+
+
+class _BadInput(Exception):
+    pass
+
+
+def _positive_int(flag: str, text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise _BadInput(f"{flag} must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise _BadInput(f"{flag} must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _write(path: str, result: Mapping[str, Any]) -> None:
+    import json
+
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)  # a reader never sees half a result
+
+
+def measure(model: str, *, layers: int | None, reps: int, buckets_gib: Iterable[float],
+            say: Callable[[str], None] = print) -> dict:
+    """The pinned host->device limit, then every configuration, in this process: it makes
+    the weights on the GPU (their expected digest computed there), keeps only their pinned
+    host copy, and hands that to checkpoint-engine's parameter server."""
+    import checkpoint_engine
+
+    from bench.models import attr_config, gpu_models, seeded_flat_weights
+    from colo.apps.bench import measure_gpu_limits, release_cached
+    from colo.engine.weights import expected_digest, expected_hf_specs
+
+    limits = measure_gpu_limits()  # frees its buffers (device and pinned host) before returning
+    say(f"pinned host->device {limits['pinned_h2d_GBps']:.1f} GB/s in this process")
+    config = attr_config(model, layers)
+    specs = expected_hf_specs(config, torch.bfloat16)
+    # the trainer's weights, made as bench.gpu_sync's trainer makes them; digested on the device
+    flat = seeded_flat_weights(specs, share_host=False)
+    try:
+        want = expected_digest(flat.tensors, config, torch.bfloat16)
+        flat.pause()  # to its private pinned host copy; the device memory goes back to the driver
+        reserved_before = torch.cuda.memory_reserved()
+        model_bytes = sum(s.nbytes for s in specs)
+        say(f"{model}: {model_bytes / 1e9:.2f} GB of bf16 weights in pinned host memory, "
+            f"{reserved_before} B of device memory reserved in this process before the peer")
+        peer = run_peer(flat.host_tensors(), dict(vars(config)), want_digest=want,
+                        configs=peer_configs(buckets_gib, reps=reps), say=say)
+    finally:
+        flat.close()
+        release_cached()
+    limit = limits["pinned_h2d_GBps"]
+    for r in peer["rows"]:
+        # 1.0 would be one pinned host->device copy of the model at this process's limit
+        r["over_h2d_limit"] = r["update_s"] / (r["bytes"] / (limit * 1e9))
+    label, _ = gpu_models()[model]
+    return {"model": model, "shapes": label + ("" if layers is None else f" ({layers} layers)"),
+            "layers": layers, "dtype": "bfloat16", "bytes": model_bytes, "tensors": len(specs),
+            "checkpoint_engine": checkpoint_engine.__version__, "limits": limits, "pinned_h2d_GBps": limit,
+            "expected_digest": want, "reps": reps, "warmup": 1, "buckets_gib": list(buckets_gib),
+            "device_reserved_before_peer_bytes": reserved_before, **peer, **summarize(peer["rows"])}
+
+
+def main(argv: Any = None) -> int:
+    import datetime as dt
+    import platform
+    import sys
+
+    try:
+        a = _Parser().parse(argv)
+    except _BadInput as e:
+        print(f"python -m bench.peer: error: {e}", file=sys.stderr)
+        return 2
+    head = {"kind": KIND, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "model": a.model, "layers": a.layers, "pid": os.getpid(), "torch": torch.__version__,
+            "python": platform.python_version()}
+    try:
+        import checkpoint_engine  # noqa: F401
+    except ImportError as e:  # an optional peer: said in the result, which bench.gpu_sync reads
+        reason = f"checkpoint-engine is not importable ({e}); pip install checkpoint-engine, or --no-peer"
+        _write(a.out, {**head, "skipped": reason, "rows": []})
+        print(f"python -m bench.peer: {reason}", file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        print("python -m bench.peer: no CUDA device is visible", file=sys.stderr)
+        return 2
+    head.update(device=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count(),
+                device_total_bytes=torch.cuda.mem_get_info()[1], cuda=torch.version.cuda)
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    try:
+        result = {**head, **measure(a.model, layers=a.layers, reps=a.reps, buckets_gib=a.buckets_gib, say=say)}
+    except Exception:  # noqa: BLE001 - in the result for bench.gpu_sync, and the exit status
+        text = traceback.format_exc()
+        _write(a.out, {**head, "error": text, "rows": []})
+        print(text, file=sys.stderr, flush=True)
+        return 1
+    _write(a.out, result)
+    for which in ("default", "best"):
+        r = result[which]
+        say(f"checkpoint-engine {which}: " + ("none (no row delivered the weights)" if r is None else
+            f"{r['label']}: {r['update_s']:.3f} s per update ({r['GBps']:.1f} GB/s), bucket {r['bucket_gib']} GiB "
+            f"x {r['buckets_per_update']}, digest ok {r['digest_ok']}"))
+    return 0 if result["best"] is not None and all(r["digest_ok"] for r in result["rows"]) else 1
+
+
+__all__ = ["DEFAULT_BUCKETS_GIB", "KIND", "MODES", "Copier", "PeerConfig", "Receiver", "check_configs",
+           "digest_config", "main", "measure", "parse_buckets", "peer_configs", "pick_handle", "read_update_log",
+           "run_peer", "summarize"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
