@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -83,9 +83,14 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
       done
     done
     ;;
-  bench)  # Qwen2-7B and Qwen2-1.5B shapes: colo's syncs, their floors, checkpoint-engine beside them;
-    # further arguments go to bench.gpu_sync (--layers 2 --reps 1: a quick check of the whole path)
+  bench)  # Qwen2-7B and Qwen2-1.5B shapes: colo's syncs, their floors, and first checkpoint-engine, each
+    # model in a process of its own (python -m bench.peer) before any of colo's rows; further arguments
+    # go to bench.gpu_sync (--models qwen2-7b; --layers 2 --reps 1: a quick check of the whole path)
     python3 -m bench.gpu_sync "$OUT/bench-gpu.json" "${@:2}" 2>&1 | tee "$OUT/bench-gpu.log" | tail -60
+    ;;
+  peer)  # checkpoint-engine alone, as a user runs it: its default, a persistent process group, each bucket
+    # cap; further arguments go to bench.peer (--model qwen2-1.5b, --buckets-gib 0.5,1,2,4, --reps 3)
+    python3 -m bench.peer "$OUT/peer.json" "${@:2}" 2>&1 | tee "$OUT/peer.log" | tail -25
     ;;
   multi)  # two GPUs: every trainer under both source plans, a killed engine rank, a GPU count too large
     python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/gpu/test_two_gpus.py 2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
