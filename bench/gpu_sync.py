@@ -479,9 +479,10 @@ def run_peer_process(name: str, *, layers: int | None, reps: int, folder: str,
     out = os.path.join(folder, f"peer-{name}.json")
     cmd = peer_command(name, out, layers=layers, reps=reps)
     print(json.dumps({"model": name, "peer_command": cmd}), flush=True)
-    # the child imports this very bench package, wherever the caller's working directory is
+    # the child finds this bench package wherever the caller's working directory is (after
+    # the caller's own path, whose order it keeps)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)}
     t = time.perf_counter()
     try:
         returncode: int | None = subprocess.run(cmd, timeout=timeout_s, check=False, env=env).returncode
