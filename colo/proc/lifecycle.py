@@ -23,7 +23,10 @@ each of these holds a lock its owner keeps for its whole life
 without a lock file (being made this instant, or made by an older colo) is left
 alone; so is a segment whose named pid may still be its creator here (an older
 colo took no lock on its segments). Only these exact name shapes are touched,
-and only those owned by this user.
+and only those owned by this user. A local Ray's dir has processes too (the
+cluster a killed driver started: GCS, raylet, agents, workers, writing into it
+for 10 to 90 s more): they are this user's processes that name the dir on their
+command line or write a file in it, and they are ended before the dir is removed.
 """
 
 from __future__ import annotations
@@ -143,6 +146,119 @@ def _sweep_dir(path: str) -> bool:
     return not os.path.lexists(path)
 
 
+def _names_path_in(text: bytes, root: bytes) -> bool:
+    """Whether ``text`` holds ``root`` itself or a path inside it (``root`` ends without a
+    slash; ``root-other`` is another path)."""
+    start = text.find(root)
+    while start >= 0:
+        after = text[start + len(root):start + len(root) + 1]
+        if after in (b"", b"/", b"\0"):
+            return True
+        start = text.find(root, start + 1)
+    return False
+
+
+def _writes_in(pid: int, root: str) -> bool:
+    """Whether process ``pid`` has a file inside ``root`` open for writing (``/proc/<pid>/fd``
+    and its ``fdinfo`` flags: a reader such as ``tail -f`` on a log does not count)."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(os.path.join(fd_dir, fd))
+            if not target.startswith(root + "/"):
+                continue
+            with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+                flags = int(f.read().split(b"flags:", 1)[1].split()[0], 8)
+        except (OSError, IndexError, ValueError):
+            continue
+        if flags & (os.O_WRONLY | os.O_RDWR):
+            return True
+    return False
+
+
+def processes_in(root: str) -> list[int]:
+    """This user's processes (not this one) whose command line names ``root`` or a path
+    inside it, or that have a file inside it open for writing: what a local Ray cluster
+    started with ``root`` as its temp dir runs (its daemons name their session dir on
+    their command line; its workers retitle themselves, ``ray::IDLE``, and keep their
+    logs there open). A pid is no proof of who a process is (pids are reused); what it
+    names and writes is."""
+    root = os.path.abspath(root)
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    return [int(e) for e in entries if e.isdigit() and _runs_in(int(e), root)]
+
+
+def _runs_in(pid: int, root: str) -> bool:
+    """:func:`processes_in`'s test for one process (``root`` absolute)."""
+    if pid == os.getpid():
+        return False
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return _names_path_in(cmdline, os.fsencode(root)) or _writes_in(pid, root)
+
+
+#: how long :func:`end_processes_in` waits for the processes it killed to be gone
+END_PROCESSES_S = 10.0
+
+
+def end_processes_in(root: str, timeout_s: float = END_PROCESSES_S) -> list[int]:
+    """SIGKILL every process :func:`processes_in` finds for ``root`` and wait (at most
+    ``timeout_s``) until they and any they started meanwhile are gone or zombies; their pids.
+
+    Each is pinned by a pidfd and checked again through it before the signal, so a pid
+    that died and was handed to another process in between is not signalled."""
+    root = os.path.abspath(root)
+    ended: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = [p for p in processes_in(root) if owner_alive(p)]
+        if not pids:
+            break
+        killed = [pid for pid in pids if _kill_if_still_in(pid, root)]
+        ended += killed
+        while any(owner_alive(p) for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return ended
+
+
+def _kill_if_still_in(pid: int, root: str) -> bool:
+    pidfd_open = getattr(os, "pidfd_open", None)
+    send = getattr(signal, "pidfd_send_signal", None)
+    if pidfd_open is None or send is None:  # no pidfds (macOS, an old kernel): the pid, re-checked
+        if not _runs_in(pid, root):
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            return False
+        return True
+    try:
+        fd = pidfd_open(pid)
+    except OSError:
+        return False  # gone
+    try:
+        if not _runs_in(pid, root):  # the pidfd's process is this pid's now: still one of them?
+            return False
+        send(fd, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def _sweep_segment(path: str, pid: int) -> bool:
     """Remove a segment whose lock nobody holds and whose named pid is not its maker here."""
     with unowned(path) as st:
@@ -160,11 +276,11 @@ def sweep(dirs: tuple[str, ...] | None = None) -> list[str]:
     """Remove colo's dirs and segments that nobody owns any more (their owner's lock is
     free: it ended); the paths removed.
 
-    ``dirs``: where dirs are looked for (default: the temp dir, and the short
-    directories an engine socket dir may have fallen back to)."""
+    ``dirs``: where dirs are looked for (default: the temp dir, ``$RAY_TMPDIR``, and the
+    short directories an engine socket dir or a local Ray's dir may have fallen back to).
+    A dead driver's local Ray cluster goes with its dir: its processes are ended first."""
     if dirs is None:
-        dirs = tuple(dict.fromkeys([tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR") or "",
-                                    *_SHORT_DIRS]))
+        dirs = tuple(_swept_bases())
     removed = []
     for base in dirs:
         try:
@@ -255,19 +371,27 @@ async def unless_stopped(pid: int | None, request: Any) -> tuple[Any, float | No
 
 
 
-def _bases() -> list[str]:
-    return list(dict.fromkeys(os.path.abspath(b) for b in [tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"),
-                                                           *_SHORT_DIRS] if b))
+def _bases(first: str | None = None) -> list[str]:
+    """Where :func:`make_short_dir` tries, in order: ``first``, ``$TMPDIR``, ``$XDG_RUNTIME_DIR``,
+    the short system dirs."""
+    candidates = [first, tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR"), *_SHORT_DIRS]
+    return list(dict.fromkeys(os.path.abspath(b) for b in candidates if b))
 
 
-def make_short_dir(kind: str, suffix: str) -> str:
-    """:func:`make_dir` in the first of ``$TMPDIR``, ``$XDG_RUNTIME_DIR`` (per user, 0700)
-    and the usual short system directories where it can be made and where ``suffix``
-    (the rest of the longest AF_UNIX path that will be made in it, after
+def _swept_bases() -> list[str]:
+    """Where colo's dirs may be: :func:`_bases`, and ``$RAY_TMPDIR``, where a local Ray
+    cluster's dir goes first (:mod:`colo.ranks.ray_launcher`)."""
+    return list(dict.fromkeys([*_bases(), *_bases(os.environ.get("RAY_TMPDIR"))]))
+
+
+def make_short_dir(kind: str, suffix: str, first: str | None = None) -> str:
+    """:func:`make_dir` in the first of ``first`` (if given), ``$TMPDIR``, ``$XDG_RUNTIME_DIR``
+    (per user, 0700) and the usual short system directories where it can be made and where
+    ``suffix`` (the rest of the longest AF_UNIX path that will be made in it, after
     ``colo-<kind>-<pid>-XXXXXXXX``) still fits: a long ``$TMPDIR`` (a CI runner's, a
     notebook's) does not fit the 107 bytes Linux allows. :class:`OSError` if none does."""
     name = dir_prefix(kind) + "XXXXXXXX"  # mkdtemp adds 8 characters
-    for base in _bases():
+    for base in _bases(first):
         if len(os.fsencode(os.path.join(base, name) + suffix)) > _SUN_PATH_MAX:
             continue
         try:
@@ -275,7 +399,7 @@ def make_short_dir(kind: str, suffix: str) -> str:
         except OSError:
             continue
     raise OSError(errno.ENAMETOOLONG, f"an AF_UNIX path is at most {_SUN_PATH_MAX} bytes and none of "
-                  f"{', '.join(_bases())} is short enough and writable; set TMPDIR to a short directory")
+                  f"{', '.join(_bases(first))} is short enough and writable; set TMPDIR to a short directory")
 
 
 def socket_dir() -> str:
@@ -486,7 +610,7 @@ def _named_for(pid: int) -> bool:
     """Whether a segment or a dir that :func:`sweep` would look at is named for ``pid``."""
     if any(n.startswith(f"colo-{pid}-") for n in _shm_names()):
         return True
-    for base in _bases():
+    for base in _swept_bases():
         try:
             names = os.listdir(base)
         except OSError:

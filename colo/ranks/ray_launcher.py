@@ -48,6 +48,7 @@ then issues its collectives in the same order.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -67,7 +68,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
 from colo.engine.client import DEATH_WAIT_S, EngineClient
 from colo.proc.handles import SHM_DIR
-from colo.proc.lifecycle import owner_alive, process_state, sweep
+from colo.proc.lifecycle import end_processes_in, make_short_dir, owner_alive, process_state, release_dir, sweep
 from colo.core.errors import ClusterUnreachable, EngineDied, EngineError, EngineRefused, RankDied, UsageError
 from colo.ranks.address import check_reachable, parse_address
 
@@ -411,10 +412,11 @@ class RankActor:
 
 
 class _Launch:
-    """What one :func:`spawn_workers` reserved: its placement group, and Ray itself if it started it."""
+    """What one :func:`spawn_workers` reserved: its placement group, and Ray itself if it
+    started it (a local cluster of its own, or its connection to one at ``--address``)."""
 
-    def __init__(self, pg: Any, started_ray: bool, n: int):
-        self.pg, self.started_ray, self.open = pg, started_ray, n
+    def __init__(self, pg: Any, ray_init: Any, n: int):
+        self.pg, self.ray_init, self.open = pg, ray_init, n
 
     def release_one(self) -> None:
         self.open -= 1
@@ -425,9 +427,9 @@ class _Launch:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-            self.started_ray = False
+        if self.ray_init is not None:
+            self.ray_init.stop()
+            self.ray_init = None
 
 
 class RayWorker:
@@ -541,16 +543,20 @@ _NO_SIGTERM_WARNING = _NoSigtermWarning()  # one instance: addFilter adds it onc
 #: how long ``ray.init`` may take to join a cluster at ``--address`` (Ray's own limit is 20
 #: rounds of about 30 s): a cluster that accepts a TCP connection and then says nothing
 RAY_INIT_TIMEOUT_S = 60.0
+#: how long a stopped run waits for the ``ray.init`` of its own local cluster to end before it
+#: ends that cluster's processes itself (it takes seconds; Ray bounds its own start-up)
+LOCAL_INIT_WAIT_S = 120.0
 
 
-async def _ensure_ray(address: str | None) -> bool:
-    """Ray initialised (an existing session is reused); whether this call started it.
+async def _ensure_ray(address: str | None) -> _RayInit | None:
+    """Ray initialised (an existing session is reused); what this call started, or None.
 
     Joining a cluster at ``address`` is bounded: its form is checked, then a TCP connect to
-    it (:mod:`colo.ranks.address`), then ``ray.init`` runs on a thread of its own for at
-    most :data:`RAY_INIT_TIMEOUT_S`; each failure is one error naming the address."""
+    it (:mod:`colo.ranks.address`), then ``ray.init`` for at most :data:`RAY_INIT_TIMEOUT_S`;
+    each failure is one error naming the address. Without an address (nor ``RAY_ADDRESS``,
+    which Ray would join), the run starts a local cluster of its own (:class:`_RayInit`)."""
     if ray.is_initialized():
-        return False
+        return None
     with _signals_kept():
         return await _init_ray(address)
 
@@ -563,7 +569,8 @@ def _signals_kept() -> Iterator[None]:
     which raised out of the event loop), and its core worker, on any thread, installs a
     native one over it that prints a stack dump first: a ``--launcher ray`` run stopped
     by SIGTERM exited 15 (or aborted) with that dump, its traces in a bare ``failed``
-    phase. The handler the driver had is put back once Ray is up."""
+    phase. ``ray.init`` now runs off the main thread (:class:`_RayInit`), which also puts
+    the native one back; this puts the driver's back at the Python level too."""
     if threading.current_thread() is not threading.main_thread():
         yield  # no handler can be set off the main thread: there is none of ours to keep
         return
@@ -575,49 +582,169 @@ def _signals_kept() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
-async def _init_ray(address: str | None) -> bool:
-    # a local cluster by default; the dashboard is not needed and costs a core at start-up
-    kwargs = {"address": address, "include_dashboard": False, "log_to_driver": False}
-    if address is None:
-        ray.init(**kwargs)  # a cluster of our own: Ray's own start-up limits apply
-        return True
+def _sigaction_of(signum: int) -> Any:
+    """The process's whole ``struct sigaction`` for ``signum``, opaque (None without libc's
+    ``sigaction``): put back as it was by :func:`_set_sigaction`, whatever was installed over it."""
     try:
-        parse_address(address)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    await anyio.to_thread.run_sync(check_reachable, address)
-    done, outcome = threading.Event(), []
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(_SIGACTION_BYTES)
+        return (libc, buf) if libc.sigaction(signum, None, buf) == 0 else None
+    except (OSError, AttributeError):
+        return None
 
-    def init() -> None:
+
+#: larger than any libc's ``struct sigaction`` (152 bytes on glibc's x86-64 and aarch64)
+_SIGACTION_BYTES = 1024
+
+
+def _set_sigaction(signum: int, saved: Any) -> None:
+    if saved is not None:
+        libc, buf = saved
+        libc.sigaction(signum, buf, None)
+
+
+def _ray_socket_suffix() -> str:
+    """What Ray puts after its temp dir in its longest AF_UNIX path:
+    ``/session_<%Y-%m-%d_%H-%M-%S_%f>_<pid>/sockets/plasma_store`` (``ray._private.node``:
+    the session is named for the process that starts the cluster, this one; the raylet's
+    socket, ``sockets/raylet``, is shorter)."""
+    return f"/session_0000-00-00_00-00-00_000000_{os.getpid()}/sockets/plasma_store"
+
+
+class _RayInit:
+    """``ray.init`` on a thread of its own (``colo-ray-init``), which lives until :meth:`stop`.
+
+    Off the main thread because of SIGTERM: on the main thread ``ray.init`` sets a handler
+    of its own first thing (``sys.exit(15)``), so a SIGTERM while it ran exited 15. Off it,
+    Ray sets none; its core worker still installs a native one (a stack dump, then the
+    handler that was there) at the end of ``ray.init``, and this thread puts the whole
+    ``sigaction`` back the moment ``ray.init`` returns (a window of about 2 ms of the
+    seconds ``ray.init`` takes, where a SIGTERM still prints Ray's dump before colo's clean
+    stop). The thread lives on because the processes of a local cluster are started from
+    it with Linux's parent-death signal (``PR_SET_PDEATHSIG``, SIGKILL), which fires when
+    the *thread* that started them ends: the GCS and the raylet died with a thread that
+    only ran ``ray.init``.
+
+    ``own_dir``: the temp dir of a cluster this driver starts, ``ray.init(_temp_dir=...)``.
+    Not Ray's default, ``$TMPDIR/ray/session_<date>_<pid>``, for what a user of Ray expects
+    of a cluster that lives and dies with one run: that it starts in whatever TMPDIR the
+    user has (Ray's sockets live under the session dir, and an AF_UNIX path is at most 107
+    bytes: with Ray's default, a TMPDIR of 42 characters already failed ``ray.init``), and
+    that nothing of it outlives the run (Ray's default dir is shared by every Ray on the
+    machine and kept after each run: every run left a session dir). colo's
+    ``colo-ray-<pid>-XXXXXXXX`` (:func:`colo.proc.lifecycle.make_short_dir`) is in
+    ``$RAY_TMPDIR`` when the user set it (Ray's own choice of place, often a large disk for
+    spilled objects), else ``$TMPDIR``, else the first short dir where Ray's sockets fit
+    (``/tmp``, as for the engine's socket); the driver holds its lock while it lives and
+    removes it with the cluster (:meth:`stop`), and after a SIGKILL the next run's
+    start-up sweep ends the cluster's processes and removes it
+    (:func:`colo.proc.lifecycle.sweep`). Refusing a long TMPDIR instead would ask the user
+    to change an environment that works for everything else."""
+
+    def __init__(self, kwargs: dict, own_dir: str | None = None):
+        self.kwargs, self.dir = kwargs, own_dir
+        self.error: BaseException | None = None
+        self._up, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="colo-ray-init", daemon=True)
+
+    @classmethod
+    def local(cls, kwargs: dict) -> _RayInit:
+        """A cluster of this driver's own, in a dir of its own (see the class)."""
         try:
-            ray.init(**kwargs)
-        except BaseException as e:  # handed to the waiting side
-            outcome.append(e)
-        finally:
-            done.set()
+            own = make_short_dir("ray", _ray_socket_suffix(), first=os.environ.get("RAY_TMPDIR"))
+        except OSError as e:
+            raise UsageError(f"no directory for a local Ray cluster: {e.strerror or e}") from None
+        return cls({**kwargs, "_temp_dir": own}, own)
 
-    # A daemon thread: ray.init cannot be cancelled, and one given up on must not keep the
-    # interpreter from exiting (anyio's worker threads are joined at exit). Off the main
-    # thread Ray sets no SIGTERM handler of its own (colo's signal handling stays) and says
-    # so in a warning per run, which is not the user's concern: that record is dropped.
-    logging.getLogger("ray._private.worker").addFilter(_NO_SIGTERM_WARNING)
-    threading.Thread(target=init, name="colo-ray-init", daemon=True).start()
+    def _run(self) -> None:
+        saved = _sigaction_of(signal.SIGTERM)
+        try:
+            ray.init(**self.kwargs)
+        except BaseException as e:  # handed to the waiting side
+            self.error = e
+        finally:
+            _set_sigaction(signal.SIGTERM, saved)
+            self._up.set()
+        self._stop.wait()
+
+    def begin(self) -> None:
+        # Off the main thread Ray sets no SIGTERM handler of its own (colo's signal handling
+        # stays) and says so in a warning per run, which is not the user's concern: dropped.
+        logging.getLogger("ray._private.worker").addFilter(_NO_SIGTERM_WARNING)
+        self._thread.start()
+
+    @property
+    def done(self) -> bool:
+        """``ray.init`` returned (or raised: :attr:`error`)."""
+        return self._up.is_set()
+
+    async def wait(self) -> None:
+        while not self._up.is_set():
+            await anyio.sleep(0.05)
+
+    async def start_local(self) -> None:
+        """Start this driver's own cluster; a failure or a cancellation (SIGINT, SIGTERM)
+        leaves nothing of it. ``ray.init`` cannot be stopped midway: a cancelled start waits
+        for it (at most :data:`LOCAL_INIT_WAIT_S`), then ends the cluster."""
+        self.begin()
+        try:
+            await self.wait()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(LOCAL_INIT_WAIT_S):
+                    await self.wait()
+                self.stop()
+            raise
+        if self.error is not None:
+            self.stop()
+            raise self.error
+
+    def stop(self) -> None:
+        """Shut Ray down in this driver; for a cluster of its own, end whatever of it is left
+        (the raylet's workers and agents end on their own seconds after it) and remove its dir."""
+        if ray.is_initialized():
+            ray.shutdown()
+        self._stop.set()
+        if self.dir is not None:
+            end_processes_in(self.dir)
+            release_dir(self.dir)
+            self.dir = None
+
+
+async def _init_ray(address: str | None) -> _RayInit:
+    # the dashboard is not needed and costs a core at start-up
+    kwargs = {"address": address, "include_dashboard": False, "log_to_driver": False}
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        session = _RayInit.local(kwargs)  # a cluster of our own: Ray's own start-up limits apply
+        await session.start_local()
+        return session
+    if address is not None:
+        try:
+            parse_address(address)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        await anyio.to_thread.run_sync(check_reachable, address)
+    # the thread is a daemon: ray.init cannot be cancelled, and one given up on must not
+    # keep the interpreter from exiting (anyio's worker threads are joined at exit)
+    session = _RayInit(kwargs)
+    session.begin()
+    where = address if address is not None else os.environ.get("RAY_ADDRESS")
     try:
         with anyio.fail_after(RAY_INIT_TIMEOUT_S):
-            while not done.is_set():
-                await anyio.sleep(0.1)
+            await session.wait()
     except TimeoutError:
-        raise ClusterUnreachable(f"no Ray cluster at {address}: ray.init did not connect within "
+        raise ClusterUnreachable(f"no Ray cluster at {where}: ray.init did not connect within "
                                  f"{RAY_INIT_TIMEOUT_S:g} s (is it a Ray head node's GCS address? "
                                  "`ray start --head` prints it)") from None
-    if outcome:
-        e = outcome[0]
+    e = session.error
+    if e is not None:
+        session.stop()
         if isinstance(e, ValueError):  # Ray's reading of the address (or its other arguments)
-            raise UsageError(f"--address {address!r}: {_first_line(e)}") from None
+            raise UsageError(f"--address {where!r}: {_first_line(e)}") from None
         if isinstance(e, ConnectionError):
-            raise ClusterUnreachable(f"no Ray cluster at {address}: {_first_line(e)}") from None
+            raise ClusterUnreachable(f"no Ray cluster at {where}: {_first_line(e)}") from None
         raise e
-    return True
+    return session
 
 
 async def spawn_workers(specs: Sequence[Any], *, envs: Sequence[dict[str, str] | None] | None = None,

@@ -1,0 +1,164 @@
+"""Issue 32, items 5 and 11: ``--launcher ray`` on a local Ray cluster the run starts itself
+(no ``--address``) leaves nothing of that cluster behind: no session directory in TMPDIR
+(or wherever Ray put it), however the run ends, and no Ray process of it once the next
+run has started, even after the driver's SIGKILL; a long TMPDIR does not break Ray's
+AF_UNIX sockets; a SIGTERM while ``ray.init`` still runs is colo's clean stop.
+
+Every run is a driver process of its own with a private TMPDIR and without RAY_ADDRESS
+(a driver given one joins that cluster, which is not its own), so that what it leaves can
+be told from what anything else on the machine made."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
+
+REPO = Path(__file__).resolve().parents[2]
+#: Ray and two ranks start in ~15 s on an idle 2-core machine; a loaded one takes longer
+RUN_TIMEOUT_S = 300
+
+
+def _env(tmpdir: Path) -> dict[str, str]:
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)  # a local Ray of the run's own
+    env.pop("RAY_TMPDIR", None)
+    return env
+
+
+def _demo(tmpdir: Path, out: Path, *extra: str) -> subprocess.Popen:
+    with open(out / "stderr", "ab") as ferr, open(out / "stdout", "ab") as fout:
+        return subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--gpus", "2",
+                                 "--launcher", "ray", "--trace", str(out / "t.jsonl"), *extra],
+                                cwd=REPO, env=_env(tmpdir), stdout=fout, stderr=ferr)
+
+
+def _torch_own(tmp_path: Path) -> set[str]:
+    """What torch itself puts in a fresh TMPDIR when a program imports it as colo's ranks do
+    (``torchinductor_<user>``, its compile cache, kept across runs by design): not the run's."""
+    d = tmp_path / "torch-only"
+    d.mkdir()
+    subprocess.run([sys.executable, "-c", "import torch._dynamo"], env=_env(d), check=True, timeout=120)
+    return set(os.listdir(d))
+
+
+@pytest.fixture
+def private_tmp():
+    d = Path(tempfile.mkdtemp(prefix="crl-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _ray_dirs_of(pid: int) -> list[str]:
+    """colo's Ray dirs made by driver ``pid`` in the short fallbacks (a TMPDIR too long for Ray's sockets)."""
+    out = []
+    for base in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            out += [os.path.join(base, n) for n in os.listdir(base) if n.startswith(f"colo-ray-{pid}-")]
+        except OSError:
+            pass
+    return out
+
+
+def _ray_processes_in(root: Path) -> list[int]:
+    """Processes that name ``root`` on their command line (Ray's daemons name their session
+    dir) or have a file under it open (Ray's workers retitle themselves, ``ray::IDLE``, and
+    keep their logs open there); this test process aside."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if str(root) in "\0".join(p.info["cmdline"] or []) or any(
+                    f.path.startswith(f"{root}/") for f in p.open_files()):
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _long_dir(root: Path, length: int) -> Path:
+    """A new dir under ``root`` whose path is ``length`` characters long."""
+    pad = length - len(str(root)) - 1
+    assert pad > 0
+    d = root / ("d" * pad)
+    d.mkdir()
+    assert len(str(d)) == length
+    return d
+
+
+def test_a_run_on_a_local_ray_of_its_own_leaves_nothing_in_tmpdir_however_long(private_tmp, tmp_path):
+    """Before: every such run left ``$TMPDIR/ray/session_<date>_<pid>`` (logs, sockets, port
+    files) and ``session_latest``; none of it is left now. The TMPDIR is 100 characters
+    long: Ray's own default dir there failed ``ray.init`` (its socket paths would pass the
+    107 bytes of an AF_UNIX path); colo's own dir for Ray goes where they fit, and goes."""
+    tmpdir = _long_dir(private_tmp, 100)
+    proc = _demo(tmpdir, tmp_path, "--steps", "1")
+    code = proc.wait(RUN_TIMEOUT_S)
+    err = (tmp_path / "stderr").read_text(errors="replace")
+    assert code == 0, err[-3000:]
+    assert sorted(tmp_path.glob("t.rank*.jsonl")) == [tmp_path / "t.rank0.jsonl", tmp_path / "t.rank1.jsonl"]
+    left = set(os.listdir(tmpdir)) - _torch_own(tmp_path)
+    assert left == set(), f"the run left {sorted(left)} in its TMPDIR"
+    assert _ray_dirs_of(proc.pid) == []
+    assert _ray_processes_in(private_tmp) == [] and _ray_processes_in(Path("/tmp") / f"colo-ray-{proc.pid}") == []
+
+
+def test_the_local_rays_dir_fits_its_sockets_for_any_tmpdir(private_tmp, monkeypatch):
+    """Where Ray's own default (``$TMPDIR/ray``) stops fitting its sockets, by Ray's own check
+    (``validate_socket_filepath``) and naming: at 42 characters with a 5-digit pid (41 with
+    6 digits, 40 with 7). colo's dir for a local Ray fits at every length up to 100: in
+    TMPDIR while it fits there, else in /tmp; and is the driver's (removed by release_dir)."""
+    import datetime
+
+    from ray._common.utils import get_default_ray_temp_dir
+    from ray._private.utils import validate_socket_filepath
+
+    from colo.proc.lifecycle import release_dir
+    from colo.ranks.ray_launcher import _RayInit
+
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    session = f"session_{datetime.datetime.today().strftime('%Y-%m-%d_%H-%M-%S_%f')}_{os.getpid()}"
+
+    def fits(temp_dir: str) -> bool:
+        try:
+            validate_socket_filepath(os.path.join(temp_dir, session, "sockets", "plasma_store"))
+        except OSError:
+            return False
+        return True
+
+    ray_breaks, placed, lengths = [], {}, range(len(str(private_tmp)) + 2, 101)
+    for length in lengths:
+        tmpdir = _long_dir(private_tmp, length)
+        monkeypatch.setenv("TMPDIR", str(tmpdir))
+        monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+        assert get_default_ray_temp_dir() == f"{tmpdir}/ray"
+        if not fits(get_default_ray_temp_dir()):
+            ray_breaks.append(length)
+        own = _RayInit.local({}).dir
+        try:
+            assert fits(own), own
+            assert os.path.basename(own).startswith(f"colo-ray-{os.getpid()}-")
+            placed[length] = os.path.dirname(own)
+        finally:
+            release_dir(own)
+        assert not os.path.exists(own)
+        tmpdir.rmdir()
+    pid_digits = len(str(os.getpid()))
+    assert ray_breaks == list(range(47 - pid_digits, 101))  # 42 with a 5-digit pid
+    # colo's dir (colo-ray-<pid>-XXXXXXXX, 19 characters and the pid longer than Ray's "ray")
+    # is in TMPDIR while it fits there (up to 31 characters less twice the pid's digits)
+    assert placed == {n: (str(private_tmp / ("d" * (n - len(str(private_tmp)) - 1)))
+                          if n <= 31 - 2 * pid_digits else "/tmp") for n in range(lengths.start, 101)}
+
