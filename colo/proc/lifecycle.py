@@ -136,12 +136,19 @@ def _may_have_made(pid: int, changed_at: float) -> bool:
 
 
 def _sweep_dir(path: str) -> bool:
-    """Remove a dir whose lock nobody holds; whether it is gone. No lock file: left."""
+    """Remove a dir whose lock nobody holds; whether it is gone. No lock file: left.
+
+    A ``colo-ray-*`` dir is the temp dir of a local Ray cluster a driver started
+    (:mod:`colo.ranks.ray_launcher`): its Ray processes (GCS, raylet, agents, workers)
+    outlive a SIGKILLed driver by 10 to 90 s, writing into it, so they are ended
+    first (:func:`end_processes_in`)."""
     if os.path.islink(path) or not os.path.isdir(path):
         return False
     with unowned(os.path.join(path, LOCK_NAME)) as st:
         if st is None or os.lstat(path).st_uid != os.getuid():
             return False
+        if os.path.basename(path).startswith("colo-ray-"):
+            end_processes_in(path)
         shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
 

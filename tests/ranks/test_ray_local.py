@@ -162,3 +162,40 @@ def test_the_local_rays_dir_fits_its_sockets_for_any_tmpdir(private_tmp, monkeyp
     assert placed == {n: (str(private_tmp / ("d" * (n - len(str(private_tmp)) - 1)))
                           if n <= 31 - 2 * pid_digits else "/tmp") for n in range(lengths.start, 101)}
 
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_the_next_start_ends_the_local_ray_of_a_sigkilled_driver(private_tmp, tmp_path):
+    """SIGKILL of the driver mid-run: the GCS and the raylet die with it (Ray starts them
+    with the parent-death signal), but the raylet's children (agents, the rank and engine
+    actors' workers) lived on for 10 to 90 s, and the session dir for good. The next run's
+    start-up sweep (run here alone, as a second process) ends every process of that
+    cluster and removes its dir, before it returns."""
+    proc = _demo(private_tmp, tmp_path, "--steps", "50")
+    rank0 = tmp_path / "t.rank0.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (rank0.exists() and '"rollout"' in rank0.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.1)
+    session = psutil.Process(proc.pid).children(recursive=True)  # Ray's daemons, agents, workers
+    names = {p.pid: p.name() for p in session}
+    assert any(n == "raylet" for n in names.values()) and any(n.startswith("ray::") for n in names.values()), names
+    (ray_dir,) = [p for p in private_tmp.iterdir() if p.name.startswith(f"colo-ray-{proc.pid}-")]
+    proc.kill()
+    proc.wait()
+    sweep = subprocess.run([sys.executable, "-c", "from colo.proc.lifecycle import sweep; print(sweep())"],
+                           cwd=REPO, env=_env(private_tmp), capture_output=True, text=True, timeout=120)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    left = {pid: names[pid] for pid in _alive(list(names))}
+    assert left == {}, f"processes of the killed run's Ray left after the next start's sweep: {left}"
+    assert not ray_dir.exists() and str(ray_dir) in sweep.stdout
+    assert _ray_processes_in(private_tmp) == []
