@@ -199,3 +199,36 @@ def test_the_next_start_ends_the_local_ray_of_a_sigkilled_driver(private_tmp, tm
     assert left == {}, f"processes of the killed run's Ray left after the next start's sweep: {left}"
     assert not ray_dir.exists() and str(ray_dir) in sweep.stdout
     assert _ray_processes_in(private_tmp) == []
+
+
+def _session_starting(tmpdir: Path) -> Path | None:
+    """A Ray session dir under ``tmpdir`` (Ray's own ``ray/`` or colo's ``colo-ray-*/``) whose
+    driver has not connected yet: ``ray.init`` is starting the cluster. The driver's core
+    worker opens ``logs/python-core-driver-*`` as it connects, at the end of ``ray.init``."""
+    for session in tmpdir.glob("*/session_2*"):
+        if not list(session.glob("logs/python-core-driver-*")):
+            return session
+    return None
+
+
+def test_sigterm_while_ray_init_starts_the_cluster_is_one_line_exit_130_and_leaves_nothing(private_tmp, tmp_path):
+    """SIGTERM once ``ray.init`` has made the session dir and before the driver connects
+    (Ray's GCS, raylet and agents still starting). Before: ``ray.init`` ran on the main
+    thread, whose SIGTERM handler it sets first thing (``sys.exit(15)``): exit 15, the
+    traces never finished. Now: colo's clean stop, as for a SIGTERM once Ray is up."""
+    proc = _demo(private_tmp, tmp_path, "--steps", "1")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while (session := _session_starting(private_tmp)) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.005)
+    # just seen without a connected driver; ray.init has the raylet and the connect ahead of it
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(RUN_TIMEOUT_S)
+    err = (tmp_path / "stderr").read_text(errors="replace")
+    assert code == 130, (code, err[-3000:])
+    assert "SIGTERM received" not in err and "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and not re.match(r"^\d{4}-\d\d-\d\d ", ln)]
+    assert len(lines) == 1 and lines[0].startswith("colo demo: interrupted (SIGTERM)"), lines
+    left = set(os.listdir(private_tmp)) - _torch_own(tmp_path)
+    assert left == set(), f"the run left {sorted(left)} in its TMPDIR"
+    assert _ray_processes_in(private_tmp) == []
