@@ -39,7 +39,7 @@ from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
 from colo.tasks import make_task
 from colo.offline.summary import PhaseSummary
-from colo.trace.writer import TraceWriter
+from colo.trace.writer import TraceWriter, rank_path
 from colo.core.errors import VerificationError
 
 
@@ -516,8 +516,10 @@ def run_demo(args: Any) -> int:
     out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
     if out is None:
         names = ", ".join(signal.Signals(s).name for s in signals)
+        # every rank writes its own trace: the files written, not the name they derive from
+        traces = ", ".join(str(rank_path(cfg.trace_path, r, cfg.gpus)) for r in range(cfg.gpus))
         print(f"colo demo: interrupted ({names}); the running phase was cancelled and cleaned up; "
-              f"trace: {cfg.trace_path}", file=sys.stderr)
+              f"trace: {traces}", file=sys.stderr)
         code = EXIT_INTERRUPTED
     elif out.failed_at_start:
         # nothing ran, so there is no summary, reward or trace to show: the reason is the report

@@ -204,6 +204,8 @@ def test_ctrl_c_to_the_process_group_is_one_line_and_exit_130(gpus, short_tmp):
     # every rank's trace ends as a cancelled run's does: its sync failed "cancelled", then trace.finished
     traces = sorted(short_tmp.glob("t.rank*.jsonl")) if extra else [trace]
     assert len(traces) == int(gpus), traces
+    # the line names the traces written (before: ".../t.jsonl" with two ranks, a file never made)
+    assert lines[0].endswith(f"trace: {', '.join(map(str, traces))}"), lines
     for t in traces:
         _assert_cancelled_and_finished(t, "sync")
     _assert_nothing_left(proc, children, short_tmp)
