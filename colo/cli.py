@@ -15,7 +15,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB
+from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB, MIN_PHASE_DEADLINE_S
 from colo.core.phases import PLANS
 from colo.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
 from colo.transports import REGISTRY as TRANSPORTS
@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--verify", choices=("every", "first", "none"), default="every",
                    help="which syncs are verified: the engine's digest against the trainer's and the probe "
                         "logits (timed on its own as verify_s in sync.finished)")
-    d.add_argument("--phase-deadline", type=_positive(float, MAX_DEADLINE_S), default=600.0, metavar="SECONDS",
-                   help="fail any phase that runs longer than this")
+    d.add_argument("--phase-deadline", type=_positive(float, MAX_DEADLINE_S, MIN_PHASE_DEADLINE_S), default=600.0,
+                   metavar="SECONDS", help=f"fail any phase that runs longer than this (at least {MIN_PHASE_DEADLINE_S:g})")
     d.add_argument("--engine-visible-devices", default=None, metavar="DEVICES",
                    help="CUDA_VISIBLE_DEVICES of the engine process only (a GPU index or UUID)")
     d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from colo.core.config import MIN_BUCKET_MIB
+from colo.core.config import MIN_BUCKET_MIB, MIN_PHASE_DEADLINE_S
 from colo.core.errors import UsageError, VerificationError
 from colo.core.memory import GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import PLANS
@@ -185,8 +185,10 @@ class DemoConfig:
         if not self.trainer_leftover_mib >= 0:
             raise ValueError(f"trainer leftover must be >= 0 MiB, got {self.trainer_leftover_mib}")
         d = self.phase_deadline_s
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (d > 0 and math.isfinite(d)):
-            raise ValueError(f"--phase-deadline must be a finite number of seconds > 0, got {d!r}")
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (d >= MIN_PHASE_DEADLINE_S
+                                                                         and math.isfinite(d)):
+            raise ValueError(f"--phase-deadline must be a finite number of seconds of at least "
+                             f"{MIN_PHASE_DEADLINE_S:g}, got {d!r}")
         if self.fault is not None:
             self.parsed_fault()  # raises ValueError naming the kinds and phases allowed
         from colo.core.config import VERIFY

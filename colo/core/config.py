@@ -18,6 +18,13 @@ VERIFY = ("every", "first", "none")
 #: is a round trip to the engine: at one byte a step of the 2.9 M-parameter demo ran past 180 s.
 #: (SchedulerConfig itself takes any positive size: unit tests sync a few bytes.)
 MIN_BUCKET_MIB = 0.01
+#: the shortest phase deadline a user may ask for (``--phase-deadline``). The deadline ends a
+#: hung phase; a phase's own work is a round trip to an engine or a rank at the least, and
+#: on a busy host or a GPU a healthy phase takes a good part of a second (the CPU demo's
+#: rollout on a 2-core VM: about 0.2 s), so a shorter one fails healthy runs without telling
+#: a hang sooner: ``1e-300`` failed the first phase at once, after the whole start-up.
+#: (SchedulerConfig itself takes any positive deadline: the fault tests hang phases for 0.5 s.)
+MIN_PHASE_DEADLINE_S = 1.0
 #: the smallest model ``colo tune --model-gib`` sizes for (about 1 MiB; the demo's is 5.5 MiB):
 #: below it the recommended bucket, the model's size rounded up, fell to one byte
 MIN_MODEL_GIB = 0.001

@@ -48,6 +48,7 @@ def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, 
     (dict(bucket_mib=0), "bucket size must be at least 0.01 MiB, got 0"),
     (dict(bucket_mib=-1.0), "bucket size must be at least 0.01 MiB, got -1"),
     (dict(bucket_mib=1e-30), "bucket size must be at least 0.01 MiB, got 1e-30"),
+    (dict(phase_deadline_s=1e-300), "--phase-deadline must be a finite number of seconds of at least 1, got 1e-300"),
     (dict(trace=""), "--trace is empty; expected a file path"),
     (dict(engine_log=""), "--engine-log is empty; expected a file path, or - for the console"),
     (dict(mem_fraction_static=0.0), "mem_fraction_static must be in (0, 1), got 0.0"),
@@ -277,6 +278,9 @@ def test_bench_that_cannot_write_its_result_after_the_run_exits_one_with_a_messa
     (["tune", "--gpu-gib", "80", "--model-gib", "1e-300"], "argument --model-gib: expected a float of at least 0.001"),
     (["tune", "--gpu-gib", "80", "--model-gib", "1", "--bucket-mib", "1e-30"],
      "argument --bucket-mib: expected a float of at least 0.01"),
+    # before: taken, and the first phase failed at once, after the whole start-up
+    (["demo", "--phase-deadline", "1e-300"], "argument --phase-deadline: expected a float of at least 1 "),
+    (["demo", "--phase-deadline", "0.5"], "argument --phase-deadline: expected a float of at least 1 "),
 ])
 def test_sizes_below_a_sane_least_are_refused(argv, msg, tmp_path, monkeypatch, capsys):
     """Before: --bucket-mib 1e-30 ran one-byte buckets (past 180 s for one step), and
