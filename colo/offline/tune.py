@@ -56,6 +56,10 @@ MARGIN_SHARE, MARGIN_CAP = 0.02, 1 * GiB
 #: pinned upload a 512 MiB bucket takes ~10 ms against ~0.2 ms to open its IPC
 #: handle, so the per-bucket overhead is already ~2%.
 BUCKET_CAP = 512 * MiB
+#: The least bucket recommended: the least power of two that ``--bucket-mib`` takes
+#: (:data:`~colo.core.config.MIN_BUCKET_MIB`, 0.01 MiB: 16 KiB). Below it the what-if once
+#: recommended a 1-byte bucket for a 1.8 GiB device, which every colo command refuses.
+MIN_BUCKET_BYTES = 1 << max(0, (math.ceil(MIN_BUCKET_MIB * MiB) - 1).bit_length())
 #: Bucket budgets in flight when a trace shows no staging: a pipelined sender
 #: keeps one bucket in flight while it fills the next.
 DEFAULT_LIVE_BUCKETS = 2.0
@@ -351,9 +355,13 @@ def _bucket(dev: Device, mfs: float | None, limit: int, margin: int, infeasible:
         bucket_limit = (limit - worst) / live
         cap = min(BUCKET_CAP, _pow2_ceil(max(1, Wr)))
         bucket = _pow2_floor(min(bucket_limit, cap))
-        if bucket < 1:
+        if bucket < MIN_BUCKET_BYTES <= bucket_limit:
+            bucket = MIN_BUCKET_BYTES  # a model under the least bucket: one bucket holds all of it
+        if bucket < MIN_BUCKET_BYTES:
             infeasible.append(f"{bucket_point.where()}: the sync holds {fmt_bytes(worst)} besides staging; "
-                              f"with the {fmt_bytes(margin)} margin no bucket fits on {fmt_bytes(T)}")
+                              f"with the {fmt_bytes(margin)} margin on {fmt_bytes(T)} a bucket may take "
+                              f"{fmt_bytes(max(0, bucket_limit))}, less than the least bucket colo takes "
+                              f"({fmt_bytes(MIN_BUCKET_BYTES)}: --bucket-mib {MIN_BUCKET_MIB:g} as a power of two)")
             bucket = None
     else:
         notes.append("no sync in the trace: no bucket size recommended")
@@ -517,7 +525,10 @@ def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budge
                  f"cap min(512 MiB, Wr rounded up to a power of two) = "
                  f"{fmt_bytes(min(BUCKET_CAP, _pow2_ceil(max(1, Wr))))}")
         if r.bucket_bytes:
-            L.append(f"    → bucket = {fmt_bytes(r.bucket_bytes)} (a power of two)")
+            least = r.bucket_bytes == MIN_BUCKET_BYTES and _pow2_floor(
+                min(r.bucket_limit, BUCKET_CAP, _pow2_ceil(max(1, Wr)))) < MIN_BUCKET_BYTES
+            L.append(f"    → bucket = {fmt_bytes(r.bucket_bytes)} (a power of two"
+                     + (", the least bucket colo takes" if least else "") + ")")
     return L
 
 

@@ -384,10 +384,13 @@ async def test_two_files_for_one_rank_or_different_world_sizes_are_bad_input(tmp
 async def _run_of_two_ranks(tmp_path, name):
     """One run of two ranks, as the multi-rank demo makes it: one scheduler, a trace per rank."""
     paths = [tmp_path / f"{name}.rank{r}.jsonl" for r in (0, 1)]
-    s = Scheduler([FakeTrainer(), FakeTrainer()], [FakeEngine(), FakeEngine()],
-                  [MemoryLedger(total_bytes=10_000) for _ in paths], [FakeTransport(), FakeTransport()],
+    # sizes in KiB: colo tune, which takes these ranks too, recommends no bucket under 16 KiB
+    k = 1024
+    s = Scheduler([FakeTrainer(weights=100 * k, optimizer=200 * k) for _ in paths],
+                  [FakeEngine(weights=100 * k, kv_cache=300 * k, cuda_graph=20 * k) for _ in paths],
+                  [MemoryLedger(total_bytes=10_000 * k) for _ in paths], [FakeTransport(), FakeTransport()],
                   trace=[TraceWriter(p, rank=r, world_size=2) for r, p in enumerate(paths)],
-                  config=SchedulerConfig(bucket_bytes=50))
+                  config=SchedulerConfig(bucket_bytes=50 * k))
     async with s:
         await s.cycle()
     return s.run_id, paths

@@ -15,8 +15,11 @@ from colo.trace.writer import TraceWriter
 from colo.offline.tune import WhatIf, synthesize, tune, what_if
 from colo.testing.fakes import FakeEngine, FakeTrainer, FakeTransport
 
-T = 2000
-W_ENGINE, CG, W_TRAINER, OPT = 100, 20, 100, 200
+#: the fakes' sizes below are in KiB: a bucket fitted to bytes would be one no colo command takes
+#: (--bucket-mib: at least 0.01 MiB), and tune recommends none under 16 KiB
+U = 1024
+T = 2000 * U
+W_ENGINE, CG, W_TRAINER, OPT = 100 * U, 20 * U, 100 * U, 200 * U
 
 
 class LeavesCacheTrainer(FakeTrainer):
@@ -36,9 +39,11 @@ class LeavesCacheTrainer(FakeTrainer):
 
 
 async def run_at(path, mfs, *, plan="offload-first", total=T, reserved=50, grow=0, cycles=3, bucket=50):
-    """The scheduler with fakes whose engine sizes its KV pool as total × mfs − weights.
+    """The scheduler with fakes whose engine sizes its KV pool as total × mfs − weights
+    (``reserved``, ``grow`` and ``bucket`` in KiB).
 
     Returns None when every cycle completes, else the OutOfMemory raised."""
+    reserved, grow, bucket = reserved * U, grow * U, int(bucket * U)
     memory = MemoryLedger(total_bytes=total, reserved_bytes=reserved)
     engine = FakeEngine(weights=W_ENGINE, kv_cache=int(total * mfs) - W_ENGINE, cuda_graph=CG)
     s = Scheduler(LeavesCacheTrainer(memory, grow), engine, memory, FakeTransport(),
@@ -65,35 +70,35 @@ async def test_fraction_and_bucket_from_a_trace_with_the_arithmetic(tmp_path, ca
     code, out, _ = cli(capsys, path, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["feasible"] is True
-    # other = R 50 + graphs 20; margin = 2% of 2000 = 40: (2000 - 40 - 70) / 2000 = 0.945
+    # other = R 50 + graphs 20 KiB; margin = 2% of 2000 = 40: (2000 - 40 - 70) / 2000 = 0.945
     assert doc["max_fraction"] == 0.945 and doc["mem_fraction_static"] == 0.94
     assert doc["binding_phase"] == "start"  # nothing grows: the engine's start binds first
     assert doc["tied_phases"] == ["rollout", "engine_wake_kv"]  # ... and every cycle after it
-    assert doc["binding"]["other_bytes"] == 70 and doc["binding"]["line"] == 1
-    # sync holds R 50 + Wr 100 besides staging; staging peaked at 84 B = 1.68 x the 50 B budget;
-    # (2000 - 40 - 150) / 1.68 = 1077 B, capped at Wr rounded up to a power of two: 128 B
+    assert doc["binding"]["other_bytes"] == 70 * U and doc["binding"]["line"] == 1
+    # sync holds R 50 + Wr 100 besides staging; staging peaked at 100 KiB = 2 x the 50 KiB budget;
+    # (2000 - 40 - 150) / 2 = 905 KiB, capped at Wr rounded up to a power of two: 128 KiB
     dev = doc["devices"][0]
-    assert dev["live_buckets"] == 1.68 and dev["bucket_binding_phase"] == "sync"
-    assert doc["bucket_bytes"] == 128 and doc["bucket_mib"] == 128 / MiB
+    assert dev["live_buckets"] == 2.0 and dev["bucket_binding_phase"] == "sync"
+    assert doc["bucket_bytes"] == 128 * U and doc["bucket_mib"] == 0.125
     assert dev["max_fraction_by_phase"]["engine_wake_kv"] == 0.945
     code, out, _ = cli(capsys, path)
     assert code == 0
-    assert "mfs ≤ (T − margin − other) / T = (2000 − 40 − 70) / 2000 = 0.9450" in out
-    assert out.splitlines()[-1] == "recommend: mem_fraction_static 0.94, bucket 0.00012207 MiB (128 B); binding phase: start"
+    assert "mfs ≤ (T − margin − other) / T = (2048000 − 40960 − 71680) / 2048000 = 0.9450" in out
+    assert out.splitlines()[-1] == "recommend: mem_fraction_static 0.94, bucket 0.125 MiB (131072 B); binding phase: start"
 
 
 async def test_margin_flag_and_what_grew_since_the_engine_started(tmp_path, capsys):
     path = tmp_path / "t.jsonl"
     assert await run_at(path, 0.5, reserved=50, grow=300) is None
-    code, out, _ = cli(capsys, path, "--margin-gib", 100 / GiB, "--json")
+    code, out, _ = cli(capsys, path, "--margin-gib", 100 * U / GiB, "--json")
     doc = json.loads(out)
     # after the first train the device also holds the trainer's 300 B: other = 50 + 300 + 20
     assert doc["max_fraction"] == pytest.approx((2000 - 100 - 370) / 2000, abs=1e-6)
     assert doc["mem_fraction_static"] == 0.76
     assert doc["binding_phase"] == "engine_wake_kv"
-    assert doc["binding"]["event"] == "memory.resumed" and doc["binding"]["reserved_bytes"] == 350
-    code, out, _ = cli(capsys, path, "--margin-gib", 100 / GiB)
-    assert "(that is 300 B more than at start (t.jsonl line 1: trace.started): it grew after" in out
+    assert doc["binding"]["event"] == "memory.resumed" and doc["binding"]["reserved_bytes"] == 350 * U
+    code, out, _ = cli(capsys, path, "--margin-gib", 100 * U / GiB)
+    assert "(that is 300.00 KiB more than at start (t.jsonl line 1: trace.started): it grew after" in out
 
 
 @pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
@@ -108,7 +113,7 @@ async def test_recommended_fraction_completes_and_five_points_more_ooms_in_the_n
     assert isinstance(err, OutOfMemory) and err.phase == phase
     # and the recommended bucket size fits at the recommended fraction too
     bucket = rec.bucket_bytes
-    assert await run_at(tmp_path / "b.jsonl", mfs, plan=plan, grow=300, bucket=bucket) is None
+    assert await run_at(tmp_path / "b.jsonl", mfs, plan=plan, grow=300, bucket=bucket / U) is None
 
 
 async def test_a_trace_that_ran_out_of_memory_tunes_to_a_fraction_that_fits(tmp_path, capsys):
@@ -118,21 +123,21 @@ async def test_a_trace_that_ran_out_of_memory_tunes_to_a_fraction_that_fits(tmp_
     doc = json.loads(out)
     assert code == 0 and doc["binding"]["refused"] is True and doc["binding_phase"] == "engine_wake_kv"
     # the refused resume: R 350 + Wr 100 + KV 1700 + graphs 20 -> other = 370
-    assert doc["binding"]["other_bytes"] == 370
+    assert doc["binding"]["other_bytes"] == 370 * U
     assert doc["mem_fraction_static"] == 0.79  # (2000 - 40 - 370) / 2000 = 0.795
     assert await run_at(tmp_path / "ok.jsonl", doc["mem_fraction_static"], grow=300) is None
 
 
 async def test_a_staging_oom_in_single_stage_tunes_the_fraction_down(tmp_path, capsys):
-    # single-stage at 0.94: R 50 + KV 1780 + Wr 100 + graphs 20 = 1950; two 42 B buckets do not fit
+    # single-stage at 0.94: R 50 + KV 1780 + Wr 100 + graphs 20 = 1950 KiB; two 50 KiB buckets do not fit
     err = await run_at(tmp_path / "oom.jsonl", 0.94, plan="single-stage")
     assert err.phase == "sync" and err.tag == "staging"
     doc = json.loads(cli(capsys, tmp_path / "oom.jsonl", "--json")[1])
     assert doc["binding_phase"] == "sync" and doc["binding"]["refused"] is True
-    # other = R 50 + graphs 20 + both buckets 84: (2000 - 40 - 154) / 2000 = 0.903
-    assert doc["binding"]["other_bytes"] == 154 and doc["mem_fraction_static"] == 0.90
+    # other = R 50 + graphs 20 + both buckets 100: (2000 - 40 - 170) / 2000 = 0.895
+    assert doc["binding"]["other_bytes"] == 170 * U and doc["mem_fraction_static"] == 0.89
     assert await run_at(tmp_path / "ok.jsonl", doc["mem_fraction_static"], plan="single-stage",
-                        bucket=doc["bucket_bytes"]) is None
+                        bucket=doc["bucket_bytes"] / U) is None
 
 
 async def test_several_devices_take_the_tightest(tmp_path, capsys):
@@ -262,8 +267,55 @@ async def test_ranks_of_two_runs_are_not_tuned_as_one_run(tmp_path, capsys):
 
 
 async def record_single(path):
-    s = Scheduler(FakeTrainer(), FakeEngine(), MemoryLedger(total_bytes=10_000), FakeTransport(),
-                  trace=TraceWriter(path), config=SchedulerConfig(bucket_bytes=50))
+    s = Scheduler(FakeTrainer(weights=100 * U, optimizer=200 * U),
+                  FakeEngine(weights=100 * U, kv_cache=300 * U, cuda_graph=20 * U),
+                  MemoryLedger(total_bytes=10_000 * U), FakeTransport(),
+                  trace=TraceWriter(path), config=SchedulerConfig(bucket_bytes=50 * U))
     async with s:
         await s.cycle()
     return path
+
+
+# -- issue 32, item 9: tune recommends no bucket the command line would refuse ---------------------
+
+def test_a_bucket_under_the_least_the_cli_takes_is_never_recommended(capsys):
+    """Before: a 1.8 GiB what-if (sync-first, no margin) recommended a 1-byte bucket
+    (``bucket_mib`` 9.5e-07), which ``--bucket-mib`` refuses (at least 0.01). The least
+    bucket tune recommends is 16 KiB, the least power of two the flag takes; where less
+    than that is left the what-if does not fit, naming why."""
+    argv = ("--gpu-gib", 1.8, "--model-gib", 0.2, "--plan", "sync-first", "--margin-gib", 0, "--json")
+    code, out, _ = cli(capsys, *argv)
+    doc = json.loads(out)
+    assert code == 1 and doc["feasible"] is False and doc["bucket_mib"] is None, doc
+    (why,) = doc["devices"][0]["infeasible"]
+    assert "a bucket may take 1 B, less than the least bucket colo takes (16.00 KiB: --bucket-mib 0.01" in why
+    # every bucket recommended over a range of sizes is one the command line takes back
+    seen = set()
+    for gpu in (1.6, 1.8, 2, 3, 8):
+        for model in (0.001, 0.2, 0.5):
+            for plan in ("offload-first", "sync-first", "single-stage"):
+                code, out, _ = cli(capsys, "--gpu-gib", gpu, "--model-gib", model, "--plan", plan,
+                                   "--margin-gib", 0, "--json")
+                bucket = json.loads(out)["bucket_mib"]
+                if bucket is None:
+                    continue
+                seen.add(bucket)
+                assert bucket >= 0.01, (gpu, model, plan, bucket)
+                code, _, err = cli(capsys, "--gpu-gib", gpu, "--model-gib", model, "--plan", plan,
+                                   "--bucket-mib", repr(bucket), "--json")
+                assert code != 2, err
+    assert len(seen) > 3
+
+
+async def test_a_model_under_the_least_bucket_gets_the_least_bucket(tmp_path):
+    """Recorded with a 4 KiB model and 4 KiB buckets: the bucket is capped at the model's
+    size (one bucket holds all of it), which was 4 KiB; it is the least colo takes now."""
+    memory = MemoryLedger(total_bytes=1 * GiB, reserved_bytes=64 * MiB)
+    s = Scheduler(FakeTrainer(weights=4096, optimizer=8192), FakeEngine(weights=4096, kv_cache=400 * MiB),
+                  memory, FakeTransport(), trace=TraceWriter(tmp_path / "t.jsonl"),
+                  config=SchedulerConfig(bucket_bytes=4096))
+    async with s:
+        await s.cycle()
+    rec = tune([load_trace(tmp_path / "t.jsonl")])
+    assert rec.feasible and rec.bucket_bytes == 16 * 1024
+    assert rec.results[0].arithmetic[-1].endswith("(a power of two, the least bucket colo takes)")
