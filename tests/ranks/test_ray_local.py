@@ -201,6 +201,26 @@ def test_the_next_start_ends_the_local_ray_of_a_sigkilled_driver(private_tmp, tm
     assert _ray_processes_in(private_tmp) == []
 
 
+def test_a_failed_run_on_a_local_ray_of_its_own_leaves_nothing_either(private_tmp, tmp_path):
+    """A run that fails (a rank actor's process SIGKILLed mid-run: the next phase fails
+    naming the rank, exit 1) ends its cluster as a completed run does: nothing in TMPDIR."""
+    proc = _demo(private_tmp, tmp_path, "--steps", "50")
+    rank0 = tmp_path / "t.rank0.jsonl"
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (rank0.exists() and '"rollout"' in rank0.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+        time.sleep(0.1)
+    actors = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::RankActor")]
+    assert actors, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+    actors[0].kill()
+    code = proc.wait(RUN_TIMEOUT_S)
+    out = (tmp_path / "stdout").read_text(errors="replace") + (tmp_path / "stderr").read_text(errors="replace")
+    assert code == 1 and "FAILED in phase" in out and "RankDied" in out, (code, out[-3000:])
+    left = set(os.listdir(private_tmp)) - _torch_own(tmp_path)
+    assert left == set(), f"the run left {sorted(left)} in its TMPDIR"
+    assert _ray_processes_in(private_tmp) == []
+
+
 def _session_starting(tmpdir: Path) -> Path | None:
     """A Ray session dir under ``tmpdir`` (Ray's own ``ray/`` or colo's ``colo-ray-*/``) whose
     driver has not connected yet: ``ray.init`` is starting the cluster. The driver's core
