@@ -37,11 +37,39 @@ def _env(tmpdir: Path) -> dict[str, str]:
     return env
 
 
+@pytest.fixture
+def private_tmp():
+    d = Path(tempfile.mkdtemp(prefix="crl-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+#: the drivers a test started: one still running at its end (a failed test) is killed, and its
+#: cluster ended by colo's own sweep, so that no test leaves a Ray behind for the next
+_DRIVERS: list[subprocess.Popen] = []
+
+
 def _demo(tmpdir: Path, out: Path, *extra: str) -> subprocess.Popen:
     with open(out / "stderr", "ab") as ferr, open(out / "stdout", "ab") as fout:
-        return subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--gpus", "2",
+        proc = subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--gpus", "2",
                                  "--launcher", "ray", "--trace", str(out / "t.jsonl"), *extra],
                                 cwd=REPO, env=_env(tmpdir), stdout=fout, stderr=ferr)
+    _DRIVERS.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_driver_left(private_tmp):
+    yield  # torn down before private_tmp, which holds the cluster's dir
+    while _DRIVERS:
+        proc = _DRIVERS.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            from colo.proc.lifecycle import sweep
+
+            sweep((str(private_tmp),))
+            sweep()
 
 
 def _torch_own(tmp_path: Path) -> set[str]:
@@ -51,13 +79,6 @@ def _torch_own(tmp_path: Path) -> set[str]:
     d.mkdir()
     subprocess.run([sys.executable, "-c", "import torch._dynamo"], env=_env(d), check=True, timeout=120)
     return set(os.listdir(d))
-
-
-@pytest.fixture
-def private_tmp():
-    d = Path(tempfile.mkdtemp(prefix="crl-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _ray_dirs_of(pid: int) -> list[str]:
