@@ -673,11 +673,6 @@ class _RayInit:
         logging.getLogger("ray._private.worker").addFilter(_NO_SIGTERM_WARNING)
         self._thread.start()
 
-    @property
-    def done(self) -> bool:
-        """``ray.init`` returned (or raised: :attr:`error`)."""
-        return self._up.is_set()
-
     async def wait(self) -> None:
         while not self._up.is_set():
             await anyio.sleep(0.05)
@@ -729,6 +724,7 @@ async def _init_ray(address: str | None) -> _RayInit:
     session = _RayInit(kwargs)
     session.begin()
     where = address if address is not None else os.environ.get("RAY_ADDRESS")
+    named = f"--address {where!r}" if address is not None else f"RAY_ADDRESS {where!r}"
     try:
         with anyio.fail_after(RAY_INIT_TIMEOUT_S):
             await session.wait()
@@ -740,7 +736,7 @@ async def _init_ray(address: str | None) -> _RayInit:
     if e is not None:
         session.stop()
         if isinstance(e, ValueError):  # Ray's reading of the address (or its other arguments)
-            raise UsageError(f"--address {where!r}: {_first_line(e)}") from None
+            raise UsageError(f"{named}: {_first_line(e)}") from None
         if isinstance(e, ConnectionError):
             raise ClusterUnreachable(f"no Ray cluster at {where}: {_first_line(e)}") from None
         raise e
