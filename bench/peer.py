@@ -453,7 +453,7 @@ def parse_buckets(text: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-class _Parser:
+class _PeerArgs:
     """argparse, with each bad argument said in one line (exit 2), no usage block."""
 
     def __init__(self) -> None:
@@ -563,7 +563,7 @@ def main(argv: Any = None) -> int:
     import sys
 
     try:
-        a = _Parser().parse(argv)
+        a = _PeerArgs().parse(argv)
     except _BadInput as e:
         print(f"python -m bench.peer: error: {e}", file=sys.stderr)
         return 2

@@ -243,7 +243,7 @@ def test_best_is_the_fastest_row_whose_bytes_arrived():
 def test_gpu_sync_runs_the_peer_with_arguments_the_peer_takes(tmp_path):
     cmd = bench_gpu.peer_command("qwen2-1.5b", str(tmp_path / "p.json"), layers=2, reps=5)
     assert cmd[:3] == [sys.executable, "-m", "bench.peer"]
-    got = bench_peer._Parser().parse(cmd[3:])
+    got = bench_peer._PeerArgs().parse(cmd[3:])
     assert (got.out, got.model, got.layers, got.reps, got.buckets_gib) == (
         str(tmp_path / "p.json"), "qwen2-1.5b", 2, 5, (0.5, 1.0, 2.0, 4.0))
     assert "--layers" not in bench_gpu.peer_command("qwen2-7b", "p.json", layers=None, reps=3)
