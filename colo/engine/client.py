@@ -379,8 +379,10 @@ class EngineClient:
         probe's sample (a Qwen2's whole vocabulary is 4.9 M numbers for the probe batch,
         seconds of JSON on the control channel)."""
         if columns is None:
-            return (await self.call("logits", tokens=tokens))["logits"]
-        return (await self.call("logits", tokens=tokens, columns=[int(c) for c in columns]))["logits"]
+            reply = await self.call("logits", tokens=tokens)
+        else:
+            reply = await self.call("logits", tokens=tokens, columns=[int(c) for c in columns])
+        return decode_f32(reply["f32le"], reply["shape"]).tolist()
 
     # -- lifetime --------------------------------------------------------------
     @property
@@ -422,3 +424,18 @@ class EngineClient:
                 await anyio.to_thread.run_sync(self.process.join, timeout_s)
             release_dir(self._sockdir)
             self.closed = True
+
+
+def decode_f32(data: str, shape: list[int]) -> Any:
+    """The engine's float32 answer (base64 of little-endian bytes) as a tensor of ``shape``;
+    a length that does not match the shape is refused, naming both."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    raw = base64.b64decode(data, validate=True)
+    want = 4 * int(np.prod(shape, dtype=np.int64))
+    if len(raw) != want:
+        raise ValueError(f"engine answered {len(raw)} bytes of float32 logits for shape {shape} ({want} bytes)")
+    return torch.from_numpy(np.frombuffer(raw, dtype="<f4").copy()).reshape(shape)
