@@ -394,12 +394,15 @@ def machine_info() -> dict:
 
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
                 progress: Any = None, engine: str = "colo", trainers: Sequence[str] = (),
-                trainer_reps: int | None = None) -> dict:
+                trainer_reps: int | None = None, partial: Any = None) -> dict:
     """Every model through every case on ``device``, beside the limits measured first.
     ``engine="vllm"``: each model into colo's engine and into a real vLLM, same transport and
     bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
     model too, every transition of the cycle timed (:mod:`colo.apps.bench_trainers`), and on a
-    GPU torch_memory_saver's own CPU backup over each model's weight bytes."""
+    GPU torch_memory_saver's own CPU backup over each model's weight bytes. ``partial(result)``,
+    where given, gets the result as it stands after the transports' rows and after each
+    trainer's: a real trainer's rows take minutes at a GPU's sizes, and a run stopped midway
+    keeps what it measured."""
     if device == "cuda":
         limits = measure_gpu_limits()
         limit, link = limits["pinned_h2d_GBps"], "pinned host->device"
@@ -422,8 +425,16 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
         if device == "cuda":
             release_cached()  # the rows' children get the device as the parent left it: nothing cached
         say = progress or (lambda *_: None)
-        entries = bt.trainer_rows(models, trainers, device=device, reps=trainer_reps, say=say)
-        out["trainers"] = [bt.against_limits(e, limits, device) for e in entries]
+        out["trainers"] = []
+
+        def measured(entry: dict) -> None:
+            out["trainers"].append(bt.against_limits(entry, limits, device))
+            if partial is not None:
+                partial(out)
+
+        if partial is not None:
+            partial(out)
+        bt.trainer_rows(models, trainers, device=device, reps=trainer_reps, say=say, each=measured)
         if device == "cuda":
             sizes = sorted({m["rows"][0]["bytes"] for m in results if m["rows"]})
             out["saver_backup"] = [bt.saver_against_limits(e, limits)
@@ -583,8 +594,15 @@ def run_bench(args: Any) -> int:
     if engine == "vllm":
         models = [vllm_model(m, args.device) for m in models]
     trainers = choose_trainers(getattr(args, "trainers", None), args.device)
+
+    def partial(result: dict) -> None:
+        # the rows measured so far, where --out names the file: the finished run replaces them
+        if args.out:
+            write_result(json.dumps({**result, "partial": True}, indent=2) + "\n", out=args.out,
+                         directory=RESULTS_DIR, stem="")
+
     result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say, engine=engine,
-                                     trainers=trainers, trainer_reps=args.reps))
+                                     trainers=trainers, trainer_reps=args.reps, partial=partial))
     print(table(result))
     if trainers:
         from colo.apps.bench_trainers import table as trainer_table

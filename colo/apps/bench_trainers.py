@@ -141,7 +141,7 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
                       staging=StagingBudget(None), flush_cache=True)
     out["sync_s"], result = await clock.time(lambda: transport.sync(trainer, engine, ctx))
     out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
-               peak_staging_bytes=ctx.staging.peak_bytes)
+               peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages))
     if verifier is not None:
         verify, probe = verifier
         t0 = time.perf_counter()
@@ -160,6 +160,16 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     return out
 
 
+def stage_sums(stages: Sequence[Any]) -> dict[str, float]:
+    """Seconds per stage of one sync, summed over its buckets (upload, gather, pack, handoff,
+    load): where a sync's time goes. Stages of neighbouring buckets overlap in the pipeline,
+    so the sums may add up to more than the sync."""
+    out: dict[str, float] = {}
+    for rec in stages:
+        out[rec.stage] = out.get(rec.stage, 0.0) + rec.duration_s
+    return out
+
+
 def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
     """A plan's row: every step's median over its cycles (the warm-up left out by the caller)."""
     steps = ("engine_release_s", "trainer_onload_s", "trainer_pause_s", "engine_wake_weights_s", "sync_s",
@@ -169,7 +179,9 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
            "tensors": last["tensors"], "peak_staging_bytes": max(c["peak_staging_bytes"] for c in plain),
            "cycles": len(plain), "verified_cycles": len(verified),
            "sync_s_all": [c["sync_s"] for c in plain],
-           "step_s": {k: _median([c[k] for c in plain if k in c]) for k in steps if any(k in c for c in plain)}}
+           "step_s": {k: _median([c[k] for c in plain if k in c]) for k in steps if any(k in c for c in plain)},
+           "stage_s": {k: _median([c["stage_s"].get(k, 0.0) for c in plain])
+                       for k in sorted({k for c in plain for k in c["stage_s"]})}}
     row["sync_s"] = row["step_s"]["sync_s"]
     if verified:
         row["verify_s"] = _median([c["verify_s"] for c in verified])
@@ -355,8 +367,10 @@ def against_limits(entry: dict, limits: dict, device: str) -> dict:
 
 
 def trainer_rows(models: Sequence[Any], trainers: Sequence[str], *, device: str, reps: int | None,
-                 say: Callable[[str], None] = lambda _: None) -> list[dict]:
-    """Every trainer at every model, each in a child process (unset ``reps``: the model's own)."""
+                 say: Callable[[str], None] = lambda _: None,
+                 each: Callable[[dict], None] = lambda _: None) -> list[dict]:
+    """Every trainer at every model, each in a child process (unset ``reps``: the model's own);
+    ``each(entry)`` as each one's entry is done."""
     out = []
     for model in models:
         for kind in trainers:
@@ -365,6 +379,7 @@ def trainer_rows(models: Sequence[Any], trainers: Sequence[str], *, device: str,
             entry.setdefault("trainer", kind)
             entry.setdefault("model", model.name)
             out.append(entry)
+            each(entry)
             for r in entry.get("rows", []):
                 say(f"{model.name} {kind:8s} {r['plan']:13s} sync {r['sync_s'] * 1e3:8.1f} ms  "
                     f"verify {r.get('verify_s', float('nan')) * 1e3:7.1f} ms  buckets {r['buckets']}")

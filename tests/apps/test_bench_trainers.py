@@ -24,9 +24,22 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
     real = bench.measure_limits
     monkeypatch.setattr(bench, "measure_limits", lambda: real(nbytes=4 << 20, reps=1, directory=str(tmp_path)))
     out = tmp_path / "r.json"
+    written = []  # (partial?, trainers in it) of every write of --out, in order
+    real_write = bench.write_result
+
+    def write_result(text, **kw):
+        d = json.loads(text)
+        written.append((d.get("partial", False), [e["trainer"] for e in d.get("trainers", [])]))
+        return real_write(text, **kw)
+
+    monkeypatch.setattr(bench, "write_result", write_result)
     assert main(["bench", "--device", "cpu", "--model", "tiny", "--transports", "packed", "--trainers",
                  "hf,megatron,fsdp", "--reps", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    # what was measured is on disk as each trainer's rows are done; the whole run replaces it
+    assert written == [(True, []), (True, ["hf"]), (True, ["hf", "megatron"]),
+                       (True, ["hf", "megatron", "fsdp"]), (False, ["hf", "megatron", "fsdp"])]
+    assert "partial" not in result
     config = demo_config(**TINY.config)
     specs = expected_hf_specs(config, torch.bfloat16)
     # every trainer starts from the reference model of seed 0 (megatron and fsdp load its weights):
@@ -57,6 +70,9 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
         assert row["verify_s"] >= sum(row["verify_parts"].values()) * 0.999 > 0
         # every step of the cycle a CPU has, timed (no trainer memory moves on a CPU)
         assert set(row["step_s"]) == {"engine_release_s", "engine_wake_weights_s", "sync_s", "engine_wake_kv_s"}
+        # where the sync's time went, stage by stage, summed over its buckets
+        assert {"gather", "pack", "handoff", "load"} <= set(row["stage_s"]), row["stage_s"]
+        assert all(v >= 0 for v in row["stage_s"].values()) and row["stage_s"]["load"] > 0
         assert row["trainer_rates"] == {}
     printed = capsys.readouterr().out
     assert "| tiny | megatron | sync-first |" in printed and "| tiny | fsdp | sync-first |" in printed
