@@ -215,7 +215,14 @@ class MegatronExtractor:
 
     ``dtype``: the engine's dtype; shards are converted before they travel.
     ``device``: where shards go before converting and gathering (the
-    communicator's device when the source is a host copy). ``attention``:
+    communicator's device when the source is a host copy). ``upload_to``, for a
+    pinned host copy instead of ``device``: where a transport stages this source
+    (as :class:`~colo.extractors.plain.PlainExtractor`'s): a parameter that needs
+    nothing done to it but a cut (not gathered, broadcast, converted or re-ordered:
+    a whole tensor, ``linear_fc1``'s two halves, a fused QKV of one query group,
+    the embedding's rows without the padding) comes out as a view of the host copy,
+    which the transport uploads once, straight into its buffer; the others are
+    uploaded to ``upload_to`` and worked on there. ``attention``:
     ``(num_attention_heads, num_query_groups)``, needed to split a fused
     ``linear_qkv``. ``vocab_size``: the tokenizer's vocabulary, to cut
     Megatron's padding off the embedding and output layer. ``rules``: the
@@ -233,9 +240,15 @@ class MegatronExtractor:
                  dtype: DTypeLike = None, device: torch.device | str | None = None,
                  tp_group: Any = None, pp_group: Any = None, ep_group: Any = None, expert_tp_group: Any = None,
                  group: Any = None, attention: tuple[int, int] | None = None, vocab_size: int | None = None,
-                 rules: Sequence[NameRule] = LLAMA_RULES):
+                 rules: Sequence[NameRule] = LLAMA_RULES, upload_to: torch.device | str | None = None):
         self.dtype = resolve_dtype(dtype)
-        self.device = None if device is None else torch.device(device)
+        if upload_to is not None and device is not None:
+            raise ValueError("megatron extractor: give device (upload here) or upload_to (the transport "
+                             "uploads into its own buffer), not both")
+        #: where a transport should stage this source's tensors (the views of the host copy)
+        self.upload_to = None if upload_to is None else torch.device(upload_to)
+        #: where shards that need work (a gather, a conversion, a QKV re-order) are moved first
+        self.device = self.upload_to if device is None else torch.device(device)
         self.attention = _check_attention(attention)
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or vocab_size <= 0):
@@ -405,9 +418,11 @@ class MegatronExtractor:
     def _convert(self, src: _Source, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         rule = src.rule
         if rule.split == "glu":
-            # each shard is [gate_i; up_i]: gate = [gate_0; gate_1; ...], up likewise
+            # each shard is [gate_i; up_i]: gate = [gate_0; gate_1; ...], up likewise; one
+            # shard's halves are row ranges of it, taken as they lie (a cat would copy them)
             halves = [s.chunk(2, dim=0) for s in shards]
-            outs = [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+            outs = list(halves[0]) if len(halves) == 1 else \
+                [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
         else:
             full = shards[0] if len(shards) == 1 else torch.cat(shards, dim=src.meta.partition_dim)
             outs = self._split_qkv(src.name, full) if rule.split == "qkv" else [full]
@@ -459,6 +474,14 @@ class MegatronExtractor:
                 del ready[source]
             yield name, check_against_spec("megatron extractor", name, t, self._specs[name])
 
+    def _as_it_lies(self, src: _Source) -> bool:
+        """Whether ``src``'s outputs are cuts of this rank's own tensor as it lies (views; no
+        copy): nothing to gather, broadcast or convert, and for a fused QKV a single query
+        group, whose q, k and v are row ranges (more groups interleave them)."""
+        return (src.local and src.gather is None and not src.broadcasts
+                and self._engine_dtype(src.meta) == getattr(torch, src.meta.dtype)
+                and (src.rule.split != "qkv" or (self.attention is not None and self.attention[1] == 1)))
+
     def _materialize(self, src: _Source) -> dict[str, torch.Tensor]:
         target = self._engine_dtype(src.meta)
         if src.local:
@@ -473,7 +496,8 @@ class MegatronExtractor:
             if tuple(t.shape) != src.meta.shape or dtype_name(t.dtype) != src.meta.dtype:
                 raise ValueError(f"megatron extractor: {src.name!r} is now {tuple(t.shape)} {dtype_name(t.dtype)}, "
                                  f"but was {src.meta.shape} {src.meta.dtype} when the ranks exchanged metadata")
-            t = to_engine(t, self.dtype, self.device)
+            if self.upload_to is None or not self._as_it_lies(src):
+                t = to_engine(t, self.dtype, self.device)
         else:
             t = torch.empty(src.meta.shape, dtype=target, device=self._comm_device())
         for owner, group in src.broadcasts:

@@ -36,9 +36,6 @@ class ReferenceTrainer(PolicyTrainer):
         self._extractor = self._live_extractor()
         self._memory_backend = memory_backend
         self._cpu_twin: torch.nn.Module | None = None
-        #: (what it was built over, the extractor of the paused weights' host backup)
-        self._host_extractor: tuple[Any, Any] | None = None
-        self._params: list[torch.nn.Parameter] | None = None
         self.steps = 0
 
     def _live_extractor(self) -> Any:
@@ -76,10 +73,7 @@ class ReferenceTrainer(PolicyTrainer):
         if self._paused():
             # offload-first on a GPU: the weights are paused, their pinned host
             # backup is the source; tensors are uploaded as buckets are built.
-            key = self._host_key()
-            if key is None or self._host_extractor is None or self._host_extractor[0] != key:
-                self._host_extractor = (key, self._new_host_extractor())
-            return self._host_extractor[1]
+            return self._kept_host_extractor(self._new_host_extractor)
         return self._extractor
 
     def _new_host_extractor(self) -> Any:
@@ -94,29 +88,6 @@ class ReferenceTrainer(PolicyTrainer):
         # a conversion is due: the conversion kernel reads the pinned backup in place
         # (colo.device.zero_copy; a host-side conversion would be pageable and slow to upload)
         return PlainExtractor(host, dtype=dtype, device=device)
-
-    def _host_key(self) -> tuple | None:
-        """What the host extractor was built over: the same parameters, and the saver's
-        backups at the same addresses (the first and the last one checked each sync).
-        With a retained backup (colo.device.cuda_memory.Saver's default) they stay from pause to
-        pause, so the extractor, its host views and their device views are made once:
-        building them was 1.8 ms of a 6.8 ms sync of the demo model on an H100. None
-        (build anew) when the saver does not retain its backups."""
-        saver = self._memory_backend.saver
-        if not saver.retains_backups:
-            return None
-        if self._params is None:
-            # this trainer never replaces a parameter object (the optimizer holds them);
-            # walking the module for them again was 0.25 ms a sync on an H100 host
-            self._params = list(self.model.parameters())
-        first, last = self._params[0], self._params[-1]
-        return (id(first), id(last), saver.host_view(self._stored(first)).data_ptr(),
-                saver.host_view(self._stored(last)).data_ptr())
-
-    @staticmethod
-    def _stored(p: torch.Tensor) -> torch.Tensor:
-        """The tensor the memory saver backs up for parameter ``p`` (a sharded trainer's: its shard)."""
-        return p
 
     def close(self) -> None:
         """The compute thread stops; the flat buffer's name (a ``/dev/shm`` segment on the

@@ -163,6 +163,50 @@ def test_gate_and_up_asked_for_in_separate_calls_each_come_out_right():
     assert_bit_equal(gate[1], ref["model.layers.1.mlp.gate_proj.weight"].half())
 
 
+def _shares_memory(out: torch.Tensor, source: torch.Tensor) -> bool:
+    return out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_with_upload_to_a_tensor_that_needs_no_work_is_a_view_of_the_host_copy(dtype):
+    # the one-rank offload-first source (MegatronTrainer.extractor while paused): a host copy
+    # the transport uploads into its buffer; only what needs work (a conversion, q/k/v of
+    # several query groups) is made anew, on ``upload_to``
+    ref = hf_reference()
+    params = dict(megatron_params(ref))
+    ex = MegatronExtractor(params, dtype=dtype, upload_to="cpu", attention=ATTENTION, vocab_size=T.VOCAB)
+    assert ex.upload_to == ex.device == torch.device("cpu")
+    got = extract_in_buckets(ex, 64)
+    check_against(ref, got, dtype or torch.float32, "upload_to")
+    source_of = {"model.embed_tokens.weight": "embedding.word_embeddings.weight",
+                 "model.layers.0.mlp.gate_proj.weight": "decoder.layers.0.mlp.linear_fc1.weight",
+                 "model.layers.0.mlp.up_proj.weight": "decoder.layers.0.mlp.linear_fc1.weight",
+                 "model.layers.0.self_attn.o_proj.weight": "decoder.layers.0.self_attention.linear_proj.weight",
+                 "model.layers.0.self_attn.q_proj.weight": "decoder.layers.0.self_attention.linear_qkv.weight",
+                 "model.layers.0.self_attn.v_proj.bias": "decoder.layers.0.self_attention.linear_qkv.bias"}
+    for name, src in source_of.items():
+        viewed = dtype is None and "self_attn.q_proj" not in name and "v_proj" not in name  # 2 query groups
+        assert _shares_memory(got[name], params[src]) == viewed, name
+
+
+def test_with_upload_to_one_query_groups_q_k_and_v_are_views_of_the_fused_qkv():
+    heads, hd, hidden = 4, 2, 8
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n * hd, hidden, generator=g) for n in (heads, 1, 1))
+    fused = torch.cat([q, k, v])  # one query group: [q heads; k; v]
+    ex = MegatronExtractor({"decoder.layers.0.self_attention.linear_qkv.weight": fused}, upload_to="cpu",
+                           attention=(heads, 1))
+    got = dict(ex.extract([f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"]))
+    for x, want in zip("qkv", (q, k, v)):
+        assert_bit_equal(got[f"model.layers.0.self_attn.{x}_proj.weight"], want, x)
+        assert _shares_memory(got[f"model.layers.0.self_attn.{x}_proj.weight"], fused), x
+
+
+def test_device_and_upload_to_together_are_refused():
+    with pytest.raises(ValueError, match="device .*or upload_to"):
+        MegatronExtractor({}, device="cpu", upload_to="cpu")
+
+
 def test_a_mapping_is_read_again_at_every_extract():
     ref = hf_reference()
     params = dict(megatron_params(ref, layers=(), embed=False))

@@ -132,6 +132,9 @@ class PausedBackup:
     gives a fresh tensor holding the parameter's values (as the pinned backup's
     view would), without megatron's tensor-parallel attributes."""
 
+    #: each host_view a new tensor, as a saver that does not keep its backups gives
+    retains_backups = False
+
     def __init__(self):
         self.saver = self
 
