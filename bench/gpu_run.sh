@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -35,6 +35,19 @@ case "${1:-tests}" in
     # transition, torch_memory_saver's own backup beside them) at one model: qwen2-1.5b (default) or qwen2-7b
     python3 -m colo.cli bench --device cuda --model "${2:-qwen2-1.5b}" --reps 3 --trainers all \
       --out "$OUT/colo-bench-trainers-${2:-qwen2-1.5b}.json" 2>&1 | tee "$OUT/colo-bench-trainers-${2:-qwen2-1.5b}.log" | tail -24
+    ;;
+  issue31)  # issue 31 in one call that fits what is left of a session's device time: checkpoint-engine alone at
+    # Qwen2-7B (item 5), colo's packed 7B sync with the limits of its own run beside it, then each real trainer's
+    # colo bench --trainers rows at Qwen2-1.5B (items 3 and 4), one trainer per command so that a row that runs
+    # past its time limit costs only its own file
+    timeout 150 python3 -m bench.peer "$OUT/peer-7b.json" --model qwen2-7b --buckets-gib 1,2,4 2>&1 \
+      | tee "$OUT/issue31.log" | tail -4
+    timeout 110 python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed --trainers none \
+      --out "$OUT/colo-bench-7b.json" 2>&1 | tee -a "$OUT/issue31.log" | tail -3
+    for t in hf megatron fsdp; do
+      timeout "${2:-100}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed --trainers "$t" \
+        --out "$OUT/colo-bench-trainers-1.5b-$t.json" 2>&1 | tee -a "$OUT/issue31.log" | grep -E "^\| qwen|FAIL|rror" | tail -4
+    done
     ;;
   verify)  # issue 31 item 2: the device digest's GPU tests, the one-GPU tests (every demo verifies every
     # sync through it), and colo bench --device cuda with verify_s per row
