@@ -60,15 +60,19 @@ class Strategy(Protocol):
 
 # -- the sender's common part -------------------------------------------------------
 
-def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> None:
+def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]], upload_to: Any = None) -> None:
     """The extractor must hand exactly the planned tensors: the bytes go to planned offsets.
 
     ``tensors`` holds one whole tensor per entry, a piece's tensor included
-    (the sender cuts the piece's bytes out of it)."""
+    (the sender cuts the piece's bytes out of it). ``upload_to``: the device of the
+    buffer they go to, where host tensors are uploaded straight into it (an extractor's
+    ``upload_to``): then host tensors may lie beside tensors already there."""
     if len(tensors) != len(bucket.entries):
         raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
                          f"planned {len(bucket.entries)}")
-    devices = {str(t.device) for _, t in tensors}
+    devices = {_device_name(t.device) for _, t in tensors}
+    if upload_to is not None and len(devices) == 2 and devices == {"cpu", _device_name(upload_to)}:
+        devices = {"cpu"}  # the host's tensors are uploaded into the buffer beside the device's
     # One bucket is one buffer on one device: a tensor elsewhere (another GPU,
     # the meta device that holds no data) cannot be packed with the rest.
     if "meta" in devices or len(devices) > 1:
@@ -80,6 +84,14 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
         if str(t.dtype).removeprefix("torch.") != e.spec.dtype or tuple(t.shape) != e.spec.shape:
             raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, "
                              f"planned {e.spec.shape} {e.spec.dtype}")
+
+
+def _device_name(device: Any) -> str:
+    """``cuda`` and ``cuda:N`` of the current GPU are one device; every other as torch names it."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def raise_first_real(group: BaseExceptionGroup) -> None:
@@ -265,7 +277,7 @@ class BucketSender:
         fresh = gather() if self._inline else await anyio.to_thread.run_sync(gather)
         ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), time.perf_counter() - t0)
         tensors = self._with_carried(bucket, fresh)
-        check_bucket_tensors(bucket, tensors)
+        check_bucket_tensors(bucket, tensors, getattr(extractor, "upload_to", None))
         await self._pack(bucket, tensors, slot, ctx)
 
     def _with_carried(self, bucket: Bucket, fresh: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

@@ -21,7 +21,7 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
     """Copy ``tensors`` into ``flat`` at the bucket's offsets (a piece: its byte range of
     the tensor); check names and sizes first. Tensors that lie back to back in one
     source buffer, at the same distances as in the bucket, go as one copy."""
-    check_bucket_tensors(bucket, tensors)
+    check_bucket_tensors(bucket, tensors, flat.device)
     for start, end, src in source_runs(bucket, tensors):
         dst = flat[start:end]
         if src.device == dst.device and src.data_ptr() == dst.data_ptr():

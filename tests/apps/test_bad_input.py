@@ -153,6 +153,27 @@ def test_a_bucket_with_a_wrong_device_tensor_is_refused_by_name():
         check_bucket_tensors(bucket, [("a", a), ("b", b)])
 
 
+def test_host_tensors_beside_the_upload_devices_own_are_one_bucket_and_a_third_device_is_not():
+    # a one-rank Megatron trainer's paused source: views of its host backup, uploaded into the
+    # buffer on the GPU, beside q/k/v re-ordered on that GPU (stand-ins: no GPU here)
+    from types import SimpleNamespace
+
+    import torch
+
+    from colo.core.buckets import plan_buckets, spec
+    from colo.transports.base import check_bucket_tensors
+
+    def on(device):
+        return SimpleNamespace(device=torch.device(device), dtype=torch.float32, shape=torch.Size([4]))
+
+    bucket = plan_buckets([spec("a", (4,), "float32"), spec("b", (4,), "float32")], 1 << 20)[0]
+    check_bucket_tensors(bucket, [("a", on("cpu")), ("b", on("cuda:0"))], upload_to=torch.device("cuda:0"))
+    with pytest.raises(ValueError, match=r"one device with data, got a on cpu, b on cuda:1"):
+        check_bucket_tensors(bucket, [("a", on("cpu")), ("b", on("cuda:1"))], upload_to=torch.device("cuda:0"))
+    with pytest.raises(ValueError, match=r"one device with data, got a on cpu, b on cuda:0"):
+        check_bucket_tensors(bucket, [("a", on("cpu")), ("b", on("cuda:0"))])
+
+
 def test_python_dash_m_cli_reports_usage_errors_with_exit_two(tmp_path):
     import subprocess
     import sys
