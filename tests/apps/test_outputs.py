@@ -182,7 +182,7 @@ def test_bench_default_out_never_overwrites_an_existing_result(tmp_path, monkeyp
 
     monkeypatch.setattr(bench, "bench", fake_bench)
     monkeypatch.setattr(bench, "table", lambda result: "")
-    args = SimpleNamespace(device="cpu", out=None, models=None, transports="packed", model=None)
+    args = SimpleNamespace(device="cpu", out=None, models=None, transports="packed", model=None, reps=None)
     monkeypatch.setattr(bench, "_choose", lambda a: ([], []))
     assert bench.run_bench(args) == 0
     assert committed.read_bytes() == b'{"committed": true}\n'
