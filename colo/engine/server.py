@@ -10,7 +10,6 @@ serving. Bucket handles are opened by the transports' receivers, through
 from __future__ import annotations
 
 import base64
-
 import os
 import re
 import signal

@@ -195,18 +195,25 @@ def _alive(pids: list[int]) -> list[int]:
     return out
 
 
-def test_the_next_start_ends_the_local_ray_of_a_sigkilled_driver(private_tmp, tmp_path):
-    """SIGKILL of the driver mid-run: the GCS and the raylet die with it (Ray starts them
-    with the parent-death signal), but the raylet's children (agents, the rank and engine
-    actors' workers) lived on for 10 to 90 s, and the session dir for good. The next run's
-    start-up sweep (run here alone, as a second process) ends every process of that
-    cluster and removes its dir, before it returns."""
+def _demo_in_its_first_rollout(private_tmp: Path, tmp_path: Path) -> subprocess.Popen:
+    """A 50-step ``--launcher ray`` demo, once rank 0's trace shows its first rollout (its Ray,
+    its actors and their workers all up)."""
     proc = _demo(private_tmp, tmp_path, "--steps", "50")
     rank0 = tmp_path / "t.rank0.jsonl"
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (rank0.exists() and '"rollout"' in rank0.read_text(errors="replace")):
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
         time.sleep(0.1)
+    return proc
+
+
+def test_the_next_start_ends_the_local_ray_of_a_sigkilled_driver(private_tmp, tmp_path):
+    """SIGKILL of the driver mid-run: the GCS and the raylet die with it (Ray starts them
+    with the parent-death signal), but the raylet's children (agents, the rank and engine
+    actors' workers) lived on for 10 to 90 s, and the session dir for good. The next run's
+    start-up sweep (run here alone, as a second process) ends every process of that
+    cluster and removes its dir, before it returns."""
+    proc = _demo_in_its_first_rollout(private_tmp, tmp_path)
     session = psutil.Process(proc.pid).children(recursive=True)  # Ray's daemons, agents, workers
     names = {p.pid: p.name() for p in session}
     assert any(n == "raylet" for n in names.values()) and any(n.startswith("ray::") for n in names.values()), names
@@ -225,12 +232,7 @@ def test_the_next_start_ends_the_local_ray_of_a_sigkilled_driver(private_tmp, tm
 def test_a_failed_run_on_a_local_ray_of_its_own_leaves_nothing_either(private_tmp, tmp_path):
     """A run that fails (a rank actor's process SIGKILLed mid-run: the next phase fails
     naming the rank, exit 1) ends its cluster as a completed run does: nothing in TMPDIR."""
-    proc = _demo(private_tmp, tmp_path, "--steps", "50")
-    rank0 = tmp_path / "t.rank0.jsonl"
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (rank0.exists() and '"rollout"' in rank0.read_text(errors="replace")):
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-        time.sleep(0.1)
+    proc = _demo_in_its_first_rollout(private_tmp, tmp_path)
     actors = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name().startswith("ray::RankActor")]
     assert actors, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
     actors[0].kill()
