@@ -148,6 +148,66 @@ async def test_every_trainer_keeps_bf16_parameters_fp32_masters_and_syncs_exactl
     assert leftover_segments() == []
 
 
+class KeptBackup:
+    """Stands in for the GPU's TrainerMemory with the weights paused and the saver keeping its
+    backups: ``host_view`` gives the same tensor for a parameter every time (a copy of it, as
+    the pinned backup holds it)."""
+
+    retains_backups = True
+
+    def __init__(self):
+        self.saver = self
+        self.views: dict[int, torch.Tensor] = {}
+
+    def resident(self, tag):
+        return False
+
+    def host_view(self, p):
+        return self.views.setdefault(id(p), p.detach().clone())
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_paused_one_rank_megatron_syncs_exactly_from_views_of_its_backup(bf16_engine):
+    """The GPU's offload-first source of a one-rank Megatron trainer, on the CPU: a bf16 trainer
+    into a bf16 engine, its backup the source. All but q/k/v (two query groups, re-ordered) come
+    out as views of the backup for the transport to copy straight into its buffer, the
+    extractor is made once while the backups stay where they are, and the engine ends with the
+    trainer's digest, sync after sync."""
+    client, config = bf16_engine
+    trainer, _ = build("megatron", model_config=config, seed=3, engine_dtype="bfloat16", device="cpu",
+                       param_dtype="bfloat16")
+    transport = PackedTransport()
+    try:
+        await trainer.train_step(SimpleNamespace(data=fixed_batch(config, batch=8, new_tokens=8, seed=1)))
+        resident = trainer.sent_digest(fresh=True)
+        backup = KeptBackup()
+        trainer._memory_backend = backup
+        ex = trainer.extractor()
+        assert trainer.extractor() is ex and ex.upload_to == torch.device("cpu")
+        backup_of = {n: backup.host_view(p) for n, p in trainer.model.named_parameters()}
+        got = dict(ex.extract(["model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                               "model.layers.1.self_attn.o_proj.weight"]))
+        fc1 = backup_of["decoder.layers.0.mlp.linear_fc1.weight"]
+        assert got["model.layers.0.mlp.up_proj.weight"].untyped_storage().data_ptr() == \
+            fc1.untyped_storage().data_ptr()
+        proj = backup_of["decoder.layers.1.self_attention.linear_proj.weight"]
+        assert got["model.layers.1.self_attn.o_proj.weight"].data_ptr() == proj.data_ptr()
+        qkv = backup_of["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert got["model.layers.0.self_attn.k_proj.weight"].untyped_storage().data_ptr() != \
+            qkv.untyped_storage().data_ptr()
+        for step in (1, 2):
+            ctx = SyncContext(step=step, weight_version=step, bucket_bytes=64 << 10, source="host",
+                              staging=StagingBudget(None))
+            await transport.sync(trainer, client, ctx)
+            assert trainer.extractor() is ex
+            assert await client.digest() == trainer.sent_digest(fresh=True) == resident, step
+    finally:
+        await transport.aclose()
+        trainer.close()
+    assert not dist.is_initialized()
+    assert leftover_segments() == []
+
+
 async def test_bf16_parameters_learn_like_fp32_ones_from_the_same_start():
     """One step of the bf16 trainer (fp32 masters) lands where the fp32 trainer's step
     lands, to bf16's rounding of the start: the masters start at the bf16 weights, so
