@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from colo.core.buckets import ALIGN
+from colo.device import canonical_device
 from colo.dtypes import dtype_name
 
 #: the CUDA caching allocator rounds an allocation of 10 MiB or more up to this
@@ -67,9 +68,7 @@ class FlatWeights:
         self._host_seg: Any = None
         if not layout:
             raise ValueError("flat weights: no tensors to lay out (empty model)")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = canonical_device(device)
         if self.device.type not in ("cuda", "cpu"):
             raise ValueError(f"flat weights live on cuda or cpu, got {self.device}")
         #: name -> (shape, dtype) as built

@@ -33,6 +33,7 @@ import anyio.to_thread
 import torch
 
 from colo.core.buckets import Bucket, plan_buckets
+from colo.device import canonical_device
 from colo.core.interfaces import SyncContext, SyncResult  # noqa: F401
 from colo.transports.wire import (EmptyInitInfo, RequestError, TensorMeta, get_field, parse_tensors,  # noqa: F401
                                   views)
@@ -70,8 +71,8 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]], upl
     if len(tensors) != len(bucket.entries):
         raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
                          f"planned {len(bucket.entries)}")
-    devices = {_device_name(t.device) for _, t in tensors}
-    if upload_to is not None and len(devices) == 2 and devices == {"cpu", _device_name(upload_to)}:
+    devices = {str(canonical_device(t.device)) for _, t in tensors}
+    if upload_to is not None and devices == {"cpu", str(canonical_device(upload_to))}:
         devices = {"cpu"}  # the host's tensors are uploaded into the buffer beside the device's
     # One bucket is one buffer on one device: a tensor elsewhere (another GPU,
     # the meta device that holds no data) cannot be packed with the rest.
@@ -84,14 +85,6 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]], upl
         if str(t.dtype).removeprefix("torch.") != e.spec.dtype or tuple(t.shape) != e.spec.shape:
             raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, "
                              f"planned {e.spec.shape} {e.spec.dtype}")
-
-
-def _device_name(device: Any) -> str:
-    """``cuda`` and ``cuda:N`` of the current GPU are one device; every other as torch names it."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return str(device)
 
 
 def raise_first_real(group: BaseExceptionGroup) -> None:

@@ -35,6 +35,7 @@ import anyio.to_thread
 import torch
 
 from colo.core.buckets import Bucket, Entry
+from colo.device import canonical_device
 from colo.proc.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
 from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta, parse_tensors,
@@ -266,9 +267,7 @@ class PackedTransport(BucketSender):
         return views
 
     def _slot(self, i: int, ctx: SyncContext, device: Any) -> _Slot:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one GPU
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = canonical_device(device)  # "cuda" and "cuda:0" are one GPU
         s = self._slots[i]
         if s is not None and s.device != device:
             raise RuntimeError(f"packed: staging slot {i} is on {s.device}, this bucket's tensors on {device}")
