@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -46,6 +46,13 @@ case "${1:-tests}" in
       --out "$OUT/colo-bench-7b.json" 2>&1 | tee -a "$OUT/issue31.log" | tail -3
     timeout "${2:-330}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed --trainers all \
       --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee -a "$OUT/issue31.log" | tail -16
+    ;;
+  megatron31)  # issue 31: the paused one-rank Megatron trainer's sync from views of its host backup (never run on
+    # a GPU before): its demos under both plans, then its colo bench row at Qwen2-1.5B (limit: the optional argument)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_one_gpu.py -k "framework and megatron" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+    timeout "${2:-150}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed --trainers megatron \
+      --reps 3 --out "$OUT/colo-bench-megatron-1.5b.json" 2>&1 | tee "$OUT/megatron.log" | tail -16
     ;;
   verify)  # issue 31 item 2: the device digest's GPU tests, the one-GPU tests (every demo verifies every
     # sync through it), and colo bench --device cuda with verify_s per row
