@@ -27,6 +27,7 @@ import anyio
 import torch
 
 from colo.core.buckets import plan_buckets
+from colo.transports.base import extract_bucket
 from colo.core.interfaces import RolloutResult, SyncContext
 from colo.core.memory import StagingBudget
 from colo.tasks import make_task
@@ -148,10 +149,9 @@ class _Drain:
         buckets = plan_buckets(list(ex.specs()), bucket_bytes)
         todo = buckets[self.extracted:]
         for b in todo:
-            # the names the sender asks for in each bucket (a piece after the first is
-            # cut from the tensor extracted with its first): the same collectives
-            for _ in ex.extract(b.extract_names):
-                pass
+            # what the sender gathers for each bucket (a piece gathered by range, the
+            # tensors whose first bytes are there): the same collectives in the same order
+            extract_bucket(ex, b)
         return len(todo)
 
 

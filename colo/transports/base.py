@@ -65,7 +65,8 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]], upl
     """The extractor must hand exactly the planned tensors: the bytes go to planned offsets.
 
     ``tensors`` holds one whole tensor per entry, a piece's tensor included
-    (the sender cuts the piece's bytes out of it). ``upload_to``: the device of the
+    (the sender cuts the piece's bytes out of it), or for a piece the extractor
+    gathered by range, that piece's own bytes (:func:`is_piece`). ``upload_to``: the device of the
     buffer they go to, where host tensors are uploaded straight into it (an extractor's
     ``upload_to``): then host tensors may lie beside tensors already there."""
     if len(tensors) != len(bucket.entries):
@@ -82,9 +83,43 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]], upl
     for (name, t), e in zip(tensors, bucket.entries):
         if name != e.spec.name:
             raise ValueError(f"bucket {bucket.index}: extractor gave {name!r} where {e.spec.name!r} was planned")
+        if is_piece(t, e):
+            continue  # the piece's own bytes (gathered by range): nothing left to cut
         if str(t.dtype).removeprefix("torch.") != e.spec.dtype or tuple(t.shape) != e.spec.shape:
             raise ValueError(f"{name}: extractor gave {tuple(t.shape)} {t.dtype}, "
                              f"planned {e.spec.shape} {e.spec.dtype}")
+
+
+def is_piece(t: Any, e: Any) -> bool:
+    """Whether ``t`` is entry ``e``'s own bytes (a flat uint8 tensor of exactly the piece,
+    as :func:`extract_bucket` gathers a ranged piece), not the tensor it is cut from.
+    Never ambiguous: a piece is shorter than its tensor."""
+    return (not e.whole and t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == e.nbytes
+            and e.nbytes < e.spec.nbytes)
+
+
+def extract_bucket(extractor: Any, bucket: Bucket, into: Any = None) -> tuple[list[tuple[str, Any]], dict]:
+    """One bucket's collectives and tensors: ``(whole tensors by the extractor, pieces)``.
+
+    Pieces of a tensor the extractor gathers by range (``ranged(name)``, a
+    tensor-parallel tensor cut on its rows) are gathered one by one, each its own
+    bytes (into ``into[(name, offset)]`` when the transport gave that view of its
+    slot), keyed ``(name, offset)``; then the other tensors whose first bytes are
+    here, by one ``extract(names[, into])``. Every rank of a trainer runs this
+    for the same buckets in the same order, the sender and a failed rank's drain
+    (``colo.ranks.host``) alike, so their collectives line up."""
+    ranged = getattr(extractor, "ranged", None)
+    cut = [e for e in bucket.entries if not e.whole and ranged is not None and ranged(e.spec.name)]
+    skip = {e.spec.name for e in cut}
+    pieces = {}
+    for e in cut:
+        out = into.get((e.spec.name, e.offset)) if into else None
+        pieces[(e.spec.name, e.offset)] = extractor.extract_range(e.spec.name, e.offset, e.nbytes, out)
+    names = [n for n in bucket.extract_names if n not in skip]
+    fresh = list(extractor.extract(names) if into is None else extractor.extract(names, into))
+    if [n for n, _ in fresh] != names:
+        raise ValueError(f"bucket {bucket.index}: extractor gave {[n for n, _ in fresh]}, asked for {names}")
+    return fresh, pieces
 
 
 def raise_first_real(group: BaseExceptionGroup) -> None:
@@ -252,11 +287,10 @@ class BucketSender:
         # bucket must be read while this one is being gathered and packed.
         stream = self._upload_stream(getattr(extractor, "device", None))
         into = self._destinations(extractor, bucket, slot, ctx)
-        args = (names,) if into is None else (names, into)
 
-        def gather() -> list:
+        def gather() -> tuple[list, dict]:
             if stream is None:
-                return list(extractor.extract(*args))
+                return extract_bucket(extractor, bucket, into)
             # Uploads and conversions of bucket i+1 run on the sender's own
             # stream, while the engine loads bucket i; pack follows on the same
             # stream, so it sees them in order.
@@ -265,26 +299,29 @@ class BucketSender:
                 # step, a weight update): a side stream does not wait for it by itself,
                 # and a gather could read the weights half-written
                 stream.wait_stream(torch.cuda.default_stream(stream.device))
-                return list(extractor.extract(*args))
+                return extract_bucket(extractor, bucket, into)
 
-        fresh = gather() if self._inline else await anyio.to_thread.run_sync(gather)
+        fresh, pieces = gather() if self._inline else await anyio.to_thread.run_sync(gather)
         ctx.record(bucket.index, "gather", bucket.payload_bytes, len(names), time.perf_counter() - t0)
-        tensors = self._with_carried(bucket, fresh)
+        tensors = self._with_carried(bucket, fresh, pieces)
         check_bucket_tensors(bucket, tensors, getattr(extractor, "upload_to", None))
         await self._pack(bucket, tensors, slot, ctx)
 
-    def _with_carried(self, bucket: Bucket, fresh: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """One whole tensor per entry: the extracted ones, and for a piece after the
-        first the tensor extracted in its first piece's bucket (held until its last
-        piece is packed; a pinned host tensor when the source is the host copy, so
-        holding it costs no device memory)."""
-        if [n for n, _ in fresh] != bucket.extract_names:
-            raise ValueError(f"bucket {bucket.index}: extractor gave {[n for n, _ in fresh]}, "
-                             f"asked for {bucket.extract_names}")
+    def _with_carried(self, bucket: Bucket, fresh: list[tuple[str, Any]],
+                      pieces: dict | None = None) -> list[tuple[str, Any]]:
+        """One tensor per entry: the extracted ones; a piece gathered by range, its own
+        bytes; and for a piece after the first the tensor extracted in its first
+        piece's bucket (held until its last piece is packed; a pinned host tensor when
+        the source is the host copy, so holding it costs no device memory)."""
         got = dict(fresh)
+        pieces = pieces or {}
         out = []
         for e in bucket.entries:
             name = e.spec.name
+            piece = pieces.get((name, e.offset))
+            if piece is not None:
+                out.append((name, piece))
+                continue
             t = got[name] if e.first else self._carry.get(name)
             if t is None:  # the plan's order guarantees it: a bug, not bad input
                 raise RuntimeError(f"bucket {bucket.index}: piece of {name!r} at byte {e.offset} "
@@ -395,5 +432,5 @@ def timed_ack(ctx: SyncContext, bucket: Bucket, n: int) -> tuple[Callable[[], No
 
 
 __all__ = ["BucketSender", "EmptyInitInfo", "Receiver", "RequestError", "Staged", "Strategy", "TensorMeta",
-           "check_bucket_tensors", "parse_tensors", "pipeline", "raise_first_real", "timed_ack", "views",
+           "check_bucket_tensors", "extract_bucket", "is_piece", "parse_tensors", "pipeline", "raise_first_real", "timed_ack", "views",
            "wait_event"]

@@ -42,6 +42,7 @@ import torch
 from colo.core.buckets import Bucket, itemsize
 from colo.core.interfaces import SyncContext
 from colo.transports.base import BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors
+from colo.transports.pack import entry_bytes
 from colo.transports.wire import piece_of
 from colo.core.errors import IncompleteCheckpoint
 from colo.proc.lifecycle import make_dir, release_dir
@@ -118,9 +119,8 @@ def write_shard(path: str, tensors: list[tuple[str, Any]], *, bucket: int, entri
     for (name, t), e in zip(tensors, entries):
         t = t.detach()
         if e is not None and not e.whole:
-            size = t.element_size()
             # a copy of its own: safetensors writes whole storages, not a window into one
-            t = t.contiguous().view(-1)[e.offset // size:(e.offset + e.nbytes) // size].clone()
+            t = entry_bytes(t, e).view(getattr(torch, e.spec.dtype)).clone()
         out[name] = t.contiguous().cpu()
     data = save(out, metadata={"format": FORMAT, "bucket": str(bucket)})
     write_durable(path, data)

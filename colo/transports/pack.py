@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from colo.core.buckets import Bucket
-from colo.transports.base import check_bucket_tensors
+from colo.transports.base import check_bucket_tensors, is_piece
 
 
 def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> int:
@@ -68,7 +68,10 @@ def _extend(src: Any, nbytes: int) -> Any:
 
 
 def entry_bytes(t: Any, e: Any) -> Any:
-    """The bytes of ``t`` that entry ``e`` carries, as a uint8 view (no copy of a contiguous tensor)."""
+    """The bytes of ``t`` that entry ``e`` carries, as a uint8 view (no copy of a contiguous
+    tensor); ``t`` itself when it is the piece's own bytes (gathered by range)."""
+    if is_piece(t, e):
+        return t
     flat = t.contiguous().view(-1).view(torch.uint8)
     return flat if e.whole else flat[e.offset:e.offset + e.nbytes]
 

@@ -243,17 +243,21 @@ class PackedTransport(BucketSender):
             await self._free_kept()  # another bucket size: new buffers
 
     def _destinations(self, extractor: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> dict | None:
-        """Typed views of the slot at the bucket's offsets, one per whole tensor, for an
-        extractor that converts on a GPU (``extracts_into``): its conversion kernels
-        write the engine's bytes straight into the staging buffer, so there is neither
-        a buffer of converted tensors to allocate (a cudaMalloc after every trainer
-        offload) nor a pack copy (one copy-engine pass, slow while the driver clears a
-        released KV pool). The views are made once per slot and bucket layout."""
+        """Views of the slot at the bucket's offsets, for an extractor that can write its
+        results there itself (``extracts_into``): one typed view per whole tensor (by
+        name) and the bytes of each piece (by ``(name, offset)``). A conversion on a GPU
+        (:class:`~colo.extractors.plain.PlainExtractor`) writes the engine's bytes
+        straight into the staging buffer, a tensor-parallel gather
+        (:class:`~colo.extractors.megatron.MegatronExtractor`, on any device) gathers
+        there: neither a buffer of converted or gathered tensors to allocate (a
+        cudaMalloc after every trainer offload) nor a pack copy (one copy-engine pass,
+        slow while the driver clears a released KV pool). The views are made once per
+        slot and bucket layout."""
         if self.align != PADDED or not getattr(extractor, "extracts_into", False):
             return None
         device = getattr(extractor, "upload_to", None) or getattr(extractor, "device", None) \
             or getattr(extractor, "source_device", None)
-        if device is None or torch.device(device).type != "cuda":
+        if device is None or (torch.device(device).type != "cuda" and not hasattr(extractor, "extract_range")):
             return None
         s = self._slot(slot, ctx, torch.device(device))
         laid = self._layout[bucket.index]
@@ -261,8 +265,12 @@ class PackedTransport(BucketSender):
         held = self._dests.get(key)
         if held is not None and held[0] is laid and held[1] is s:
             return held[2]
-        views = {e.spec.name: s.tensor[e.start:e.end].view(getattr(torch, e.spec.dtype)).view(e.spec.shape)
-                 for e in laid.entries if e.whole}
+        views: dict = {}
+        for e in laid.entries:
+            if e.whole:
+                views[e.spec.name] = s.tensor[e.start:e.end].view(getattr(torch, e.spec.dtype)).view(e.spec.shape)
+            else:
+                views[(e.spec.name, e.offset)] = s.tensor[e.start:e.end]
         self._dests[key] = (laid, s, views)
         return views
 
@@ -295,7 +303,8 @@ class PackedTransport(BucketSender):
         # every tensor the slot's own view at its entry (gathered in place): nothing to copy
         dests = self._dests.get((id(s), bucket.index))
         in_place = dests is not None and dests[1] is s and len(dests[2]) == len(tensors) == len(laid.entries) \
-            and all(dests[2].get(name) is t for name, t in tensors)
+            and all(dests[2].get(name if e.whole else (name, e.offset)) is t
+                    for (name, t), e in zip(tensors, laid.entries))
         if self._inline:
             done = queue_pack(s.tensor, laid, tensors, stream, in_place=in_place)
         elif self.pipelined:

@@ -27,7 +27,10 @@ def runs(tmp_path_factory):
     with an engine rank killed mid-sync."""
     tmp = tmp_path_factory.mktemp("multi")
     return {"hf": shared_run(tmp_path_factory, trainer="hf"),
-            "megatron": two_rank_run(tmp, "megatron", trainer="megatron", steps=2),
+            # quarter-MiB buckets: the 1 MiB embedding and lm_head and the 512 KiB gate/up
+            # (gathered piece by piece into staging) and down_proj (gathered whole, then cut)
+            # each cross several buckets
+            "megatron": two_rank_run(tmp, "megatron", trainer="megatron", steps=2, bucket_mib=0.25),
             "fsdp": two_rank_run(tmp, "fsdp", trainer="fsdp", steps=2),
             "hf-killed": two_rank_run(tmp, "hf-killed", trainer="hf", fault="kill-engine@sync", fault_step=1)}
 
@@ -49,6 +52,8 @@ def test_two_rank_demo_verifies_every_sync_and_its_traces_replay_clean_together(
         # the trainer's shard digest for that rank (checked in the run, or it fails)
         assert a["digest"] != b["digest"]
         assert a["bytes"] == b["bytes"] > 0  # every rank gathered and handed off the whole model
+        if kind == "megatron":
+            assert a["buckets"] == b["buckets"] >= a["bytes"] // (256 << 10)
 
 
 def test_each_rank_writes_its_own_trace_with_its_rank_and_the_world_size(runs):

@@ -426,6 +426,102 @@ def test_tensor_parallel_shards_are_gathered_reinterleaved_and_split(tmp_path):
             "tensor-parallel ranks, which does not divide its 1 query groups; check attention="]
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def ranged_worker(rank: int, world: int, tmp_path) -> dict:
+    import torch.distributed as dist
+
+    import colo.extractors.megatron as megatron
+
+    megatron.GATHER_CHUNK_BYTES = 40  # a row-parallel tensor gathered in blocks of a few rows
+    ref = hf_reference()
+    params = megatron_params(ref, tp_rank=rank, tp=world)
+    # a fused QKV of 4 query groups, 2 on each rank: its q, k and v parts are strided runs
+    g = torch.Generator().manual_seed(3)
+    heads, groups, hd, hidden = 8, 4, 2, 6
+    q, k, v = (torch.randn(n * hd, hidden, generator=g) for n in (heads, groups, groups))
+    per = heads // groups
+    fused = torch.cat([x for i in range(groups) for x in (q[i * per * hd:(i + 1) * per * hd],
+                                                            k[i * hd:(i + 1) * hd], v[i * hd:(i + 1) * hd])])
+    wide = [("decoder.layers.0.self_attention.linear_qkv.weight", _column(fused, rank, world))]
+    out: dict = {}
+    for label, ps, attention, vocab in (("tiny", params, ATTENTION, T.VOCAB), ("groups", wide, (heads, groups), None)):
+        ex = MegatronExtractor(ps, dtype=torch.bfloat16, tp_group=dist.group.WORLD, attention=attention,
+                               vocab_size=vocab)
+        specs = list(ex.specs())
+        ranged = {s.name: ex.ranged(s.name) for s in specs}
+        # each ranged tensor in runs of 2, 6 and 16 bytes, and whole, gathered by range
+        by_range = {}
+        for s in specs:
+            if ranged[s.name]:
+                for step in (2, 6, 16, s.nbytes):
+                    runs = [ex.extract_range(s.name, o, min(step, s.nbytes - o)) for o in range(0, s.nbytes, step)]
+                    by_range[f"{s.name}@{step}"] = torch.cat(runs)
+        # every tensor into the caller's views: the gathered ones are those views
+        views = {s.name: torch.full(s.shape, 7.0, dtype=torch.bfloat16) for s in specs}
+        got = dict(ex.extract([s.name for s in specs], views))
+        into = {n: got[n].data_ptr() == views[n].data_ptr() for n in got}
+        out[label] = {"ranged": ranged, "by_range": by_range, "into": into, "got": got}
+    errors = []
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, tp_group=dist.group.WORLD, attention=ATTENTION,
+                           vocab_size=T.VOCAB)
+    emb = "model.embed_tokens.weight"
+    for args in (("model.layers.0.self_attn.o_proj.weight", 0, 2), (emb, 1, 2), (emb, 0, 3),
+                 (emb, T.VOCAB * T.HIDDEN * 2 - 2, 4), (emb, 0, 4, torch.empty(4, dtype=torch.int16))):
+        try:
+            ex.extract_range(*args)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
+
+
+def test_ranged_pieces_and_gathers_into_the_callers_views_are_bit_exact(tmp_path):
+    """Issue 34: a tensor-parallel tensor cut on its rows is gathered piece by piece (any
+    byte range: the ranks' parts back to back, vocabulary padding cut, q/k/v of several
+    query groups per rank), and every gathered tensor straight into the caller's views
+    (a staging slot's); a row-parallel one in blocks of a few rows. All of it bit-equal to
+    the unsharded model, on both ranks."""
+    ref = hf_reference()
+    results = run_workers(ranged_worker, tmp_path)
+    g = torch.Generator().manual_seed(3)
+    heads, groups, hd, hidden = 8, 4, 2, 6
+    wide_ref = dict(zip((f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkv"),
+                        (torch.randn(n * hd, hidden, generator=g) for n in (heads, groups, groups))))
+    rows = {"model.embed_tokens.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{n}" for i in (0, 1) for n in (
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    for rank, res in enumerate(results):
+        tiny, wide = res["tiny"], res["groups"]
+        assert {n for n, r in tiny["ranged"].items() if r} == rows
+        assert all(wide["ranged"].values()) and sorted(wide["ranged"]) == sorted(wide_ref)
+        for case, want in ((tiny, ref), (wide, wide_ref)):
+            check_against(want, case["got"], torch.bfloat16, f"rank {rank} into views")
+            for key, t in case["by_range"].items():
+                name = key.split("@")[0]
+                assert torch.equal(t, _as_bytes(want[name].to(torch.bfloat16))), f"rank {rank} {key}"
+        # gathered into the views: every tensor-parallel tensor, row-parallel ones included
+        gathered = rows | {f"model.layers.{i}.{n}" for i in (0, 1)
+                           for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight")}
+        assert {n for n, inside in tiny["into"].items() if inside} == gathered
+        assert all(wide["into"].values())
+        assert res["errors"] == [
+            "megatron extractor: 'model.layers.0.self_attn.o_proj.weight' is not gathered by rows; extract it whole",
+            "megatron extractor: bytes [1, 3) are not a run of whole elements of 'model.embed_tokens.weight' "
+            f"({T.VOCAB * T.HIDDEN * 2} bytes of 2-byte elements)",
+            "megatron extractor: bytes [0, 3) are not a run of whole elements of 'model.embed_tokens.weight' "
+            f"({T.VOCAB * T.HIDDEN * 2} bytes of 2-byte elements)",
+            f"megatron extractor: bytes [{T.VOCAB * T.HIDDEN * 2 - 2}, {T.VOCAB * T.HIDDEN * 2 + 2}) are not a run "
+            f"of whole elements of 'model.embed_tokens.weight' ({T.VOCAB * T.HIDDEN * 2} bytes of 2-byte elements)",
+            "megatron extractor: out for 'model.embed_tokens.weight' must be 4 contiguous uint8 bytes, got (4,) "
+            "torch.int16"]
+
+
 def pp_worker(rank: int, world: int, tmp_path) -> dict:
     import torch.distributed as dist
 
