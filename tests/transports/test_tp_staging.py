@@ -81,3 +81,43 @@ def test_a_tp_sync_gathers_into_staging_and_pieces_piece_by_piece(tmp_path):
         assert gathered == {e.spec.name for b in plan for e in b.entries if e.whole and "norm" not in e.spec.name}
         assert res["buckets"] == len(plan) and res["held"] == 0
         assert res["peak"] <= 2 * BUCKET
+
+
+def drain_worker(rank: int, world: int, tmp_path) -> dict:
+    """Rank 0 fails after its first two buckets and drains (what a failed rank does so the
+    others' collectives complete); rank 1 syncs on."""
+    import torch.distributed as dist
+
+    from colo.ranks.host import _Drain
+    from colo.transports.base import extract_bucket
+
+    ex = MegatronExtractor(megatron_params(hf_reference(), tp_rank=rank, tp=world), dtype=torch.bfloat16,
+                           tp_group=dist.group.WORLD, attention=ATTENTION, vocab_size=T.VOCAB)
+    if rank == 0:
+        drain = _Drain(SimpleNamespace(extractor=lambda: ex))
+        counting = drain.extractor()
+        for b in plan_buckets(list(ex.specs()), BUCKET)[:2]:
+            extract_bucket(counting, b)
+        return {"drained": drain.finish(BUCKET)}
+    engine = protocol_engine(list(ex.specs()))
+    ctx = SyncContext(step=0, weight_version=1, bucket_bytes=BUCKET, source="device", staging=StagingBudget(None))
+    transport = PackedTransport()
+
+    async def main():
+        try:
+            return await transport.sync(SimpleNamespace(extractor=lambda: ex), engine, ctx)
+        finally:
+            await transport.aclose()
+
+    anyio.run(main)
+    return {"params": dict(engine.sink.params)}
+
+
+def test_a_failed_rank_drains_with_the_same_collectives_pieces_included(tmp_path):
+    ref = {n: t.to(torch.bfloat16) for n, t in hf_reference().items()}
+    drained, synced = run_workers(drain_worker, tmp_path)
+    specs = list(MegatronExtractor(megatron_params(hf_reference()), dtype=torch.bfloat16, attention=ATTENTION,
+                                   vocab_size=T.VOCAB).specs())
+    assert drained["drained"] == len(plan_buckets(specs, BUCKET)) - 2
+    for name, want in ref.items():
+        assert torch.equal(synced["params"][name].view(torch.uint8), want.view(torch.uint8)), name
