@@ -22,6 +22,11 @@ Who holds what is exchanged once, at construction, with ``all_gather_object``
 of plain metadata (names, shapes, dtypes, attributes, group ranks), so every
 rank derives the same plan of collectives; tensors only ever travel through
 ``broadcast`` and ``all_gather``.
+
+A tensor-parallel tensor is gathered into its output in place (``extract(names,
+into)``: a transport's staging view), and one cut on its rows can be gathered by
+byte range (``extract_range``: a piece of a tensor larger than the bucket); see
+``docs/multi-gpu.md``.
 """
 
 from __future__ import annotations
