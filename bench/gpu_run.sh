@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|issue34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -139,6 +139,15 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
     # (TP-MoE); refused with exit 2 on a machine with fewer than 8 GPUs
     python3 -m bench.multi_gpu --device cuda --gpus 8 --model qwen3-30b-a3b --out "$OUT/bench-moe8.json" 2>&1 \
       | tee "$OUT/bench-moe8.log" | tail -40
+    ;;
+  issue34)  # issue 34 in one call on two GPUs (nvidia-h200-x2): pytest -m gpu2, then Qwen2-7B TP=2 with the
+    # synthetic Megatron layout and with colo's real megatron-core trainer (every row's digests checked)
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/gpu/test_two_gpus.py tests/bench/test_multi_gpu.py \
+      2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
+    timeout 170 python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \
+      | tee "$OUT/bench-gpu2.log" | tail -16
+    timeout 190 python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+      --out "$OUT/bench-gpu2-megatron.json" 2>&1 | tee "$OUT/bench-gpu2-megatron.log" | tail -16
     ;;
   bench2)  # two GPUs: trainer TP=2 (Megatron layout), engine TP=2, Qwen2-7B shapes
     python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \

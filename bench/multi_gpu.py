@@ -69,6 +69,8 @@ from colo.ranks.host import RankHost
 #: (label, transport, options) of the rows timed through ``op_time_sync``
 SYNC_ROWS = (("colo-packed", "packed", {"pipelined": True}), ("ipc-per-tensor", "ipc", {}))
 PLANS = (("sync-first", "device"), ("offload-first", "host"))
+#: ``--trainer``: the synthetic Megatron layout, or colo's real megatron-core trainer
+TRAINERS = ("synthetic", "megatron")
 #: the peak-memory target: two buckets and this much more
 SLACK_BYTES = 64 * MiB
 
@@ -316,6 +318,71 @@ def _attrs_of(t: torch.Tensor) -> dict:
 def build_trainer(*, model_config: Any, seed: int, engine_dtype: str, device: str) -> tuple[Any, None]:
     """The RankSpec ``trainer_builder``: rank r of the world RankHost already joined."""
     return SyntheticMegatron(model_config, seed=seed, engine_dtype=engine_dtype, device=device), None
+
+
+class RealMegatron:
+    """colo's Megatron trainer rank (a real megatron-core ``GPTModel``, TP=N over the world,
+    bf16 parameters, no optimizer state: it only syncs) with the verbs the rows use beside
+    the synthetic layout's: ``offloaded`` (its weights paused into their pinned host
+    backup, which the extractor then reads), ``meta_group``, ``steps`` and a step that
+    negates every weight (exactly reversible in bf16: the next sync must deliver new bytes
+    everywhere). Off a GPU nothing pauses, so only ``sync-first`` rows run there."""
+
+    def __init__(self, trainer: Any, device: str):
+        self.inner, self.device = trainer, device
+        self.steps = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.inner._paused()
+
+    @property
+    def meta_group(self) -> Any:
+        return self.inner.runtime.meta_group
+
+    @property
+    def tp(self) -> int:
+        return self.inner.runtime.tp
+
+    @property
+    def tp_group(self) -> Any:
+        return self.inner.runtime.tp_group
+
+    @property
+    def shard_bytes(self) -> int:
+        """This rank's parameters (its TP shard, the vocabulary padding included)."""
+        return int(self.inner.tag_bytes()["weights"])
+
+    async def train_step(self, rollout: Any = None) -> dict[str, float]:
+        paused = self.offloaded
+        if paused:
+            await self.inner.onload(["weights"])
+
+        def step() -> None:
+            with torch.no_grad():
+                for p in self.inner.model.parameters():
+                    p.neg_()
+            if self.device == "cuda":
+                torch.cuda.synchronize()
+
+        await anyio.to_thread.run_sync(step)
+        if paused:
+            await self.inner.offload(["weights"])
+        self.steps += 1
+        return {"steps": float(self.steps)}
+
+
+def build_real_megatron(*, model_config: Any, seed: int, engine_dtype: str, device: str,
+                        param_dtype: str | None = None) -> tuple[Any, Any]:
+    """The RankSpec ``trainer_builder`` of ``--trainer megatron``."""
+    from colo.trainers import build
+
+    trainer, saver = build("megatron", model_config=model_config, seed=seed, engine_dtype=engine_dtype,
+                           device=device, param_dtype=param_dtype or "bfloat16", optimizer_state=False)
+    return RealMegatron(trainer, device), saver
 
 
 def streamed_shard_digest(ex: Any, config: Any, dtype: torch.dtype, rank: int, size: int) -> str:
@@ -687,7 +754,11 @@ def engine_build(config: Any, gpus: int) -> dict:
 class MultiBench:
     """The workers of one run and the driver's sequence of verbs."""
 
-    def __init__(self, *, device: str, gpus: int, config: Any, bucket_bytes: int, reps: int, seed: int = 0):
+    def __init__(self, *, device: str, gpus: int, config: Any, bucket_bytes: int, reps: int, seed: int = 0,
+                 trainer: str = "synthetic"):
+        if trainer not in TRAINERS:
+            raise ValueError(f"unknown trainer {trainer!r}; expected one of {', '.join(TRAINERS)}")
+        self.trainer = trainer
         self.device, self.n, self.config = device, gpus, config
         self.bucket_bytes, self.reps, self.seed = bucket_bytes, reps, seed
         self.workers: list[Any] = []
@@ -705,12 +776,15 @@ class MultiBench:
         build = engine_build(self.config, self.n)
         inits = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
         for r in range(self.n):
-            spec = RankSpec(rank=r, world_size=self.n, device=self.device, trainer="synthetic-megatron",
+            real = self.trainer == "megatron"
+            spec = RankSpec(rank=r, world_size=self.n, device=self.device,
+                            trainer="megatron" if real else "synthetic-megatron",
                             model_config=self.config.to_dict(), seed=self.seed, engine_dtype="bfloat16",
                             transport="packed", trainer_init=inits[0], engine_init=inits[1], engine_build=build,
                             task={"name": "reinforce", "vocab_size": self.config.vocab_size, "batch": 1, "prompt_len": 4,
                                   "new_tokens": 1, "seed": self.seed},
-                            workdir=self.workdir, trainer_builder=f"{__name__}:build_trainer",
+                            workdir=self.workdir,
+                            trainer_builder=f"{__name__}:{'build_real_megatron' if real else 'build_trainer'}",
                             host_class=f"{__name__}:BenchHost")
             env = {"CUDA_VISIBLE_DEVICES": self.uuids[r]} if self.uuids[r] else None
             self.workers.append(await Worker.spawn(spec, env=env))
@@ -750,9 +824,14 @@ class MultiBench:
         print(json.dumps({"limits": limits}), flush=True)
         engines = await self.each("engine_address")
         rows = []
+        if self.trainer == "megatron":
+            # the real trainer started paused (a colocated start): sync-first reads the GPU shards
+            await self.each("onload", tags=["weights"])
         for plan, source in PLANS:
             if source == "host":
                 await self.each("offload", tags=["weights"])
+                if self.trainer == "megatron" and self.device != "cuda":
+                    break  # nothing pauses off a GPU: there is no host copy to sync from
             for label in row_labels(self.config):
                 r = await self.row(plan, source, label, engines)
                 rows.append(r)
@@ -812,6 +891,8 @@ def ratios(rows: list[dict], floor: dict, bucket_bytes: int) -> dict:
     by = {(r["plan"], r["transport"]): r for r in rows}
     out: dict[str, Any] = {}
     for plan in ("sync-first", "offload-first"):
+        if (plan, "colo-packed") not in by:
+            continue  # not run (the real trainer off a GPU)
         colo = by[(plan, "colo-packed")]["sync_s"]
         key = plan.replace("-", "_")
         out[f"{key}_vs_floor"] = floor[plan] / colo
@@ -852,10 +933,11 @@ def targets(r: dict, moe: bool = False) -> dict:
 
 
 async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, reps: int,
-                      layers: int | None = None) -> dict:
+                      layers: int | None = None, trainer: str = "synthetic") -> dict:
     config = model_config(model, layers)
     bucket_bytes = int(bucket_mib * MiB)
-    run = MultiBench(device=device, gpus=gpus, config=config, bucket_bytes=bucket_bytes, reps=reps)
+    run = MultiBench(device=device, gpus=gpus, config=config, bucket_bytes=bucket_bytes, reps=reps,
+                     trainer=trainer)
     try:
         hellos = await run.start()
         measured = await run.run()
@@ -878,8 +960,10 @@ async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, 
                                       "num_experts_per_tok", "model_type")},
                   "expert_bytes": sum(int(s[3]) for s in specs if is_expert(s[0])),
                   "bytes": sum(int(s[3]) for s in specs), "tensors": len(specs), "params": hellos[0]["num_params"],
-                  "trainer": "synthetic megatron-core TP layout (random bf16 shards)"
-                             + (", experts EP=N (expert TP 1), broadcast from their owner" if is_moe(config) else ""),
+                  "trainer": ("colo's Megatron trainer: a real megatron-core GPTModel, TP=N, bf16 parameters, "
+                              "no optimizer state" if trainer == "megatron" else
+                              "synthetic megatron-core TP layout (random bf16 shards)"
+                              + (", experts EP=N (expert TP 1), broadcast from their owner" if is_moe(config) else "")),
                   "trainer_tp": trainer_tp(config, gpus), "trainer_dp": gpus // trainer_tp(config, gpus),
                   "trainer_ep": gpus if is_moe(config) else 1, "engine_tp": gpus,
                   "engine_moe": "TP-MoE: every expert's intermediate split over the engine's TP ranks"
@@ -918,13 +1002,14 @@ def table(result: dict) -> str:
 
 
 def run_bench_multi(device: str, gpus: int, model: str, bucket_mib: float, reps: int, out: str | None,
-                    layers: int | None = None) -> tuple[dict, Any]:
+                    layers: int | None = None, trainer: str = "synthetic") -> tuple[dict, Any]:
     """Run, write the JSON (never over a committed result unless ``out`` says so), print the table."""
     from colo.apps.bench import RESULTS_DIR, write_result
 
     result = anyio.run(lambda: bench_multi(device=device, gpus=gpus, model=model, bucket_mib=bucket_mib,
-                                           reps=reps, layers=layers))
-    stem = f"multi-sync-{device}-{gpus}x-{model}-{dt.date.today().isoformat()}"
+                                           reps=reps, layers=layers, trainer=trainer))
+    kind = "" if trainer == "synthetic" else f"-{trainer}"
+    stem = f"multi-sync-{device}-{gpus}x-{model}{kind}-{dt.date.today().isoformat()}"
     path = write_result(json.dumps(result, indent=2) + "\n", out=out, directory=RESULTS_DIR, stem=stem)
     print(table(result))
     print(f"results: {path}")
@@ -974,6 +1059,9 @@ def main(argv: Any = None) -> int:
     p.add_argument("--bucket-mib", type=float, default=512.0)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--trainer", choices=TRAINERS, default="synthetic",
+                   help="synthetic: random shards in megatron-core's layout; megatron: colo's real "
+                        "megatron-core trainer (dense models)")
     try:
         a = p.parse_args(argv)
     except SystemExit as e:
@@ -984,13 +1072,17 @@ def main(argv: Any = None) -> int:
         if not MIN_BUCKET_MIB <= a.bucket_mib < float("inf"):  # nan fails this too
             raise UsageError(f"--bucket-mib must be a finite number of at least {MIN_BUCKET_MIB:g}, got {a.bucket_mib}")
         check_machine(a.device, a.gpus, a.model, a.layers)
+        if a.trainer == "megatron" and is_moe(model_config(a.model, a.layers)):
+            raise UsageError(f"--trainer megatron --model {a.model}: colo's Megatron trainer builds dense "
+                             f"Qwen2 models; a MoE runs with the synthetic trainer")
         # the one-rank bench's rule (a new path or a regular file), before any rank starts:
         # the result's rename would replace a device, a FIFO or a link with a regular file
         check_out(a.out)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    result, _ = run_bench_multi(a.device, a.gpus, a.model, a.bucket_mib, a.reps, a.out, layers=a.layers)
+    result, _ = run_bench_multi(a.device, a.gpus, a.model, a.bucket_mib, a.reps, a.out, layers=a.layers,
+                                trainer=a.trainer)
     return EXIT_OK if result["digest_verified"] else EXIT_FAILED
 
 

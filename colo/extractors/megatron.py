@@ -200,6 +200,9 @@ class _Source:
 
 _AXES = ("tp", "pp", "ep", "etp")
 
+#: one all-gather into one output tensor (torch 2.13 renamed ``all_gather_into_tensor``)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 #: the most a row-parallel tensor's gather holds at once beside its output (the issue's
 #: staging bound leaves 64 MiB beside the two buckets)
 GATHER_CHUNK_BYTES = 32 << 20
@@ -637,7 +640,7 @@ class MegatronExtractor:
             else:
                 mine.copy_(part.reshape(-1)[first:last], non_blocking=pinned)
         if start == 0 and end == size * step:
-            dist.all_gather_into_tensor(out, out[me * step:(me + 1) * step], group=src.gather)
+            _all_gather_single(out, out[me * step:(me + 1) * step], group=src.gather)
             return
         ranks = dist.get_process_group_ranks(src.gather)
         for r in range(size):
@@ -669,7 +672,7 @@ class MegatronExtractor:
             block[me].copy_(local[a:a + n], non_blocking=pinned)
             flat = block.view(-1).view(torch.uint8)
             mine = block[me].view(-1).view(torch.uint8)
-            dist.all_gather_into_tensor(flat, mine, group=src.gather)
+            _all_gather_single(flat, mine, group=src.gather)
             whole[a:a + n].copy_(block.transpose(0, 1))
 
     def _comm_device(self) -> torch.device:

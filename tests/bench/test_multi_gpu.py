@@ -45,6 +45,28 @@ def test_bench_gpus_2_cpu(tmp_path, capsys, no_leftover_segments):
     assert "| sync-first | slime-style |" in capsys.readouterr().out
 
 
+
+def test_bench_gpus_2_real_megatron_trainer_cpu(tmp_path, no_leftover_segments):
+    """``--trainer megatron`` (issue 34, item 3): colo's real megatron-core trainer at TP=2 on
+    two gloo ranks, in quarter-MiB buckets (its embedding, lm_head and gate/up cross
+    several, gathered piece by piece), every row's shard digests checked on both engine
+    ranks. Off a GPU nothing pauses: the sync-first rows only."""
+    out = tmp_path / "real.json"
+    code = bench_main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--trainer", "megatron",
+                       "--reps", "1", "--bucket-mib", "0.25", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    _check(result, {r for r in ROWS if r[0] == "sync-first"})
+    assert result["model"]["trainer"].startswith("colo's Megatron trainer: a real megatron-core GPTModel")
+    assert "sync_first_vs_floor" in result["ratios"] and "offload_first_vs_floor" not in result["ratios"]
+    # every HF tensor of the model in bf16, Megatron's vocabulary padding cut off
+    from colo.trainers.models import build_trainer_model, demo_config
+
+    hf = build_trainer_model(demo_config(), seed=0)
+    assert result["model"]["bytes"] == 2 * sum(p.numel() for p in hf.parameters())
+    assert result["model"]["tensors"] == len(list(hf.parameters()))
+    assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "qwen3-moe-tiny", "--trainer", "megatron"]) == 2
+
 def test_bench_gpus_bad_model():
     assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "demo-xl"]) == 2
 
