@@ -123,6 +123,20 @@ def test_bench_gpus_2_cuda(tmp_path):
 
 
 @pytest.mark.gpu2
+def test_bench_gpus_2_real_megatron_trainer_cuda(tmp_path):
+    """colo's real megatron-core trainer at TP=2 on two GPUs, the Qwen2-7B shape cut to 2
+    layers, in 64 MiB buckets: both plans (its offload-first syncs read the paused weights'
+    pinned backup), every row's digests checked, staging within its bound."""
+    from bench.multi_gpu import SLACK_BYTES, run_bench_multi
+
+    result, _ = run_bench_multi("cuda", 2, "qwen2-7b", 64, 1, str(tmp_path / "real.json"), layers=2,
+                                trainer="megatron")
+    _check(result)
+    packed = [r for r in result["rows"] if r["transport"] == "colo-packed"]
+    assert all(r["device_peak_extra_max"] <= 2 * (64 << 20) + SLACK_BYTES for r in packed), packed
+
+
+@pytest.mark.gpu2
 def test_bench_gpus_2_moe_cuda(tmp_path):
     """The Qwen3-30B-A3B shape cut to 2 layers on two GPUs (the moe2 rehearsal, shorter)."""
     from bench.multi_gpu import run_bench_multi
