@@ -375,6 +375,16 @@ def test_unknown_names_and_resized_parameters_are_refused():
         list(ex.extract(["lm_head.weight"]))
 
 
+def refusal(fn, *args, **kw) -> str:
+    """``fn(*args, **kw)``'s ValueError message ("" when it is not refused): what each rank
+    of a worker reports back."""
+    try:
+        fn(*args, **kw)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 # -- two processes on gloo -----------------------------------------------------------
 
 def tp_worker(rank: int, world: int, tmp_path) -> dict:
@@ -391,17 +401,12 @@ def tp_worker(rank: int, world: int, tmp_path) -> dict:
     reversed_names = [n for n, _ in ex.extract(names[::-1])]
     fp8 = dict(MegatronExtractor(params, dtype=torch.float8_e4m3fn, tp_group=dist.group.WORLD,
                                  attention=ATTENTION, vocab_size=T.VOCAB).extract(names))
-    errors = []
     # refused on every rank alike, before any collective: a GLU weight sharded on
     # the wrong dimension; head counts whose query groups cannot be split over 2 ranks
     qkv = [(n, p) for n, p in params if n == "decoder.layers.0.self_attention.linear_qkv.weight"]
-    for bad, kw in (([("decoder.layers.0.mlp.linear_fc1.weight", _param(torch.ones(4, 2), True, 1))], {}),
-                    (qkv, {"attention": (2, 1)})):
-        try:
-            MegatronExtractor(bad, tp_group=dist.group.WORLD, **kw)
-            errors.append("")
-        except ValueError as e:
-            errors.append(str(e))
+    errors = [refusal(MegatronExtractor, bad, tp_group=dist.group.WORLD, **kw)
+              for bad, kw in (([("decoder.layers.0.mlp.linear_fc1.weight", _param(torch.ones(4, 2), True, 1))], {}),
+                              (qkv, {"attention": (2, 1)}))]
     return {"local_shapes": local_shapes, "specs": specs, "in_buckets": in_buckets,
             "reversed_names": reversed_names, "fp8": fp8, "errors": errors}
 
@@ -464,18 +469,12 @@ def ranged_worker(rank: int, world: int, tmp_path) -> dict:
         got = dict(ex.extract([s.name for s in specs], views))
         into = {n: got[n].data_ptr() == views[n].data_ptr() for n in got}
         out[label] = {"ranged": ranged, "by_range": by_range, "into": into, "got": got}
-    errors = []
     ex = MegatronExtractor(params, dtype=torch.bfloat16, tp_group=dist.group.WORLD, attention=ATTENTION,
                            vocab_size=T.VOCAB)
     emb = "model.embed_tokens.weight"
-    for args in (("model.layers.0.self_attn.o_proj.weight", 0, 2), (emb, 1, 2), (emb, 0, 3),
-                 (emb, T.VOCAB * T.HIDDEN * 2 - 2, 4), (emb, 0, 4, torch.empty(4, dtype=torch.int16))):
-        try:
-            ex.extract_range(*args)
-            errors.append("")
-        except ValueError as e:
-            errors.append(str(e))
-    out["errors"] = errors
+    out["errors"] = [refusal(ex.extract_range, *args) for args in (
+        ("model.layers.0.self_attn.o_proj.weight", 0, 2), (emb, 1, 2), (emb, 0, 3),
+        (emb, T.VOCAB * T.HIDDEN * 2 - 2, 4), (emb, 0, 4, torch.empty(4, dtype=torch.int16)))]
     return out
 
 
@@ -532,18 +531,12 @@ def pp_worker(rank: int, world: int, tmp_path) -> dict:
                            vocab_size=T.VOCAB)
     out = {"names": sorted(n for n, _ in params), "specs": [s.name for s in ex.specs()],
            "in_buckets": extract_in_buckets(ex, 200)}
-    errors = []
     # both stages claim the final norm, with different shapes: every rank refuses alike
     clash = [("decoder.final_layernorm.weight", _param(torch.ones(8 + rank)))]
     # a parameter only rank 1 has, with no pipeline group to bring it to rank 0
     orphan = [("decoder.final_layernorm.weight", _param(torch.ones(8)))] if rank == 1 else []
-    for bad, kw in ((clash, {"pp_group": dist.group.WORLD}), (orphan, {})):
-        try:
-            MegatronExtractor(bad, **kw)
-            errors.append("")
-        except ValueError as e:
-            errors.append(str(e))
-    out["errors"] = errors
+    out["errors"] = [refusal(MegatronExtractor, bad, **kw)
+                     for bad, kw in ((clash, {"pp_group": dist.group.WORLD}), (orphan, {}))]
     return out
 
 

@@ -27,6 +27,22 @@ from tests.extractors.test_megatron import ATTENTION, T, hf_reference, megatron_
 BUCKET = 256  # bytes: TinyLlama's 592-byte embedding and lm_head travel in three and four pieces
 
 
+def packed_sync(ex, pool: StagingBudget):
+    """One ``packed`` sync of ``ex`` in ``BUCKET``-byte buckets into a protocol engine of its
+    specs: (the engine, the sync's result)."""
+    engine = protocol_engine(list(ex.specs()))
+    ctx = SyncContext(step=0, weight_version=1, bucket_bytes=BUCKET, source="device", staging=pool)
+    transport = PackedTransport()
+
+    async def main():
+        try:
+            return await transport.sync(SimpleNamespace(extractor=lambda: ex), engine, ctx)
+        finally:
+            await transport.aclose()
+
+    return engine, anyio.run(main)
+
+
 def sync_worker(rank: int, world: int, tmp_path) -> dict:
     import torch.distributed as dist
 
@@ -46,18 +62,8 @@ def sync_worker(rank: int, world: int, tmp_path) -> dict:
             yield name, t
 
     ex.extract_range, ex.extract = extract_range, extract
-    engine = protocol_engine(list(ex.specs()))
     pool = StagingBudget(None)
-    ctx = SyncContext(step=0, weight_version=1, bucket_bytes=BUCKET, source="device", staging=pool)
-    transport = PackedTransport()
-
-    async def main():
-        try:
-            return await transport.sync(SimpleNamespace(extractor=lambda: ex), engine, ctx)
-        finally:
-            await transport.aclose()
-
-    result = anyio.run(main)
+    engine, result = packed_sync(ex, pool)
     return {"params": dict(engine.sink.params), "ranges": ranges, "wholes": wholes, "into": into_views,
             "buckets": result.buckets, "held": pool.held_bytes, "peak": pool.peak_bytes}
 
@@ -99,17 +105,7 @@ def drain_worker(rank: int, world: int, tmp_path) -> dict:
         for b in plan_buckets(list(ex.specs()), BUCKET)[:2]:
             extract_bucket(counting, b)
         return {"drained": drain.finish(BUCKET)}
-    engine = protocol_engine(list(ex.specs()))
-    ctx = SyncContext(step=0, weight_version=1, bucket_bytes=BUCKET, source="device", staging=StagingBudget(None))
-    transport = PackedTransport()
-
-    async def main():
-        try:
-            return await transport.sync(SimpleNamespace(extractor=lambda: ex), engine, ctx)
-        finally:
-            await transport.aclose()
-
-    anyio.run(main)
+    engine, _ = packed_sync(ex, StagingBudget(None))
     return {"params": dict(engine.sink.params)}
 
 
