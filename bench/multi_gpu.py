@@ -40,7 +40,7 @@ over the ranks) and the time to broadcast every expert's bytes in bucket-sized
 calls; the floors add that time. The rows are colo-packed and slime-style, the
 targets issue 15's (the sync within 1.0 s, the anchor's IPC loop being 3.0 s; at
 least half the floor). The expected shard digests are taken one full tensor at a
-time (:func:`streamed_shard_digest`): 61 GB per rank would not fit 8 times in host memory.
+time (:func:`streamed_shard_entries`): 61 GB per rank would not fit 8 times in host memory.
 """
 
 from __future__ import annotations
@@ -385,12 +385,14 @@ def build_real_megatron(*, model_config: Any, seed: int, engine_dtype: str, devi
     return RealMegatron(trainer, device), saver
 
 
-def streamed_shard_digest(ex: Any, config: Any, dtype: torch.dtype, rank: int, size: int) -> str:
-    """``colo.engine.tp.expected_shard_digest`` of the extractor's full tensors, taken one at a
-    time (a collective: every rank calls it): each full tensor's slice for engine rank
-    ``rank`` is copied to the host and the tensor dropped, so a rank never holds the whole
-    model (Qwen3-30B-A3B's 61 GB, on each of 8 GPUs and then 8 times in host memory)."""
-    from colo.engine.weights import digest_tensors
+def streamed_shard_entries(ex: Any, config: Any, dtype: torch.dtype, rank: int, size: int) -> dict[str, str]:
+    """``colo.engine.tp.expected_shard_digest``'s entries of the extractor's full tensors: each of
+    engine rank ``rank``'s parameters, in its order, with its digest entry in hex (``combine``
+    of them is that digest; ``EngineClient.param_entries`` is the engine's side). The tensors
+    are taken one at a time (a collective: every rank calls it): each full tensor's slice for
+    engine rank ``rank`` is copied to the host and the tensor dropped, so a rank never holds
+    the whole model (Qwen3-30B-A3B's 61 GB, on each of 8 GPUs and then 8 times in host memory)."""
+    from colo.digest import weights_entries
     from colo.engine.tp import ShardPlan, TPLayout, write_slice
 
     plan = ShardPlan.build(TPLayout.from_config(config, tp_rank=rank, tp_size=size))
@@ -403,7 +405,7 @@ def streamed_shard_digest(ex: Any, config: Any, dtype: torch.dtype, rank: int, s
     with torch.no_grad():
         for name, t in ex.extract(names):
             write_slice(out, plan.slices[name], t)
-    return digest_tensors(out.items())
+    return {n: e.hex() for n, e in weights_entries(out.items())}
 
 
 # -- the worker's verbs ------------------------------------------------------------
@@ -471,7 +473,8 @@ class BenchHost(RankHost):
 
     def __init__(self, spec: Any):
         super().__init__(spec)
-        self._expected: dict[int, str] = {}
+        #: the trainer's expected entries per weight parity (the step negates every weight)
+        self._expected: dict[int, dict[str, str]] = {}
 
     def _initial_checkpoint(self) -> None:
         # No 15 GB checkpoint: the engine starts stale, and every row's timed syncs
@@ -521,16 +524,26 @@ class BenchHost(RankHost):
     async def op_check_digest(self) -> dict:
         """This engine rank's shard digest against the trainer's (a collective). The weights
         alternate between two states (train_step negates), so each is hashed once."""
+        from colo.digest import combine
+
         parity = self.trainer.steps % 2
         if parity not in self._expected:
-            def compute() -> str:
-                return streamed_shard_digest(self.trainer.extractor(), self.model_config,
-                                             getattr(torch, self.spec.engine_dtype), self.spec.rank,
-                                             self.spec.world_size)
+            def compute() -> dict[str, str]:
+                return streamed_shard_entries(self.trainer.extractor(), self.model_config,
+                                              getattr(torch, self.spec.engine_dtype), self.spec.rank,
+                                              self.spec.world_size)
 
             self._expected[parity] = await anyio.to_thread.run_sync(compute)
+        entries = self._expected[parity]
+        want = combine(bytes.fromhex(e) for e in entries.values())
         got = await self.engine.digest()
-        return {"match": got == self._expected[parity], "engine": got, "expected": self._expected[parity]}
+        out = {"match": got == want, "engine": got, "expected": want}
+        if got != want:
+            # which of this engine rank's parameters hold other bytes than the trainer's (the
+            # per-tensor ipc transport's race on two GPUs delivered wrong bytes somewhere)
+            held = await self.engine.param_entries()
+            out["differ"] = sorted(n for n in set(entries) | set(held) if entries.get(n) != held.get(n))
+        return out
 
     async def op_time_sync(self, source: str, transport: str, options: dict, bucket_bytes: int,
                            reps: int) -> dict:
@@ -869,6 +882,8 @@ def summarize_row(plan: str, label: str, replies: list[dict], checks: list[dict]
             "device_peak_extra_max": max(peaks) if peaks else None,
             "staging_peak_max": max(staging) if staging else None,
             "digest_ok": all(c["match"] for c in checks), "digest_ok_by_rank": [c["match"] for c in checks],
+            # a mismatch names the engine parameters that differ, per rank
+            "digest_differ_by_rank": [c.get("differ", []) for c in checks],
             "stage_s_per_sync_rank0": replies[0].get("stage_s_per_sync"),
             "per_rank": [{"rank": i, "seconds": [x["seconds"] for x in r["reps"]],
                           "device_peak_extra": [x["device_peak_extra"] for x in r["reps"]]}

@@ -475,6 +475,13 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return combine(_entries(_hash_many(list(named))))
 
 
+def weights_entries(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
+    """Each pair's entry, in the order given: ``combine`` of them is :func:`weights_digest`.
+    Compared entry by entry they name the tensors two digests disagree on."""
+    items = list(named)
+    return list(zip((n for n, _ in items), _entries(_hash_many(items))))
+
+
 def expected_weights_digest(state: Mapping[str, torch.Tensor], order: Sequence[str], dtype: Any) -> str:
     """The digest an engine of ``dtype`` reports after receiving ``state`` under the spec
     list ``order`` (each tensor converted to the engine dtype on its own device, as the

@@ -278,6 +278,10 @@ class EngineClient:
     async def digest(self) -> str:
         return (await self.call("digest"))["digest"]
 
+    async def param_entries(self) -> dict[str, str]:
+        """Each parameter's digest entry, in hex (``EngineCore.param_entries``): a diagnostic."""
+        return dict((await self.call("param_entries"))["entries"])
+
     async def generate(self, step: int) -> RolloutResult:
         if self.task is None:
             raise RuntimeError("engine client has no rollout task: pass task= to spawn()")

@@ -185,6 +185,11 @@ class EngineCore:
         self._refuse_if_weights_released("digest weights")
         return self.model.digest(order)
 
+    def param_entries(self) -> dict[str, str]:
+        """See ``EngineModel.param_entries``."""
+        self._refuse_if_weights_released("digest weights")
+        return self.model.param_entries()
+
     # -- inference -------------------------------------------------------------
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,

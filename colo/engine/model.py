@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from colo.core.errors import EngineStateError, WeightMismatch
-from colo.digest import weights_digest
+from colo.digest import weights_digest, weights_entries
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.dims import Dims, dims_from_config
@@ -385,6 +385,13 @@ class EngineModel:
         if unknown:
             raise WeightMismatch("digest asked for tensors the engine does not hold", unexpected=unknown)
         return weights_digest((n, self._row_block(params, n)) for n in names)
+
+    def param_entries(self) -> dict[str, str]:
+        """Each parameter this engine holds (its own names and layout: a TP rank's shards),
+        its digest entry in hex: a diagnostic that names the parameters a digest mismatch
+        is in (the benchmark's per-rank check reports them)."""
+        params = self._require_weights("digest weights")
+        return {n: e.hex() for n, e in weights_entries(params.items())}
 
     # -- forward -------------------------------------------------------------
 

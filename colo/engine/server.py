@@ -92,6 +92,10 @@ class EngineServer:
         # in the order of the spec list the last preflight accepted: the trainer's
         return {"digest": self.core.digest([s.name for s in self.kit.accepted] or None)}
 
+    def op_param_entries(self) -> dict:
+        # a diagnostic: each parameter's digest entry, naming those a mismatch is in
+        return {"entries": self.core.param_entries()}
+
     # -- the receiving half: the engine kit ------------------------------------------
     def op_preflight(self, specs: list[list] | None = None, key: str | None = None) -> dict:
         return self.kit.preflight(specs, key)

@@ -97,6 +97,12 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
     assert leftover_segments() == []
     # the contract digest is in the order of the spec list the engine accepted
     assert await client.digest() == expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
+    # the diagnostic beside it: each of the engine's own parameters' entries, over the socket
+    from colo.engine.core import EngineCore
+
+    local = EngineCore(config, dtype=torch.float32, total_bytes=32 << 20, mem_fraction_static=0.5,
+                       init_state=state)
+    assert await client.param_entries() == local.param_entries()
     await client.set_weight_version(1)
     probe = [[1, 2, 3, 4, 5, 6, 7, 8]]
     got = torch.tensor(await client.logits(probe))

@@ -347,3 +347,29 @@ def test_tp1_is_the_engine(states):
     one.release(["weights"])
     with pytest.raises(EngineStateError, match="weights are released"):
         one.digest()
+
+
+def test_param_entries_make_the_digest_and_name_the_one_parameter_that_changed(states):
+    """The diagnostic the multi-GPU benchmark reports on a digest mismatch: each held
+    parameter's entry. Combined in order they are the rank's digest; one element flipped in
+    one parameter changes that parameter's entry and no other, and ``streamed_shard_entries``
+    (the trainer's side) gives the same entries for the same weights."""
+    from bench.multi_gpu import streamed_shard_entries
+    from colo.digest import combine
+    from colo.extractors import PlainExtractor
+
+    config = config_for("untied_fp32")
+    state = states["untied_fp32"]
+    core = TPEngineCore(config, tp_rank=0, tp_size=1, dtype=torch.float32, total_bytes=TOTAL,
+                        mem_fraction_static=MFS, init_state=state)
+    before = core.param_entries()
+    assert combine(bytes.fromhex(e) for e in before.values()) == core.digest()
+    assert before == streamed_shard_entries(PlainExtractor(state), config, torch.float32, 0, 1)
+    params = core.model._require_weights("flip")
+    name = next(n for n in params if n.startswith("model.layers.1.mlp."))  # the engine's own (fused) name
+    params[name].view(-1)[7] += 1.0
+    after = core.param_entries()
+    assert [n for n in before if before[n] != after[n]] == [name]
+    core.release(["weights"])
+    with pytest.raises(EngineStateError, match="weights are released"):
+        core.param_entries()
