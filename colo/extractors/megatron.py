@@ -654,8 +654,7 @@ class MegatronExtractor:
         gathered into a buffer of at most :data:`GATHER_CHUNK_BYTES` and copied into
         place; never the whole gathered tensor beside it."""
         target = self._engine_dtype(src.meta)
-        t = self._local_tensor(src)
-        t = t.detach()
+        t = self._local_tensor(src).detach()
         d, size, me = src.meta.partition_dim, src.gather_size, dist.get_rank(src.gather)
         rows = 1
         for n in t.shape[:d]:
