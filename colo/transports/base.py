@@ -432,5 +432,5 @@ def timed_ack(ctx: SyncContext, bucket: Bucket, n: int) -> tuple[Callable[[], No
 
 
 __all__ = ["BucketSender", "EmptyInitInfo", "Receiver", "RequestError", "Staged", "Strategy", "TensorMeta",
-           "check_bucket_tensors", "extract_bucket", "is_piece", "parse_tensors", "pipeline", "raise_first_real", "timed_ack", "views",
-           "wait_event"]
+           "check_bucket_tensors", "extract_bucket", "is_piece", "parse_tensors", "pipeline", "raise_first_real",
+           "timed_ack", "views", "wait_event"]
