@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|issue34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -53,6 +53,13 @@ case "${1:-tests}" in
       2>&1 | tee "$OUT/gpu-tests.log" | tail -8
     timeout "${2:-150}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed --trainers megatron \
       --reps 3 --out "$OUT/colo-bench-megatron-1.5b.json" 2>&1 | tee "$OUT/megatron.log" | tail -16
+    ;;
+  verify31)  # issue 31 item 2 after colo's engine began to sum a verified load as it writes it and to be probed
+    # once per engine: the device digest's GPU tests (the summed load from pinned memory among them), then the
+    # real trainers' rows at Qwen2-1.5B with what verification adds to a sync (verify_adds_of_sync; limit: arg 2)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_digest_cuda.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+    timeout "${2:-300}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -16
     ;;
   verify)  # issue 31 item 2: the device digest's GPU tests, the one-GPU tests (every demo verifies every
     # sync through it), and colo bench --device cuda with verify_s per row
@@ -140,14 +147,36 @@ print(f'{sys.argv[2]} {sys.argv[3]} MiB: transfer ms median {st.median(t):.2f} m
     python3 -m bench.multi_gpu --device cuda --gpus 8 --model qwen3-30b-a3b --out "$OUT/bench-moe8.json" 2>&1 \
       | tee "$OUT/bench-moe8.log" | tail -40
     ;;
-  issue34)  # issue 34 in one call on two GPUs (nvidia-h200-x2): pytest -m gpu2, then Qwen2-7B TP=2 with the
-    # synthetic Megatron layout and with colo's real megatron-core trainer (every row's digests checked)
-    timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu2 tests/gpu/test_two_gpus.py tests/bench/test_multi_gpu.py \
-      2>&1 | tee "$OUT/gpu2-tests.log" | tail -15
-    timeout 170 python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \
-      | tee "$OUT/bench-gpu2.log" | tail -16
-    timeout 190 python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
-      --out "$OUT/bench-gpu2-megatron.json" 2>&1 | tee "$OUT/bench-gpu2-megatron.log" | tail -16
+  race34)  # issue 34 item 2: the sender's streams against a gather still landing on the default stream (one GPU)
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/transports/test_staging_pipeline.py "${@:2}" 2>&1 \
+      | tee -a "$OUT/race.log" | tail -6
+    ;;
+  issue34)  # issue 34 on two GPUs (nvidia-h200-x2), part 1: the two-GPU demos, every trainer under every plan,
+    # a killed engine rank (further arguments go to pytest: -k, --deselect)
+    # three at a time where pytest-xdist is installed (the GPU image has it): each run holds a quarter
+    # of each GPU for its engine rank
+    par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+    # (-v: each test's line as it ends, so a run stopped at its time limit still says which passed)
+    python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --durations=14 tests/gpu/test_two_gpus.py "${@:2}" \
+      2>&1 | tee "$OUT/gpu2-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|s call" | tail -30
+    ;;
+  bench34)  # part 2: the benchmark's gpu2 tests, then Qwen2-7B TP=2 with the synthetic Megatron layout (every
+    # row, the baselines beside colo) and with colo's real megatron-core trainer (its packed rows); every
+    # row's digests checked; the optional argument: the real trainer's run's limit in seconds
+    # side by side (each measures only its own process's memory), each stopped at 120 s by
+    # pytest-timeout so that a slow one fails with its traceback instead of taking the summary along
+    par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+    timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=120 --durations=4 \
+      tests/bench/test_multi_gpu.py 2>&1 | tee "$OUT/gpu2-bench-tests.log" | grep -E "PASSED|FAILED|Error|^E |passed|failed" | tail -20
+    # --profile: one more packed sync per plan under torch.profiler, each rank's Chrome trace (one
+    # archive: the device returns at most 8 files) and a summary of its GPU time in the JSON's rows
+    mkdir -p /tmp/prof
+    timeout 230 python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --profile /tmp/prof \
+      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -12
+    tar -czf "$OUT/bench-gpu2-profiles.tgz" -C /tmp/prof . 2>/dev/null
+    timeout "${2:-200}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+      --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 | tee "$OUT/bench-gpu2-megatron.log" \
+      | grep -v '^{' | grep -iv warn | tail -12
     ;;
   bench2)  # two GPUs: trainer TP=2 (Megatron layout), engine TP=2, Qwen2-7B shapes
     python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --out "$OUT/bench-gpu2.json" 2>&1 \

@@ -19,6 +19,12 @@ GPU) and ``offload-first`` (source: a pinned host copy, uploaded per bucket):
   a connection to every engine rank and sends each its entry at once: the same
   funnel, one hop shorter. The engine loads with the same ``packed`` receiver.
 - ``ipc-per-tensor`` — colo's ``ipc`` transport, one handle per tensor (verl's way).
+- ``colo-packed-serial`` — colo's ``packed`` unpipelined: bucket i+1 is gathered only
+  after bucket i is loaded. A question, not a baseline: on a GPU without MPS the trainer
+  rank's all-gathers and its engine rank's copies, in two processes, take turns, and a
+  collective one GPU is descheduled from holds the other GPU's side too (two H200s,
+  2026-11-27: sync-first's engine waited 38.5 ms a sync for its copies against 5.4 ms
+  under offload-first). Not overlapping them may be the faster way there.
 
 Measured in the same run (:meth:`BenchHost.op_limits`): all_gather bandwidth
 of bucket-sized tensors and the time to gather the model's bytes that way,
@@ -67,7 +73,8 @@ from colo.core.errors import EXIT_FAILED, EXIT_OK
 from colo.ranks.host import RankHost
 
 #: (label, transport, options) of the rows timed through ``op_time_sync``
-SYNC_ROWS = (("colo-packed", "packed", {"pipelined": True}), ("ipc-per-tensor", "ipc", {}))
+SYNC_ROWS = (("colo-packed", "packed", {"pipelined": True}), ("colo-packed-serial", "packed", {"pipelined": False}),
+             ("ipc-per-tensor", "ipc", {}))
 PLANS = (("sync-first", "device"), ("offload-first", "host"))
 #: ``--trainer``: the synthetic Megatron layout, or colo's real megatron-core trainer
 TRAINERS = ("synthetic", "megatron")
@@ -377,11 +384,15 @@ class RealMegatron:
 
 def build_real_megatron(*, model_config: Any, seed: int, engine_dtype: str, device: str,
                         param_dtype: str | None = None) -> tuple[Any, Any]:
-    """The RankSpec ``trainer_builder`` of ``--trainer megatron``."""
-    from colo.trainers import build
+    """The RankSpec ``trainer_builder`` of ``--trainer megatron``: megatron's own random init
+    (each row checks the engine against this trainer's tensors, not the reference model's).
+    With the reference init a 7B run had not finished its first row 165 s after it started
+    on two H200s (2026-11-27); building the reference, 30 GB of fp32 initialised on the CPU
+    by each rank, is the step of that path that grows with the model (not timed there)."""
+    from colo.trainers.megatron import build
 
-    trainer, saver = build("megatron", model_config=model_config, seed=seed, engine_dtype=engine_dtype,
-                           device=device, param_dtype=param_dtype or "bfloat16", optimizer_state=False)
+    trainer, saver = build(model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device,
+                           param_dtype=param_dtype or "bfloat16", optimizer_state=False, reference_init=False)
     return RealMegatron(trainer, device), saver
 
 
@@ -539,38 +550,51 @@ class BenchHost(RankHost):
         got = await self.engine.digest()
         out = {"match": got == want, "engine": got, "expected": want}
         if got != want:
-            # which of this engine rank's parameters hold other bytes than the trainer's (the
-            # per-tensor ipc transport's race on two GPUs delivered wrong bytes somewhere)
+            # which of this engine rank's parameters hold other bytes than the trainer's (how the
+            # per-tensor ipc transport's stream race on two GPUs was found: only gathered ones)
             held = await self.engine.param_entries()
             out["differ"] = sorted(n for n in set(entries) | set(held) if entries.get(n) != held.get(n))
         return out
 
     async def op_time_sync(self, source: str, transport: str, options: dict, bucket_bytes: int,
-                           reps: int) -> dict:
+                           reps: int, profile: str | None = None) -> dict:
         """colo's per-GPU handoff (or ``ipc``): ``reps`` whole syncs after a warm-up."""
         from colo.core.interfaces import SyncContext
         from colo.core.memory import StagingBudget
+        from colo.testing.engines import RecordingEngine
         from colo.transports import make_transport
 
         self._check_source(source)
         sender = make_transport(transport, **options)
+        # the engine's own account of each load (its reply): where the sender's "load" went
+        engine = RecordingEngine(self.engine, only=())
         reps_out: list[dict] = []
         stages: dict[str, float] = {}
+        engine_s: dict[str, float] = {}
         try:
             for i in range(reps + 1):  # the first is a warm-up
                 ctx = SyncContext(step=i, weight_version=i + 1, bucket_bytes=bucket_bytes, source=source,
                                   staging=StagingBudget(None))
-                rep = await self._timed(lambda: sender.sync(self.trainer, self.engine, ctx))
+                engine.replies.clear()
+                rep = await self._timed(lambda: sender.sync(self.trainer, engine, ctx))
                 if i:
                     res = rep.pop("result")
                     reps_out.append({**rep, "staging_peak": res.staging_peak})
                     for s in res.stages:
                         stages[s.stage] = stages.get(s.stage, 0.0) + s.duration_s / reps
+                    for k, v in engine_load_s(engine.replies).items():
+                        engine_s[k] = engine_s.get(k, 0.0) + v / reps
+            profiled = None
+            if profile is not None:
+                ctx = SyncContext(step=reps + 1, weight_version=reps + 2, bucket_bytes=bucket_bytes,
+                                  source=source, staging=StagingBudget(None))
+                profiled = await profile_sync(lambda: sender.sync(self.trainer, engine, ctx), self.engine,
+                                              f"{profile}-rank{self.spec.rank}.json")
         finally:
             with anyio.CancelScope(shield=True):
                 await sender.aclose()
         return {"reps": reps_out, "bytes": res.bytes, "buckets": res.buckets, "tensors": res.tensors,
-                "stage_s_per_sync": stages}
+                "stage_s_per_sync": stages, "engine_s_per_sync": engine_s, "profile": profiled}
 
     async def op_time_slime(self, source: str, bucket_bytes: int, reps: int, engines: list[dict]) -> dict:
         """The slime-style baseline (module docstring), ``reps`` syncs after a warm-up."""
@@ -768,26 +792,30 @@ class MultiBench:
     """The workers of one run and the driver's sequence of verbs."""
 
     def __init__(self, *, device: str, gpus: int, config: Any, bucket_bytes: int, reps: int, seed: int = 0,
-                 trainer: str = "synthetic"):
+                 trainer: str = "synthetic", rows: tuple[str, ...] | None = None, profile: str | None = None):
         if trainer not in TRAINERS:
             raise ValueError(f"unknown trainer {trainer!r}; expected one of {', '.join(TRAINERS)}")
         self.trainer = trainer
+        self.labels = tuple(x for x in row_labels(config) if rows is None or x in rows)
+        self.profile = profile  # a folder: colo's packed rows profile one more sync there
         self.device, self.n, self.config = device, gpus, config
         self.bucket_bytes, self.reps, self.seed = bucket_bytes, reps, seed
         self.workers: list[Any] = []
+        self.stores: list[Any] = []  # the two groups' stores, served here (colo.proc.rendezvous)
         self.workdir = tempfile.mkdtemp(prefix="colo-bench-multi-")
         self.uuids: list[str | None] = [None] * gpus
 
     async def start(self) -> list[dict]:
         from colo.apps.demo_multi import visible_gpus
-        from colo.proc.lifecycle import free_port
+        from colo.proc.rendezvous import HostedStore
         from colo.ranks.host import RankSpec
         from colo.ranks.proxy import Worker
 
         if self.device == "cuda":
             self.uuids = list(visible_gpus(self.n))
         build = engine_build(self.config, self.n)
-        inits = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        self.stores = [HostedStore(self.n), HostedStore(self.n)]
+        inits = self.stores[0].init_method, self.stores[1].init_method
         for r in range(self.n):
             real = self.trainer == "megatron"
             spec = RankSpec(rank=r, world_size=self.n, device=self.device,
@@ -818,6 +846,7 @@ class MultiBench:
                         tg.start_soon(w.aclose)
             finally:
                 shutil.rmtree(self.workdir, ignore_errors=True)
+                self.stores.clear()
 
     async def row(self, plan: str, source: str, label: str, engines: list[dict]) -> dict:
         """One timed row: the weights change, ``reps`` syncs after a warm-up, every digest checked."""
@@ -827,7 +856,10 @@ class MultiBench:
             replies = await self.each("time_slime", engines=engines, **common)
         else:
             _, transport, options = next(r for r in SYNC_ROWS if r[0] == label)
-            replies = await self.each("time_sync", transport=transport, options=options, **common)
+            prof = None
+            if self.profile is not None and label == "colo-packed":
+                prof = f"{self.profile}/profile-{plan}"
+            replies = await self.each("time_sync", transport=transport, options=options, profile=prof, **common)
         checks = await self.each("check_digest")
         return summarize_row(plan, label, replies, checks)
 
@@ -845,7 +877,7 @@ class MultiBench:
                 await self.each("offload", tags=["weights"])
                 if self.trainer == "megatron" and self.device != "cuda":
                     break  # nothing pauses off a GPU: there is no host copy to sync from
-            for label in row_labels(self.config):
+            for label in self.labels:
                 r = await self.row(plan, source, label, engines)
                 rows.append(r)
                 print(json.dumps({"row": {k: v for k, v in r.items() if k != "per_rank"}}), flush=True)
@@ -859,11 +891,45 @@ class MultiBench:
 def row_labels(config: Any) -> tuple[str, ...]:
     """The rows of a run. A MoE has no per-tensor row: issue 15 compares colo with the
     slime-style baseline, and one CUDA IPC request per tensor over Qwen3-30B-A3B's
-    18,867 tensors would time request overhead (and issue 13 found that transport
-    racing on two GPUs; the README says to use packed there)."""
+    18,867 tensors would time request overhead."""
     if is_moe(config):
         return ("colo-packed", "slime-style")
-    return ("colo-packed", "slime-style", "ipc-per-tensor")
+    return ("colo-packed", "colo-packed-serial", "slime-style", "ipc-per-tensor")
+
+
+async def profile_sync(sync: Any, engine: Any, path: str) -> dict:
+    """One more sync with both of this rank's processes under torch.profiler
+    (:mod:`colo.device.profile`): the trainer rank's recording (its gathers, packs and
+    handoffs) at ``path``, the engine rank's (its copies out of the staging buffer) beside
+    it as ``*-engine.json``. Each process records only its own CUDA work, and on a GPU
+    without MPS two processes' kernels take turns: the two traces together show where the
+    GPU waits (issue 34: sync-first at 0.2-0.28 of its floor, the engine waiting 38.5 ms a
+    sync for copies that took 5.4 ms under offload-first)."""
+    from colo.device.profile import Recording
+
+    await engine.profile_start()
+    try:
+        mine = Recording().start()
+        await sync()
+        out = mine.stop(path)
+    finally:
+        with anyio.CancelScope(shield=True):
+            theirs = await engine.profile_stop(path.removesuffix(".json") + "-engine.json")
+    return {**out, "engine": theirs}
+
+
+def engine_load_s(replies: list[dict]) -> dict[str, float]:
+    """One sync's engine time, summed over its loads from their replies
+    (``EngineKit.transport_load``): ``open`` (mapping the handle), ``queue`` (queueing the
+    copies into the parameters), ``wait`` (waiting for them), ``loads`` (their count)."""
+    out = {"open": 0.0, "queue": 0.0, "wait": 0.0, "loads": 0.0}
+    for r in replies:
+        if isinstance(r, dict):
+            out["open"] += float(r.get("handoff_s", 0.0))
+            out["queue"] += float(r.get("queue_s", 0.0))
+            out["wait"] += float(r.get("wait_s", 0.0))
+            out["loads"] += 1
+    return out
 
 
 def summarize_row(plan: str, label: str, replies: list[dict], checks: list[dict]) -> dict:
@@ -885,6 +951,9 @@ def summarize_row(plan: str, label: str, replies: list[dict], checks: list[dict]
             # a mismatch names the engine parameters that differ, per rank
             "digest_differ_by_rank": [c.get("differ", []) for c in checks],
             "stage_s_per_sync_rank0": replies[0].get("stage_s_per_sync"),
+            "engine_s_per_sync_rank0": replies[0].get("engine_s_per_sync"),
+            # one more sync under torch.profiler, where asked (--profile), per rank
+            "profile_by_rank": [r.get("profile") for r in replies],
             "per_rank": [{"rank": i, "seconds": [x["seconds"] for x in r["reps"]],
                           "device_peak_extra": [x["device_peak_extra"] for x in r["reps"]]}
                          for i, r in enumerate(replies)]}
@@ -911,10 +980,13 @@ def ratios(rows: list[dict], floor: dict, bucket_bytes: int) -> dict:
         colo = by[(plan, "colo-packed")]["sync_s"]
         key = plan.replace("-", "_")
         out[f"{key}_vs_floor"] = floor[plan] / colo
-        out[f"{key}_vs_slime_style"] = by[(plan, "slime-style")]["sync_s"] / colo
+        if (plan, "slime-style") in by:  # not run where --rows left it out
+            out[f"{key}_vs_slime_style"] = by[(plan, "slime-style")]["sync_s"] / colo
         out[f"{key}_s"] = colo
         if (plan, "ipc-per-tensor") in by:
             out[f"{key}_vs_per_tensor"] = by[(plan, "ipc-per-tensor")]["sync_s"] / colo
+        if (plan, "colo-packed-serial") in by:  # unpipelined: whether overlapping pays here
+            out[f"{key}_serial_vs_floor"] = floor[plan] / by[(plan, "colo-packed-serial")]["sync_s"]
     bound = 2 * bucket_bytes + SLACK_BYTES
     peaks = [r["device_peak_extra_max"] for r in rows if r["transport"] == "colo-packed"]
     stag = [r["staging_peak_max"] for r in rows if r["transport"] == "colo-packed"]
@@ -948,11 +1020,12 @@ def targets(r: dict, moe: bool = False) -> dict:
 
 
 async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, reps: int,
-                      layers: int | None = None, trainer: str = "synthetic") -> dict:
+                      layers: int | None = None, trainer: str = "synthetic",
+                      rows: tuple[str, ...] | None = None, profile: str | None = None) -> dict:
     config = model_config(model, layers)
     bucket_bytes = int(bucket_mib * MiB)
     run = MultiBench(device=device, gpus=gpus, config=config, bucket_bytes=bucket_bytes, reps=reps,
-                     trainer=trainer)
+                     trainer=trainer, rows=rows, profile=profile)
     try:
         hellos = await run.start()
         measured = await run.run()
@@ -1017,12 +1090,14 @@ def table(result: dict) -> str:
 
 
 def run_bench_multi(device: str, gpus: int, model: str, bucket_mib: float, reps: int, out: str | None,
-                    layers: int | None = None, trainer: str = "synthetic") -> tuple[dict, Any]:
+                    layers: int | None = None, trainer: str = "synthetic",
+                    rows: tuple[str, ...] | None = None, profile: str | None = None) -> tuple[dict, Any]:
     """Run, write the JSON (never over a committed result unless ``out`` says so), print the table."""
     from colo.apps.bench import RESULTS_DIR, write_result
 
     result = anyio.run(lambda: bench_multi(device=device, gpus=gpus, model=model, bucket_mib=bucket_mib,
-                                           reps=reps, layers=layers, trainer=trainer))
+                                           reps=reps, layers=layers, trainer=trainer, rows=rows,
+                                           profile=profile))
     kind = "" if trainer == "synthetic" else f"-{trainer}"
     stem = f"multi-sync-{device}-{gpus}x-{model}{kind}-{dt.date.today().isoformat()}"
     path = write_result(json.dumps(result, indent=2) + "\n", out=out, directory=RESULTS_DIR, stem=stem)
@@ -1057,8 +1132,11 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
 
 def main(argv: Any = None) -> int:
     """``python -m bench.multi_gpu --gpus N --model M [--device cpu|cuda] [--layers L] [--bucket-mib M]
-    [--reps R] [--out PATH]``; ``--layers`` is a reduced-depth rehearsal (``bench/gpu_run.sh moe2``).
-    Bad arguments return 2 (argparse's own exit is caught: tests call this in-process)."""
+    [--reps R] [--out PATH] [--trainer T] [--rows A,B] [--profile DIR]``; ``--rows``: only these
+    rows (their labels, as the table names them: a real trainer's own rows without the
+    baselines); ``--profile``: see :func:`profile_sync`; ``--layers`` is a reduced-depth
+    rehearsal (``bench/gpu_run.sh moe2``). Bad arguments return 2 (argparse's own exit is
+    caught: tests call this in-process)."""
     import argparse
 
     from colo.apps.bench import check_out
@@ -1077,11 +1155,23 @@ def main(argv: Any = None) -> int:
     p.add_argument("--trainer", choices=TRAINERS, default="synthetic",
                    help="synthetic: random shards in megatron-core's layout; megatron: colo's real "
                         "megatron-core trainer (dense models)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="on a GPU, one more sync of each colo-packed row under torch.profiler: a Chrome "
+                        "trace per rank in DIR and a summary in the row")
+    p.add_argument("--rows", default=None,
+                   help="comma-separated row labels to run (default: every row of the model)")
     try:
         a = p.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
     try:
+        rows = None
+        if a.rows is not None:
+            rows = tuple(x.strip() for x in a.rows.split(",") if x.strip())
+            known = row_labels(model_config(a.model, a.layers))
+            unknown = [x for x in rows if x not in known]
+            if unknown or not rows:
+                raise UsageError(f"--rows {a.rows!r}: expected labels among {', '.join(known)}")
         if a.gpus < 1 or a.reps < 1 or (a.layers is not None and a.layers < 1):
             raise UsageError("--gpus, --reps and --layers must be positive")
         if not MIN_BUCKET_MIB <= a.bucket_mib < float("inf"):  # nan fails this too
@@ -1097,7 +1187,7 @@ def main(argv: Any = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     result, _ = run_bench_multi(a.device, a.gpus, a.model, a.bucket_mib, a.reps, a.out, layers=a.layers,
-                                trainer=a.trainer)
+                                trainer=a.trainer, rows=rows, profile=a.profile)
     return EXIT_OK if result["digest_verified"] else EXIT_FAILED
 
 

@@ -334,7 +334,10 @@ def _cuda_batch(words: Sequence[torch.Tensor], firsts: Sequence[int]) -> torch.T
     starts = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * span
     meta = np.concatenate([np.array([w.data_ptr() for w in words], dtype=np.int64), ns,
                            np.array(firsts, dtype=np.int64), item, starts])
-    meta_dev = torch.from_numpy(meta).to(device)
+    # From pinned memory, queued: a pageable upload waits for everything before it on the
+    # stream, and an engine summing a load queues this behind copies still running (the
+    # host would stall until they finish instead of queueing the next ones)
+    meta_dev = torch.from_numpy(meta).pin_memory().to(device, non_blocking=True)
     programs = len(item)
     partial = torch.empty(programs, 2, dtype=torch.int64, device=device)
     (s1, k1), (s2, k2) = LANE_SEEDS
@@ -435,14 +438,16 @@ def _hash_of(name: str, tensor: torch.Tensor) -> TensorHash:
     return h
 
 
-def _hash_many(named: Sequence[tuple[str, torch.Tensor]]) -> list[TensorHash]:
+def hash_many(named: Sequence[tuple[str, torch.Tensor]]) -> list[TensorHash]:
+    """Each pair's :class:`TensorHash`, its lanes queued (the device ones in one launch per
+    device and word size) on the current stream; :func:`entries_of` reads them back."""
     hashes = [_new_hash(n, t) for n, t in named]
     for h, (_, t), part in zip(hashes, named, lanes_many([(t, 0) for _, t in named])):
         h.add_lanes(part, t.numel() * t.element_size())
     return hashes
 
 
-def _entries(hashes: Sequence[TensorHash]) -> list[bytes]:
+def entries_of(hashes: Sequence[TensorHash]) -> list[bytes]:
     """Every entry, reading the device lanes back once per device."""
     flat, owner = [], []
     for i, h in enumerate(hashes):
@@ -472,14 +477,14 @@ def combine(entries: Iterable[bytes]) -> str:
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """The digest of ``(HF name, tensor)`` pairs in the order given, each on its own device:
     what the trainer computes over the tensors it sends, converted to the engine's dtype."""
-    return combine(_entries(_hash_many(list(named))))
+    return combine(entries_of(hash_many(list(named))))
 
 
 def weights_entries(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, bytes]]:
     """Each pair's entry, in the order given: ``combine`` of them is :func:`weights_digest`.
     Compared entry by entry they name the tensors two digests disagree on."""
     items = list(named)
-    return list(zip((n for n, _ in items), _entries(_hash_many(items))))
+    return list(zip((n for n, _ in items), entries_of(hash_many(items))))
 
 
 def expected_weights_digest(state: Mapping[str, torch.Tensor], order: Sequence[str], dtype: Any) -> str:
@@ -500,9 +505,9 @@ def expected_weights_digest(state: Mapping[str, torch.Tensor], order: Sequence[s
             converted += t.numel() * t.element_size()
         group.append((n, t))
         if converted >= CONVERT_BYTES:
-            hashes += _hash_many(group)
+            hashes += hash_many(group)
             group, converted = [], 0
-    return combine(_entries(hashes + _hash_many(group)))
+    return combine(entries_of(hashes + hash_many(group)))
 
 
 class ReceivedDigest:
@@ -557,8 +562,9 @@ class ReceivedDigest:
             partial = [n for n in missing if n in self._open]
             raise ValueError(f"no complete tensor received under {len(missing)} name(s) of the spec list: "
                              f"{', '.join(missing[:5])}" + (f" ({', '.join(partial[:5])} only in part)" if partial else ""))
-        return combine(_entries([self._done[n] for n in order]))
+        return combine(entries_of([self._done[n] for n in order]))
 
 
-__all__ = ["BLOCK_BITS", "CONVERT_BYTES", "LANE_SEEDS", "lanes_many", "multiplier", "ReceivedDigest", "TensorHash", "combine",
-           "expected_weights_digest", "lanes", "tensor_entry", "weights_digest", "word_size"]
+__all__ = ["BLOCK_BITS", "combine", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
+           "LANE_SEEDS", "lanes", "lanes_many", "multiplier", "ReceivedDigest", "tensor_entry", "TensorHash",
+           "weights_digest", "word_size"]

@@ -125,6 +125,10 @@ class Scheduler:
         #: mismatch); run with a verified sync's digests, or where the KV cache is back
         self._probe = probe
         self._probe_due = False
+        #: a probe passed on these engines since they started or the run last failed (an engine
+        #: is replaced only from ``failed``): one whose digest is of its live weights is then
+        #: not probed again
+        self._probed = False
         #: the engine paused its generation in engine_release (capabilities.pauses_generation)
         self._generation_paused = False
         #: syncs verified so far (``SchedulerConfig.verify == "first"`` verifies only the first)
@@ -353,6 +357,7 @@ class Scheduler:
             ledger.staging = None
         self.engine_version = None
         self._probe_due = False  # a recovery syncs, and probes, again
+        self._probed = False  # even an engine of live digests: the recovery may bring a replaced one
         for engine in self.engines.ranks:
             with anyio.move_on_after(self.config.cleanup_deadline_s):
                 try:
@@ -479,18 +484,21 @@ class Scheduler:
             if self._verify is not None:
                 await self._verify(list(digests))
             t2 = self._clock()
-            if self._probe is not None:
+            caps = self.engines.capabilities
+            probing = self._probe is not None and not (caps.digest_live and self._probed)
+            if probing:
                 # an engine whose probe runs through its KV cache (vLLM) answers it once the
                 # cache is back: engine_wake_kv, before any rollout can happen
-                self._probe_due = self.engines.capabilities.probe_needs_kv and \
-                    not self.memory.is_resident("engine.kv_cache")
+                self._probe_due = caps.probe_needs_kv and not self.memory.is_resident("engine.kv_cache")
                 if not self._probe_due:
                     await self._probe()
+                    self._probed = True
             verify_s = round(self._clock() - t1, 6)
             # where verification's time goes: the engines' digests (a read of every weight on
-            # the device, and the round trip), the trainer's side and the probe
+            # the device, and the round trip), the trainer's side and the probe (None: not
+            # probed, the digest of live weights vouching for them; see _probed)
             verify_parts = {"engine_digest_s": round(digest_s, 6), "trainer_check_s": round(t2 - t1 - digest_s, 6),
-                            "probe_s": round(self._clock() - t2, 6)}
+                            "probe_s": round(self._clock() - t2, 6) if probing else None}
             self._verified += 1
         await self.engines.each("set_weight_version", version)
         self.engine_version = version
@@ -511,6 +519,7 @@ class Scheduler:
         self._probe_due = False
         t0 = self._clock()
         await self._probe()
+        self._probed = True
         self._emit_all("probe.finished", step=self.step, weight_version=self.engine_version,
                        duration_s=round(self._clock() - t0, 6))
 

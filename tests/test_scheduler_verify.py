@@ -64,3 +64,48 @@ def test_a_verify_policy_other_than_every_first_none_is_refused(tmp_path, capsys
     assert "argument --verify: invalid choice: 'sometimes' (choose from 'every', 'first', 'none')" in \
         capsys.readouterr().err
     assert not trace.exists()
+
+
+class _LiveDigestEngine(FakeEngine):
+    """An engine whose digest reads the weights its forward uses (as colo's engine declares)."""
+    from colo.core.interfaces import EngineCapabilities
+    capabilities = EngineCapabilities(digest_live=True)
+
+
+@pytest.mark.parametrize("engine_cls,probed,after", [(FakeEngine, [True, True, True, True], [1, 2, 3, 5]),
+                                                     (_LiveDigestEngine, [True, False, False, True], [1, 5])])
+async def test_an_engine_whose_digest_is_of_its_live_weights_is_probed_once_then_again_after_a_failure(
+        engine_cls, probed, after, tmp_path):
+    """Every verified sync digests; the logits probe, which checks the engine's layout and
+    math, runs on every one for an engine whose digest is of what it received (vLLM, SGLang),
+    and for one whose digest reads its own weights on its first verified sync and again on
+    the first after a failure (a recovery may bring a new engine)."""
+    from colo.core.errors import VerificationError
+
+    probes, digests = [], []
+    fail_next = []
+
+    async def verify(ds):
+        digests.append(list(ds))
+        if fail_next:
+            fail_next.clear()
+            raise VerificationError("a digest mismatch, injected")
+
+    async def probe():
+        probes.append(len(digests))
+
+    path = tmp_path / "t.jsonl"
+    s = Scheduler(FakeTrainer(), engine_cls(), MemoryLedger(total_bytes=10_000), FakeTransport(),
+                  trace=TraceWriter(path), verify=verify, probe=probe,
+                  config=SchedulerConfig(plan="offload-first", bucket_bytes=50, verify="every"))
+    async with s:
+        for _ in range(3):
+            await s.cycle()
+        fail_next.append(1)
+        with pytest.raises(VerificationError):
+            await s.cycle()
+        await s.recover()
+    syncs = [e for e in read_trace(path) if e["event"] == "sync.finished"]
+    assert len(digests) == 5 and len(syncs) == 4  # the failed sync finished no sync
+    assert [e["verify_parts"]["probe_s"] is not None for e in syncs] == probed
+    assert probes == after  # after which verified sync (the 4th failed its digest check, unprobed)

@@ -66,6 +66,8 @@ class MultiDemoRun:
         self.engines: list[Any] = []
         self.transports: list[Any] = []
         self.traces: list[TraceWriter] = []
+        #: the process groups' stores this process serves (colo.proc.rendezvous)
+        self.stores: list[Any] = []
         # what a SIGKILLed run left goes first; this run's dir is locked by this process
         # while it lives (colo.proc.lifecycle)
         sweep()
@@ -88,7 +90,6 @@ class MultiDemoRun:
             trace.open()
 
     async def start(self) -> None:
-        from colo.proc.lifecycle import free_ports
         from colo.engine.tp import TPLayout
 
         cfg = self.cfg
@@ -97,9 +98,10 @@ class MultiDemoRun:
         TPLayout.from_config(self.model_config, tp_rank=0, tp_size=self.n)
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
         self.budgets = [self._budget(r) for r in range(self.n)]
-        trainer_port, engine_port = free_ports(2)
-        trainer_init = f"tcp://127.0.0.1:{trainer_port}"
-        engine_init = f"tcp://127.0.0.1:{engine_port}"
+        # the two groups meet at stores this process serves (a Ray launcher moves them to
+        # rank 0's node): a port chosen here and listened on later by rank 0 was taken by
+        # another process in between once (EADDRINUSE, CI 2026-11-27)
+        trainer_init, engine_init = self._host_store(), self._host_store()
         specs = [self._spec(r, trainer_init, engine_init) for r in range(self.n)]
         cfg.start_engine_logs()
         await self._spawn_workers(specs)
@@ -114,6 +116,16 @@ class MultiDemoRun:
             return device_budget(self.cfg)
         free, total = torch.cuda.mem_get_info(r)
         return total, total - free, torch.cuda.get_device_name(r)
+
+    def _host_store(self) -> str:
+        """The init method of a new group of the N ranks, its store served by this process
+        until close() (a Ray run's ranks meet on rank 0's node instead: nothing is served)."""
+        from colo.proc.rendezvous import HostedStore
+
+        if self.cfg.launcher == "ray":
+            return ""  # replaced by the launcher with rank 0's node
+        self.stores.append(HostedStore(self.n))
+        return self.stores[-1].init_method
 
     def _spec(self, r: int, trainer_init: str, engine_init: str) -> Any:
         from colo.ranks.host import RankSpec
@@ -277,11 +289,8 @@ class MultiDemoRun:
     async def _restart_engines(self, rec: dict) -> None:
         """A TP group cannot take one new member: every rank starts a new engine rank
         in a new group, empty and stale; the recovery sync fills all of them."""
-        from colo.proc.lifecycle import free_port
-
         # the new group meets at engine rank 0: on its node when Ray placed it (maybe not this one)
-        init = (await self.workers[0].rendezvous() if self.cfg.launcher == "ray"
-                else f"tcp://127.0.0.1:{free_port()}")
+        init = await self.workers[0].rendezvous() if self.cfg.launcher == "ray" else self._host_store()
         replies = await self._each_worker("replace_engine", init_method=init)
         rec["engine_pids"] = [(r["old_engine_pid"], r["engine_pid"]) for r in replies]
         for r, engine in enumerate(self.engines):
@@ -305,6 +314,7 @@ class MultiDemoRun:
                 for trace in self.traces:
                     trace.finish()  # a claim the scheduler never started is given back
                 release_dir(self.workdir)
+                self.stores.clear()  # the ranks are gone: nobody meets there any more
 
     def outcome(self) -> Any:
         from colo.apps.demo_setup import DemoOutcome

@@ -186,6 +186,12 @@ class EngineCapabilities:
     #: rollout (SGLang's server: it releases memory only when idle): the trace says so
     #: (``generation.paused``/``generation.continued``)
     pauses_generation: bool = False
+    #: the engine's digest reads the weights its forward uses (colo's engine: its own row
+    #: blocks), not the tensors as they arrived (vLLM and SGLang repack what they receive):
+    #: a matching digest then proves every weight the forward reads, and the logits probe,
+    #: which checks the engine's layout and math, runs on the first verified sync of each
+    #: engine (again after a replacement or a failure), not on every one
+    digest_live: bool = False
     #: the engine's own words on what it can do (why ``frees_memory`` is False, say)
     note: str = ""
 
@@ -198,7 +204,7 @@ class EngineCapabilities:
             raise ValueError(f"engine capabilities: probe must be one of {', '.join(PROBES)}, got {self.probe!r}")
         if not isinstance(self.probe_needs_kv, bool):
             raise ValueError(f"engine capabilities: probe_needs_kv must be a bool, got {self.probe_needs_kv!r}")
-        for flag in ("sessions", "pauses_generation"):
+        for flag in ("sessions", "pauses_generation", "digest_live"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"engine capabilities: {flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.note, str):
@@ -209,6 +215,7 @@ class EngineCapabilities:
                 **({"probe_needs_kv": True} if self.probe_needs_kv else {}),
                 **({"sessions": True} if self.sessions else {}),
                 **({"pauses_generation": True} if self.pauses_generation else {}),
+                **({"digest_live": True} if self.digest_live else {}),
                 **({"note": self.note} if self.note else {})}
 
     @classmethod
@@ -218,7 +225,7 @@ class EngineCapabilities:
         return cls(tags=tuple(d.get("tags", cls.tags)), frees_memory=d.get("frees_memory", True),
                    probe=d.get("probe", "logits"), probe_needs_kv=d.get("probe_needs_kv", False),
                    sessions=d.get("sessions", False), pauses_generation=d.get("pauses_generation", False),
-                   note=d.get("note", ""))
+                   digest_live=d.get("digest_live", False), note=d.get("note", ""))
 
 
 @runtime_checkable

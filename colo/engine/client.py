@@ -18,8 +18,9 @@ from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.tasks import RolloutData, RolloutTask
 from colo.core.errors import EXIT_BAD_INPUT, EngineDied, EngineError, EngineRefused
-from colo.proc.lifecycle import (SOCKET_NAME, free_port, process_state, release_dir, socket_dir, start_with_env,
+from colo.proc.lifecycle import (SOCKET_NAME, process_state, release_dir, socket_dir, start_with_env,
                                  unless_stopped)
+from colo.proc.rendezvous import HostedStore
 
 #: after a broken channel, how long to wait for the engine process to be seen dead
 DEATH_WAIT_S = 1.0
@@ -93,6 +94,9 @@ class EngineClient:
         #: begin_load() was asked for and not yet sent: the sync's first transport_load
         #: carries it (another round trip saved); any other request sends it first
         self._begin_due = False
+        #: the TP group's store when spawn_tp served it (colo.proc.rendezvous): kept while
+        #: any rank's client lives, since NCCL meets there again to make its communicators
+        self._rendezvous: Any = None
 
     @classmethod
     async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
@@ -137,8 +141,8 @@ class EngineClient:
         """Start a tensor-parallel engine as ``n`` processes, one per rank; the clients in rank order.
 
         Each rank gets ``build`` plus ``"tp": {"rank", "size", "init_method", "backend"}``
-        and joins the engine's TP group inside its own process (a TCP rendezvous
-        on a free local port unless ``init_method`` is given); ``envs[r]`` is added
+        and joins the engine's TP group inside its own process (at a store this
+        process serves, unless ``init_method`` is given); ``envs[r]`` is added
         to rank r's environment only (its ``CUDA_VISIBLE_DEVICES``, say). The ranks
         start together (building a rank waits for every other in a collective); if
         any fails to start, every rank is killed and cleaned up and the first
@@ -148,7 +152,10 @@ class EngineClient:
             raise ValueError(f"n must be a positive number of TP ranks, got {n!r}")
         if envs is not None and len(envs) != n:
             raise ValueError(f"envs names {len(envs)} environments for {n} ranks")
-        init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        hosted = None
+        if init_method is None:
+            hosted = HostedStore(n)
+            init_method = hosted.init_method
         clients: list[EngineClient | None] = [None] * n
         errors: list[BaseException] = []
 
@@ -180,7 +187,10 @@ class EngineClient:
                     if c is not None:
                         await c.aclose()
             raise
-        return [c for c in clients if c is not None]
+        out = [c for c in clients if c is not None]
+        for c in out:
+            c._rendezvous = hosted
+        return out
 
     @property
     def socket_path(self) -> str:
@@ -277,6 +287,17 @@ class EngineClient:
 
     async def digest(self) -> str:
         return (await self.call("digest"))["digest"]
+
+    async def profile_start(self) -> None:
+        """A diagnostic: the engine records its own work under torch.profiler until
+        :meth:`profile_stop` (:mod:`colo.device.profile`)."""
+        await self.call("profile_start")
+
+    async def profile_stop(self, path: str) -> dict:
+        """End the engine's recording: its Chrome trace written at ``path`` (on the engine's
+        machine), the summary of its device time returned."""
+        reply = await self.call("profile_stop", path=str(path))
+        return {k: v for k, v in reply.items() if k not in ("id", "ok")}
 
     async def param_entries(self) -> dict[str, str]:
         """Each parameter's digest entry, in hex (``EngineCore.param_entries``): a diagnostic."""
@@ -427,6 +448,7 @@ class EngineClient:
                 self.process.kill()
                 await anyio.to_thread.run_sync(self.process.join, timeout_s)
             release_dir(self._sockdir)
+            self._rendezvous = None
             self.closed = True
 
 

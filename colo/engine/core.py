@@ -35,8 +35,9 @@ class EngineCore:
     since the storage was last allocated.
     """
 
-    #: colo's engine has every tag, frees what it releases, and answers the logits probe
-    capabilities = EngineCapabilities(tags=TAGS)
+    #: colo's engine has every tag, frees what it releases, answers the logits probe, and
+    #: digests its own weights (the row blocks its forward reads)
+    capabilities = EngineCapabilities(tags=TAGS, digest_live=True)
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float,

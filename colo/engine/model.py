@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from colo.core.errors import EngineStateError, WeightMismatch
-from colo.digest import weights_digest, weights_entries
+from colo.digest import TensorHash, combine, entries_of, hash_many, weights_digest, weights_entries
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.dims import Dims, dims_from_config
@@ -86,11 +86,61 @@ class _BatchMemo:
         with torch.no_grad():
             for i in self.other:
                 model._write(params, *batch[i])
+                model._sum_one(params, batch[i][0])
             if self.small:
                 torch._foreach_copy_(self.small_dst, [batch[i][1] for i in self.small])
+            model._sum_written(params, [self.names[i] for i in self.small])
         session.loaded |= self.name_set
         session.order += self.names
         return len(self.names)
+
+
+#: bytes of written blocks checksummed per launch during a load (see ``_LoadDigest``)
+LOAD_DIGEST_BYTES = 256 << 20
+
+
+class _LoadDigest:
+    """The checksums (:mod:`colo.digest`) of the blocks a load writes, queued behind their
+    copies as it writes them, so that a verified sync's digest is not a second pass over
+    every weight after the load but reads back what the load already summed.
+
+    On a GPU the checksums run on a stream of their own, each group of about
+    ``LOAD_DIGEST_BYTES`` once the copies before it are done (an event): the copy engine
+    moves the next tensors out of host memory while the SMs sum the last ones. What is
+    summed is the engine's own block after the write, so the digest is still of the
+    weights the engine holds, not of what arrived. On the host they are summed at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.hashes: dict[str, TensorHash] = {}
+        self._group: list[tuple[str, torch.Tensor]] = []
+        self._bytes = 0
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def add(self, name: str, block: torch.Tensor) -> None:
+        """``block`` (a name's whole row block) is written, or its writes are queued on the current stream."""
+        self._group.append((name, block))
+        self._bytes += block.numel() * block.element_size()
+        if self._bytes >= LOAD_DIGEST_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        group, self._group, self._bytes = self._group, [], 0
+        if not group:
+            return
+        if self._stream is None:
+            hashes = hash_many(group)
+        else:
+            written = torch.cuda.current_stream(self._stream.device)
+            self._stream.wait_stream(written)
+            with torch.cuda.stream(self._stream):
+                hashes = hash_many(group)
+        self.hashes.update((h.name, h) for h in hashes)
+
+    def entries(self, names: Sequence[str]) -> list[bytes]:
+        """The entries of ``names`` (all summed here), read back after the sums are done."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        return entries_of([self.hashes[n] for n in names])
 
 
 class EngineModel:
@@ -138,6 +188,13 @@ class EngineModel:
         #: the HF names of the last complete load, in the order they arrived (the digest's
         #: order where no spec list says otherwise)
         self._last_order: list[str] = []
+        # A load checksums what it writes (``_LoadDigest``) when the last load's digest was
+        # asked for (``--verify every``: every sync after the first; ``first``: the second's
+        # sums are the one pass wasted); ``_digested`` holds a complete load's sums until the
+        # weights change (a new load, a release). A TP rank's digest is its shards' own.
+        self._digest_asked = False
+        self._load_digest: _LoadDigest | None = None
+        self._digested: _LoadDigest | None = None
         self.allocate_weights()
         self.allocate_kv()
 
@@ -171,6 +228,7 @@ class EngineModel:
             raise EngineStateError("engine weights are already allocated")
         self._dests = {}
         self._batch_memo = None
+        self._load_digest = self._digested = None
         if self._resume_held("weights"):
             self._params = self._held.pop("weights")
             return
@@ -186,6 +244,7 @@ class EngineModel:
         self._dests = {}
         self._batch_memo = None
         self._load = None  # a half-done load has nothing left to finish
+        self._load_digest = self._digested = None
         self._return_to_device()
 
     def allocate_kv(self) -> None:
@@ -279,6 +338,9 @@ class EngineModel:
             raise EngineStateError("a load is already in progress (begin_load called twice without end_load)")
         self._load = LoadSession({n: s.shape for n, s in self.sync_map.shards.items()},
                                  describe_unexpected=self.sync_map.unexpected)
+        self._digested = None
+        self._load_digest = _LoadDigest(self.device) if self._digest_asked else None
+        self._digest_asked = False
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each (HF name, tensor) into its row block, converting dtype and device.
@@ -319,16 +381,37 @@ class EngineModel:
                     small_dst.append(dest)
                     small_src.append(tensor)
                     small.append(i)
+                    advanced = session.advance(name, tensor)
                 else:
                     self._write(params, name, tensor)
                     other.append(i)
-                done += session.advance(name, tensor)
+                    if advanced := session.advance(name, tensor):
+                        self._sum_one(params, name)
+                done += advanced
             if small_dst:
                 # distinct destinations: the order of the copies does not matter
                 torch._foreach_copy_(small_dst, small_src)
+            self._sum_written(params, [items[i][0] for i in small])
         if type(named_tensors) is list and done == len(items) and not any(isinstance(t, Piece) for _, t in items):
             self._batch_memo = _BatchMemo(items, self._dests, small, small_dst, other)
         return done
+
+    def _block(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        block = self._dests.get(name)  # made once per allocation of the weights
+        return self._row_block(params, name) if block is None else block
+
+    def _sum_one(self, params: dict[str, torch.Tensor], name: str) -> None:
+        """A load being summed: ``name`` is complete (its writes queued), sum its block."""
+        if self._load_digest is not None:
+            self._load_digest.add(name, self._block(params, name))
+
+    def _sum_written(self, params: dict[str, torch.Tensor], names: Sequence[str]) -> None:
+        """The same for ``names``, then the group left over: the batch's writes are all queued now."""
+        if self._load_digest is None:
+            return
+        for name in names:
+            self._sum_one(params, name)
+        self._load_digest.flush()
 
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """The row block a whole HF tensor is copied into as it is (made once per
@@ -367,8 +450,10 @@ class EngineModel:
         if session is None:
             raise EngineStateError("end_load called without begin_load()")
         self._load = None
+        summed, self._load_digest = self._load_digest, None
         n = session.finish()
         self._last_order = list(session.order)
+        self._digested = summed  # complete: its sums are the weights' until they change
         return n
 
     @property
@@ -384,6 +469,10 @@ class EngineModel:
         unknown = [n for n in names if n not in self.sync_map.shards]
         if unknown:
             raise WeightMismatch("digest asked for tensors the engine does not hold", unexpected=unknown)
+        self._digest_asked = True  # the next load sums as it writes
+        summed = self._digested
+        if summed is not None and all(n in summed.hashes for n in names):
+            return combine(summed.entries(names))
         return weights_digest((n, self._row_block(params, n)) for n in names)
 
     def param_entries(self) -> dict[str, str]:

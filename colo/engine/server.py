@@ -23,7 +23,7 @@ import torch
 from colo.core.buckets import ITEMSIZE
 from colo.engine.kit import EngineKit
 from colo.proc.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
-from colo.proc.lifecycle import die_with_parent, end_of_process, log, open_log
+from colo.proc.lifecycle import die_with_parent, log, open_log, serve_then_end
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -42,6 +42,7 @@ class EngineServer:
         self.core = core
         self.kit = EngineKit(core)
         self.running = True
+        self._recording: Any = None  # a diagnostic profile in progress (profile_start)
 
     # -- the engine's own verbs ---------------------------------------------------
     def op_hello(self) -> dict:
@@ -95,6 +96,23 @@ class EngineServer:
     def op_param_entries(self) -> dict:
         # a diagnostic: each parameter's digest entry, naming those a mismatch is in
         return {"entries": self.core.param_entries()}
+
+    def op_profile_start(self) -> dict:
+        """A diagnostic: record this engine's own work under torch.profiler until
+        ``profile_stop`` (the sender's side records its own: ``colo.device.profile``)."""
+        from colo.device.profile import Recording
+
+        if self._recording is not None:
+            raise RuntimeError("profile_start: this engine is already recording; profile_stop first")
+        self._recording = Recording().start()
+        return {}
+
+    def op_profile_stop(self, path: str) -> dict:
+        """End the recording: its Chrome trace at ``path``, its summary in the reply."""
+        if self._recording is None:
+            raise RuntimeError("profile_stop: this engine is not recording; profile_start first")
+        recording, self._recording = self._recording, None
+        return recording.stop(str(path))
 
     # -- the receiving half: the engine kit ------------------------------------------
     def op_preflight(self, specs: list[list] | None = None, key: str | None = None) -> dict:
@@ -336,6 +354,8 @@ def _init_tp_group(tp: dict) -> tuple[int, int]:
 
     import torch.distributed as dist
 
+    from colo.proc.rendezvous import init_default_group
+
     rank, size = int(tp["rank"]), int(tp["size"])
     if not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} is not in [0, {size})")
@@ -349,8 +369,7 @@ def _init_tp_group(tp: dict) -> tuple[int, int]:
                            "must run in a process of its own")
     # a dead peer must not hang this rank's collectives forever
     timeout = datetime.timedelta(seconds=float(tp.get("timeout_s", 600)))
-    dist.init_process_group(backend, init_method=str(tp["init_method"]), rank=rank, world_size=size,
-                            timeout=timeout)
+    init_default_group(backend, str(tp["init_method"]), rank=rank, world_size=size, timeout=timeout)
     return rank, size
 
 
@@ -379,9 +398,8 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
     and removes its own socket directory on the way out."""
     die_with_parent(build.get("parent_pid"), sock_path, build.get("run_dir"))
     try:
-        _serve(sock_path, key, build)
+        serve_then_end(lambda: _serve(sock_path, key, build), sock_path)
     finally:
-        end_of_process(sock_path)
         if threading.current_thread() is threading.main_thread():
             # cleaned up: a parent-death signal during interpreter exit just ends the process
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

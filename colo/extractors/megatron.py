@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from colo.core.buckets import spec
+from colo.device import canonical_device
 from colo.extractors.plain import (DTypeLike, UnknownTensor, check_against_spec, check_request, dtype_name,
                                    engine_dtype_of, resolve_dtype, to_engine)
 from colo.core.interfaces import TensorSpec
@@ -258,9 +259,10 @@ class MegatronExtractor:
             raise ValueError("megatron extractor: give device (upload here) or upload_to (the transport "
                              "uploads into its own buffer), not both")
         #: where a transport should stage this source's tensors (the views of the host copy)
-        self.upload_to = None if upload_to is None else torch.device(upload_to)
+        # canonical: compared with the devices of the caller's views (a staging slot's)
+        self.upload_to = None if upload_to is None else canonical_device(upload_to)
         #: where shards that need work (a gather, a conversion, a QKV re-order) are moved first
-        self.device = self.upload_to if device is None else torch.device(device)
+        self.device = self.upload_to if device is None else canonical_device(device)
         self.attention = _check_attention(attention)
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or vocab_size <= 0):
@@ -595,7 +597,7 @@ class MegatronExtractor:
         dtype, device = getattr(torch, s.dtype), self._comm_device()
         view = (into or {}).get(name)
         if view is not None and view.dtype == dtype and tuple(view.shape) == s.shape and view.is_contiguous() \
-                and view.device == device:
+                and view.device == device:  # both canonical: see __init__
             return view
         return torch.empty(s.shape, dtype=dtype, device=device)
 

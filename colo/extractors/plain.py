@@ -20,6 +20,7 @@ from colo.core.buckets import ALIGN, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import as_dtype, dtype_name  # noqa: F401 (re-exported)
 from colo.core.errors import UnknownTensor
+from colo.device import canonical_device
 from colo.device.zero_copy import convert_from_host, convert_run, copy_all, device_view
 
 DTypeLike = torch.dtype | str | None
@@ -113,13 +114,14 @@ class PlainExtractor:
                             f"got {type(source).__name__}")
         self._source = source
         self.dtype = resolve_dtype(dtype)
-        self.device = None if device is None else torch.device(device)
+        # canonical ("cuda" is the current GPU's index): compared with tensors' devices
+        self.device = None if device is None else canonical_device(device)
         if upload_to is not None and device is not None:
             raise ValueError(f"{self.kind} extractor: give device (upload here) or upload_to (the transport "
                              "uploads into its own buffer), not both")
         #: where a transport should stage this source's tensors: they come out
         #: on the host and are copied once, straight into the staging buffer
-        self.upload_to = None if upload_to is None else torch.device(upload_to)
+        self.upload_to = None if upload_to is None else canonical_device(upload_to)
         self._engine_to_source: dict[str, str] = {}
         self._specs: dict[str, TensorSpec] = {}
         #: engine name -> (host tensor's address, numel, dtype, device; its device view)

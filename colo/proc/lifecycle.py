@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -418,25 +418,11 @@ def socket_dir() -> str:
         raise ChannelError(f"no directory for the engine's socket: {e.strerror or e}") from None
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago: all bound at once, so that
-    two rendezvous of one run never get the same port (taken one at a time, nothing keeps
-    the second from being the first, and the second group's store fails EADDRINUSE)."""
-    import socket
-
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (for a process-group rendezvous;
-    ``""``: on every interface, for peers on other nodes)."""
+    """A TCP port on ``host`` that was free a moment ago, for a library that takes a port
+    number and listens on it itself (checkpoint-engine's ``ParameterServer`` in
+    ``bench/peer.py``); another process may take it meanwhile, so colo's own process
+    groups meet at a store instead (:mod:`colo.proc.rendezvous`)."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -532,17 +518,39 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     # SystemExit unwinds serve(): its finally closes the receivers and removes the socket dir.
     # One is enough: the parent-death signal and the watchdog can both send one, and a
     # second SystemExit raised inside that cleanup would cut it short (a dir left behind).
+    # For the same reason a first one that lands once the last clean-up has begun is only
+    # noted: an engine shut down by its rank worker is in that clean-up when the worker,
+    # killed with its driver, dies and its parent-death signal comes (under load, 3 runs
+    # in 12 of a two-rank demo SIGKILLed mid-sync left their engine dirs so).
     global _SIGNALLED
     _SIGNALLED = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise SystemExit(128 + signum)
+    if not _CLEANING:
+        raise SystemExit(128 + signum)
+
+
+def serve_then_end(body: Callable[[], None], sock_path: str) -> None:
+    """A started process's whole life: ``body``, then :func:`end_of_process` however it
+    ended, whole even when a SIGTERM lands in the instant between the two (before
+    ``end_of_process`` marks its clean-up begun: it is then run again, and the exit follows)."""
+    try:
+        body()
+    finally:
+        try:
+            end_of_process(sock_path)
+        except SystemExit:
+            end_of_process(sock_path)
+            raise
 
 
 def end_of_process(sock_path: str) -> None:
     """What a process colo started (an engine, a rank worker) does last, however its
     work ended: remove its socket dir and every segment it made that is still there
     (:func:`colo.proc.handles.unlink_own_segments`: its main thread may not have got
-    to its own cleanup), and, an orphan, its run's dir and what dead owners left."""
+    to its own cleanup), and, an orphan, its run's dir and what dead owners left.
+    A SIGTERM from here on does not cut it short (:func:`_on_sigterm`)."""
+    global _CLEANING
+    _CLEANING = True
     remove_sockdir(sock_path)
     unlink_own_segments()
     remove_run_dir_if_orphaned()
@@ -560,6 +568,8 @@ _RUN_DIRS = ("colo-demo-", "colo-rank-")
 _ORPHAN: tuple[int | None, str | None] = (None, None)
 #: a SIGTERM (the parent-death signal, the watchdog, a kill) is ending this process
 _SIGNALLED = False
+#: this process's last clean-up (end_of_process) has begun
+_CLEANING = False
 
 
 #: how long an orphan keeps sweeping for its dead parent's segments (see below)

@@ -50,7 +50,7 @@ class RankSpec:
     seed: int
     engine_dtype: str
     transport: str
-    #: rendezvous of the trainer's process group (``tcp://host:port`` or ``file://``)
+    #: rendezvous of the trainer's process group (``colo-store://``, ``tcp://host:port`` or ``file://``)
     trainer_init: str
     #: rendezvous of the engine's TP group
     engine_init: str
@@ -209,7 +209,7 @@ class RankHost:
         return self.hello()
 
     def _join_trainer_group(self) -> None:
-        import torch.distributed as dist
+        from colo.proc.rendezvous import init_default_group
 
         s = self.spec
         if s.device == "cuda":
@@ -219,8 +219,8 @@ class RankHost:
         kwargs: dict[str, Any] = {}
         if s.device == "cuda":
             kwargs["device_id"] = torch.device("cuda", 0)
-        dist.init_process_group(s.backend, init_method=s.trainer_init, rank=s.rank, world_size=s.world_size,
-                                timeout=datetime.timedelta(seconds=TRAINER_PG_TIMEOUT_S), **kwargs)
+        init_default_group(s.backend, s.trainer_init, rank=s.rank, world_size=s.world_size,
+                           timeout=datetime.timedelta(seconds=TRAINER_PG_TIMEOUT_S), **kwargs)
         self._owns_pg = True
 
     def _build_trainer(self) -> tuple[Any, Any]:

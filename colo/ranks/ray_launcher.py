@@ -122,13 +122,6 @@ async def reserve(bundles: list[dict[str, float]], *, strategy: str = "PACK",
     return pg
 
 
-def _free_ports(n: int) -> list[int]:
-    from colo.proc.lifecycle import free_port
-
-    # on every interface: the ranks of other nodes connect to them
-    return [free_port("") for _ in range(n)]
-
-
 def placement() -> dict:
     """Where Ray says the calling actor runs: its node, its placement group, the bundles it draws on.
 
@@ -385,10 +378,18 @@ class RankActor:
 
     def __init__(self) -> None:
         self.host: Any = None
+        #: the groups' stores this actor serves (rank 0's), kept while it lives
+        self.stores: list[Any] = []
 
-    def rendezvous(self, n: int = 2) -> dict:
-        """This node's IP and ``n`` ports free on it a moment ago (rank 0's: where the groups meet)."""
-        return {"ip": ray.util.get_node_ip_address(), "ports": _free_ports(n), "pid": os.getpid()}
+    def rendezvous(self, n: int = 2) -> list[str]:
+        """``n`` new groups' init methods, at stores this actor serves on its node (rank
+        0's: where the groups meet; colo.proc.rendezvous) for as long as it lives."""
+        from colo.proc.rendezvous import HostedStore
+
+        ip = ray.util.get_node_ip_address()  # the address the other nodes' ranks are told
+        stores = [HostedStore(None, host=ip) for _ in range(n)]
+        self.stores.extend(stores)
+        return [st.init_method for st in stores]
 
     def setup(self, spec: dict, where: dict) -> dict:
         """``where``: the placement group, this rank's share of a bundle, the run's token."""
@@ -465,14 +466,14 @@ class RayWorker:
         return reply
 
     async def rendezvous(self) -> str:
-        """A ``tcp://`` rendezvous on this rank's node (Ray's IP for it, a port free there)."""
+        """A new group's init method, at a store this rank's actor serves on its node."""
         async with self._lock:
             try:
-                where = await self.actor.rendezvous.remote(1)
+                inits = await self.actor.rendezvous.remote(1)
             except RayActorError as e:
                 self.closed = self.died = True
                 raise RankDied(f"rank {self.rank} actor {self.name} is gone: {_first_line(e)}") from e
-        return f"tcp://{where['ip']}:{where['ports'][0]}"
+        return inits[0]
 
     async def aclose(self, timeout_s: float = 30.0) -> None:
         """Shielded: ask the rank to close its host (its engine actor too), then kill the
@@ -798,12 +799,10 @@ async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
     """Every spec with the trainer's and the engine's rendezvous on rank 0's node."""
     try:
         with anyio.fail_after(START_TIMEOUT_S):
-            where = await actor0.rendezvous.remote(2)
+            trainer_init, engine_init = await actor0.rendezvous.remote(2)
     except (RayActorError, GetTimeoutError) as e:
         raise RankDied(f"rank 0 actor did not start: {type(e).__name__}: {e}") from e
-    ip, (p1, p2) = where["ip"], where["ports"]
-    return [dataclasses.replace(s, trainer_init=f"tcp://{ip}:{p1}", engine_init=f"tcp://{ip}:{p2}")
-            for s in specs]
+    return [dataclasses.replace(s, trainer_init=trainer_init, engine_init=engine_init) for s in specs]
 
 
 __all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "RankActor", "RayWorker", "bundles_for", "placement", "reserve",

@@ -27,13 +27,10 @@ from colo.core.errors import ChannelError
 
 def serve(sock_path: str, key: bytes, spec: dict) -> None:
     """Process entry point."""
-    from colo.proc.lifecycle import die_with_parent, end_of_process
+    from colo.proc.lifecycle import die_with_parent, serve_then_end
 
     die_with_parent(spec.pop("parent_pid", None), sock_path, spec.get("workdir"))
-    try:
-        anyio.run(_serve, sock_path, key, spec)
-    finally:
-        end_of_process(sock_path)
+    serve_then_end(lambda: anyio.run(_serve, sock_path, key, spec), sock_path)
 
 
 def _listen(sock_path: str) -> socket.socket:

@@ -24,7 +24,8 @@ import anyio
 class RecordingEngine:
     """``inner``, with what was asked of it: ``requests``, every ``transport_load``
     request as the transport handed it; ``calls``, the name of every method called
-    through this wrapper, in order (only those in ``only``, where given).
+    through this wrapper, in order (only those in ``only``, where given); ``replies``,
+    every ``transport_load``'s reply (the engine's own timing of each load).
 
     ``delay``: every load waits that many seconds before it is passed on (an engine
     that loads late: the sender runs ahead meanwhile). ``hold_end``: ``end_load``,
@@ -36,6 +37,7 @@ class RecordingEngine:
         self.inner, self.delay, self.hold_end = inner, delay, hold_end
         self.only = None if only is None else frozenset(only)
         self.requests: list[Any] = []
+        self.replies: list[Any] = []
         self.calls: list[str] = []
 
     @property
@@ -65,7 +67,9 @@ class RecordingEngine:
         if self.hold_end:  # nor the end riding on the last load
             kwargs.pop("end", None)
             kwargs.pop("flush_cache", None)
-        return await self.inner.transport_load(name, request, on_sent=on_sent, **kwargs)
+        reply = await self.inner.transport_load(name, request, on_sent=on_sent, **kwargs)
+        self.replies.append(reply)
+        return reply
 
     async def end_load(self, flush_cache: bool = False) -> None:
         self._record("end_load")

@@ -549,7 +549,8 @@ def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) ->
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[MegatronTrainer, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True,
+          reference_init: bool = True) -> tuple[MegatronTrainer, Any]:
     """The megatron-core trainer, starting from the reference trainer's initial weights for
     ``seed`` (rounded to ``param_dtype``, :func:`~colo.trainers.base.param_dtype_for`:
     on a GPU the engine's, bf16, with fp32 master weights in the optimizer, as
@@ -558,7 +559,11 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     one rank. On a GPU its weights and AdamW state live in memory-saver regions with
     a pinned host backup, so offload and onload are real pauses. Call ``close()``
     when done. ``optimizer_state=False``: AdamW's state is left unmade (a trainer that
-    only syncs: :mod:`colo.apps.bench_trainers`)."""
+    only syncs: :mod:`colo.apps.bench_trainers`). ``reference_init=False``: megatron's own
+    random init stays (a trainer whose values nobody compares with the reference, as
+    the multi-GPU benchmark's, which checks the engine against this trainer's own
+    tensors): the reference model is never built, which at Qwen2-7B is 30 GB of fp32
+    initialised on the CPU by every rank before its first sync.)"""
     from colo.trainers.models import build_trainer_model
     from colo.trainers.precision import cast_parameters
 
@@ -568,14 +573,18 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     # refuse an unsupported config before any process group or parallel state exists
     check_tensor_parallel(model_config, dist.get_world_size() if dist.is_initialized() else 1)
     # named_parameters, not state_dict: a tied lm_head is listed once, as embed_tokens
-    hf = {n: p.detach().to(dtype) for n, p in build_trainer_model(model_config, seed).named_parameters()}
+    hf = None
+    if reference_init:
+        hf = {n: p.detach().to(dtype) for n, p in build_trainer_model(model_config, seed).named_parameters()}
     runtime = MegatronRuntime(device, seed=seed)
     try:
         if device == "cpu":
             model = cast_parameters(build_gpt(model_config, device="cpu", params_dtype=dtype), dtype)
-            load_hf(model, hf, model_config)
+            if hf is not None:
+                load_hf(model, hf, model_config)
             trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype)
-            _check_readback(trainer, hf)
+            if hf is not None:
+                _check_readback(trainer, hf)
             return trainer, None
         from colo.device.cuda_memory import Saver, TrainerMemory
 
@@ -586,13 +595,15 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
             # move everything onto the GPU inside the region.
             model = build_gpt(model_config, device="cuda", params_dtype=dtype).cuda(torch.cuda.current_device())
             model = cast_parameters(model, dtype)  # the norms too (torch's own RMSNorm is built in fp32)
-            load_hf(model, hf, model_config)
+            if hf is not None:
+                load_hf(model, hf, model_config)
         trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype,
                                   memory_backend=TrainerMemory(saver))
         if optimizer_state:
             with saver.region("trainer.optimizer", cpu_backup=True):
                 trainer.init_optimizer_state()
-        _check_readback(trainer, hf)
+        if hf is not None:
+            _check_readback(trainer, hf)
         return trainer, saver
     except BaseException:
         runtime.close()

@@ -99,13 +99,18 @@ class _Exported:
 
 def _export_all(ctx: SyncContext, tensors: list[tuple[str, Any]], stream: Any = None,
                 upload_to: Any = None, entries: Any = None) -> list[_Exported]:
-    """Export every tensor of a bucket; with ``stream`` (the sender's upload stream,
-    where the extractor produced them) the copies are queued there, after the
-    uploads and gathers they read. On another stream they could copy the bytes
-    before the gather wrote them (seen on two H200s: offload-first, a digest
-    mismatch on rank 1)."""
+    """Export every tensor of a bucket; with ``stream`` (the sender's upload stream)
+    the copies are queued there, after the uploads and gathers they read.
+
+    Those ran on the upload stream only where the extractor uploads (offload-first);
+    one that reads device tensors (sync-first) gathered on the default stream, which
+    the upload stream does not follow by itself: it must wait for it here, or the
+    copies read a gather's output before the all-gather wrote it. (Seen on two H200s,
+    2026-11-27: Qwen2-7B TP=2 sync-first, 19 and 37 gathered tensors differing on the
+    two engine ranks, every one a gathered tensor; offload-first exact.)"""
     if stream is None:
         return _export_each(ctx, tensors, upload_to, entries)
+    stream.wait_stream(torch.cuda.default_stream(stream.device))
     with torch.cuda.stream(stream):
         return _export_each(ctx, tensors, upload_to, entries)
 

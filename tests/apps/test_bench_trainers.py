@@ -66,7 +66,10 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
         assert row["floor_s"] == pytest.approx(row["bytes"] / memcpy / 1e9)
         assert row["sync_over_floor"] == pytest.approx(row["sync_s"] / row["floor_s"])
         assert row["verify_of_sync"] == pytest.approx(row["verify_s"] / row["sync_s"])
+        assert row["verify_adds_s"] == pytest.approx(row["verified_sync_s"] + row["verify_s"] - row["sync_s"])
+        assert row["verify_adds_of_sync"] == pytest.approx(row["verify_adds_s"] / row["sync_s"])
         assert set(row["verify_parts"]) == {"engine_digest_s", "trainer_check_s", "probe_s"}
+        assert row["probed_cycles"] == 1  # colo's engine digests its live weights: probed once
         assert row["verify_s"] >= sum(row["verify_parts"].values()) * 0.999 > 0
         # every step of the cycle a CPU has, timed (no trainer memory moves on a CPU)
         assert set(row["step_s"]) == {"engine_release_s", "engine_wake_weights_s", "sync_s", "engine_wake_kv_s"}

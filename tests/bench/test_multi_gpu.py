@@ -6,7 +6,8 @@ import pytest
 
 from bench.multi_gpu import main as bench_main
 
-ROWS = {(p, t) for p in ("sync-first", "offload-first") for t in ("colo-packed", "slime-style", "ipc-per-tensor")}
+ROWS = {(p, t) for p in ("sync-first", "offload-first")
+        for t in ("colo-packed", "colo-packed-serial", "slime-style", "ipc-per-tensor")}
 
 
 def _check(result: dict, rows: set = ROWS) -> None:
@@ -22,6 +23,10 @@ def _check(result: dict, rows: set = ROWS) -> None:
         assert r["bytes"] == model_bytes, r
         assert r["tensors"] == result["model"]["tensors"]
         assert len(r["sync_s_all"]) == result["reps"] and all(s > 0 for s in r["sync_s_all"])
+        if r["transport"].startswith("colo-packed"):
+            # the engine's own account: one reply per bucket (the packed transport's one load each)
+            eng = r["engine_s_per_sync_rank0"]
+            assert eng["loads"] == r["buckets"] and eng["wait"] >= 0 and eng["queue"] > 0, eng
     for lim in result["limits"]:
         assert lim["model_bytes"] == model_bytes
         assert lim["trainer_shard_bytes"] > 0 and lim["engine_shard_bytes"] > 0
@@ -50,15 +55,31 @@ def test_bench_gpus_2_real_megatron_trainer_cpu(tmp_path, no_leftover_segments):
     """``--trainer megatron`` (issue 34, item 3): colo's real megatron-core trainer at TP=2 on
     two gloo ranks, in quarter-MiB buckets (its embedding, lm_head and gate/up cross
     several, gathered piece by piece), every row's shard digests checked on both engine
-    ranks. Off a GPU nothing pauses: the sync-first rows only."""
+    ranks. Off a GPU nothing pauses: the sync-first rows only; ``--rows`` leaves the
+    slime-style baseline out (it is the synthetic run's)."""
     out = tmp_path / "real.json"
     code = bench_main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--trainer", "megatron",
-                       "--reps", "1", "--bucket-mib", "0.25", "--out", str(out)])
+                       "--reps", "1", "--bucket-mib", "0.25", "--rows", "colo-packed,ipc-per-tensor",
+                       "--profile", str(tmp_path), "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
-    _check(result, {r for r in ROWS if r[0] == "sync-first"})
+    _check(result, {("sync-first", "colo-packed"), ("sync-first", "ipc-per-tensor")})
+    # --profile: one more packed sync per rank under torch.profiler, its Chrome trace beside
+    # (off a GPU no device time: the summary's totals are zero, the trace holds CPU ops)
+    by = {r["transport"]: r for r in result["rows"]}
+    assert by["ipc-per-tensor"]["profile_by_rank"] == [None, None]
+    for rank, prof in enumerate(by["colo-packed"]["profile_by_rank"]):
+        assert prof["trace"] == str(tmp_path / f"profile-sync-first-rank{rank}.json") and prof["wall_s"] > 0
+        assert prof["device_s_by_kind"] == {"nccl": 0.0, "memcpy": 0.0, "other": 0.0} and prof["top"] == []
+        # the engine rank's own recording beside it (its copies out of the staging buffer)
+        eng = prof["engine"]
+        assert eng["trace"] == str(tmp_path / f"profile-sync-first-rank{rank}-engine.json") and eng["wall_s"] > 0
+        for path in (prof["trace"], eng["trace"]):
+            events = json.loads(open(path).read())["traceEvents"]
+            assert any(str(e.get("name", "")).startswith("aten::") for e in events), path
     assert result["model"]["trainer"].startswith("colo's Megatron trainer: a real megatron-core GPTModel")
     assert "sync_first_vs_floor" in result["ratios"] and "offload_first_vs_floor" not in result["ratios"]
+    assert "sync_first_vs_slime_style" not in result["ratios"] and "sync_first_vs_per_tensor" in result["ratios"]
     # every HF tensor of the model in bf16, Megatron's vocabulary padding cut off
     from colo.trainers.models import build_trainer_model, demo_config
 
@@ -67,8 +88,11 @@ def test_bench_gpus_2_real_megatron_trainer_cpu(tmp_path, no_leftover_segments):
     assert result["model"]["tensors"] == len(list(hf.parameters()))
     assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "qwen3-moe-tiny", "--trainer", "megatron"]) == 2
 
-def test_bench_gpus_bad_model():
+def test_bench_gpus_bad_model_or_rows(capsys):
     assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "demo-xl"]) == 2
+    assert bench_main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--rows", "colo-packed,fast"]) == 2
+    assert ("--rows 'colo-packed,fast': expected labels among colo-packed, colo-packed-serial, slime-style, "
+            "ipc-per-tensor") in capsys.readouterr().err
 
 
 MOE_ROWS = {(p, t) for p in ("sync-first", "offload-first") for t in ("colo-packed", "slime-style")}

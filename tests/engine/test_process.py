@@ -67,6 +67,27 @@ async def test_unknown_ops_and_disallowed_handles_are_errors(engine):
         await client.transport_load("packed", {"handle": {"kind": "pickle", "data": "x"}, "tensors": []})
 
 
+async def test_the_engines_profile_verbs_record_what_it_did_and_refuse_out_of_order(engine, tmp_path):
+    """A diagnostic (bench.multi_gpu --profile): the engine records its own work between
+    profile_start and profile_stop and writes the Chrome trace; a stop without a start
+    and a second start are refused, naming the verb, and the engine keeps serving."""
+    import json
+
+    client, _ = engine
+    with pytest.raises(EngineError, match="profile_stop: this engine is not recording; profile_start first"):
+        await client.profile_stop(str(tmp_path / "none.json"))
+    await client.profile_start()
+    with pytest.raises(EngineError, match="profile_start: this engine is already recording"):
+        await client.profile_start()
+    digest = await client.digest()
+    out = await client.profile_stop(str(tmp_path / "engine.json"))
+    assert out["trace"] == str(tmp_path / "engine.json") and out["wall_s"] > 0
+    assert set(out["device_s_by_kind"]) == {"nccl", "memcpy", "other"}
+    events = json.loads((tmp_path / "engine.json").read_text())["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("aten::") for e in events)  # the digest's own ops
+    assert await client.digest() == digest  # still serving, the weights untouched
+
+
 def test_handle_rebuild_is_allow_listed_and_names_are_checked():
     with pytest.raises(HandleError, match="not allowed"):
         open_handle({"kind": "torch_pickle"})

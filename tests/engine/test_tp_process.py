@@ -66,8 +66,11 @@ def trainer_state(config) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def short_tmp(monkeypatch):
+def short_tmp(monkeypatch, tmp_path_factory):
     """Socket directories go under a directory of our own, so the test can see none is left."""
+    # pytest makes its base temp dir on first use, under tempfile's dir: made now, it is
+    # not put inside this one (removed below) when a later test is the session's first user
+    tmp_path_factory.getbasetemp()
     root = tempfile.mkdtemp(prefix="colo-tp-", dir="/tmp")
     monkeypatch.setattr(tempfile, "tempdir", root)
     try:

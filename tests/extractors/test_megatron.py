@@ -452,9 +452,13 @@ def ranged_worker(rank: int, world: int, tmp_path) -> dict:
                                                             k[i * hd:(i + 1) * hd], v[i * hd:(i + 1) * hd])])
     wide = [("decoder.layers.0.self_attention.linear_qkv.weight", _column(fused, rank, world))]
     out: dict = {}
-    for label, ps, attention, vocab in (("tiny", params, ATTENTION, T.VOCAB), ("groups", wide, (heads, groups), None)):
+    # "named": told its device as "cpu:0", which a view's .device ("cpu") is not equal to
+    # (as "cuda" is not "cuda:0": offload-first on two H200s gathered beside staging)
+    for label, ps, attention, vocab, device in (("tiny", params, ATTENTION, T.VOCAB, None),
+                                                ("groups", wide, (heads, groups), None, None),
+                                                ("named", params, ATTENTION, T.VOCAB, "cpu:0")):
         ex = MegatronExtractor(ps, dtype=torch.bfloat16, tp_group=dist.group.WORLD, attention=attention,
-                               vocab_size=vocab)
+                               vocab_size=vocab, device=device)
         specs = list(ex.specs())
         ranged = {s.name: ex.ranged(s.name) for s in specs}
         # each ranged tensor in runs of 2, 6 and 16 bytes, and whole, gathered by range
@@ -508,6 +512,8 @@ def test_ranged_pieces_and_gathers_into_the_callers_views_are_bit_exact(tmp_path
         gathered = rows | {f"model.layers.{i}.{n}" for i in (0, 1)
                            for n in ("self_attn.o_proj.weight", "mlp.down_proj.weight")}
         assert {n for n, inside in tiny["into"].items() if inside} == gathered
+        assert {n for n, inside in res["named"]["into"].items() if inside} == gathered
+        check_against(ref, res["named"]["got"], torch.bfloat16, f"rank {rank} into views, device named")
         assert all(wide["into"].values())
         assert res["errors"] == [
             "megatron extractor: 'model.layers.0.self_attn.o_proj.weight' is not gathered by rows; extract it whole",

@@ -85,3 +85,33 @@ def test_many_device_tensors_in_one_launch_equal_the_hosts_lanes():
     received.add_many([("big", Piece(data=dev[100:], offset=100, shape=tuple(big.shape))), ("small", small.cuda()),
                        ("big", Piece(data=dev[:100], offset=0, shape=tuple(big.shape)))])
     assert received.digest(["big", "small"]) == weights_digest([("big", big), ("small", small)])
+
+
+def test_an_engine_load_summed_as_it_writes_from_pinned_memory_equals_the_trainers():
+    """colo's engine sums a verified sync's blocks as it writes them, on a stream of its own
+    that waits for each group's copies (queued from pinned host memory, the offload-first
+    path): sums that did not wait would read the last sync's bytes. Large tensors (a
+    32000 x 2048 embedding, 131 MB in bf16) keep the copies running while the sums queue."""
+    import colo.engine.model as model_mod
+    from colo.engine.core import EngineCore
+    from colo.engine.weights import expected_digest
+    from colo.trainers.models import build_trainer_model, demo_config
+
+    config = demo_config(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
+                         num_key_value_heads=4, intermediate_size=8192, max_position_embeddings=64)
+    core = EngineCore(config, dtype=torch.bfloat16, device="cuda", total_bytes=4 << 30, mem_fraction_static=0.5,
+                      init_state=None)
+    fresh = []
+    real = model_mod.weights_digest
+    model_mod.weights_digest = lambda named: fresh.append(1) or real(named)
+    try:
+        for seed in range(4):
+            model = build_trainer_model(config, seed=seed)
+            state = {k: v.detach().to(torch.bfloat16).pin_memory() for k, v in model.state_dict().items()}
+            core.begin_load()
+            core.load_weights(list(state.items()))
+            core.end_load()
+            assert core.digest() == expected_digest(state, config, torch.bfloat16), seed
+    finally:
+        model_mod.weights_digest = real
+    assert len(fresh) == 1  # the first sync's digest only: the others were summed as they loaded

@@ -216,6 +216,54 @@ def test_an_orphan_whose_main_thread_never_finishes_still_unlinks_its_segments(t
     assert not sockdir.exists()
 
 
+_ENDING = r"""
+import os, signal, sys, time
+from colo.proc import lifecycle
+from colo.proc.handles import ShmSegment
+sock, where = sys.argv[1], sys.argv[2]
+lifecycle.die_with_parent(None, sock, None)  # the SIGTERM handler a started process has
+seg = ShmSegment.create(1 << 16)
+print(seg.name, flush=True)
+real = getattr(lifecycle, where)
+
+def late_signal(*args):
+    # the parent's death, the moment the clean-up begins (or, for serve_then_end's own
+    # call, the instant before): the handler runs during this sleep
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+    return real(*args)
+
+setattr(lifecycle, where, late_signal)
+lifecycle.serve_then_end(lambda: None, sock)
+"""
+
+
+@pytest.mark.parametrize("where, code", [("remove_sockdir", 0), ("end_of_process", 128 + signal.SIGTERM)],
+                         ids=["inside-the-clean-up", "before-it-began"])
+def test_a_sigterm_that_lands_in_the_last_clean_up_does_not_cut_it_short(tmp_path, where, code):
+    """An engine its worker has just shut down is in its last clean-up when the worker,
+    killed with its driver, dies: the parent-death signal lands there. The socket dir and
+    the segments must still go (before, 3 runs in 12 of a two-rank demo SIGKILLed mid-sync
+    under load left their engine dirs). Inside the clean-up the signal is only noted (exit
+    0); in the instant before it began, the clean-up runs whole and the exit is the signal's."""
+    from colo.proc.handles import SHM_DIR
+
+    sockdir = tmp_path / "colo-engine-ending"
+    sockdir.mkdir()
+    (sockdir / "engine.sock").touch()
+    out = subprocess.run([sys.executable, "-c", _ENDING, str(sockdir / "engine.sock"), where],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    name = out.stdout.strip()
+    left = bool(name) and os.path.exists(os.path.join(SHM_DIR, name))
+    if left:
+        os.unlink(os.path.join(SHM_DIR, name))
+    assert out.returncode == code, out.stderr[-2000:]
+    assert name.startswith("colo-"), out.stdout
+    assert not sockdir.exists(), "the socket dir outlived the process"
+    assert not left, f"segment {name} outlived the process"
+
+
 def test_unlink_own_segments_takes_only_this_process_s_and_refuses_new_ones():
     """Run in a child (it ends the process's segments for good): a forked child's call
     leaves its parent's segment; the process's own call unlinks its own, leaves one
@@ -365,18 +413,3 @@ def test_an_orphan_without_a_run_dir_sweeps_the_segments_its_dead_parent_had_not
     left = _left_after_killing(parent, int(pid), path)
     assert not left, f"segment {name} of the dead parent left in {SHM_DIR} after its orphan ended"
     assert not sockdir.exists()
-
-
-def test_free_ports_are_distinct_and_bindable():
-    """A run's two rendezvous (trainer group, engine group) never get one port: seen in CI
-    as a --gpus 2 megatron demo whose engine store failed EADDRINUSE."""
-    import socket
-
-    from colo.proc.lifecycle import free_ports
-
-    for _ in range(50):
-        ports = free_ports(4)
-        assert len(set(ports)) == 4 and all(1024 <= p < 65536 for p in ports)
-    for p in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", p))  # free again once returned

@@ -78,3 +78,56 @@ async def test_queued_uploads_deliver_exact_weights_to_an_engine_that_loads_late
         assert await client.digest() != expected_digest(state, config, torch.float32)
     finally:
         await client.aclose()
+
+
+class LateExtractor:
+    """``inner``'s tensors, each made anew on the thread's current stream behind a
+    ~10 ms kernel, as a tensor-parallel gather's output is on the default stream while
+    its all-gather has not landed: the host has the tensor long before its bytes. No
+    upload device, so the sender gathers on the default stream (sync-first)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def specs(self):
+        return self.inner.specs()
+
+    def extract(self, names):
+        for name, t in self.inner.extract(names):
+            out = torch.empty_like(t)
+            torch.cuda._sleep(20_000_000)  # cycles: about 10 ms at a GPU's ~2 GHz
+            out.copy_(t)
+            yield name, out
+
+
+class LateTrainer(StateTrainer):
+    def extractor(self):
+        return LateExtractor(super().extractor())
+
+
+@pytest.mark.parametrize("transport", ["ipc", "packed"])
+async def test_tensors_a_gather_is_still_writing_on_the_default_stream_reach_the_engine_exact(transport):
+    """Issue 34, item 2: the per-tensor ``ipc`` transport queued its copies on its own
+    upload stream, which did not wait for the default stream where a sync-first gather
+    ran, and copied gathered tensors before their bytes arrived (two H200s, Qwen2-7B
+    TP=2: 19 and 37 tensors differed). Every sync must be exact."""
+    from colo.engine.client import EngineClient
+    from colo.transports import make_transport
+
+    config = demo_config(**SMALL_CFG)
+    client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
+                                       "total_bytes": 256 << 20, "mem_fraction_static": 0.5, "checkpoint": None})
+    try:
+        sender = make_transport(transport)
+        try:
+            for seed in (11, 12):
+                state = trainer_state(config, seed, pinned=False)
+                ctx = SyncContext(step=seed, weight_version=seed, bucket_bytes=64 << 10, source="device",
+                                  staging=StagingBudget(None))
+                await sender.sync(LateTrainer(state), client, ctx)
+                want = expected_digest({n: t.cpu() for n, t in state.items()}, config, torch.float32)
+                assert await client.digest() == want, (transport, seed)
+        finally:
+            await sender.aclose()
+    finally:
+        await client.aclose()

@@ -1,0 +1,152 @@
+"""Issue 31, verification that costs (almost) nothing: once a sync's digest has been asked
+for, colo's engine checksums each block as its load writes it, so the next digest reads
+back sums the load already made instead of a second pass over every weight. These tests
+hold the value to the contract (``expected_digest`` of what the trainer sent) and check
+that the sums are used exactly when they are the engine's current weights."""
+
+import pytest
+import torch
+
+import colo.engine.model as model_mod
+from colo.engine.core import EngineCore
+from colo.engine.weights import expected_digest
+from colo.trainers.models import build_trainer_model, demo_config
+from colo.transports.wire import Piece
+from tests.conftest import SMALL_CFG
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def config():
+    return demo_config(**SMALL_CFG)
+
+
+def _state(config, seed):
+    model = build_trainer_model(config, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for p in model.parameters():  # no all-ones norms or zero biases: every tensor its own bytes
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def fresh_passes(monkeypatch):
+    """How many times the digest made a second pass over the weights (``weights_digest``)."""
+    calls = []
+    real = model_mod.weights_digest
+
+    def spy(named):
+        calls.append(1)
+        return real(named)
+
+    monkeypatch.setattr(model_mod, "weights_digest", spy)
+    return calls
+
+
+def _core(config):
+    return EngineCore(config, dtype=torch.float32, device="cpu", total_bytes=16 * MiB, mem_fraction_static=0.5,
+                      init_state=None)
+
+
+def _load(core, batch):
+    """One load; a name's pieces go in separate batches (one bucket holds one piece of it)."""
+    core.begin_load()
+    bucket: list = []
+    for name, t in batch:
+        if any(n == name for n, _ in bucket):
+            core.load_weights(bucket)
+            bucket = []
+        bucket.append((name, t))
+    core.load_weights(bucket)
+    core.end_load()
+
+
+def _pieces(state, elements):
+    """Every tensor as runs of at most ``elements`` elements, in order (a small bucket's pieces)."""
+    out = []
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        for off in range(0, flat.numel(), elements):
+            out.append((name, Piece(data=flat[off:off + elements], shape=tuple(t.shape), offset=off)))
+    return out
+
+
+def test_after_a_digest_the_next_loads_are_summed_as_written_and_equal_the_trainers(config, fresh_passes):
+    core = _core(config)
+    states = [_state(config, s) for s in (0, 1, 2)]
+    _load(core, list(states[0].items()))
+    assert core.digest() == expected_digest(states[0], config, torch.float32)
+    assert len(fresh_passes) == 1  # nothing asked before the first load: one pass after it
+    _load(core, list(states[1].items()))
+    assert core.digest() == expected_digest(states[1], config, torch.float32)
+    # in pieces that cross tensors' ends, the sums of each whole block once its last piece is in
+    _load(core, _pieces(states[2], 777))
+    assert core.digest() == expected_digest(states[2], config, torch.float32)
+    assert len(fresh_passes) == 1, "a summed load's digest made a second pass over the weights"
+
+
+def test_the_sums_are_of_what_the_engine_wrote_so_a_bit_flipped_on_the_way_is_caught(config, fresh_passes):
+    core = _core(config)
+    state = _state(config, 0)
+    _load(core, list(state.items()))
+    want = core.digest()
+    bad = {k: v.clone() for k, v in state.items()}
+    name = "model.layers.1.mlp.down_proj.weight"
+    bad[name].view(torch.int32).reshape(-1)[5] ^= 1 << 3  # one bit of one element
+    _load(core, list(bad.items()))
+    got = core.digest()
+    assert got != want and got == expected_digest(bad, config, torch.float32)
+    assert len(fresh_passes) == 1
+
+
+def test_the_same_views_loaded_again_with_new_bytes_are_summed_anew(config, fresh_passes, monkeypatch):
+    """A kept staging buffer hands over the same views every sync (the engine's batch memo
+    writes them without checking again): the sums must be of the new bytes."""
+    core = _core(config)
+    memo_loads = []
+    real = model_mod._BatchMemo.load
+    monkeypatch.setattr(model_mod._BatchMemo, "load", lambda self, *a: memo_loads.append(1) or real(self, *a))
+    states = [_state(config, s) for s in (0, 1, 2)]
+    flat = torch.empty(sum(t.numel() for t in states[0].values()))
+    views, off = [], 0
+    for name, t in states[0].items():
+        views.append((name, flat[off:off + t.numel()].view(t.shape)))
+        off += t.numel()
+    for state in states:
+        for name, v in views:
+            v.copy_(state[name])
+        _load(core, views)
+        assert core.digest() == expected_digest(state, config, torch.float32)
+    assert len(memo_loads) == 2  # the last two loads went through the memo
+    assert len(fresh_passes) == 1
+
+
+def test_no_digest_asked_no_sums_and_weights_that_changed_are_read_again(config, fresh_passes, monkeypatch):
+    core = _core(config)
+    state = _state(config, 0)
+    summed = []
+    real = model_mod.hash_many
+    monkeypatch.setattr(model_mod, "hash_many", lambda named: summed.append(len(named)) or real(named))
+    _load(core, list(state.items()))
+    _load(core, list(state.items()))
+    assert summed == [], "a load summed its blocks though no digest was asked for"
+    want = expected_digest(state, config, torch.float32)
+    assert core.digest() == want and len(fresh_passes) == 1
+    _load(core, list(state.items()))
+    assert sum(summed) == len(state)
+    # released and woken, the weights are garbage until a load: the sums no longer stand for them
+    core.release(["weights"])
+    core.resume(["weights"])
+    with torch.no_grad():
+        core.model._params["model.norm.weight"].fill_(3.0)
+    assert core.digest() != want and len(fresh_passes) == 2
+    # a load that fails (a name left out) leaves no sums behind either
+    core.begin_load()
+    core.load_weights([(n, t) for n, t in state.items() if n != "model.norm.weight"])
+    with pytest.raises(Exception, match="model.norm.weight"):
+        core.end_load()
+    assert core.digest() != want and len(fresh_passes) == 3
+    _load(core, list(state.items()))
+    assert core.digest() == want and len(fresh_passes) == 3
