@@ -273,7 +273,7 @@ class DemoRun:
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
                                    phase_deadline_s=cfg.phase_deadline_s,
-                                   deadlines=self.fault.deadlines() if self.fault else {}, verify=cfg.verify),
+                                   verify=cfg.verify),
             trace=trace, verify=verify, probe=probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
                         "mem_fraction_static": cfg.mem_fraction_static,

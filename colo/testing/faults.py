@@ -10,9 +10,8 @@ named phase really fails the way it would in production:
   holds half-updated weights when it dies.
 - ``raise`` — the phase's callee raises; in ``sync`` the receiver's load of the
   second bucket raises, after the first bucket was loaded into the engine.
-- ``deadline`` — the phase's callee hangs; the phase's own deadline (set short
-  through ``SchedulerConfig(deadlines=...)``, see :meth:`Fault.deadlines`)
-  cancels it.
+- ``deadline`` — the phase's callee hangs; the phase's own deadline, set short
+  (``Fault.deadline_s``) for the faulted occurrence of the phase only, cancels it.
 - ``oom`` — something else takes every free byte of the device as the phase
   starts (the ledger's resident R grows, as a fragmented allocator cache or a
   neighbour process would make it), so the phase's first allocation raises
@@ -29,6 +28,7 @@ afterwards, so the run can recover and continue.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,8 +67,8 @@ class Fault:
     phase: str
     #: inject at the first occurrence of ``phase`` at this step or later
     step: int = 0
-    #: the faulted phase's deadline (``deadline`` faults only): short, but long
-    #: enough for every normal occurrence of that phase in the run
+    #: the faulted phase's deadline (``deadline`` faults only), in force for the faulted
+    #: occurrence of the phase alone (see :meth:`FaultInjector.entered`)
     deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -96,10 +96,6 @@ class Fault:
     def __str__(self) -> str:
         return f"{self.kind}@{self.phase}"
 
-    def deadlines(self) -> dict[str, float]:
-        """Per-phase deadline overrides for ``SchedulerConfig``."""
-        return {self.phase: float(self.deadline_s)} if self.kind == "deadline" else {}
-
 
 class FaultInjector:
     """Wraps a run's trainer and engine; fires ``fault`` once, in its phase.
@@ -119,6 +115,8 @@ class FaultInjector:
         self._sync_loads = 0
         self._squat = 0
         self._engine: Any = None
+        #: the scheduler's config before a ``deadline`` fault shortened the faulted phase's
+        self._config: Any = None
 
     # -- wiring ------------------------------------------------------------------
     def wrap_engine(self, engine: Any) -> Any:
@@ -142,6 +140,14 @@ class FaultInjector:
         if phase.value != self.fault.phase:
             return
         self._sync_loads = 0
+        if self.fault.kind == "deadline" and self._armed():
+            # The short deadline is for this occurrence of the phase alone (the scheduler
+            # reads it after this hook): set for the whole run, it failed the recovery's
+            # and the next cycle's normal phases on a busy machine, where a real rollout
+            # or sync takes longer than a deadline meant to fire at once.
+            self._config = self._sched.config
+            self._sched.config = dataclasses.replace(
+                self._config, deadlines={**self._config.deadlines, phase.value: float(self.fault.deadline_s)})
         if self.fault.kind == "oom" and self._armed():
             mem = self._sched.memory
             # a neighbour takes every free byte: the phase's first allocation fails
@@ -150,6 +156,8 @@ class FaultInjector:
             self._fire()
 
     def failed(self, phase: Phase, step: int) -> None:
+        if self._config is not None:
+            self._sched.config, self._config = self._config, None
         if self._squat:
             self._sched.memory.reserved_bytes -= self._squat
             self._squat = 0
