@@ -40,7 +40,10 @@ from colo.core.errors import HandleError
 from colo.proc.owner import TRIES, Swept, create_locked
 
 SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^colo-[0-9]+-[0-9a-f]{32}$")
+#: ``colo-<pid>-l<32 hex>``: the ``l`` says that its maker holds a lock on it for as long as
+#: it lives (colo.proc.owner), which older colos' ``colo-<pid>-<32 hex>`` did not; they are
+#: still opened (and swept) by that name
+_SHM_NAME = re.compile(r"^colo-[0-9]+-l?[0-9a-f]{32}$")
 
 #: name -> path of every segment this process made and has not unlinked yet
 _MADE: dict[str, str] = {}
@@ -105,7 +108,7 @@ class ShmSegment:
     def create(cls, nbytes: int) -> ShmSegment:
         for _ in range(TRIES):
             try:
-                return cls(f"colo-{os.getpid()}-{uuid.uuid4().hex}", nbytes, create=True)
+                return cls(f"colo-{os.getpid()}-l{uuid.uuid4().hex}", nbytes, create=True)
             except Swept:
                 continue  # a sweeper took the new file before its lock: another name
         raise HandleError(f"no shared-memory segment could be made: {TRIES} new ones were swept as they were made")

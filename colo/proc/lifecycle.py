@@ -59,8 +59,8 @@ _SHORT_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 #: ``tempfile.mkdtemp(prefix=f"colo-<kind>-{pid}-")``: mkdtemp adds 8 of [a-z0-9_]
 _DIR_NAME = re.compile(r"^colo-(?:demo|engine|rank|ckpt|ray)-([0-9]+)-[a-z0-9_]{8}$")
-#: :meth:`colo.proc.handles.ShmSegment.create`'s names
-_SHM_NAME = re.compile(r"^colo-([0-9]+)-[0-9a-f]{32}$")
+#: :meth:`colo.proc.handles.ShmSegment.create`'s names; group 2, ``l``: its maker locked it
+_SHM_NAME = re.compile(r"^colo-([0-9]+)-(l?)[0-9a-f]{32}$")
 #: inside each dir :func:`make_dir` made: its owner holds a shared lock on it while the dir lives
 LOCK_NAME = "colo.lock"
 #: the dirs this process made, and the descriptor holding each one's lock
@@ -266,11 +266,15 @@ def _kill_if_still_in(pid: int, root: str) -> bool:
         os.close(fd)
 
 
-def _sweep_segment(path: str, pid: int) -> bool:
-    """Remove a segment whose lock nobody holds and whose named pid is not its maker here."""
+def _sweep_segment(path: str, pid: int, locked: bool) -> bool:
+    """Remove a segment whose lock nobody holds: its maker, who locked it as it made it
+    (``locked``, its name says so), has ended. An older colo locked no segment, so one of
+    its segments is left while its named pid may be its maker (:func:`_may_have_made`); a
+    segment of ours needs no such guess, which compares two clocks and a second's slack
+    (CI once kept a dead owner's segment so, its pid handed to a process that started
+    1.5 s later)."""
     with unowned(path) as st:
-        # an older colo locked no segment: while its maker may live, leave the segment
-        if st is None or _may_have_made(pid, st.st_ctime):
+        if st is None or not locked and _may_have_made(pid, st.st_ctime):
             return False
         try:
             os.unlink(path)
@@ -305,7 +309,7 @@ def sweep(dirs: tuple[str, ...] | None = None) -> list[str]:
     for name in names:
         m = _SHM_NAME.match(name)
         path = os.path.join(SHM_DIR, name)
-        if m and _sweep_segment(path, int(m.group(1))):
+        if m and _sweep_segment(path, int(m.group(1)), locked=m.group(2) == "l"):
             removed.append(path)
     return removed
 
