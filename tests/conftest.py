@@ -3,7 +3,7 @@
 import pytest
 
 from colo.engine.client import EngineClient
-from colo.proc.handles import leftover_segments
+from tests.leaks import begin_test, new_segments
 from colo.trainers.models import demo_config
 
 #: a model small enough that an engine process starts in a few seconds
@@ -44,9 +44,16 @@ async def small_engine(tmp_path):
 
 @pytest.fixture
 def no_leftover_segments():
-    """Fail a test that leaves one of our /dev/shm segments behind."""
+    """Fail a test that leaves one of our /dev/shm segments behind (one it made: see tests/leaks.py)."""
     yield
-    assert leftover_segments() == []
+    assert new_segments() == []
+
+
+@pytest.fixture(autouse=True)
+def _mark_what_this_process_held():
+    """Every test's counts of this process's segments are against its own beginning (tests/leaks.py)."""
+    begin_test()
+    yield
 
 
 def pytest_collection_modifyitems(config, items):

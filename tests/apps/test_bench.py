@@ -10,8 +10,8 @@ import torch
 import colo.apps.bench as bench
 from colo.core.buckets import plan_buckets
 from colo.cli import main
-from colo.proc.handles import leftover_segments
 from colo.trainers.models import demo_config
+from tests.leaks import new_segments
 
 TINY = bench.BenchModel(name="tiny", description="a test-sized Qwen2",
                         config=dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -59,7 +59,7 @@ def test_bench_reports_every_transport_with_measured_values(tmp_path, monkeypatc
     assert max(b.payload_bytes for b in buckets) <= rows["ipc"]["peak_staging_bytes"] <= pairs
     printed = capsys.readouterr().out
     assert bench.table(result) in printed and "| tiny (" in printed
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 @pytest.mark.parametrize("argv,msg", [

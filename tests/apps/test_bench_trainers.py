@@ -13,10 +13,10 @@ from colo.cli import main
 from colo.core.buckets import plan_buckets
 from colo.digest import expected_weights_digest
 from colo.engine.weights import expected_hf_specs
-from colo.proc.handles import leftover_segments
 from colo.trainers.models import build_trainer_model, demo_config
 
 from tests.apps.test_bench import TINY
+from tests.leaks import new_segments
 
 
 def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_path, monkeypatch, capsys):
@@ -79,7 +79,7 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
         assert row["trainer_rates"] == {}
     printed = capsys.readouterr().out
     assert "| tiny | megatron | sync-first |" in printed and "| tiny | fsdp | sync-first |" in printed
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 @pytest.mark.parametrize("value,msg", [

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from colo.apps.demo import DemoConfig, run
-from colo.proc.handles import leftover_segments
 from colo.core.invariants import InvariantChecker
 from colo.trace.writer import read_trace
+from tests.leaks import new_segments
 
 SMALL = dict(steps=2, batch=8, new_tokens=8)
 
@@ -36,7 +36,7 @@ async def test_each_plan_completes_with_verified_syncs(plan, tmp_path):
     rollouts = [e for e in events if e["event"] == "rollout.finished"]
     assert len(rollouts) == 2 and all(0.0 <= r["reward"] <= 1.0 and r["tokens"] == 8 * 8 for r in rollouts)
     assert max(e["mem"]["by_tag"]["staging"] for e in events if "mem" in e) <= 2 * int(0.5 * (1 << 20))
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 # The documented size: at mem_fraction_static 0.84 the KV pool fills the
@@ -54,7 +54,7 @@ async def test_single_stage_runs_out_of_memory_where_the_others_fit(plan, fits, 
         failed = [e for e in events if e["event"] == "phase.failed"]
         assert [(e["phase"], e["error_type"], e["oom_tag"]) for e in failed] == [("sync", "OutOfMemory", "staging")]
         assert "out of memory in phase sync: staging asks" in failed[0]["error"]
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 def test_cli_demo_exits_zero_prints_table_and_writes_trace(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 
 from colo.proc.handles import SHM_DIR
 
+from tests.waits import CEILING_S
 from tests.proc.test_lifecycle import REPO, _gone
 
 
@@ -110,12 +111,12 @@ def _ours(tmp: Path) -> list[str]:
 
 def _assert_nothing_left(proc: subprocess.Popen, children: list, tmp: Path) -> None:
     pids = [proc.pid, *(c.pid for c in children)]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + CEILING_S
     while time.monotonic() < deadline:
         if all(_gone(c) for c in children) and not _ours(tmp) and not _segments(pids):
             break
         time.sleep(0.1)
-    assert [c.pid for c in children if not _gone(c)] == [], "processes of the run alive 10 s after it ended"
+    assert [c.pid for c in children if not _gone(c)] == [], f"processes of the run alive {CEILING_S:.0f} s after it ended"
     assert _ours(tmp) == [], "work dirs of the run left behind"
     assert _segments(pids) == [], "shared-memory segments of the run left behind"
 
@@ -244,21 +245,22 @@ def test_a_rank_worker_killed_or_stopped_mid_sync_fails_the_run_naming_it_and_le
     """``--gpus 2``: rank 1's worker is SIGKILLed, or SIGSTOPped, while it holds its staging
     segments in a sync. The run fails, not hangs: exit 1, one FAILED line naming rank 1, no
     traceback, the sync's ``phase.failed`` naming the rank in every rank's trace (the engines
-    stale from there: the replay checker holds the trace to it), and well before the phase
-    deadline (a stopped worker is seen by its state, in seconds). Within 10 s of the driver's
-    exit nothing the run made is left: not the worker's segments (its engine rank, orphaned,
+    stale from there: the replay checker holds the trace to it), by the worker's state, not
+    by the phase deadline (a stopped worker is seen by its state). Once the driver has
+    exited nothing the run made is left: not the worker's segments (its engine rank, orphaned,
     sweeps them), not any dir, not any process (a stopped worker runs no shutdown of its
     own: the driver kills it)."""
-    proc, trace, _ = _start_demo_mid_sync(short_tmp, "sync-started", "--gpus", "2", "--phase-deadline", "60")
+    # a phase deadline far beyond the ceiling below: a failure by the worker's state is the
+    # only way this run can end in time
+    proc, trace, _ = _start_demo_mid_sync(short_tmp, "sync-started", "--gpus", "2", "--phase-deadline", "3600")
     workers = _workers(proc)
     assert sorted(workers) == [0, 1], [c.cmdline() for c in psutil.Process(proc.pid).children()]
     victim = workers[1]
     children = psutil.Process(proc.pid).children(recursive=True)
     held = _when_it_has_segments(victim.pid)
-    t0 = time.monotonic()
     victim.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
     try:
-        code = proc.wait(120)
+        code = proc.wait(CEILING_S)
     finally:
         if how == "sigstop" and not _gone(victim):
             victim.send_signal(signal.SIGCONT)
@@ -266,14 +268,13 @@ def test_a_rank_worker_killed_or_stopped_mid_sync_fails_the_run_naming_it_and_le
             for p in (*children, psutil.Process(proc.pid)):
                 if not _gone(p):
                     p.kill()
-    took = time.monotonic() - t0
     err = (short_tmp / "stderr").read_text(errors="replace")
     out = (short_tmp / "stdout").read_text(errors="replace")
     assert code == 1, (code, err[-3000:])  # a failed run, not an interrupted one
-    assert took < 50, f"the run took {took:.0f} s to fail: the phase deadline (60 s), not the worker's state"
     assert "Traceback" not in err + out, err[-3000:]
     failed = [ln for ln in (err + out).splitlines() if "FAILED" in ln]
     assert len(failed) == 1 and "FAILED in phase sync" in failed[0] and "rank 1" in failed[0], (failed, err[-2000:])
+    assert "deadline" not in failed[0], failed[0]
     if how == "sigstop":
         # found by its state (the driver's heartbeat reads /proc/<pid>/stat while a request
         # waits), then killed: not the phase deadline

@@ -26,6 +26,7 @@ from colo.trainers.models import build_trainer_model, demo_config
 from colo.trace.writer import TraceWriter, read_trace
 from colo.trainers.hf import ReferenceTrainer
 from tests.conftest import fixed_batch as shared_fixed_batch
+from tests.waits import CEILING_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,7 +129,7 @@ def test_no_lock_file_is_left_after_sigkill_and_the_next_run_is_not_blocked(tmp_
     path = tmp_path / "run.jsonl"
     code = ("import sys, time\nfrom colo.trace.writer import TraceWriter\n"
             f"w = TraceWriter({str(path)!r}); w.start(device={{}}, config={{}})\n"
-            "print('started', flush=True); time.sleep(60)\n")
+            "print('started', flush=True); time.sleep(3600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -136,7 +137,7 @@ def test_no_lock_file_is_left_after_sigkill_and_the_next_run_is_not_blocked(tmp_
         with pytest.raises(UsageError, match=rf"being written by another run \(pid {proc.pid}\)"):
             _start(path)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        proc.wait(CEILING_S)
     finally:
         proc.kill()
         proc.wait()
@@ -369,7 +370,6 @@ def test_a_trace_disk_that_fills_mid_run_stops_it_naming_the_trace_the_step_and_
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_a_trace_disk_full_from_the_start_is_said_before_anything_starts(gpus, tmp_path, monkeypatch, capsys):
     """Before: noticed only after the engine's start-up (7 s; 14 s with 2 ranks)."""
-    import time
 
     from colo.apps.demo_multi import MultiDemoRun
     from colo.cli import main
@@ -388,13 +388,10 @@ def test_a_trace_disk_full_from_the_start_is_said_before_anything_starts(gpus, t
     monkeypatch.setattr(MultiDemoRun, "_spawn_workers", record("workers"))
     with small_disk(tmp_path / "disk", size_kib=64) as disk:
         trace = disk / "run.jsonl"
-        t0 = time.monotonic()
         rc = main(["demo", "--quiet", "--gpus", str(gpus), "--trace", str(trace)])
-        elapsed = time.monotonic() - t0
         out, err = capsys.readouterr()
         assert rc == 1 and "Traceback" not in out + err
         assert (f"FAILED in phase start: TraceUnwritable: cannot write the trace {rank_path(trace, 0, gpus)}: "
                 "No space left on device (checked before the run's start-up: a trace needs room for 64 KiB") in out
-        assert started == []
-        assert elapsed < 5, elapsed  # no start-up at all: the engine's alone took 7 s
+        assert started == []  # no start-up at all: not the trainer, not a worker
         assert sorted(os.listdir(disk)) == ["filler"]

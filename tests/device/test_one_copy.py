@@ -20,12 +20,12 @@ from colo.core.memory import StagingBudget
 from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.device.flat_weights import FlatWeights
-from colo.proc.handles import leftover_segments
 from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import CountingExtractor, FlatTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.packed import PackedTransport
 from tests.conftest import SMALL_CFG, small_engine_build
+from tests.leaks import new_segments
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -76,7 +76,7 @@ def test_flat_weights_hold_the_parameters_as_aligned_views_that_an_optimizer_upd
         assert all(torch.equal(p.detach(), want[n]) for n, p in trainer.model.named_parameters())
     finally:
         flat.close()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 # -- syncs through a real engine process ------------------------------------------------
@@ -126,7 +126,7 @@ async def test_sync_first_from_flat_weights_is_one_request_with_nothing_staged(c
     finally:
         await transport.aclose()
         trainer.flat_weights.close()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 @on_cpu_engine
@@ -164,7 +164,7 @@ async def test_a_conversion_falls_back_to_packing_and_a_paused_buffer_is_still_r
     finally:
         await transport.aclose()
         trainer.flat_weights.close()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 @on_cpu_engine
@@ -285,7 +285,7 @@ def test_flat_weights_refuse_bad_input():
         PackedTransport(one_copy="yes")
     with pytest.raises(ValueError, match="share_host must be a bool, got 'yes'"):
         FlatWeights({"w": ((2,), torch.float32)}, device="cpu", share_host="yes")
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_cannot_hold(monkeypatch):
@@ -312,17 +312,17 @@ def test_a_pinned_shared_segment_opens_by_its_handle_and_refuses_what_dev_shm_ca
             open_handle({**handle, "name": "../etc/passwd"})
     finally:
         mine.close()
-    assert leftover_segments() == []
+    assert new_segments() == []
     # one let go of without close() takes its file with it (its pages would stay in RAM)
     dropped = PinnedShm(ShmSegment.create(4096), register=False)
-    assert len(leftover_segments()) == 1
+    assert len(new_segments()) == 1
     del dropped
-    assert leftover_segments() == []
+    assert new_segments() == []
     # a /dev/shm too small for the backup is said before a page is touched (a SIGBUS otherwise)
     monkeypatch.setattr(colo.device.cuda_ipc, "shm_room", lambda: 1 << 20)
     with pytest.raises(HandleError, match=r"/dev/shm has 1048576 B free, 2097152 B needed"):
         PinnedShm.create(2 << 20)
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 # -- on a GPU -----------------------------------------------------------------------------
@@ -459,7 +459,7 @@ async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_
         await transport.aclose()
         assert not mapped_by(client.process.pid, seg["name"])
         flat.close()
-        assert leftover_segments() == []
+        assert new_segments() == []
     finally:
         await transport.aclose()
         await client.aclose()
@@ -501,4 +501,4 @@ async def test_a_private_pinned_backup_is_packed_through_device_staging_and_arri
         await transport.aclose()
         await client.aclose()
         flat.close()
-    assert leftover_segments() == []
+    assert new_segments() == []

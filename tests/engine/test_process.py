@@ -12,11 +12,12 @@ from colo.core.buckets import plan_buckets
 from colo.proc.channel import ChannelError, answer, recv_frame, send_frame
 from colo.engine.client import EngineError
 from colo.engine.weights import expected_digest
-from colo.proc.handles import HandleError, ShmSegment, leftover_segments, open_handle
+from colo.proc.handles import HandleError, ShmSegment, open_handle
 from colo.trainers.models import build_trainer_model
 from colo.transports.base import TensorMeta
 from colo.transports.pack import pack_into
 from colo.transports.packed import PackedRequest
+from tests.leaks import new_segments
 
 @pytest.fixture
 def engine(small_engine):
@@ -115,7 +116,7 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
         await client.end_load()
     finally:
         seg.close()
-    assert leftover_segments() == []
+    assert new_segments() == []
     # the contract digest is in the order of the spec list the engine accepted
     assert await client.digest() == expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
     # the diagnostic beside it: each of the engine's own parameters' entries, over the socket

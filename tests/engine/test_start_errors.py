@@ -6,7 +6,6 @@ read) and answers the client's hello with the reason; the client raises
 process exited with code 1 while starting"."""
 
 import os
-import time
 
 import pytest
 
@@ -15,11 +14,6 @@ from colo.engine.client import EngineClient
 from colo.trainers.models import demo_config
 
 from tests.conftest import SMALL_CFG
-
-#: a refusal comes before any building; a start that fails spawns, imports torch and dies:
-#: seconds each, minutes only on a machine far busier than a loaded 2-core one
-BOUND_S = 60.0
-
 
 def _build(tmp_path, **config_overrides):
     config = demo_config(**SMALL_CFG).to_dict()
@@ -61,10 +55,10 @@ async def test_a_malformed_build_is_refused_by_the_engine_naming_the_reason(tmp_
     build.update(change.get("build", {}))
     if "drop" in change:
         del build["config"][change["drop"]]
-    t0 = time.monotonic()
+    # the refusal is the engine's own answer, not the start-up's timeout (that would be
+    # EngineDied: no hello within start_timeout_s), however long the machine took to get there
     with pytest.raises(EngineRefused) as ei:
         await EngineClient.spawn(build, start_timeout_s=120)
-    assert time.monotonic() - t0 < BOUND_S
     assert str(ei.value).startswith("engine refused its build: ")
     assert reason in str(ei.value)
     assert "\n" not in str(ei.value)
@@ -90,10 +84,8 @@ async def test_a_start_that_fails_at_run_time_is_engine_died_naming_the_cause_ex
     ckpt.mkdir()
     build = _build(tmp_path)
     build["checkpoint"] = str(ckpt)
-    t0 = time.monotonic()
     with pytest.raises(EngineDied) as ei:
         await EngineClient.spawn(build, start_timeout_s=120)
-    assert time.monotonic() - t0 < BOUND_S
     assert not isinstance(ei.value, EngineRefused)
     assert str(ei.value).startswith("engine failed while starting: IncompleteCheckpoint: ")
     assert str(ckpt) in str(ei.value)

@@ -20,12 +20,12 @@ from colo.core.errors import WeightMismatch
 from colo.engine.dims import Dims
 from colo.engine.weights import expected_digest, expected_hf_specs
 from colo.extractors.plain import PlainExtractor
-from colo.proc.handles import leftover_segments
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.trainers.hf import ReferenceTrainer
 from colo.transports import make_transport
 from tests.conftest import SMALL_CFG
+from tests.leaks import new_segments
 
 MiB = 1 << 20
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -243,4 +243,4 @@ async def test_a_packed_sync_into_a_spawned_engine_loads_the_tied_model(config, 
     finally:
         await transport.aclose()
         await client.aclose()
-    assert leftover_segments() == []
+    assert new_segments() == []

@@ -24,12 +24,13 @@ from colo.engine.core import EngineCore
 from colo.engine.tp import expected_shard_digest
 from colo.core.errors import EngineDied, EngineRefused
 from colo.groups import EngineGroup
-from colo.proc.handles import ShmSegment, leftover_segments
+from colo.proc.handles import ShmSegment
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.base import TensorMeta
 from colo.transports.pack import pack_into
 from colo.transports.packed import PackedRequest
 from tests.conftest import SMALL_CFG
+from tests.leaks import new_segments
 
 TP = 2
 TOTAL, MFS = 64 << 20, 0.5
@@ -83,8 +84,14 @@ def socket_dirs(root: str) -> list[str]:
     return [d for d in os.listdir(root) if d.startswith("colo-engine-")]
 
 
-def engine_children() -> list:
-    return [p for p in mp.active_children() if p.name == "colo-engine"]
+def engine_children(before: frozenset[int] = frozenset()) -> list:
+    """This process's engine children, but those in ``before`` (alive when the test began:
+    an earlier test's, not this one's to count)."""
+    return [p for p in mp.active_children() if p.name == "colo-engine" and p.pid not in before]
+
+
+def engines_now() -> frozenset[int]:
+    return frozenset(p.pid for p in engine_children())
 
 
 async def load_full_buckets(group: EngineGroup, state: dict[str, torch.Tensor]) -> list[dict]:
@@ -118,6 +125,7 @@ async def test_two_engine_processes_serve_one_tp_engine(short_tmp, tmp_path):
              "mem_fraction_static": MFS, "checkpoint": None, "log_path": str(tmp_path / "engine.log")}
     task = GreedyTask(config.vocab_size)
     state = trainer_state(config)
+    before = engines_now()
     clients = await EngineClient.spawn_tp(build, TP, task=task)
     group = EngineGroup(clients)
     try:
@@ -131,7 +139,7 @@ async def test_two_engine_processes_serve_one_tp_engine(short_tmp, tmp_path):
         assert all(r[0]["tensors"] == r[1]["tensors"] for r in replies)
         assert any(r[0]["tensors"] == 0 for r in replies)
         assert sum(r[0]["tensors"] for r in replies) == len(state)
-        assert leftover_segments() == []
+        assert new_segments() == []
         digests = await group.each("digest")
         for r in range(TP):
             assert digests[r] == expected_shard_digest(state, config, torch.float32, r, TP)
@@ -162,7 +170,7 @@ async def test_two_engine_processes_serve_one_tp_engine(short_tmp, tmp_path):
     assert all(c.process.exitcode is not None for c in clients)
     assert not any(os.path.exists(c._sockdir) for c in clients)
     assert socket_dirs(short_tmp) == []
-    assert engine_children() == []
+    assert engine_children(before) == []
     # each rank logged to its own file
     assert all((tmp_path / f"engine.log.rank{r}").exists() for r in range(TP))
 
@@ -172,10 +180,11 @@ async def test_a_rank_that_fails_to_start_takes_every_rank_down(short_tmp):
     build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": TOTAL,
              "mem_fraction_static": MFS, "checkpoint": None}
     # rank 1's interpreter cannot start; rank 0 waits for it at the rendezvous until it is killed
+    before = engines_now()
     with pytest.raises(EngineDied, match="exited"):
         await EngineClient.spawn_tp(build, TP, envs=[None, {"PYTHONHOME": "/nonexistent-colo"}],
                                     start_timeout_s=60)
-    assert engine_children() == []
+    assert engine_children(before) == []
     assert socket_dirs(short_tmp) == []
 
 
@@ -185,7 +194,8 @@ async def test_a_tp_size_the_model_cannot_split_is_refused_on_every_rank(short_t
     build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": TOTAL,
              "mem_fraction_static": MFS, "checkpoint": None}
     # a build the engine refuses is bad input, said in the engine's own words (issue 32, item 5)
+    before = engines_now()
     with pytest.raises(EngineRefused, match="tensor-parallel size 3 does not divide num_attention_heads 4"):
         await EngineClient.spawn_tp(build, 3, start_timeout_s=60)
-    assert engine_children() == []
+    assert engine_children(before) == []
     assert socket_dirs(short_tmp) == []

@@ -124,6 +124,6 @@ def test_tune_on_the_gpu_recommends_a_fraction_that_completes_and_three_points_m
     assert over[-1]["event"] == "trace.finished"
     # nothing leaked: the run's processes are gone with their device memory
     assert free_bytes() >= before - 64 * MiB
-    from colo.proc.handles import leftover_segments
+    from tests.leaks import new_segments
 
-    assert leftover_segments() == []
+    assert new_segments() == []

@@ -7,7 +7,6 @@ import socket
 import stat
 import struct
 import tempfile
-import time
 
 import anyio
 import pytest
@@ -18,6 +17,7 @@ from colo.core.errors import EngineDied
 from colo.trainers.models import demo_config
 
 from tests.conftest import SMALL_CFG
+from tests.waits import CEILING_S
 
 
 def _build(tmp_path, **extra):
@@ -82,22 +82,20 @@ async def test_hostile_frames_are_answered_with_errors_and_the_engine_keeps_serv
 # -- item 4: a silent peer at start-up ------------------------------------------------
 
 async def test_a_silent_peer_never_blocks_the_rightful_client_and_is_dropped_at_its_deadline(tmp_path):
-    client = await EngineClient.spawn(_build(tmp_path, handshake_timeout_s=1.0))
+    client = await EngineClient.spawn(_build(tmp_path, handshake_timeout_s=5.0))
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await client._ch.aclose()
-        silent.settimeout(30)
+        silent.settimeout(CEILING_S)  # a hang guard: the engine drops it at its 5 s deadline
         silent.connect(client.socket_path)
         assert len(_recv_exact(silent, 32)) == 32  # challenged, and it never answers
-        with anyio.fail_after(20):  # before: the engine waited on the silent peer forever
+        with anyio.fail_after(CEILING_S):  # before: the engine waited on the silent peer forever
             await client.reconnect()
             assert (await client.call("hello"))["ok"] is True
         # once the engine is free again, the silent peer's deadline runs out
         await client._ch.aclose()
-        t0 = time.monotonic()
         assert silent.recv(1) == b""  # closed by the engine, no "OK"
-        assert time.monotonic() - t0 < 20
-        with anyio.fail_after(20):
+        with anyio.fail_after(CEILING_S):
             await client.reconnect()
             assert (await client.call("hello"))["ok"] is True
     finally:

@@ -22,6 +22,7 @@ from colo.engine.client import EngineClient
 from colo.core.errors import EngineDied
 from colo.trainers.models import demo_config
 
+from tests.waits import CEILING_S
 from tests.conftest import SMALL_CFG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,20 +82,20 @@ def _assert_engine_gone(ready: dict, children: list, tmp: Path) -> None:
     engine_pid, sockdir = ready["pid"], Path(ready["socket"]).parent
     assert engine_pid in [c.pid for c in children]
     assert sockdir.parent == tmp and sockdir.name.startswith("colo-engine-")
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + CEILING_S
     while time.monotonic() < deadline:
         if all(_gone(c) for c in children) and not sockdir.exists():
             break
         time.sleep(0.1)
     alive = [c.pid for c in children if not _gone(c)]
-    assert alive == [], f"children of the demo still alive 10 s after it died: {alive}"
+    assert alive == [], f"children of the demo still alive {CEILING_S:.0f} s after it died: {alive}"
     assert not sockdir.exists(), f"engine socket dir {sockdir} left behind"
 
 
 def test_sigkill_of_the_demo_ends_its_engine_and_removes_the_socket_dir(short_tmp):
     proc, _, ready, children = _start_demo_until_sync(short_tmp)
     os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait(10) == -signal.SIGKILL
+    assert proc.wait(CEILING_S) == -signal.SIGKILL
     _assert_engine_gone(ready, children, short_tmp)
 
 
@@ -203,9 +204,9 @@ def test_an_orphan_whose_main_thread_never_finishes_still_unlinks_its_segments(t
     child = psutil.Process(int(pid))
     assert os.path.exists(os.path.join(SHM_DIR, name))
     parent.kill()
-    parent.wait(10)
+    parent.wait(CEILING_S)
     try:
-        child.wait(ORPHAN_GRACE_S + 10)
+        child.wait(ORPHAN_GRACE_S + CEILING_S)
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail(f"the orphan did not end within {ORPHAN_GRACE_S + 10:g} s of its parent")
@@ -355,9 +356,9 @@ def _left_after_killing(parent: subprocess.Popen, orphan: int, path: str, holder
     """SIGKILL ``parent``, wait for its ``orphan`` to end; whether ``path`` outlived them
     (removed here either way, with any other ``holders`` the test made)."""
     parent.kill()
-    parent.wait(10)
+    parent.wait(CEILING_S)
     try:
-        psutil.Process(orphan).wait(30)
+        psutil.Process(orphan).wait(CEILING_S)
         return os.path.exists(path)
     finally:
         for h in holders:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.waits import CEILING_S
 from tests.apps.test_interrupt import _demo, _gone, _ours, _segments, _start_demo_mid_sync
 
 
@@ -28,9 +29,9 @@ def test_what_a_sigkill_left_behind_is_swept_by_the_next_demo(short_tmp):
     for c in children:
         c.kill()
     os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait(10) == -signal.SIGKILL
+    assert proc.wait(CEILING_S) == -signal.SIGKILL
     pids = [proc.pid, *(c.pid for c in children)]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + CEILING_S
     while time.monotonic() < deadline and not all(_gone(c) for c in children):
         time.sleep(0.1)
     assert [c.pid for c in children if not _gone(c)] == []
@@ -147,7 +148,7 @@ def _leftovers_of_a_killed_owner(tmp: Path) -> tuple[int, list[str]]:
         paths = json.loads(owner.stdout.readline())
     finally:
         owner.kill()
-        owner.wait(10)
+        owner.wait(CEILING_S)
     return owner.pid, paths
 
 

@@ -33,6 +33,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
 from tests.multirank import shared_run, two_rank_run  # noqa: E402
+from tests.waits import CEILING_S  # noqa: E402
 from colo.core.errors import RankDied, RankFailed  # noqa: E402
 from colo.offline.replay import replay  # noqa: E402
 
@@ -292,7 +293,7 @@ def test_a_rank_actor_sigkilled_mid_sync_fails_the_run_naming_it_and_leaves_noth
         (f,) = [e for e in events if e["event"] == "phase.failed"]
         assert (f["phase"], f["failed_rank"]) == ("sync", 1), f
     assert replay([str(t) for t in traces]).valid
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + CEILING_S
     while time.monotonic() < deadline:
         left = ([n for pid in pids.values() for n in _made_by(pid)], _live_actors(), _live_groups(),
                 [pid for pid in pids.values() if psutil.pid_exists(pid)

@@ -9,7 +9,6 @@ leaked) and that recovery restores the trainer's digest.
 
 import dataclasses
 import glob
-import gc
 import os
 import tempfile
 
@@ -33,6 +32,7 @@ from colo.scheduler import Scheduler
 from colo.trace.writer import TraceWriter, read_trace
 from colo.trainers.hf import ReferenceTrainer
 from colo.transports import make_transport
+from tests.leaks import new_fds, new_segments, open_fds
 
 CFG = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            intermediate_size=128, max_position_embeddings=64)
@@ -41,11 +41,6 @@ CAUSE = {"kill-engine": "EngineDied: engine process died (exit code -9) during "
          "deadline": "deadline of 0.5 s exceeded in ",
          "oom": "OutOfMemory: out of memory in phase ",
          "cancel": "cancelled"}
-
-
-def open_fds() -> int:
-    gc.collect()
-    return len(os.listdir("/proc/self/fd"))
 
 
 def engine_dirs() -> set[str]:
@@ -73,9 +68,10 @@ def engine_fds(pid: int) -> int:
 def no_leaks(warm_spawn, monkeypatch):
     """Open fds, engine socket dirs and /dev/shm segments are the same after the test.
 
-    Only what this test made is counted: segments named after this process or an
-    engine process the test spawned (``colo-<pid>-...``), not all of /dev/shm,
-    which other tests and runs on the machine share. Yields the engine pids."""
+    Only what this test made is counted: this process's segments and descriptors made
+    since the test began, segments named after an engine process the test spawned
+    (``colo-<pid>-...``), not all of /dev/shm, which other tests and runs on the machine
+    share. Yields the engine pids."""
     fds, dirs = open_fds(), engine_dirs()
     pids: list[int] = []
     real = EngineClient.spawn.__func__
@@ -88,11 +84,13 @@ def no_leaks(warm_spawn, monkeypatch):
     monkeypatch.setattr(EngineClient, "spawn", classmethod(spawn))
     yield pids
     assert pids  # the test did start an engine: its segments were looked for
-    for pid in (os.getpid(), *pids):
+    assert new_segments() == []
+    for pid in pids:
         assert leftover_segments(pid) == [], pid
-    # nothing this test made is left; another run's dirs may come and go meanwhile
+    # nothing this test made is left; another run's dirs may come and go meanwhile, and what
+    # an earlier test let go meanwhile is not this one's (tests/leaks.py)
     assert not engine_dirs() - dirs
-    assert open_fds() == fds
+    assert new_fds(fds) == {}
 
 
 # -- the fault itself: parsed, validated ------------------------------------------
@@ -207,7 +205,7 @@ async def fault_matrix(kind, tmp_path):
                     state = trainer.hf_state()
                     assert at_fault.keys() == state.keys() and all(
                         torch.equal(at_fault[k], state[k]) for k in state), where
-                    assert memory.staging_bytes == 0 and leftover_segments() == [], where
+                    assert memory.staging_bytes == 0 and new_segments() == [], where
                     old = engines[-1]
                     if kind == "kill-engine":
                         assert not old.process.is_alive()
@@ -226,7 +224,8 @@ async def fault_matrix(kind, tmp_path):
             finally:
                 await transport.aclose()
             assert replay([path]).valid, where
-            for pid in (os.getpid(), *(e.process.pid for e in engines)):
+            assert new_segments() == [], where
+            for pid in (e.process.pid for e in engines):
                 assert leftover_segments(pid) == [], (where, pid)
     finally:
         for e in engines:

@@ -209,7 +209,7 @@ async def test_demo_runs_with_the_megatron_trainer_and_every_sync_verifies(tmp_p
     import colo.apps.demo as demo
     from colo.core.invariants import InvariantChecker
     from colo.engine.weights import expected_digest
-    from colo.proc.handles import leftover_segments
+    from tests.leaks import new_segments
     from colo.trace.writer import read_trace
 
     built = []
@@ -238,7 +238,7 @@ async def test_demo_runs_with_the_megatron_trainer_and_every_sync_verifies(tmp_p
         # the engine's last digest is the trainer's final weights
         assert syncs[-1]["digest"] == expected_digest(trainer.hf_state(), demo_config(), torch.bfloat16)
         assert len(out.rewards) == 2 and all(0.0 <= r <= 1.0 for r in out.rewards)
-        assert leftover_segments() == []
+        assert new_segments() == []
     finally:
         for t in built:
             t.close()

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.proc.handles import leftover_segments
 from colo.trainers import build
 from colo.trainers.base import param_dtype_for
 from colo.trainers.models import demo_config
@@ -24,6 +23,7 @@ from colo.trainers.precision import MasterAdamW, cast_parameters
 from colo.transports.packed import PackedTransport
 from colo.testing.engines import RecordingEngine
 from tests.conftest import SMALL_CFG, fixed_batch, small_engine_build
+from tests.leaks import new_segments
 
 
 def test_master_adamw_steps_fp32_masters_exactly_as_torch_adamw_and_rounds_them_into_the_parameters():
@@ -145,7 +145,7 @@ async def test_every_trainer_keeps_bf16_parameters_fp32_masters_and_syncs_exactl
         await transport.aclose()
         trainer.close()
     assert not dist.is_initialized()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 class KeptBackup:
@@ -205,7 +205,7 @@ async def test_a_paused_one_rank_megatron_syncs_exactly_from_views_of_its_backup
         await transport.aclose()
         trainer.close()
     assert not dist.is_initialized()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 async def test_bf16_parameters_learn_like_fp32_ones_from_the_same_start():

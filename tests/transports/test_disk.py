@@ -10,12 +10,12 @@ import sys
 import textwrap
 
 import pytest
+
 import torch
 
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineClient
 from colo.engine.weights import expected_digest
-from colo.proc.handles import leftover_segments
 from colo.core.memory import MemoryLedger
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import Phase
@@ -28,6 +28,8 @@ from colo.transports.disk import (DiskInitInfo, DiskReceiver, DiskRequest, DiskT
                                   write_shard)
 
 from tests.conftest import SMALL_CFG as CFG
+from tests.waits import CEILING_S
+from tests.leaks import new_segments
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -82,7 +84,7 @@ async def test_a_failed_sync_leaves_no_checkpoint_and_a_finished_one_loads_back_
         assert fresh.weight_version == 0 and await fresh.digest() == digest
     finally:
         await fresh.aclose()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 KILLED_WRITER = textwrap.dedent("""
@@ -260,7 +262,7 @@ def test_a_killed_holders_checkpoint_dir_is_swept_and_a_live_holders_is_not(tmp_
             assert os.path.dirname(root) == tmp and os.path.basename(root).startswith("colo-ckpt-"), root
             assert os.path.isdir(root)
         killed.kill()  # no cleanup runs: the model-sized dir stays, as after a SIGKILL mid-sync
-        assert killed.wait(10) == -signal.SIGKILL
+        assert killed.wait(CEILING_S) == -signal.SIGKILL
         assert os.path.isdir(dead_root)
         # the next run's sweep removes the dead holder's dir and nothing else of this test's
         # (what else it removes, dead owners' segments in /dev/shm, is other tests')
@@ -270,7 +272,7 @@ def test_a_killed_holders_checkpoint_dir_is_swept_and_a_live_holders_is_not(tmp_
     finally:
         for p in (killed, live):
             p.stdin.close()
-            p.wait(10)
+            p.wait(CEILING_S)
     # the live holder, ending normally, removed its own
     assert live.returncode == 0 and os.listdir(tmp) == []
 

@@ -19,7 +19,7 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.core import EngineCore
 from colo.engine.weights import expected_digest
-from colo.proc.handles import ShmSegment, leftover_segments
+from colo.proc.handles import ShmSegment
 from colo.testing.engines import ReceiverOnCore
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
@@ -27,6 +27,7 @@ from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import PADDED, UNPADDED, RequestError, TensorMeta, relayout
 from tests.sglang_wheel import load_file
+from tests.leaks import new_segments
 
 #: SGLang's tensor_bucket.py (its FlattenedTensorMetadata: name, shape: torch.Size, dtype:
 #: torch.dtype, start_idx, end_idx, numel) imports only dataclasses, typing and torch
@@ -248,7 +249,7 @@ async def test_a_packed_sync_in_either_layout_loads_the_trainers_weights(sglang,
             assert [json_from_sglang_meta(m) for m in empty.get_metadata()] == t
     else:
         assert max(gaps) > 0 and all(e["start_idx"] % 16 == 0 for e in entries)
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 def test_the_packed_sender_refuses_an_alignment_that_is_not_a_power_of_two():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+
 import torch
 
 from colo.core.buckets import plan_buckets, spec
@@ -24,7 +25,6 @@ from colo.engine.weights import expected_digest
 from colo.engine.tp import ShardPlan, TPLayout, write_slice, shard_state_from_hf
 from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor
-from colo.proc.handles import leftover_segments
 from colo.testing.engines import ReceiverOnCore
 from colo.testing.trainers import StateTrainer
 from colo.testing.transports import OneBufferPacked
@@ -36,6 +36,8 @@ from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver, PackedTransport
 from colo.transports.wire import TensorMeta, views
 from tests.conftest import SMALL_CFG
+from tests.waits import CEILING_S
+from tests.leaks import new_segments
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -89,7 +91,7 @@ async def test_every_transport_carries_tensors_larger_than_the_bucket_bit_exact(
     await transport.abort()
     await transport.aclose()
     assert budget.held_bytes == 0 and budget.peak_bytes <= BUCKET
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
@@ -136,7 +138,7 @@ def _late_sync(config, state, transport, receiver):
 
     async def after_the_next_pack(i):
         bucket = per_request[i]
-        with anyio.fail_after(10):
+        with anyio.fail_after(CEILING_S):
             while bucket < last and not any(r.stage == "pack" and r.bucket == bucket + 1 for r in ctx.stages):
                 await anyio.sleep(0.002)
         waited.append(bucket < last)
@@ -163,7 +165,7 @@ def test_an_engine_that_copies_late_still_gets_exact_weights(name):
                                                                                            IpcReceiver())
     core = _late_sync(config, state, transport, receiver)
     assert core.digest() == expected_digest(state, config, torch.float32)
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 def test_a_sender_that_reuses_its_buffer_before_the_ack_is_caught():
@@ -173,7 +175,7 @@ def test_a_sender_that_reuses_its_buffer_before_the_ack_is_caught():
     state = trainer_state(config, 5)
     core = _late_sync(config, state, OneBufferPacked(), PackedReceiver())
     assert core.digest() != expected_digest(state, config, torch.float32)
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 # -- one copy per run of back-to-back sources -------------------------------------------------

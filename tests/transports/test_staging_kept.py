@@ -18,11 +18,11 @@ import torch
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.weights import expected_digest
-from colo.proc.handles import leftover_segments
 from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model
 from colo.transports import make_transport
+from tests.leaks import new_segments
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -57,14 +57,14 @@ async def test_small_staging_is_kept_mapped_and_reused_only_after_every_ack(smal
             # in each sync's budget while it ran (both buffers), out of it at its end,
             # still allocated and the same segments
             assert BUCKET < budget.peak_bytes <= 2 * BUCKET and budget.held_bytes == 0
-            names = leftover_segments()
+            names = new_segments()
             assert len(names) == 2, names
             first = first or names
             assert names == first, "a kept buffer was reallocated"
         assert engine.calls == []  # the engine was never asked to let go of them
     finally:
         await transport.aclose()
-    assert leftover_segments() == []
+    assert new_segments() == []
     assert engine.calls == ["drop_handles"]  # aclose: the engine let go first, then they were freed
 
 
@@ -82,11 +82,11 @@ async def kept(small_engine):
 async def test_a_new_bucket_size_frees_the_kept_buffers_after_the_engine_lets_go(kept):
     client, config, engine, transport = kept
     await sync(transport, engine, state_of(config, 1), 1)
-    before = leftover_segments()
+    before = new_segments()
     state = state_of(config, 2)
     await sync(transport, engine, state, 2, bucket=2 * BUCKET)
     assert await client.digest() == expected_digest(state, config, torch.float32)
-    after = leftover_segments()
+    after = new_segments()
     assert engine.calls == ["drop_handles"] and len(after) == 2 and not set(after) & set(before)
 
 
@@ -99,7 +99,7 @@ async def test_staging_above_the_limit_or_on_the_cpu_by_default_is_freed_after_e
             state = state_of(config, version)
             await sync(transport, client, state, version)
             assert await client.digest() == expected_digest(state, config, torch.float32)
-            assert leftover_segments() == []
+            assert new_segments() == []
     finally:
         await transport.aclose()
 
@@ -182,23 +182,23 @@ async def test_kept_buffers_survive_a_refused_sync_and_abort_frees_them(kept):
     having let go first, and a later sync makes new ones."""
     client, config, engine, transport = kept
     await sync(transport, engine, state_of(config, 1), 1)
-    held = leftover_segments()
+    held = new_segments()
     assert len(held) == 2
     grown = state_of(config, 2)
     grown["lm_head.weight"] = torch.zeros(config.vocab_size + 1, config.hidden_size)
     with pytest.raises(Exception, match="wrong shape"):
         await sync(transport, engine, grown, 2)
-    assert leftover_segments() == held  # refused before a byte moved: the buffers stay
+    assert new_segments() == held  # refused before a byte moved: the buffers stay
     state = state_of(config, 3)
     await sync(transport, engine, state, 3)
     assert await client.digest() == expected_digest(state, config, torch.float32)
-    assert leftover_segments() == held and engine.calls == []
+    assert new_segments() == held and engine.calls == []
     await transport.abort()
-    assert leftover_segments() == [] and engine.calls == ["drop_handles"]
+    assert new_segments() == [] and engine.calls == ["drop_handles"]
     state = state_of(config, 4)
     await sync(transport, engine, state, 4)
     assert await client.digest() == expected_digest(state, config, torch.float32)
-    assert len(leftover_segments()) == 2 and not set(leftover_segments()) & set(held)
+    assert len(new_segments()) == 2 and not set(new_segments()) & set(held)
 
 
 async def test_a_new_engine_opens_the_kept_buffers_afresh(tmp_path):
@@ -216,14 +216,14 @@ async def test_a_new_engine_opens_the_kept_buffers_afresh(tmp_path):
     second = None
     try:
         await sync(transport, first, state_of(config, 1), 1)
-        kept = leftover_segments()
+        kept = new_segments()
         first.kill()
         await first.aclose()
         second = await EngineClient.spawn(build)
         state = state_of(config, 2)
         await sync(transport, second, state, 2)
         assert await second.digest() == expected_digest(state, config, torch.float32)
-        assert leftover_segments() == kept
+        assert new_segments() == kept
     finally:
         await transport.aclose()
         for engine in (first, second):

@@ -19,7 +19,7 @@ from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.engine.client import EngineError
 from colo.engine.weights import expected_digest
-from colo.proc.handles import ShmSegment, leftover_segments
+from colo.proc.handles import ShmSegment
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports import make_transport
@@ -27,6 +27,7 @@ from colo.transports.pack import pack_into
 from colo.transports.packed import PackedReceiver
 from colo.transports.wire import LayoutNotCached, RequestError, TensorMeta, layout_key
 from tests.conftest import SMALL_CFG
+from tests.leaks import new_segments
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -126,7 +127,7 @@ async def later_requests_name_their_layout_by_key(engine, client, config, name):
                 sorted((b, s) for b in range(result.buckets) for s in ("handoff", "load"))
     finally:
         await transport.aclose()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 async def an_engine_that_lost_the_layouts_gets_them_again(engine, client, config):
@@ -239,7 +240,7 @@ def test_a_changed_layout_replaces_the_cached_one_and_an_old_key_is_refused():
     finally:
         receiver.close()
         seg.close()
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 def test_a_layout_cache_miss_is_logged_as_a_miss_and_other_errors_as_failed_requests(monkeypatch):

@@ -15,7 +15,6 @@ from colo.apps.demo import DemoConfig, run
 from colo.engine.client import EngineError
 from colo.engine.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
-from colo.proc.handles import leftover_segments
 from colo.core.interfaces import SyncContext
 from colo.core.invariants import InvariantChecker
 from colo.core.memory import MemoryLedger, StagingBudget
@@ -26,6 +25,7 @@ from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter, read_trace
 from colo.transports import REGISTRY, get_strategy, make_transport
+from tests.leaks import new_segments
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
 DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
@@ -55,7 +55,7 @@ def demo_traces(tmp_path_factory):
         path = tmp_path_factory.mktemp(name) / "t.jsonl"
         res = anyio.run(lambda: run(DemoConfig(transport=name, trace=str(path), **DEMO), progress=False))
         assert res.error is None, f"{name}: {res.error}"
-        assert leftover_segments() == []
+        assert new_segments() == []
         out[name] = read_trace(path)
     return out
 
@@ -163,7 +163,7 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
         per_sync = len(state) if name == "ipc" else len(buckets)
         assert engine.loads == per_sync * (2 if again else 1), name
         assert await client.digest() == expected_digest(state, config, torch.float32), name
-        assert pool.held_bytes == 0 and pool.peak_bytes > 0 and leftover_segments() == []
+        assert pool.held_bytes == 0 and pool.peak_bytes > 0 and new_segments() == []
         stages = {(r.bucket, r.stage) for r in ctx.stages}
         assert stages == {(b.index, s) for b in buckets for s in ("gather", "pack", "handoff", "load")}
         if name == "broadcast":
@@ -173,7 +173,7 @@ async def test_each_transport_loads_the_trainers_weights_with_its_own_request_co
     # the engine builds receivers only for registered transports
     with pytest.raises(EngineError, match="unknown transport 'os:system'; expected one of packed, ipc"):
         await client.transport_load("os:system", {})
-    assert leftover_segments() == []
+    assert new_segments() == []
 
 
 # -- preflight through a real sync ------------------------------------------------
@@ -214,7 +214,7 @@ async def test_a_mismatched_trainer_fails_the_sync_phase_before_any_byte_for_eve
             assert all(m in msg for m in MISMATCHES), (name, msg)
             # the engine's weights are untouched, nothing was staged or written
             assert await client.digest() == before, name
-            assert memory.staging_bytes == 0 and list(root.iterdir()) == [] and leftover_segments() == []
+            assert memory.staging_bytes == 0 and list(root.iterdir()) == [] and new_segments() == []
     events = read_trace(tmp_path / "t.jsonl")
     failed = [e for e in events if e["event"] == "phase.failed"]
     assert [(e["phase"], e["error_type"]) for e in failed] == [("sync", "EngineError")] * 4
@@ -277,7 +277,7 @@ async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_
                     await sched.run_phase(phase)
                 with pytest.raises(RuntimeError, match="simulated trainer crash while gathering bucket 2"):
                     await sched.run_phase(Phase.SYNC)
-                assert memory.staging_bytes == 0 and leftover_segments() == []
+                assert memory.staging_bytes == 0 and new_segments() == []
                 if name == "broadcast":
                     assert transport._group is None  # the group a failure may have broken is gone
                 trainer.fail_at = None
@@ -290,7 +290,7 @@ async def test_a_failure_mid_sync_is_cleaned_up_and_the_recovery_sync_loads_the_
         checker = InvariantChecker()
         assert [str(v) for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
         assert [e["phase"] for e in events if e["event"] == "phase.failed"] == ["sync"]
-        assert leftover_segments() == []
+        assert new_segments() == []
     # disk: only the recovery's checkpoint exists
     assert sorted(p.name for p in root.iterdir()) == ["step-0"]
 
