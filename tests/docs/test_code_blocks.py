@@ -17,9 +17,12 @@ def test_the_readme_test_command_is_what_ci_runs():
     readme = (REPO / "README.md").read_text()
     assert ci_test_command() in readme.splitlines()
     assert ci_test_command() == "pip install torch==2.13.0 -e '.[dev]' && tools/test"
-    # and tools/test runs both halves: colo's suite, and tests/vllm in vLLM's own environment
+    # and tools/test runs all of it, one part after the other by default: colo's suite whole
+    # (everything but tests/vllm), then tests/vllm in vLLM's own environment
     script = (REPO / "tools" / "test").read_text()
-    assert "\npython -m pytest -q\n" in script and "tools/vllm-env python -m pytest -q tests/vllm" in script
+    assert "\ncolo_suite=(python -m pytest -q -p no:cacheprovider --ignore=tests/vllm)\n" in script
+    assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider tests/vllm)\n" in script
+    assert '\n"${colo_suite[@]}"\ncolo_status=$?\n' in script and '\n  "${vllm_suite[@]}"\n  vllm_status=$?\n' in script
 
 
 def test_the_docs_have_the_blocks_this_test_expects():
