@@ -15,8 +15,9 @@ __version__ = "0.1.0"
 
 #: public name -> "module:attribute"
 _API = {
-    # the scheduler and its configuration
+    # the scheduler and its configuration; from synchronous code, through an event loop of its own
     "Scheduler": "colo.scheduler:Scheduler",
+    "blocking": "colo.blocking:blocking",
     "SchedulerConfig": "colo.core.config:SchedulerConfig",
     "Phase": "colo.core.phases:Phase",
     "PLANS": "colo.core.phases:PLANS",

@@ -1,11 +1,19 @@
 """The phase scheduler on anyio.
 
-One call per phase, or one per cycle; the cycle reads like the phase list::
+Inside your own loop, two calls hand the GPU over; your rollout and your training step
+stay yours, and colo runs, checks and traces every phase between them::
 
     async with Scheduler(trainer, engine, memory, transport, plan="offload-first",
                          trace=TraceWriter("traces/run.jsonl")) as s:
+        await s.to_rollout()              # a stale engine is synced (and verified) first
         for _ in range(steps):
-            await s.cycle()
+            batch = my_rollout()          # the engine's KV cache is back, its weights current
+            await s.to_train()            # engine_release, trainer_onload
+            my_train_step(batch)          # the trainer's state is resident
+            await s.to_rollout()          # trainer_offload, engine_wake_weights, sync, engine_wake_kv
+
+Or colo's own loop, one call per cycle, the engine's ``generate`` and the trainer's
+``train_step`` doing the work in between (:meth:`Scheduler.cycle`).
 
 The trainer and the engine are groups of ranks (one GPU is the group of one,
 see :mod:`colo.groups`); each rank has its memory ledger, its transport and its
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -33,8 +42,8 @@ from colo.core.config import SchedulerConfig
 from colo.core.interfaces import PhaseHooks, RolloutResult, SyncContext, SyncResult
 from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-exported)
 from colo.core.memory import MemoryLedger
-from colo.core.phases import (EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, next_phase,
-                              trigger_for, validate_plan)
+from colo.core.phases import (CALLER_PHASES, EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers,
+                              handoff_path, next_phase, trigger_for, validate_plan)
 from colo.core.schema import RUN_ID_MAX
 from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline
 from colo.groups import EngineGroup, TrainerGroup, together
@@ -136,6 +145,9 @@ class Scheduler:
         self._run_config = run_config or {}
         self._clock = clock
         self._entered_rollout = False
+        #: the caller's phase now open (to_train/to_rollout entered it; the next call closes
+        #: it), and when it was entered
+        self._open: tuple[Phase, float] | None = None
         #: the work each phase does beyond its memory effects, written out
         self._work: dict[Phase, Callable[[], Awaitable[Any]]] = {
             Phase.ROLLOUT: self._rollout, Phase.TRAIN: self._train, Phase.SYNC: self._sync,
@@ -187,8 +199,12 @@ class Scheduler:
             self.checker.feed(started)
         return self
 
-    async def __aexit__(self, exc_type: Any, *exc: object) -> None:
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         with anyio.CancelScope(shield=True):
+            if self._open is not None:
+                # the caller's phase ends with the block: finished, or failed with what left
+                # it (the caller's rollout or step raised, was cancelled, was interrupted)
+                await self._close_open(exc)
             for trace in self.traces:
                 trace.finish()
         if exc_type is None:
@@ -232,9 +248,71 @@ class Scheduler:
 
     # -- the cycle -------------------------------------------------------------
     async def cycle(self) -> None:
-        """Run one cycle of the plan, starting at rollout."""
-        for phase in self.order:
-            await self.run_phase(phase)
+        """One cycle of the plan, from rollout to the KV cache's return, the engine's
+        ``generate`` and the trainer's ``train_step`` doing the work of rollout and train:
+        the walk :meth:`to_train` and :meth:`to_rollout` make, with colo's own work where
+        an embedded loop does its own."""
+        await self.run_phase(Phase.ROLLOUT)
+        await self._walk(self._handoff(Phase.TRAIN)[:-1])
+        await self.run_phase(Phase.TRAIN)
+        await self._walk(self._handoff(Phase.ROLLOUT)[:-1])
+
+    # -- the handoff inside the caller's loop ------------------------------------------
+    async def to_train(self, *, reward: float | None = None, tokens: int | None = None) -> None:
+        """Hand the GPU to the trainer: close the caller's rollout (with its mean ``reward``
+        and generated ``tokens``, where given: the trace's ``rollout.finished``), release the
+        engine's memory, onload the trainer, and enter ``train``, left open for the caller's
+        step until :meth:`to_rollout`. From ``failed`` it starts with the release (the engine
+        stays stale until the next sync); a rollout entered without one in between is left at
+        once. Each phase is checked and traced as in :meth:`cycle`."""
+        if (reward is None) != (tokens is None):
+            raise ValueError(f"to_train: give reward and tokens together or neither, got reward={reward!r}, "
+                             f"tokens={tokens!r}")
+        if reward is not None:
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise ValueError(f"to_train: reward must be a finite number, got {reward!r}")
+            if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+                raise ValueError(f"to_train: tokens must be an integer >= 0, got {tokens!r}")
+            if self._open is None or self._open[0] is not Phase.ROLLOUT:
+                raise ValueError(f"to_train: reward and tokens are those of the caller's rollout, which "
+                                 f"to_rollout() opens; the phase is {self.phase or 'not started'}")
+        if self.phase is Phase.TRAIN:
+            raise IllegalTransition(self.phase, "to_train", Phase.TRAIN, allowed_triggers(self.phase))
+        if reward is not None:
+            self.last_rollout = RolloutResult(float(reward), tokens)
+            for r in range(self.world_size):
+                self._emit(r, "rollout.finished", mem=None, step=self.step, reward=float(reward), tokens=tokens)
+        await self._hand_over(Phase.TRAIN)
+
+    async def to_rollout(self) -> None:
+        """Hand the GPU back to the engine: close the caller's train step (a new weight
+        version), then the plan's phases up to ``rollout``: offload, wake the engine's
+        weights, sync and verify, bring the KV cache back; ``rollout`` is entered and left
+        open for the caller's generation until :meth:`to_train`. From a fresh start with a
+        stale engine, or from ``failed``, the engine is synced from the trainer's copy first."""
+        if self.phase is Phase.ROLLOUT:
+            raise IllegalTransition(self.phase, "to_rollout", Phase.ROLLOUT, allowed_triggers(self.phase))
+        await self._hand_over(Phase.ROLLOUT)
+
+    def _handoff(self, target: Phase) -> tuple[Phase, ...]:
+        return handoff_path(self.order, self.phase, target, engine_current=not self.stale)
+
+    async def _hand_over(self, target: Phase) -> None:
+        if self._open is not None:
+            await self._close_open(None)
+        path = self._handoff(target)
+        await self._walk(path[:-1])
+        await self._open_phase(path[-1])
+
+    async def _walk(self, phases: Sequence[Phase]) -> None:
+        """Run ``phases`` in order; a caller's phase met on the way (a rollout between a
+        recovery and the release) is entered and left at once, with no work in it."""
+        for phase in phases:
+            if phase in CALLER_PHASES:
+                await self._open_phase(phase)
+                await self._close_open(None)
+            else:
+                await self.run_phase(phase)
 
     async def recover(self) -> None:
         """From ``failed`` (or a fresh start with a stale engine) back to a synced engine."""
@@ -267,6 +345,35 @@ class Scheduler:
         self.engine_version = None
 
     async def run_phase(self, target: Phase) -> Any:
+        """Enter ``target``, do its work (rollout and train: the engine's ``generate``, the
+        trainer's ``train_step``) under its deadline, and finish it. A caller's phase still
+        open is closed first."""
+        if self._open is not None:
+            await self._close_open(None)
+        t0 = self._enter(target)
+        deadline = anyio.CancelScope()  # only for the question below: was it the deadline?
+        try:
+            with anyio.fail_after(self.config.deadline(target)) as deadline:
+                await self._memory_effects(target)
+                work = self._work.get(target)
+                result = await work() if work is not None else None
+        except BaseException as exc:
+            if isinstance(exc, TimeoutError) and deadline.cancel_called:
+                # anyio's TimeoutError says nothing: what the caller catches (and prints, and
+                # finds in last_error) says which deadline of which phase, as phase.failed does
+                late = PhaseDeadline(f"deadline of {self.config.deadline(target)} s exceeded in {target}")
+                late.__cause__ = exc
+                await self._fail(target, late, t0)
+                raise late from exc
+            await self._fail(target, exc, t0)
+            raise
+        self._finish(target, t0)
+        return result
+
+    def _enter(self, target: Phase) -> float:
+        """Check ``target`` against the table and the invariants on every rank (a refused
+        step changes nothing and writes nothing), then move and write ``phase.entered``;
+        when it was entered."""
         self._check_traces()  # a write refused while the last phase failed: no further phase
         src = self.machine.phase
         trigger = trigger_for(src, target)
@@ -287,21 +394,11 @@ class Scheduler:
         self._entered_rollout |= target is Phase.ROLLOUT
         for hook in self.hooks:
             hook.entered(target, step)
-        t0 = self._clock()
-        deadline = anyio.CancelScope()  # only for the question below: was it the deadline?
-        try:
-            with anyio.fail_after(self.config.deadline(target)) as deadline:
-                result = await self._run_effects(target)
-        except BaseException as exc:
-            if isinstance(exc, TimeoutError) and deadline.cancel_called:
-                # anyio's TimeoutError says nothing: what the caller catches (and prints, and
-                # finds in last_error) says which deadline of which phase, as phase.failed does
-                late = PhaseDeadline(f"deadline of {self.config.deadline(target)} s exceeded in {target}")
-                late.__cause__ = exc
-                await self._fail(target, late, t0)
-                raise late from exc
-            await self._fail(target, exc, t0)
-            raise
+        return self._clock()
+
+    def _finish(self, target: Phase, t0: float) -> None:
+        if EFFECTS[target].new_version:
+            self.trainer_version += 1  # a train that completed: the weights changed
         for ledger in self.memories:
             ledger.observe()
         self._emit_all("phase.finished", step=self.step, phase=target.value,
@@ -309,16 +406,34 @@ class Scheduler:
         # a line the disk refused during the phase stops the run now, with every phase it
         # began closed: its work is complete and the checker saw each event (not the file)
         self._check_traces()
-        return result
 
-    async def _run_effects(self, phase: Phase) -> Any:
+    async def _open_phase(self, target: Phase) -> None:
+        """Enter a caller's phase and leave it open: the caller does its work (no deadline
+        of colo's: the work and its time are the caller's)."""
+        t0 = self._enter(target)
+        try:
+            await self._memory_effects(target)
+        except BaseException as exc:
+            await self._fail(target, exc, t0)
+            raise
+        self._open = (target, t0)
+
+    async def _close_open(self, exc: BaseException | None) -> None:
+        """Finish the caller's open phase, or, ``exc`` given, record that it failed with it."""
+        assert self._open is not None
+        phase, t0 = self._open
+        self._open = None
+        if exc is None:
+            self._finish(phase, t0)
+        else:
+            await self._fail(phase, exc, t0)
+
+    async def _memory_effects(self, phase: Phase) -> None:
         effect = EFFECTS[phase]
         if effect.pause:
             await self._pause(phase, effect)
         if effect.resume:
             await self._resume(phase, effect)
-        work = self._work.get(phase)
-        return await work() if work is not None else None
 
     async def _fail(self, phase: Phase, exc: BaseException, t0: float) -> None:
         # Shielded: a cancelled scheduler must still drop staging, mark the engine
@@ -443,7 +558,6 @@ class Scheduler:
             raise RuntimeError("train needs a rollout first: no rollout result is held")
         results = await self.trainers.each("train_step", self.last_rollout)
         self.last_train = results[0]
-        self.trainer_version += 1
         return self.last_train
 
     async def _sync(self) -> dict:

@@ -7,7 +7,7 @@ below it, never one above:
 
 0. ``colo.core`` — the pure core (phases, invariants, ledger, buckets, errors);
 1. leaves on torch alone or plain files: ``colo.dtypes``, ``colo.digest`` (the verification
-   contract every engine meets), ``colo.tasks``,
+   contract every engine meets), ``colo.tasks``, ``colo.blocking`` (colo from synchronous code),
    ``colo.proc`` (the channel, handles, process lifetime), ``colo.trace``;
 2. what reads traces or devices and drives sides: ``colo.offline``, ``colo.device``,
    ``colo.groups``, ``colo.scheduler``;
@@ -29,7 +29,7 @@ ROOT = Path(colo.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
     ("colo.core",),
-    ("colo.dtypes", "colo.digest", "colo.tasks", "colo.proc", "colo.trace"),
+    ("colo.dtypes", "colo.digest", "colo.tasks", "colo.blocking", "colo.proc", "colo.trace"),
     ("colo.offline", "colo.device", "colo.groups", "colo.scheduler"),
     ("colo.transports",),
     ("colo.extractors", "colo.engine"),

@@ -154,6 +154,52 @@ RECOVERY: tuple[Phase, ...] = (
 )
 
 
+#: The phases whose work may be the caller's own: a loop that keeps its rollout (vLLM's
+#: generate, its tokenizer, its reward models) and its training step calls
+#: ``Scheduler.to_train()`` and ``Scheduler.to_rollout()``, and colo runs every phase between
+#: them. Each of these two is entered by colo (checked, traced) and left open while the caller
+#: works, then closed by the next call; ``run_phase`` runs them with the engine's and the
+#: trainer's own verbs instead (colo's own loop, ``Scheduler.cycle``).
+CALLER_PHASES: tuple[Phase, ...] = (P.ROLLOUT, P.TRAIN)
+
+
+def handoff_path(order: Sequence[Phase], current: Phase | None, target: Phase, *,
+                 engine_current: bool) -> tuple[Phase, ...]:
+    """The phases a handoff walks from ``current`` to ``target`` (one of ``CALLER_PHASES``),
+    ``target`` last: the plan's own order, from the phase after ``current`` around to
+    ``target``; from ``failed`` (or a fresh start with a stale engine) the recovery order
+    first, as far as it leads towards ``target``. Empty when ``current`` is ``target``.
+
+    From ``failed`` towards ``train`` the engine is released and the trainer onloaded
+    straight away (``failed`` leaves by ``recover`` to ``engine_release``): nothing rolls
+    out stale, and the next ``to_rollout`` syncs. Towards ``rollout`` the recovery re-syncs
+    from the trainer's copy first."""
+    if target not in CALLER_PHASES:
+        raise ValueError(f"a handoff ends in {' or '.join(p.value for p in CALLER_PHASES)}, got {target}")
+    if current is target:
+        return ()
+    if current is P.FAILED or (current is None and not engine_current):
+        if target is P.ROLLOUT:
+            return RECOVERY[1:]
+        current = P.ENGINE_RELEASE  # recover (or start by release_engine): the plan from there
+        walk: tuple[Phase, ...] = (P.ENGINE_RELEASE,)
+    elif current is None or current is P.ENGINE_WAKE_KV and engine_current:
+        # a synced engine with its KV cache back (a fresh start from the trainer's checkpoint,
+        # a recovery): rollout is next, also where the plan syncs after the KV cache (single-stage)
+        if target is P.ROLLOUT:
+            return (P.ROLLOUT,)
+        current, walk = P.ROLLOUT, (P.ROLLOUT,)
+    else:
+        walk = ()
+    i = order.index(current)
+    for step in range(1, len(order) + 1):
+        phase = order[(i + step) % len(order)]
+        walk += (phase,)
+        if phase is target:
+            return walk
+    raise AssertionError(f"{target} is not in the plan {[p.value for p in order]}")  # every plan has both
+
+
 @dataclass(frozen=True)
 class SubState:
     """An engine's own state inside colo's phases, opened by one event and closed by another.
