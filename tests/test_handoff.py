@@ -189,3 +189,18 @@ def test_a_synchronous_loop_drives_the_same_handoff_through_blocking(tmp_path):
     assert events[-1]["event"] == "trace.finished"  # the block's end exited the scheduler
     assert [e["weight_version"] for e in events if e["event"] == "sync.finished"] == [0, 1, 2]
     assert replay([path]).valid
+
+
+def test_the_synchronous_loop_in_docs_embedding_md_runs_and_keeps_the_engine_on_the_trainers_weights(tmp_path):
+    """docs/embedding.md's runnable loop, as written (tests/docs runs every block; this one
+    is also held to what it prints): after each of its steps the engine holds exactly the
+    trainer's weights at that step's version, and its trace replays clean."""
+    from tests.docs.blocks import blocks, run_python, scratch
+
+    [block] = [b for b in blocks() if b.path.name == "embedding.md" and b.lang == "python"]
+    proc = run_python(block, scratch(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert [ln.split(", engine at ")[1] for ln in lines[:3]] == [
+        f"version {v}, holds the trainer's weights: True" for v in (1, 2, 3)]
+    assert lines[3] == "the trace replays clean: True"

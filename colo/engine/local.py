@@ -55,15 +55,16 @@ class _Recording:
 class InProcessEngine:
     """colo's engine protocol around a :class:`~colo.engine.kit.WeightSink` in this process.
 
-    ``generate(step)`` is your rollout (an async callable returning a
-    :class:`~colo.core.interfaces.RolloutResult`); ``tag_bytes`` your memory tags'
+    ``generate(step)`` is your rollout for :meth:`Scheduler.cycle` (an async callable
+    returning a :class:`~colo.core.interfaces.RolloutResult`); None where your loop rolls
+    out itself between ``to_rollout()`` and ``to_train()``; ``tag_bytes`` your memory tags'
     sizes; ``release``/``resume`` (optional async callables taking the tags) free
     and restore them. colo refuses what your engine should: a tag released or
     resumed twice, a rollout on stale weights or without the KV cache. The digest
     is the contract every engine meets (:mod:`colo.digest`).
     """
 
-    def __init__(self, sink: WeightSink, *, generate: Callable[[int], Awaitable[RolloutResult]],
+    def __init__(self, sink: WeightSink, *, generate: Callable[[int], Awaitable[RolloutResult]] | None = None,
                  tag_bytes: Mapping[str, int], release: Callable[[list[str]], Awaitable[None]] | None = None,
                  resume: Callable[[list[str]], Awaitable[None]] | None = None,
                  capabilities: EngineCapabilities | None = None):
@@ -108,6 +109,9 @@ class InProcessEngine:
             raise EngineError("generate", "EngineStateError", f"cannot generate: {sorted(self._paused)} released")
         if self.weight_version is None:
             raise EngineError("generate", "EngineStateError", "cannot generate: the weights are stale")
+        if self._generate is None:
+            raise EngineError("generate", "NotImplementedError", "this engine has no generate: its rollout is the "
+                              "caller's (Scheduler.to_rollout() / to_train()), not Scheduler.cycle()'s")
         return await self._generate(step)
 
     async def digest(self) -> str:
