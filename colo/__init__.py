@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the distribution colo-rl's version too (pyproject.toml); scheme: CHANGELOG.md
 
 #: public name -> "module:attribute"
 _API = {

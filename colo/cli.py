@@ -139,11 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--transport", choices=TRANSPORTS, default="packed", help="how the weights travel in a sync")
     d.add_argument("--engine", choices=ENGINES, default="colo",
                    help="the rollout engine: colo (colo's own, in a process of its own) or vllm (a real vLLM, "
-                        "colo[vllm]; float32 on a CPU)")
+                        "colo-rl[vllm]; float32 on a CPU)")
     d.add_argument("--vllm-processes", action="store_true",
                    help="with --engine vllm: vLLM's own engine-core and worker processes (else one process)")
     d.add_argument("--trainer", choices=TRAINERS, default="hf",
-                   help="hf (transformers), megatron (megatron-core: colo[megatron]), fsdp (FSDP2)")
+                   help="hf (transformers), megatron (megatron-core: colo-rl[megatron]), fsdp (FSDP2)")
     d.add_argument("--trainer-dtype", choices=("float32", "bfloat16"), default=None,
                    help="the trainer's parameters (bfloat16: fp32 master weights in the optimizer; default: "
                         "the engine's dtype on a GPU, float32 on a CPU)")
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "
                         "(with --device cpu: gloo and simulated devices)")
     d.add_argument("--launcher", choices=("process", "ray"), default="process",
-                   help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo[ray])")
+                   help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo-rl[ray])")
     d.add_argument("--address", default=None, metavar="HOST:PORT",
                    help="the Ray cluster to join (default: start a local one)")
     d.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -259,7 +259,7 @@ def missing_extra(args: argparse.Namespace) -> str | None:
             found = False
         if not found:
             return (f"--{flag.replace('_', '-')} {value} needs {what}, an optional extra that is not installed: "
-                    f"pip install 'colo[{extra}]'")
+                    f"pip install 'colo-rl[{extra}]'")
     return None
 
 

