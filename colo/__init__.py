@@ -54,8 +54,9 @@ _API = {
     "PieceAssembler": "colo.engine.kit:PieceAssembler",
     "LoadSession": "colo.engine.kit:LoadSession",
     "WeightSink": "colo.engine.kit:WeightSink",
-    # the verification contract every engine meets
+    # the verification contract every engine meets, and the scheduler's verify and probe for it
     "weights_digest": "colo.digest:weights_digest",
+    "verifier": "colo.verification:make_verifier",
     "ReceivedDigest": "colo.digest:ReceivedDigest",
     # errors
     "ColoError": "colo.core.errors:ColoError",

@@ -10,7 +10,7 @@ below it, never one above:
    contract every engine meets), ``colo.tasks``, ``colo.blocking`` (colo from synchronous code),
    ``colo.proc`` (the channel, handles, process lifetime), ``colo.trace``;
 2. what reads traces or devices and drives sides: ``colo.offline``, ``colo.device``,
-   ``colo.groups``, ``colo.scheduler``;
+   ``colo.groups``, ``colo.scheduler``, ``colo.verification`` (the digest and the probe);
 3. ``colo.transports``;
 4. what an engine or a trainer is made of: ``colo.extractors``, ``colo.engine``;
 5. ``colo.trainers``;
@@ -30,7 +30,7 @@ ROOT = Path(colo.__file__).parent
 LAYERS: list[tuple[str, ...]] = [
     ("colo.core",),
     ("colo.dtypes", "colo.digest", "colo.tasks", "colo.blocking", "colo.proc", "colo.trace"),
-    ("colo.offline", "colo.device", "colo.groups", "colo.scheduler"),
+    ("colo.offline", "colo.device", "colo.groups", "colo.scheduler", "colo.verification"),
     ("colo.transports",),
     ("colo.extractors", "colo.engine"),
     ("colo.trainers",),

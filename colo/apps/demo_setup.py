@@ -18,11 +18,13 @@ from typing import Any
 import torch
 
 from colo.core.config import MIN_BUCKET_MIB, MIN_PHASE_DEADLINE_S
-from colo.core.errors import UsageError, VerificationError
+from colo.core.errors import UsageError
 from colo.core.memory import GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import PLANS
 from colo.offline.summary import PhaseSummary
 from colo.transports import REGISTRY as TRANSPORTS
+from colo.verification import (LOGIT_TOLERANCE, LOGPROB_TOLERANCE, PROBE_COLUMNS, make_verifier,  # noqa: F401
+                               probe_batch, probe_columns, trainer_digest)
 
 
 #: the most ranks ``--gpus`` starts (8 GPUs of one host)
@@ -36,8 +38,6 @@ ENGINES = ("colo", "vllm")
 #: vLLM on a CPU holds its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) whether asleep or not: the
 #: simulated device must hold it beside the trainer
 VLLM_CPU_DEFAULT_GIB = 2.0
-#: vLLM's logprobs on the probe batch against the trainer's (both fp32), absolute
-LOGPROB_TOLERANCE = 1e-4
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
 #: simulation, not a measurement.
@@ -47,9 +47,6 @@ CPU_DEFAULT_GIB = 0.25
 #: trainer's allocator cache and communicator buffers): R grows after the
 #: engine started, which is what makes engine_wake_kv the phase that binds.
 CPU_TRAINER_LEFTOVER_MIB = 8
-#: Largest |engine − trainer| logit difference accepted on the probe batch,
-#: relative to the largest trainer logit (bf16 engine against fp32 trainer).
-LOGIT_TOLERANCE = 0.03
 #: The same bound for a larger demo size: bf16 rounding adds up over depth. Measured
 #: on the CPU for qwen2-1.5b (28 layers, random weights, seed 0): 0.036 of the
 #: largest logit. The digest check stays exact whatever the size.
@@ -302,78 +299,6 @@ class DemoConfig:
                     open(path, "w", encoding="utf-8").close()
                 except OSError:
                     pass  # the engine says so on stderr and logs there (colo.proc.lifecycle.open_log)
-
-
-def probe_batch(vocab_size: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed ^ 0xBEEF)
-    return torch.randint(0, vocab_size, (2, 16), generator=g).tolist()
-
-
-#: vocabulary ids the logits probe compares (with the batch's own tokens): the whole vocabulary of
-#: a Qwen2 is 151936 columns, 4.9 M numbers for the probe batch, seconds to carry as JSON
-PROBE_COLUMNS = 512
-
-
-def probe_columns(vocab_size: int, tokens: list[list[int]], seed: int) -> list[int]:
-    """The probe batch's own tokens and a seeded sample of the rest of the vocabulary, sorted."""
-    g = torch.Generator().manual_seed(seed ^ 0xC01)
-    sample = torch.randperm(vocab_size, generator=g)[:PROBE_COLUMNS].tolist()
-    return sorted(set(sample) | {t for row in tokens for t in row})
-
-
-def trainer_digest(trainer: Any, dtype: str, fresh: bool = True) -> str:
-    """What every engine must report after a sync of ``trainer``'s weights (:mod:`colo.digest`):
-    its HF-named tensors in its spec order, in the engine's dtype, checksummed where they lie.
-    Not ``fresh``: the trainer's digest from when it offloaded them, where it has one (the
-    verifier's; a check that the weights survived a failure reads them again)."""
-    from colo.digest import expected_weights_digest
-
-    if hasattr(trainer, "sent_digest") and getattr(trainer, "engine_dtype", None) == dtype:
-        return trainer.sent_digest(fresh=fresh)
-
-    return expected_weights_digest(trainer.hf_state(), [s.name for s in trainer.param_specs()],
-                                   getattr(torch, dtype))
-
-
-def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str, seed: int,
-                  tolerance: float = LOGIT_TOLERANCE) -> tuple[Callable, Callable]:
-    """``(verify, probe)`` for the scheduler: ``verify(digests)`` checks each engine rank's
-    digest against the trainer's; ``probe()`` the engine's answer to a fixed batch against the
-    trainer's own: logits within ``tolerance`` of the largest (colo's bf16 engine), or
-    logprobs within :data:`LOGPROB_TOLERANCE` (vLLM, fp32). ``engine`` is the engine or a
-    zero-argument callable returning the current one (the demo replaces an engine that died)."""
-    batch = probe_batch(model_config.vocab_size, seed)
-    columns = probe_columns(model_config.vocab_size, batch, seed)
-    current = engine if callable(engine) else (lambda: engine)
-    if hasattr(trainer, "probe_logits"):
-        trainer.probe_tokens = batch  # its reference is then taken as it offloads, on the device
-
-    async def verify(digests: list[str]) -> None:
-        want = trainer_digest(trainer, dtype, fresh=False)
-        for rank, digest in enumerate(digests):
-            if digest != want:
-                raise VerificationError(f"engine rank {rank} digest {digest[:16]} != trainer digest {want[:16]} "
-                                        "after sync")
-
-    async def probe() -> None:
-        eng = current()
-        # looked up here, not when the verifier is made: a trainer that only syncs (and is only
-        # ever digest-checked) has no logits to offer
-        ref = (getattr(trainer, "probe_logits", None) or trainer.logits)(batch)
-        if eng.capabilities.probe == "logprobs":
-            got = torch.tensor(await eng.logprobs(batch))
-            logp = torch.log_softmax(ref.float(), dim=-1)
-            want = torch.stack([logp[b, torch.arange(len(s) - 1), torch.tensor(s[1:])] for b, s in enumerate(batch)])
-            err, bound, what = float((got - want).abs().max()), LOGPROB_TOLERANCE, "logprobs"
-        else:
-            ref = ref[..., columns]
-            got = torch.tensor(await eng.logits(batch, columns=columns))
-            err, bound, what = float((got - ref).abs().max()), tolerance * float(ref.abs().max()), "logits"
-        if not err <= bound:
-            raise VerificationError(f"engine {what} differ from the trainer's by {err:.4g} on the probe "
-                                    f"batch (bound {bound:.4g})")
-
-    return verify, probe
 
 
 def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
