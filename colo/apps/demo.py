@@ -25,7 +25,8 @@ from typing import Any
 import anyio
 import torch
 
-from colo.core.errors import EXIT_BAD_INPUT, EXIT_OK, ColoError, TraceUnwritable, UsageError, exit_code
+from colo.core.errors import (EXIT_BAD_INPUT, EXIT_OK, ColoError, SharedMemoryFull, TraceUnwritable, UsageError,
+                              exit_code)
 from colo.core.config import SchedulerConfig
 from colo.engine.client import EngineError
 from colo.core.errors import EngineDied
@@ -33,7 +34,8 @@ from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.core.invariants import InvariantViolation
 from colo.apps.demo_setup import (LOGIT_TOLERANCES, CycleSeeded, DemoConfig, DemoOutcome, Recovery,
-                                  SimulatedDevice, check_fits, device_budget, make_verifier, trainer_digest)
+                                  SimulatedDevice, check_fits, check_shm_staging, device_budget, make_verifier,
+                                  trainer_digest)
 from colo.core.memory import OWNERS_TAGS, MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
@@ -193,7 +195,14 @@ class DemoRun:
         self.claim_traces()  # run() did, unless a caller starts this run itself
         check_fits(cfg, self.model_config)  # before the trainer is built or the engine spawned
         torch.manual_seed(cfg.seed)
-        self.trainer, self.saver = build_trainer(cfg, self.model_config)
+        try:
+            self.trainer, self.saver = build_trainer(cfg, self.model_config)
+            check_shm_staging(cfg, self.trainer)  # before the engine starts: the sync's buckets in /dev/shm
+        except SharedMemoryFull as e:
+            # the trainer's flat weights did not fit: a run sized for a /dev/shm it does not
+            # have, said before anything started
+            e.exit_code = EXIT_BAD_INPUT
+            raise
         if self.fault is not None:
             from colo.testing.faults import FaultInjector
 

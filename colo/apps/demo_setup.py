@@ -344,6 +344,31 @@ def check_fits(cfg: DemoConfig, model_config: Any) -> None:
             from None
 
 
+#: transports whose CPU buckets are /dev/shm segments: two of them in flight (the packed
+#: transport's two slots, the per-tensor ipc transport's two buckets)
+SHM_STAGING = ("packed", "ipc")
+
+
+def check_shm_staging(cfg: DemoConfig, trainer: Any) -> None:
+    """Refuse, before the engine starts, a run whose sync cannot have its staging buckets in
+    /dev/shm: two of at most the bucket size (or the whole model, if smaller). A trainer
+    whose weights are one flat shared buffer (one rank, the engine's dtype: the one-copy
+    sync) stages nothing, and its buffer was made already, so /dev/shm had room for it."""
+    from colo.core.errors import SharedMemoryFull
+    from colo.dtypes import as_dtype
+    from colo.proc.handles import SHM_DIR, shm_room
+
+    if cfg.device != "cpu" or cfg.transport not in SHM_STAGING or getattr(trainer, "flat_weights", None) is not None:
+        return
+    size = as_dtype(cfg.engine_dtype).itemsize
+    model = sum(p.numel() for p in trainer.model.parameters()) * size
+    need = 2 * min(cfg.bucket_bytes, model)
+    room = shm_room()
+    if need > room:
+        raise SharedMemoryFull(where=SHM_DIR, what=f"the {cfg.transport} transport's two staging buckets", need=need,
+                               room=room, before_start=True)
+
+
 @dataclass
 class Recovery:
     """What happened to one injected fault, and what the demo checked after it."""

@@ -54,6 +54,21 @@ class HandleError(ColoError, ValueError):
     """A handle that is malformed or of a kind that is not allowed."""
 
 
+class SharedMemoryFull(ColoError, MemoryError):
+    """``/dev/shm`` (a tmpfs) has no room for a segment colo needs: never a SIGBUS at the
+    first touch of a page that was not there. Said before the run's start-up where the need
+    is known (``before_start``: bad input, exit 2), else as the phase that asked for it
+    failing (exit 1)."""
+
+    def __init__(self, *, where: str, what: str, need: int, room: int, before_start: bool = False):
+        self.where, self.what, self.need, self.room = where, what, need, room
+        if before_start:
+            self.exit_code = EXIT_BAD_INPUT
+        super().__init__(f"{where} has {fmt_bytes(room)} free, and {fmt_bytes(need)} is needed for {what}: use a "
+                         f"smaller --bucket-mib, or give this machine or container more shared memory (a "
+                         f"container's /dev/shm is 64 MiB unless started with e.g. docker run --shm-size=2g)")
+
+
 class IncompleteCheckpoint(ColoError, ValueError):
     """A directory that is not a complete, committed checkpoint."""
 
@@ -219,7 +234,8 @@ def exit_code(exc: BaseException) -> int:
 
 
 __all__ = ["BadInput", "BadTrace", "ChannelError", "ClusterUnreachable", "ColoError", "EXIT_BAD_INPUT",
-           "EXIT_FAILED", "EXIT_OK", "EngineDied", "EngineError", "EngineRefused", "EngineStateError", "HandleError", "IllegalTransition", "IncompleteCheckpoint",
+           "EXIT_FAILED", "EXIT_OK", "EngineDied", "EngineError", "EngineRefused", "EngineStateError", "HandleError", "IllegalTransition",
+           "SharedMemoryFull", "IncompleteCheckpoint",
            "InjectedFault", "InvariantViolation", "KVPoolTooSmall", "OutOfMemory", "PhaseDeadline", "RankDied", "RankError", "RankFailed", "RequestError",
            "TagStateError", "TraceUnwritable", "TuneError", "UnknownTensor", "UsageError", "VerificationError", "WeightMismatch",
            "exit_code"]

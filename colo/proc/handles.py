@@ -26,6 +26,7 @@ start-up sweep a segment is still someone's.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -36,7 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from colo.core.errors import HandleError
+from colo.core.errors import HandleError, SharedMemoryFull
+from colo.core.units import fmt_bytes
 from colo.proc.owner import TRIES, Swept, create_locked
 
 SHM_DIR = "/dev/shm"
@@ -85,6 +87,7 @@ class ShmSegment:
         try:
             if create:
                 os.ftruncate(fd, nbytes)
+                _reserve(fd, nbytes)
             elif os.fstat(fd).st_size < nbytes:
                 raise HandleError(f"segment {name} holds {os.fstat(fd).st_size} B, handle says {nbytes} B")
             self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, access=mmap.ACCESS_DEFAULT if writable
@@ -187,6 +190,29 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+#: what posix_fallocate says where it cannot reserve (a file system without it): the pages
+#: are then found, or not, at first touch, as before
+_CANNOT_RESERVE = frozenset({errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate every page of a new segment now. ``ftruncate`` makes it sparse: a page that
+    /dev/shm has no room for is only found when first touched, by a SIGBUS that kills the
+    process with no word (a container's 64 MiB /dev/shm, another process filling it while
+    a run syncs). Reserved here, a shortfall is :class:`SharedMemoryFull`, raised where the
+    segment was asked for, and a segment once made can be written whole whatever else
+    fills /dev/shm afterwards."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in _CANNOT_RESERVE:
+            return
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SharedMemoryFull(where=SHM_DIR, what=f"a shared-memory segment of {fmt_bytes(nbytes)}",
+                                   need=nbytes, room=shm_room()) from None
+        raise
 
 
 def shm_room() -> int:
