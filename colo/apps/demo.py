@@ -1,6 +1,7 @@
-"""``colo demo``: a real colocated RL loop on a built-in small model.
+"""``colo demo``: a real colocated RL loop on a built-in small model or a local checkpoint.
 
-The trainer (an HF Qwen2 policy with AdamW) lives in this process; the rollout
+The trainer (a transformers policy with AdamW: the demo's small Qwen2, or the
+Qwen2, Qwen3 or Llama checkpoint of ``--checkpoint``) lives in this process; the rollout
 engine (colo's own fused-parameter implementation with a preallocated KV pool)
 lives in a spawned process; weights travel through the chosen transport; the
 scheduler drives the phases of the chosen plan and writes the trace. After

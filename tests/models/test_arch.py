@@ -91,3 +91,23 @@ def test_colos_engine_refuses_what_the_table_lacks():
         EngineCore(GPT2Config(), dtype="float32", device="cpu", total_bytes=8 << 20, mem_fraction_static=0.5)
     with pytest.raises(UnsupportedArchitecture, match="mlp_bias=True"):
         SglangModel(tiny_config("llama", mlp_bias=True))
+
+
+def test_the_docs_table_is_the_architecture_table():
+    """docs/trainers-and-formats.md lists every row of ARCHS with its values (and nothing else)."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainers-and-formats.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].startswith("`") and cells[0].strip("`") in ARCHS:
+            rows[cells[0].strip("`")] = cells
+    assert sorted(rows) == sorted(ARCHS)
+    for kind, (_, cls, bias, norm, head_dim, fixed, sglang) in rows.items():
+        a = ARCHS[kind]
+        assert cls == f"`{a.hf_class}`"
+        assert (bias, norm) == ("yes" if a.qkv_bias else "no", "yes" if a.qk_norm else "no")
+        assert head_dim == (str(a.default_head_dim) if a.default_head_dim else "hidden / heads")
+        assert fixed == ", ".join(f"`{k}={v}`" for k, v in a.fixed.items())
+        assert sglang == (f"`{a.sglang}`" if a.sglang else "none")
