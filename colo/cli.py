@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the engine's dtype on a GPU, float32 on a CPU)")
     d.add_argument("--model", choices=DEMO_SIZES, default="demo",
                    help="demo (2.9 M parameters) or qwen2-1.5b (Qwen2-1.5B shapes, random weights: a GPU's size)")
+    d.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="train a local Hugging Face checkpoint instead of a --model size: a directory with "
+                        "config.json and *.safetensors, a Qwen2, Qwen3 or Llama (nothing is downloaded)")
     d.add_argument("--bucket-mib", type=_positive(float, MAX_MIB, MIN_BUCKET_MIB), default=1.0, metavar="MIB",
                    help=f"sync bucket size (at least {MIN_BUCKET_MIB:g})")
     d.add_argument("--mem-fraction-static", type=_fraction, default=0.8, metavar="F",

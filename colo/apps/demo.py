@@ -1,6 +1,7 @@
-"""``colo demo``: a real colocated RL loop on a built-in small model.
+"""``colo demo``: a real colocated RL loop on a built-in small model or a local checkpoint.
 
-The trainer (an HF Qwen2 policy with AdamW) lives in this process; the rollout
+The trainer (a transformers policy with AdamW: the demo's small Qwen2, or the
+Qwen2, Qwen3 or Llama checkpoint of ``--checkpoint``) lives in this process; the rollout
 engine (colo's own fused-parameter implementation with a preallocated KV pool)
 lives in a spawned process; weights travel through the chosen transport; the
 scheduler drives the phases of the chosen plan and writes the trace. After
@@ -33,9 +34,8 @@ from colo.core.errors import EngineDied
 from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.core.invariants import InvariantViolation
-from colo.apps.demo_setup import (LOGIT_TOLERANCES, CycleSeeded, DemoConfig, DemoOutcome, Recovery,
-                                  SimulatedDevice, check_fits, check_shm_staging, device_budget, make_verifier,
-                                  trainer_digest)
+from colo.apps.demo_setup import (CycleSeeded, DemoConfig, DemoOutcome, Recovery, SimulatedDevice, check_fits,
+                                  check_shm_staging, device_budget, make_verifier, trainer_digest)
 from colo.core.memory import OWNERS_TAGS, MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
@@ -52,6 +52,9 @@ MAX_ENGINE_DEATHS = 3
 def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
     from colo.trainers import build
 
+    if cfg.checkpoint is not None:  # the model is the checkpoint's (model_config was read from it)
+        return build(cfg.trainer, checkpoint=cfg.checkpoint, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
+                     device=cfg.device, param_dtype=cfg.trainer_dtype)
     return build(cfg.trainer, model_config=model_config, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
                  device=cfg.device, param_dtype=cfg.trainer_dtype)
 
@@ -157,10 +160,8 @@ class DemoRun:
     trace, scheduler, and the audit of an injected fault."""
 
     def __init__(self, cfg: DemoConfig):
-        from colo.trainers.models import demo_model_config
-
         self.cfg = cfg
-        self.model_config = demo_model_config(cfg.model)
+        self.model_config = cfg.model_config()
         self.fault = cfg.parsed_fault()
         self.summary = PhaseSummary()
         self.rewards: list[float] = []
@@ -277,7 +278,7 @@ class DemoRun:
         trace.add_listener(self.summary.feed)
         trainer = self.injector.wrap_trainer(self.trainer) if self.injector else self.trainer
         verify, probe = make_verifier(self.trainer, lambda: sched.engine, self.model_config, cfg.engine_dtype,
-                                      cfg.seed, LOGIT_TOLERANCES[cfg.model])
+                                      cfg.seed, cfg.logit_tolerance)
         sched = Scheduler(
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
@@ -286,7 +287,8 @@ class DemoRun:
             trace=trace, verify=verify, probe=probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
                         "mem_fraction_static": cfg.mem_fraction_static,
-                        "model": {"params": self.trainer.num_params(), "engine_dtype": cfg.engine_dtype}})
+                        "model": {"params": self.trainer.num_params(), "engine_dtype": cfg.engine_dtype,
+                                  "model_type": getattr(self.model_config, "model_type", None)}})
         if self.injector:
             self.injector.attach(sched)
         return sched
@@ -455,7 +457,7 @@ def config_from_args(args: Any) -> DemoConfig:
     try:
         return DemoConfig(device=args.device, steps=args.steps, plan=args.plan, transport=args.transport, trainer=getattr(args, "trainer", "hf"),
                           trainer_dtype=getattr(args, "trainer_dtype", None),
-                          model=getattr(args, "model", "demo"),
+                          model=getattr(args, "model", "demo"), checkpoint=getattr(args, "checkpoint", None),
                           bucket_mib=args.bucket_mib, mem_fraction_static=args.mem_fraction_static,
                           device_mem_gib=args.device_mem_gib, trace=args.trace, seed=args.seed,
                           fault=args.fault, engine_visible_devices=args.engine_visible_devices,
@@ -516,9 +518,7 @@ def run_demo(args: Any) -> int:
         print("colo demo: --device cuda but no CUDA device is visible", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        from colo.trainers.models import demo_model_config
-
-        check_fits(cfg, demo_model_config(cfg.model))  # before the trainer, the engine or the trace
+        check_fits(cfg, cfg.model_config())  # before the trainer, the engine or the trace
     except UsageError as e:
         print(f"colo demo: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -56,7 +56,10 @@ LOGIT_TOLERANCES = {"demo": LOGIT_TOLERANCE, "qwen2-1.5b": 0.06,
                     # (megatron) of the largest logit measured on an H100, bf16 engine against
                     # bf16 trainers, with every digest equal; a misplaced tensor moves logits by
                     # the order of the logits themselves
-                    "qwen2-1b": 0.06, "qwen2-7b": 0.1}
+                    "qwen2-1b": 0.06, "qwen2-7b": 0.1,
+                    # a user's checkpoint (``--checkpoint``): its depth and weights are its own, so the
+                    # loosest bound measured above (the digest check stays exact)
+                    "checkpoint": 0.1}
 #: the largest bucket (1 TiB): beyond it a size is a typo, and 1e308 MiB overflows every byte count
 MAX_BUCKET_MIB = float(1 << 20)
 
@@ -86,6 +89,9 @@ class DemoConfig:
     trainer: str = "hf"
     #: the demo's size (``colo.trainers.models.DEMO_MODELS``): ``demo`` (tiny) or ``qwen2-1.5b``
     model: str = "demo"
+    #: a local Hugging Face checkpoint directory to train instead of a demo size (an
+    #: architecture of ``colo.models.arch``); checked whole before anything starts
+    checkpoint: str | None = None
     bucket_mib: float = 1.0
     mem_fraction_static: float = 0.8
     device_mem_gib: float | None = None
@@ -156,6 +162,7 @@ class DemoConfig:
 
         if self.model not in DEMO_MODELS:
             raise ValueError(f"model must be one of {', '.join(DEMO_MODELS)}, got {self.model!r}")
+        self._check_checkpoint()
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         for name in ("steps", "batch", "prompt_len", "new_tokens"):
@@ -220,6 +227,33 @@ class DemoConfig:
             if log is not None and derived:
                 output_path(log, "engine log", follow=False)
 
+    def _check_checkpoint(self) -> None:
+        if self.checkpoint is None:
+            return
+        if not isinstance(self.checkpoint, str) or not self.checkpoint:
+            raise ValueError(f"--checkpoint is empty; expected a checkpoint directory, got {self.checkpoint!r}")
+        if self.model != "demo":
+            raise ValueError(f"--checkpoint and --model {self.model} both name the model: give one")
+        if self.gpus != 1:
+            # each rank would have to read the directory (a Ray node may not see it): not built yet
+            raise ValueError("--checkpoint drives one rank: --gpus N runs the demo's built-in model")
+        from colo.models.checkpoint import inspect
+
+        inspect(self.checkpoint)  # CheckpointError / UnsupportedArchitecture: both ValueErrors, one line
+
+    def model_config(self) -> Any:
+        """The transformers config of the model this run trains: the checkpoint's, or the demo size's."""
+        from colo.trainers.models import checkpoint_config, demo_model_config
+
+        if self.checkpoint is not None:
+            return checkpoint_config(self.checkpoint)
+        return demo_model_config(self.model)
+
+    @property
+    def logit_tolerance(self) -> float:
+        """The probe's bound on |engine - trainer| logits, relative to the largest (see LOGIT_TOLERANCES)."""
+        return LOGIT_TOLERANCES["checkpoint" if self.checkpoint is not None else self.model]
+
     def _check_vllm(self) -> None:
         if self.device == "cpu" and self.engine_dtype != "float32":
             raise ValueError(f"--engine vllm on a CPU runs float32 (vLLM's bfloat16 CPU kernels hit an illegal "
@@ -257,10 +291,9 @@ class DemoConfig:
             raise ValueError(f"--gpus {g}: this machine has {torch.cuda.device_count()} visible CUDA device(s)")
         if g > 1:
             from colo.engine.tp import TPLayout
-            from colo.trainers.models import demo_model_config
 
             # a TP=g engine must split the heads evenly: refused before any process starts
-            TPLayout.from_config(demo_model_config(self.model), tp_rank=0, tp_size=g)
+            TPLayout.from_config(self.model_config(), tp_rank=0, tp_size=g)
 
     def parsed_fault(self) -> Any:
         from colo.testing.faults import Fault

@@ -109,6 +109,18 @@ class KVPoolTooSmall(BadInput, ValueError):
     """``mem_fraction_static`` leaves too little room for the KV pool."""
 
 
+class UnsupportedArchitecture(BadInput, ValueError):
+    """A model config whose ``model_type`` is not in colo's architecture table
+    (:mod:`colo.models.arch`), or that asks for a feature of it colo does not implement
+    (an attention bias on Llama, a sliding window): the message names the model_type,
+    the feature, and what is supported."""
+
+
+class CheckpointError(BadInput, ValueError):
+    """A checkpoint directory colo cannot load: missing, not a Hugging Face checkpoint (no
+    ``config.json``), or whose tensors are not the ones its config's architecture has."""
+
+
 class EngineRefused(BadInput, ValueError):
     """The engine refused the build it was sent (a malformed model config, a dtype or device it
     does not have, more memory than the device or the machine holds), before building anything."""

@@ -1,4 +1,4 @@
-"""The rollout engine: its own Qwen2 implementation with fused parameters
+"""The rollout engine: its own dense decoder (Qwen2, Qwen3, Llama; a Qwen3-MoE) with fused parameters
 (``colo.engine.model``) and the in-process state machine around it
 (``colo.engine.core``).
 

@@ -1,9 +1,11 @@
 """The shapes of the engine's models, read once from a config, and its name tables.
 
-:func:`dims_from_config` is the one place that chooses the class: a dense Qwen2
-is :class:`Dims`, a Qwen3-MoE is :class:`MoEDims`. Everything else in
-``colo.engine`` takes the ``Dims`` it is given, so no module of the engine needs
-to know the subclasses of another.
+:func:`dims_from_config` is the one place that chooses the class: a dense model
+(Qwen2, Qwen3, Llama) is :class:`Dims`, a Qwen3-MoE is :class:`MoEDims`. Everything
+else in ``colo.engine`` takes the ``Dims`` it is given, so no module of the engine
+needs to know the subclasses of another. What differs between architectures (a q/k/v
+bias, per-head q/k norms, the name tables) is read from :mod:`colo.models.arch` by
+the ``model_type`` a ``Dims`` carries.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from colo.core.buckets import itemsize
 from colo.dtypes import DTypeLike, dtype_name
+from colo.models.arch import ARCHS, HEAD_ROWS, TAIL_ROWS, TIED, Arch, arch_of  # noqa: F401 (TIED re-exported)
 
 
 #: the sizes of a transformers config the engine reads, by their names there
@@ -22,7 +25,7 @@ HF_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 
 @dataclass(frozen=True, kw_only=True)
 class Dims:
-    """The numbers of a Qwen2 config the engine needs, validated once."""
+    """The numbers of a dense model's config the engine needs, validated once."""
 
     vocab_size: int
     hidden_size: int
@@ -36,8 +39,13 @@ class Dims:
     rope_theta: float
     #: one parameter, ``model.embed_tokens.weight``, is both the embedding and lm_head
     tie_word_embeddings: bool = False
+    #: the architecture (:data:`colo.models.arch.ARCHS`): its bias, q/k norms and name tables
+    model_type: str = "qwen2"
 
     def __post_init__(self) -> None:
+        if self.model_type not in ARCHS:
+            raise ValueError(f"model_type {self.model_type!r} is not an architecture colo supports; "
+                             f"supported: {', '.join(ARCHS)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "intermediate_size", "max_positions"):
             value = getattr(self, name)
@@ -55,8 +63,11 @@ class Dims:
 
     @classmethod
     def from_config(cls, config: Any) -> Dims:
-        """Read a dense ``transformers.Qwen2Config``, refusing what this engine does not
-        implement (:func:`dims_from_config` chooses the class for any config)."""
+        """Read a dense config (Qwen2, Qwen3, Llama: a transformers config or its ``to_dict()``
+        read as attributes), refusing an architecture colo's table does not have
+        (``UnsupportedArchitecture``) and what this engine does not implement
+        (:func:`dims_from_config` chooses the class for any config)."""
+        arch = arch_of(config)
         unsupported = []
         if getattr(config, "use_sliding_window", False):
             unsupported.append("use_sliding_window=True")
@@ -80,14 +91,31 @@ class Dims:
             value = theta if name == "rope_theta" else config.rms_norm_eps
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Qwen3's head_dim is its own field (128 by default), not hidden / heads
+        head_dim = (getattr(config, "head_dim", None) or arch.default_head_dim
+                    or config.hidden_size // config.num_attention_heads)
         return cls(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                    num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
                    num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
                    intermediate_size=config.intermediate_size,
                    max_positions=config.max_position_embeddings,
                    rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(theta),
-                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+                   tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+                   model_type=arch.model_type)
+
+    @property
+    def arch(self) -> Arch:
+        return ARCHS[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q/k/v carry a bias (``qkv_proj.bias``): Qwen2."""
+        return self.arch.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """q and k are RMS-normalised per head before the rotary embedding: Qwen3."""
+        return self.arch.qk_norm
 
     @property
     def q_rows(self) -> int:
@@ -98,50 +126,18 @@ class Dims:
         return self.num_kv_heads * self.head_dim
 
     def tables(self) -> tuple[tuple, tuple, tuple]:
-        """The name tables (head, per layer, tail) of this model; a MoE's are its own."""
-        return HEAD_TABLE, LAYER_TABLE, TAIL_TABLE
+        """The name tables (head, per layer, tail) of this model's architecture."""
+        return HEAD_ROWS, self.arch.layer_rows(getattr(self, "num_experts", None)), TAIL_ROWS
 
     def slot_bytes(self, dtype: DTypeLike) -> int:
         """Bytes one token occupies in the KV pool: K and V, every layer."""
         return self.num_layers * 2 * self.kv_rows * itemsize(dtype_name(dtype))
 
 
-# ---------------------------------------------------------------------------
-# The name map
-
-#: Per decoder layer: engine parameter suffix, its HF parts in row order as
-#: (HF suffix, the ``Dims`` attribute giving that part's rows), and the
-#: ``Dims`` attributes of the trailing dimensions every part shares. A 1:1
-#: parameter is a fusion of one part. Row blocks follow SGLang's layout:
-#: qkv_proj = [q; k; v], gate_up_proj = [gate; up].
-LAYER_TABLE: tuple[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], ...] = (
-    ("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", "q_rows"),
-                                   ("self_attn.k_proj.weight", "kv_rows"),
-                                   ("self_attn.v_proj.weight", "kv_rows")), ("hidden_size",)),
-    ("self_attn.qkv_proj.bias", (("self_attn.q_proj.bias", "q_rows"),
-                                 ("self_attn.k_proj.bias", "kv_rows"),
-                                 ("self_attn.v_proj.bias", "kv_rows")), ()),
-    ("self_attn.o_proj.weight", (("self_attn.o_proj.weight", "hidden_size"),), ("q_rows",)),
-    ("mlp.gate_up_proj.weight", (("mlp.gate_proj.weight", "intermediate_size"),
-                                 ("mlp.up_proj.weight", "intermediate_size")), ("hidden_size",)),
-    ("mlp.down_proj.weight", (("mlp.down_proj.weight", "hidden_size"),), ("intermediate_size",)),
-    ("input_layernorm.weight", (("input_layernorm.weight", "hidden_size"),), ()),
-    ("post_attention_layernorm.weight", (("post_attention_layernorm.weight", "hidden_size"),), ()),
-)
-#: Outside the layers, in the order the engine's parameters are kept (and hashed).
-HEAD_TABLE = (("model.embed_tokens.weight", (("model.embed_tokens.weight", "vocab_size"),), ("hidden_size",)),)
-TAIL_TABLE = (
-    ("model.norm.weight", (("model.norm.weight", "hidden_size"),), ()),
-    ("lm_head.weight", (("lm_head.weight", "vocab_size"),), ("hidden_size",)),
-)
-#: With tied word embeddings: HF name -> the engine parameter that already holds
-#: its tensor. Such a name has no parameter of its own and is not accepted in a sync.
-TIED = {"lm_head.weight": "model.embed_tokens.weight"}
-
-
 def is_moe_config(config: Any) -> bool:
-    """A Qwen3-MoE config, or its ``to_dict()`` read as attributes (the engine's build)."""
-    return getattr(config, "model_type", None) == "qwen3_moe"
+    """A MoE config (Qwen3-MoE), or its ``to_dict()`` read as attributes (the engine's build);
+    a config of an architecture colo does not have is refused here (``UnsupportedArchitecture``)."""
+    return arch_of(config).moe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,9 +165,8 @@ class MoEDims(Dims):
         """Read a ``transformers.Qwen3MoeConfig``, refusing what this engine does not implement."""
         import types
 
+        arch_of(config)  # the architecture table refuses an attention bias (UnsupportedArchitecture)
         unsupported = []
-        if getattr(config, "attention_bias", False):
-            unsupported.append("attention_bias=True")
         if getattr(config, "mlp_only_layers", None):
             unsupported.append(f"mlp_only_layers={list(config.mlp_only_layers)} (every layer must be sparse)")
         if getattr(config, "decoder_sparse_step", 1) != 1:
@@ -187,7 +182,7 @@ class MoEDims(Dims):
             raise ValueError("engine MoE model does not support " + "; ".join(unsupported))
         # the attention and the rest read as a dense model's, whose MLP width is an expert's
         dense = types.SimpleNamespace(**{k: getattr(config, k, None) for k in (
-            "use_sliding_window", "hidden_act", "rope_parameters", "rope_theta", "head_dim", "vocab_size",
+            "model_type", "use_sliding_window", "hidden_act", "rope_parameters", "rope_theta", "head_dim", "vocab_size",
             "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")})
         dense.hidden_act = dense.hidden_act or "silu"
@@ -197,30 +192,11 @@ class MoEDims(Dims):
         return cls(**fields, num_experts=int(experts), top_k=int(config.num_experts_per_tok),
                    norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)))
 
-    def tables(self) -> tuple[tuple, tuple, tuple]:
-        e = range(self.num_experts)
-        layer = (
-            ("self_attn.qkv_proj.weight", (("self_attn.q_proj.weight", "q_rows"),
-                                           ("self_attn.k_proj.weight", "kv_rows"),
-                                           ("self_attn.v_proj.weight", "kv_rows")), ("hidden_size",)),
-            ("self_attn.o_proj.weight", (("self_attn.o_proj.weight", "hidden_size"),), ("q_rows",)),
-            ("self_attn.q_norm.weight", (("self_attn.q_norm.weight", "head_dim"),), ()),
-            ("self_attn.k_norm.weight", (("self_attn.k_norm.weight", "head_dim"),), ()),
-            ("mlp.gate.weight", (("mlp.gate.weight", "num_experts"),), ("hidden_size",)),
-            ("mlp.experts.w13_weight", tuple(p for i in e for p in (
-                (f"mlp.experts.{i}.gate_proj.weight", "intermediate_size"),
-                (f"mlp.experts.{i}.up_proj.weight", "intermediate_size"))), ("hidden_size",)),
-            ("mlp.experts.w2_weight", tuple((f"mlp.experts.{i}.down_proj.weight", "hidden_size") for i in e),
-             ("intermediate_size",)),
-            ("input_layernorm.weight", (("input_layernorm.weight", "hidden_size"),), ()),
-            ("post_attention_layernorm.weight", (("post_attention_layernorm.weight", "hidden_size"),), ()),
-        )
-        return HEAD_TABLE, layer, TAIL_TABLE
-
 
 def dims_from_config(config: Any) -> Dims:
     """The ``Dims`` of ``config`` (a ``transformers`` config or its ``to_dict()`` read as
-    attributes): :class:`MoEDims` for a Qwen3-MoE, else the dense :class:`Dims`."""
+    attributes): :class:`MoEDims` for a Qwen3-MoE, else the dense :class:`Dims`; an
+    architecture colo's table does not have is refused (``UnsupportedArchitecture``)."""
     if isinstance(config, Dims):
         return config
     return MoEDims.from_config(config) if is_moe_config(config) else Dims.from_config(config)

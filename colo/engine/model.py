@@ -1,4 +1,7 @@
-"""The engine's own Qwen2: the same math as Hugging Face's, with fused parameters.
+"""The engine's own dense decoder (Qwen2, Qwen3, Llama): the same math as Hugging Face's,
+with fused parameters. What differs between them (Qwen2's q/k/v bias, Qwen3's per-head
+q/k norms and its own head_dim) is read from the architecture table
+(:mod:`colo.models.arch`) through the ``Dims`` the model is built on.
 
 Like SGLang's and vLLM's model files, q/k/v live in one ``qkv_proj`` and
 gate/up in one ``gate_up_proj``; the loader maps each trainer (HF) tensor to
@@ -144,7 +147,7 @@ class _LoadDigest:
 
 
 class EngineModel:
-    """Qwen2 forward, batched generation over a preallocated KV pool, and a sync loader.
+    """The dense forward, batched generation over a preallocated KV pool, and a sync loader.
 
     Parameters are plain tensors in a dict rather than an ``nn.Module`` so
     that releasing the ``weights`` region drops every reference at once and
@@ -164,6 +167,8 @@ class EngineModel:
         if not self.dtype.is_floating_point:
             raise ValueError(f"engine dtype must be a floating point dtype, got {dtype_name(self.dtype)}")
         self.device = torch.device(device)
+        # the architecture's attention (colo.models.arch), read once rather than per layer
+        self._qkv_bias, self._qk_norm = self.dims.qkv_bias, self.dims.qk_norm
         self.map = WeightMap.build(self.dims)
         # What a sync delivers (HF names and full shapes) and the token ids accepted:
         # the same as the parameters here; a tensor-parallel rank holds a slice of each.
@@ -533,15 +538,21 @@ class EngineModel:
         return self._rmsnorm(h, p["model.norm.weight"])
 
     def _qkv(self, pre: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One layer's q, k, v as ``[B, heads, T, head_dim]``, before the rotary embedding
-        (Qwen2: one fused projection with bias; the MoE model adds its per-head norms)."""
+        """One layer's q, k, v as ``[B, heads, T, head_dim]``, before the rotary embedding: one
+        fused projection, with a bias where the architecture has one (Qwen2), then an RMSNorm
+        over each head's head_dim of q and of k where it has them (Qwen3, Qwen3-MoE), as
+        transformers' attention of each does (:mod:`colo.models.arch` says which)."""
         p, d = self._params, self.dims
         b, t, _ = x.shape
-        qkv = F.linear(x, p[pre + "self_attn.qkv_proj.weight"], p[pre + "self_attn.qkv_proj.bias"])
-        q, k, v = qkv.split((d.q_rows, d.kv_rows, d.kv_rows), dim=-1)
-        return (q.view(b, t, d.num_heads, d.head_dim).transpose(1, 2),
-                k.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2),
-                v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2))
+        bias = p[pre + "self_attn.qkv_proj.bias"] if self._qkv_bias else None
+        q, k, v = F.linear(x, p[pre + "self_attn.qkv_proj.weight"], bias).split((d.q_rows, d.kv_rows, d.kv_rows),
+                                                                                 dim=-1)
+        q = q.view(b, t, d.num_heads, d.head_dim)
+        k = k.view(b, t, d.num_kv_heads, d.head_dim)
+        if self._qk_norm:
+            q = self._rmsnorm(q, p[pre + "self_attn.q_norm.weight"])
+            k = self._rmsnorm(k, p[pre + "self_attn.k_norm.weight"])
+        return q.transpose(1, 2), k.transpose(1, 2), v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
 
     def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
         """One layer's MLP on ``[B, T, H]``: this rank's partial sum (the whole at TP=1)."""

@@ -47,21 +47,12 @@ from colo.engine.tp import TPEngineCore, TPEngineModel
 
 
 class _MoEForward:
-    """What Qwen3-MoE changes in ``EngineModel``'s forward: the attention projection (no bias,
-    per-head q/k norms) and the sparse block in place of the MLP. The rest (embedding, rotary,
-    KV pool, reduce, lm_head) is the dense model's, whole or one TP rank's shard when mixed
-    into ``TPEngineModel``."""
+    """What Qwen3-MoE changes in ``EngineModel``'s forward: the sparse block in place of the
+    MLP. The rest (its attention, without bias and with per-head q/k norms, as the
+    architecture table says; embedding, rotary, KV pool, reduce, lm_head) is the dense
+    model's, whole or one TP rank's shard when mixed into ``TPEngineModel``."""
 
     dims: MoEDims
-
-    def _qkv(self, pre: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """No projection bias; Qwen3's RMSNorm over each head's head_dim, before the rotary embedding."""
-        p, d = self._params, self.dims
-        b, t, _ = x.shape
-        q, k, v = F.linear(x, p[pre + "self_attn.qkv_proj.weight"]).split((d.q_rows, d.kv_rows, d.kv_rows), dim=-1)
-        q = self._rmsnorm(q.view(b, t, d.num_heads, d.head_dim), p[pre + "self_attn.q_norm.weight"])
-        k = self._rmsnorm(k.view(b, t, d.num_kv_heads, d.head_dim), p[pre + "self_attn.k_norm.weight"])
-        return q.transpose(1, 2), k.transpose(1, 2), v.view(b, t, d.num_kv_heads, d.head_dim).transpose(1, 2)
 
     def _mlp(self, pre: str, x: torch.Tensor) -> torch.Tensor:
         """The sparse block in place of the dense MLP, on the tokens flattened."""

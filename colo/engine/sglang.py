@@ -14,7 +14,8 @@ colo                              SGLang (``sglang.Engine`` method / HTTP route,
                                   ``release_memory_occupation(tags)``
 ``resume(tags)``                  ``resume_memory_occupation(tags)``
 ``flush_cache()``                 ``flush_cache()``; a refusal (requests running) is an error
-``preflight(specs)``              nothing sent: checked here against SGLang's Qwen2 names
+``preflight(specs)``              nothing sent: checked here against the names SGLang's
+                                  loader of the architecture takes (Qwen2, Qwen3, Llama)
 ``begin_load()``                  ``begin_weight_update(selector="target")``
 ``transport_load("sglang", r)``   ``update_weights_from_tensor`` with ``load_format=
                                   "flattened_bucket"``, one payload per TP rank
@@ -80,7 +81,8 @@ from colo.core.errors import BadInput, EngineDied, EngineError, EngineStateError
 from colo.core.interfaces import EngineCapabilities, RolloutResult, SyncContext, TensorSpec
 from colo.digest import ReceivedDigest
 from colo.dtypes import dtype_name
-from colo.engine.dims import Dims, is_moe_config
+from colo.engine.dims import Dims
+from colo.models.arch import ARCHS, arch_of
 from colo.engine.kit import check_tags
 from colo.engine.weights import WeightMap, _check_specs
 from colo.tasks import RolloutTask, roll_out
@@ -110,26 +112,31 @@ class SglangModel:
     """What colo checks a sync against before any request: the HF config SGLang serves,
     its tensor-parallel size and its dtype.
 
-    SGLang's Qwen2 loader (``sglang/srt/models/qwen2.py``) takes the HF names and fuses
-    q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``, as colo's own engine
-    does; a name it has no parameter for it drops with a log warning, so colo refuses
-    it here, by name. Its attention asserts that the TP size divides the heads."""
+    SGLang's loaders for the dense architectures colo's table gives a model file to
+    (:data:`colo.models.arch.ARCHS`' ``sglang``: ``sglang/srt/models/qwen2.py``,
+    ``qwen3.py``, ``llama.py``) take the HF names and fuse q/k/v into ``qkv_proj`` and
+    gate/up into ``gate_up_proj``, as colo's own engine does (Qwen3's q/k norms are
+    parameters of their own); a name they have no parameter for they drop with a log
+    warning, so colo refuses it here, by name. Their attention asserts that the TP size
+    divides the heads."""
 
     def __init__(self, config: Any, *, tp_size: int = 1, dtype: Any = "bfloat16"):
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise BadInput(f"SGLang tp_size must be a positive integer, got {tp_size!r}")
-        kind = getattr(config, "model_type", None)
-        if is_moe_config(config) or kind not in ("qwen2", None):
-            raise BadInput(f"colo's SGLang engine checks names against SGLang's Qwen2 loader only; "
-                           f"this config is model_type={kind!r}")
+        arch = arch_of(config)  # UnsupportedArchitecture (bad input) names what the table has
+        if arch.sglang is None:
+            checked = [a.model_type for a in ARCHS.values() if a.sglang]
+            raise BadInput(f"colo's SGLang engine checks names against SGLang's loaders of "
+                           f"{', '.join(checked)} only; this config is model_type={arch.model_type!r}")
         try:
             dims = Dims.from_config(config)
         except ValueError as e:
             raise BadInput(f"SGLang model config refused: {e}") from None
         heads, kv, inter = dims.num_heads, dims.num_kv_heads, dims.intermediate_size
         wrong = []
-        # sglang/srt/models/qwen2.py Qwen2Attention: total_num_heads % tp_size == 0; KV heads are
-        # split when there are at least tp_size of them, else replicated (tp_size % kv == 0)
+        # SGLang's attention (Qwen2Attention, Qwen3Attention, LlamaAttention): total_num_heads %
+        # tp_size == 0; KV heads are split when there are at least tp_size of them, else
+        # replicated (tp_size % kv == 0)
         if heads % tp_size:
             wrong.append(f"num_attention_heads {heads} is not a multiple of tp_size {tp_size}")
         if kv >= tp_size and kv % tp_size:
@@ -143,13 +150,14 @@ class SglangModel:
         if wrong:
             raise BadInput("SGLang cannot shard this model: " + "; ".join(wrong))
         self.config, self.tp_size, self.dtype = config, tp_size, dtype_name(dtype)
+        self.arch = arch
         self.weights = WeightMap.build(dims)
 
     def check_specs(self, specs: Sequence[TensorSpec]) -> None:
         """Every HF name exactly once, each one SGLang's loader has a parameter for, with
         its shape and the served dtype: one ``WeightMismatch`` naming all that is wrong."""
         _check_specs(self.weights, ((s.name, s.shape, s.dtype) for s in specs), self.dtype,
-                     "SGLang's Qwen2 loader cannot take this sync")
+                     f"SGLang's {self.arch.model_type} loader ({self.arch.sglang}) cannot take this sync")
 
 
 # -- the payload ------------------------------------------------------------------------------

@@ -253,10 +253,16 @@ class VllmEngine:
     @classmethod
     async def start(cls, model: str, *, task: RolloutTask | None = None, processes: bool = False,
                     **llm_kwargs: Any) -> VllmEngine:
-        """An ``LLM`` on ``model`` (a local directory of safetensors files) with colo's worker
-        extension and backend; ``processes``: vLLM's own engine-core and worker processes
-        (else all in this process). ``llm_kwargs`` go to ``vllm.LLM``."""
+        """An ``LLM`` on ``model`` (a local Hugging Face checkpoint directory: config.json and
+        safetensors files, of an architecture of :mod:`colo.models.arch`, checked before vLLM
+        starts) with colo's worker extension and backend; ``processes``: vLLM's own engine-core
+        and worker processes (else all in this process). ``llm_kwargs`` go to ``vllm.LLM``."""
         check_version(installed_version())
+        from colo.models.checkpoint import inspect
+
+        # a directory that is missing, not a Hugging Face checkpoint, of an architecture colo's
+        # table lacks, or whose tensors are not its config's: refused in one line, before vLLM starts
+        inspect(model)
         if not processes:
             # vLLM reads both when it builds the engine: one process, one executor
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -298,6 +304,7 @@ class VllmEngine:
             return api.call("rpc", "colo_hello", ())[0]
 
         reply = await anyio.to_thread.run_sync(hello)
+        _check_layout(reply)
         frees, note = _sleep_report(llm)
         return cls(api, reply, task=task, frees_memory=frees, note=note, probe="logprobs")
 
@@ -320,6 +327,7 @@ class VllmEngine:
             return reply
 
         hello = await anyio.to_thread.run_sync(hello)
+        _check_layout(hello)
         # the server's platform is not ours to ask: the worker reports where it runs
         frees = str(hello.get("device", "cpu")).startswith("cuda")
         note = "" if frees else (f"the vLLM server's worker runs on {hello.get('device')}: vLLM's sleep mode "
@@ -515,6 +523,16 @@ class VllmEngine:
         self.closed = True
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._api.shutdown)
+
+
+def _check_layout(hello: dict) -> None:
+    """Refuse a vLLM whose model colo's architecture table does not describe (another
+    architecture, or a checkpoint whose tensors are not its config's), as its worker reports."""
+    from colo.models.arch import arch_of
+
+    arch_of({"model_type": hello.get("model_type")}, what="the model vLLM serves")
+    if hello.get("layout_problem"):
+        raise BadInput(str(hello["layout_problem"]))
 
 
 def _sleep_report(llm: Any) -> tuple[bool, str]:

@@ -21,8 +21,10 @@ What it adds for vLLM is its sink (:class:`VllmSink`):
 - everything it is given is copied into its own memory first: layerwise reload
   keeps the tensors until a whole layer has arrived, after the sender has
   reused its staging buffer;
-- names and shapes are checked against the checkpoint vLLM loaded (its
-  safetensors headers) before anything loads, and a failed load puts back
+- names and shapes are checked before anything loads against the tensors colo's
+  architecture table gives for the model vLLM serves (:mod:`colo.models.arch`), which
+  must be exactly the checkpoint's (its safetensors headers; ``colo_hello`` reports a
+  difference and the driver refuses the engine), and a failed load puts back
   the old tensors of half-loaded layers (vLLM would leave them on the ``meta``
   device and the engine unable to generate);
 - with tied word embeddings the embedding is also loaded under the tied
@@ -51,11 +53,12 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from colo.core.errors import EngineStateError, WeightMismatch
+from colo.core.errors import EngineStateError, UnsupportedArchitecture, WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.digest import ReceivedDigest
 from colo.dtypes import dtype_name
 from colo.engine.kit import EngineKit, LoadSession, PieceAssembler
+from colo.models.arch import hf_shapes
 from colo.transports.wire import Piece
 
 BACKEND = "colo"
@@ -100,6 +103,27 @@ def checkpoint_specs(model_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     return out
 
 
+def _layout_problem(hf_config: Any, on_disk: dict[str, tuple[int, ...]]) -> str | None:
+    """Why the checkpoint vLLM loaded is not what colo's architecture table gives for its
+    config, in one line; None when they agree."""
+    from colo.models.checkpoint import NOT_WEIGHTS
+
+    try:
+        want = hf_shapes(hf_config, what="the model vLLM serves")
+    except (UnsupportedArchitecture, ValueError) as e:
+        return str(e)
+    weights = {n: s for n, s in on_disk.items() if not n.endswith(NOT_WEIGHTS)}
+    missing = [n for n in want if n not in weights]
+    extra = [n for n in weights if n not in want]
+    wrong = [f"{n} {weights[n]} (expected {s})" for n, s in want.items() if n in weights and weights[n] != s]
+    parts = [f"{label} {', '.join(items[:4])}" + (f" and {len(items) - 4} more" if len(items) > 4 else "")
+             for label, items in (("missing", missing), ("unexpected", extra), ("wrong shape:", wrong)) if items]
+    if not parts:
+        return None
+    return (f"the checkpoint vLLM loaded is not what colo's {getattr(hf_config, 'model_type', '?')} table "
+            f"gives for its config: " + "; ".join(parts))
+
+
 class VllmSink:
     """vLLM's model as the kit's :class:`~colo.engine.kit.WeightSink` (see the module docstring)."""
 
@@ -110,8 +134,13 @@ class VllmSink:
 
         #: alias -> canonical HF name (``lm_head.weight`` -> ``model.embed_tokens.weight``)
         self.tied: dict[str, str] = dict(_get_tied_embedding_params(model))
-        self.shapes = {n: shape for n, (shape, _) in checkpoint_specs(model_config.model).items()
-                       if n not in self.tied}
+        on_disk = {n: shape for n, (shape, _) in checkpoint_specs(model_config.model).items() if n not in self.tied}
+        #: why colo's table and this checkpoint disagree (None: they agree); the driver refuses
+        #: the engine on it at hello (raising here would fail vLLM's start with no word of why)
+        self.layout_problem = _layout_problem(model_config.hf_config, on_disk)
+        #: what a sync must deliver: the table's names (a checkpoint's buffers, such as an old
+        #: rotary_emb.inv_freq, are no weights), else the checkpoint's until the driver refuses
+        self.shapes = on_disk if self.layout_problem else hf_shapes(model_config.hf_config)
         self.session: LoadSession | None = None
         self.received = ReceivedDigest()
         self._pieces = PieceAssembler()
@@ -317,7 +346,9 @@ class ColoWorkerExtension:
               if isinstance(t, torch.Tensor)}
         return {"specs": [[s.name, list(s.shape), s.dtype] for s in sink.expected_specs()],
                 "tied": dict(sink.tied), "device": str(sink.device), "pid": os.getpid(),
-                "kv_cache_bytes": sum(kv.values())}
+                "kv_cache_bytes": sum(kv.values()),
+                "model_type": getattr(sink.model_config.hf_config, "model_type", None),
+                "layout_problem": sink.layout_problem}
 
     def colo_preflight(self, specs: Any = None, key: Any = None) -> dict:
         return self._colo().kit.preflight(_json(specs), key)

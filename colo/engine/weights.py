@@ -21,6 +21,7 @@ from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.digest import expected_weights_digest, weights_digest
 from colo.engine.dims import TIED, Dims, dims_from_config
+from colo.models.arch import expand
 
 
 @dataclass(frozen=True)
@@ -44,30 +45,14 @@ class WeightMap:
 
     @classmethod
     def build(cls, dims: Dims) -> WeightMap:
+        """The map of ``dims``' architecture (its name tables, :mod:`colo.models.arch`)."""
         params: dict[str, tuple[int, ...]] = {}
         shards: dict[str, Shard] = {}
-        tied = dict(TIED) if dims.tie_word_embeddings else {}
-
-        def add(table, prefix: str) -> None:
-            for suffix, parts, trailing in table:
-                name = prefix + suffix
-                if name in tied:
-                    continue
-                tail = tuple(getattr(dims, a) for a in trailing)
-                offset = 0
-                for hf_suffix, rows_attr in parts:
-                    rows = getattr(dims, rows_attr)
-                    hf_name = prefix + hf_suffix
-                    shards[hf_name] = Shard(hf_name, name, offset, (rows, *tail))
-                    offset += rows
-                params[name] = (offset, *tail)
-
-        head, layer_table, tail = dims.tables()
-        add(head, "")
-        for layer in range(dims.num_layers):
-            add(layer_table, f"model.layers.{layer}.")
-        add(tail, "")
-        return cls(params, shards, tied)
+        for name, shape, parts in expand(dims.tables(), dims, dims.num_layers, tied=dims.tie_word_embeddings):
+            params[name] = shape
+            for hf_name, offset, hf_shape in parts:
+                shards[hf_name] = Shard(hf_name, name, offset, hf_shape)
+        return cls(params, shards, dict(TIED) if dims.tie_word_embeddings else {})
 
     def lm_head(self) -> str:
         """The engine parameter the logits are computed with."""

@@ -194,7 +194,7 @@ class RankHost:
         from colo.transports import make_transport
 
         s = self.spec
-        self.model_config = config_from_dict(s.model_config)  # Qwen2, or Qwen3-MoE by its model_type
+        self.model_config = config_from_dict(s.model_config)  # the class its model_type names
         self._join_trainer_group()
         self.trainer, self.saver = self._build_trainer()
         self.task = make_task(**s.task)

@@ -10,12 +10,14 @@ what the demo verifies a sync against:
 - ``num_params()`` — parameters in the full model.
 
 ``build(kind, ...)`` returns ``(trainer, saver)``; ``saver`` is the memory
-saver holding the trainer's regions on a GPU, or ``None``.
+saver holding the trainer's regions on a GPU, or ``None``. A trainer starts from a
+local Hugging Face checkpoint (``checkpoint=DIR``) or from random weights of a config.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 #: name -> "module:function"; a trainer's module (and its framework) is
@@ -27,9 +29,18 @@ BUILDERS = {
 }
 
 
-def build(kind: str, *, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[Any, Any]:
-    """``param_dtype``: the trainer's parameters' dtype; None: on a GPU the engine's (bf16
+def build(kind: str, *, model_config: Any = None, seed: int = 0, engine_dtype: str, device: str,
+          param_dtype: str | None = None, optimizer_state: bool = True,
+          checkpoint: str | os.PathLike | None = None) -> tuple[Any, Any]:
+    """The trainer ``kind``, starting from either a local Hugging Face checkpoint directory
+    (``checkpoint``: transformers' ``from_pretrained``, nothing downloaded; megatron loads
+    those tensors into megatron-core through its name rules) or a model of ``model_config``
+    initialised at random from ``seed``: exactly one of the two. The architecture is one of
+    :mod:`colo.models.arch` (another is refused, ``UnsupportedArchitecture``); a checkpoint
+    that is missing, not a Hugging Face directory, or whose tensors differ from its config
+    is refused (``CheckpointError``), before any process group or device memory is touched.
+
+    ``param_dtype``: the trainer's parameters' dtype; None: on a GPU the engine's (bf16
     parameters, fp32 master weights in the optimizer), on the CPU float32
     (:func:`colo.trainers.base.param_dtype_for`). ``optimizer_state=False``: the
     optimizer's state is not made (on a GPU, no ``trainer.optimizer`` region): a trainer
@@ -39,7 +50,20 @@ def build(kind: str, *, model_config: Any, seed: int, engine_dtype: str, device:
         target = BUILDERS[kind]
     except (KeyError, TypeError):
         raise ValueError(f"unknown trainer {kind!r}; expected one of {', '.join(BUILDERS)}") from None
+    if (model_config is None) == (checkpoint is None):
+        raise ValueError("a trainer starts from model_config (random weights from seed) or from checkpoint "
+                         "(a local Hugging Face directory): give exactly one")
+    if checkpoint is not None:
+        from colo.trainers.models import checkpoint_config
+
+        # checked here, for every kind, before a builder starts a process group or a memory region
+        model_config = checkpoint_config(checkpoint)
+        checkpoint = os.fspath(checkpoint)
+    else:
+        from colo.models.arch import arch_of
+
+        arch_of(model_config)
     module, fn = target.split(":")
     return getattr(importlib.import_module(module), fn)(
         model_config=model_config, seed=seed, engine_dtype=engine_dtype, device=device, param_dtype=param_dtype,
-        optimizer_state=optimizer_state)
+        optimizer_state=optimizer_state, checkpoint=checkpoint)

@@ -1,7 +1,7 @@
 """The FSDP2 trainer: the reference trainer's model, optimizer and step, with ``fully_shard``.
 
-Every decoder layer and then the root of the demo's ``Qwen2ForCausalLM`` are
-wrapped with ``torch.distributed.fsdp.fully_shard``: each parameter becomes a
+Every decoder layer and then the root of the transformers model (a local checkpoint's,
+or the demo's ``Qwen2ForCausalLM``) are wrapped with ``torch.distributed.fsdp.fully_shard``: each parameter becomes a
 DTensor sharded on dim 0 over the data-parallel mesh, the forward and backward
 all-gather and reduce-scatter, and AdamW steps the local shards. The REINFORCE
 step and the AdamW configuration are :class:`~colo.trainers.hf.ReferenceTrainer`'s.
@@ -261,7 +261,8 @@ class _OwnedProcessGroup:
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[FSDPTrainer, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True,
+          checkpoint: str | None = None) -> tuple[FSDPTrainer, Any]:
     """The FSDP2 trainer over the default process group (started here, one rank, if
     none exists: the caller must then call ``trainer.close()``).
 
@@ -273,12 +274,14 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     On a GPU the shards and AdamW's state live in memory-saver regions with a
     pinned host backup, so offload and onload are real pauses (as in
     :func:`colo.trainers.hf.build`). ``optimizer_state=False``: AdamW's state is left
-    unmade (a trainer that only syncs: :mod:`colo.apps.bench_trainers`).
+    unmade (a trainer that only syncs: :mod:`colo.apps.bench_trainers`). ``checkpoint``: the
+    model sharded is that local Hugging Face directory's (``from_pretrained``, every rank
+    reading it), not ``model_config``'s at random.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from colo.trainers.base import param_dtype_for
-    from colo.trainers.models import build_trainer_model
+    from colo.trainers.models import initial_model
     from colo.trainers.precision import cast_parameters
 
     if device not in ("cpu", "cuda"):
@@ -293,14 +296,14 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     try:
         mesh = init_device_mesh(device, (dist.get_world_size(),))
         if saver is None:
-            model = shard(cast_parameters(build_trainer_model(model_config, seed), dtype), mesh)
+            model = shard(cast_parameters(initial_model(model_config, seed, checkpoint), dtype), mesh)
             return FSDPTrainer(model, engine_dtype=engine_dtype, group=group), None
         from colo.device.cuda_memory import TrainerMemory
 
         # fully_shard moves each group's parameters to the GPU and copies them
         # into their shards here: the shards are the region's allocations.
         with saver.region("trainer.weights", cpu_backup=True):
-            model = shard(cast_parameters(build_trainer_model(model_config, seed), dtype), mesh)
+            model = shard(cast_parameters(initial_model(model_config, seed, checkpoint), dtype), mesh)
         trainer = FSDPTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver), group=group)
         if optimizer_state:
             with saver.region("trainer.optimizer", cpu_backup=True):

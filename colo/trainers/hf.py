@@ -1,4 +1,5 @@
-"""The reference trainer: a small HF Qwen2 policy, AdamW, and a REINFORCE step.
+"""The reference trainer: a transformers policy (a local checkpoint, or the demo's small
+Qwen2), AdamW, and a REINFORCE step.
 
 It is a ``TrainerSide``: its weights and optimizer state are the
 ``trainer.weights`` and ``trainer.optimizer`` tags, its extractor hands full
@@ -147,7 +148,8 @@ def _data_parallel_world() -> Any:
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
-          param_dtype: str | None = None, optimizer_state: bool = True) -> tuple[ReferenceTrainer, Any]:
+          param_dtype: str | None = None, optimizer_state: bool = True,
+          checkpoint: str | None = None) -> tuple[ReferenceTrainer, Any]:
     """The reference trainer, its parameters in ``param_dtype``
     (:func:`~colo.trainers.base.param_dtype_for`: on a GPU the engine's, with fp32
     master weights in the optimizer).
@@ -162,28 +164,29 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     :mod:`colo.apps.bench_trainers`).
 
     With torch.distributed initialised over N > 1 ranks, this rank of an
-    N-rank data-parallel trainer (see the module docstring)."""
-    from colo.trainers.models import build_trainer_model
+    N-rank data-parallel trainer (see the module docstring). ``checkpoint``: the model is
+    that local Hugging Face directory's (``from_pretrained``), not ``model_config``'s at random."""
+    from colo.trainers.models import initial_model
     from colo.trainers.precision import cast_parameters
 
     dtype = param_dtype_for(param_dtype, engine_dtype, device)
     group = _data_parallel_world()
     one_copy = group is None and dtype == getattr(torch, engine_dtype)
     if device == "cpu":
-        model = cast_parameters(build_trainer_model(model_config, seed), dtype)
+        model = cast_parameters(initial_model(model_config, seed, checkpoint), dtype)
         flat = _adopt(model, "cpu") if one_copy else None
         return ReferenceTrainer(model, engine_dtype=engine_dtype, dp_group=group, flat_weights=flat), None
     from colo.device.cuda_memory import Saver, TrainerMemory
 
     saver = Saver()
     if one_copy:
-        model = cast_parameters(build_trainer_model(model_config, seed), dtype).to("cuda")
+        model = cast_parameters(initial_model(model_config, seed, checkpoint), dtype).to("cuda")
         flat = _adopt(model, "cuda")
         memory = TrainerMemory(saver, flats={"weights": flat})
     else:
         flat = None
         with saver.region("trainer.weights", cpu_backup=True):
-            model = cast_parameters(build_trainer_model(model_config, seed), dtype).to("cuda")
+            model = cast_parameters(initial_model(model_config, seed, checkpoint), dtype).to("cuda")
         memory = TrainerMemory(saver)
     trainer = ReferenceTrainer(model, engine_dtype=engine_dtype, memory_backend=memory, dp_group=group,
                                flat_weights=flat)

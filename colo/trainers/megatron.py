@@ -1,9 +1,13 @@
-"""A trainer backed by a real megatron-core ``GPTModel`` in the Qwen2 layout: one rank of TP=N (PP=1).
+"""A trainer backed by a real megatron-core ``GPTModel`` in the layout of a dense Qwen2, Qwen3 or
+Llama: one rank of TP=N (PP=1).
 
 The model is megatron-core's own: the local layer spec
 (``get_gpt_layer_local_spec``), RMSNorm, SwiGLU (``gated_linear_unit`` with
-silu), grouped-query attention with a bias on the fused ``linear_qkv``,
-rotary positions, and an output layer of its own unless the config ties it.
+silu), grouped-query attention, rotary positions, and an output layer of its own
+unless the config ties it; what the architecture adds (:mod:`colo.models.arch`) is
+megatron-core's option for it: Qwen2's bias on the fused ``linear_qkv``
+(``add_qkv_bias``), Qwen3's per-head q/k RMSNorm (``qk_layernorm``) and its own head_dim
+(``kv_channels``).
 The REINFORCE loss is computed from ``GPTModel.forward``; the step is the
 reference trainer's (:class:`colo.trainers.hf.ReferenceTrainer`): same
 advantage, same AdamW, same learning rate and gradient clip.
@@ -14,9 +18,12 @@ the same code a multi-rank Megatron trainer syncs through: fused QKV split per
 query group, ``[gate; up]`` split, Hugging Face names.
 
 The weights start as the reference trainer's do for the same seed (a Hugging
-Face Qwen2 initialisation, written into the Megatron layout): ``--trainer
-megatron`` and ``--trainer hf`` begin from the same policy, and a test checks
-one step of each against the other.
+Face initialisation, written into the Megatron layout), or as a local Hugging Face
+checkpoint holds them (``checkpoint=``: transformers reads the directory, and its
+tensors are written into the Megatron layout by :func:`megatron_from_hf`, the inverse
+of the extractor's ``LLAMA_RULES``; what the extractor reads back must be exactly
+them): ``--trainer megatron`` and ``--trainer hf`` begin from the same policy, and a
+test checks one step of each against the other.
 
 torch.distributed and megatron's ``parallel_state`` are set up here when nobody
 has (a one-rank group over a ``FileStore`` in a temporary directory: no port to
@@ -178,8 +185,15 @@ def _host_memory_buffer() -> Any:
 # -- the model --------------------------------------------------------------------
 
 
-def qwen2_dims(hf_config: Any) -> dict[str, Any]:
-    """The numbers of a ``Qwen2Config`` megatron needs; refuses what the model here does not implement."""
+def gpt_dims(hf_config: Any) -> dict[str, Any]:
+    """The numbers of a dense config megatron needs, and its architecture's options
+    (:mod:`colo.models.arch`); refuses what the model here does not implement."""
+    from colo.models.arch import arch_of
+
+    arch = arch_of(hf_config)
+    if arch.moe:
+        raise ValueError(f"megatron trainer builds dense models; {arch.model_type} is a MoE (colo syncs "
+                         f"megatron-core MoE models through MegatronExtractor, see tests/engine/test_moe.py)")
     unsupported = []
     if getattr(hf_config, "use_sliding_window", False):
         unsupported.append("use_sliding_window=True")
@@ -197,14 +211,16 @@ def qwen2_dims(hf_config: Any) -> dict[str, Any]:
     if heads % groups:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({groups})")
     return {"heads": heads, "groups": groups,
-            "head_dim": getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-            "rope_theta": float(theta), "tied": bool(getattr(hf_config, "tie_word_embeddings", False))}
+            "head_dim": getattr(hf_config, "head_dim", None) or arch.default_head_dim
+            or hf_config.hidden_size // heads,
+            "rope_theta": float(theta), "tied": bool(getattr(hf_config, "tie_word_embeddings", False)),
+            "qkv_bias": arch.qkv_bias, "qk_norm": arch.qk_norm, "model_type": arch.model_type}
 
 
 def check_tensor_parallel(hf_config: Any, tp: int) -> None:
     """Refuse a model megatron-core cannot split over ``tp`` ranks (it would assert deep
     inside the build). The vocabulary need not divide: it is padded (:func:`padded_vocab`)."""
-    d = qwen2_dims(hf_config)
+    d = gpt_dims(hf_config)
     sizes = {"num_attention_heads": d["heads"], "num_key_value_heads (query groups)": d["groups"],
              "intermediate_size (FFN)": hf_config.intermediate_size}
     bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
@@ -230,14 +246,15 @@ def build_gpt(hf_config: Any, *, device: str, params_dtype: torch.dtype = torch.
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    d = qwen2_dims(hf_config)
+    d = gpt_dims(hf_config)
     config = TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size, num_attention_heads=d["heads"],
         num_query_groups=d["groups"], kv_channels=d["head_dim"],
         normalization="RMSNorm", layernorm_epsilon=float(hf_config.rms_norm_eps),
         gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=True,  # Qwen2: a bias on q, k, v only
+        # Qwen2: a bias on q, k, v only; Qwen3, Llama: none. Qwen3: q/k RMSNorm per head
+        add_bias_linear=False, add_qkv_bias=d["qkv_bias"], qk_layernorm=d["qk_norm"],
         hidden_dropout=0.0, attention_dropout=0.0,  # as the reference trainer (Qwen2's dropout is 0)
         # bf16 parameters: megatron's bf16 training (its softmax then runs in fp32)
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
@@ -262,7 +279,8 @@ def build_gpt(hf_config: Any, *, device: str, params_dtype: torch.dtype = torch.
     # megatron's CPU init draws from the global generator: leave the caller's
     # random state as it was (its GPU init draws from the RNG tracker's own states).
     with torch.random.fork_rng(devices=[]):
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=d["qk_norm"])
+        model = GPTModel(config=config, transformer_layer_spec=spec,
                          vocab_size=padded_vocab(hf_config.vocab_size, ps.get_tensor_model_parallel_world_size()),
                          max_sequence_length=hf_config.max_position_embeddings,
                          pre_process=True, post_process=True, share_embeddings_and_output_weights=d["tied"],
@@ -270,7 +288,7 @@ def build_gpt(hf_config: Any, *, device: str, params_dtype: torch.dtype = torch.
     if device == "cpu":
         rope = model.rotary_pos_emb
         if rope.rotary_interleaved:
-            raise ValueError("megatron trainer: interleaved rotary embeddings are not Qwen2's")
+            raise ValueError(f"megatron trainer: interleaved rotary embeddings are not {d['model_type']}'s")
         # CPU workaround: RotaryEmbedding.get_emb moves its frequencies to the
         # current CUDA device on first use. The same computation, left on the CPU:
         rope.get_emb = types.MethodType(_host_rotary_emb, rope)
@@ -284,15 +302,18 @@ def _host_rotary_emb(self: Any, max_seq_len: int, offset: int = 0) -> torch.Tens
 
 def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any, *,
                      vocab_rows: int | None = None) -> dict[str, torch.Tensor]:
-    """HF Qwen2 tensors in the full (unsharded) Megatron GPT layout: the inverse of the extractor's rules.
+    """HF tensors of a dense Qwen2, Qwen3 or Llama in the full (unsharded) Megatron GPT layout:
+    the inverse of the extractor's rules (``LLAMA_RULES``).
 
     Megatron's ``linear_qkv`` holds, per query group, that group's query heads
-    then its key head then its value head; ``linear_fc1`` holds ``[gate; up]``.
+    then its key head then its value head (and its bias likewise, where the architecture
+    has one); ``linear_fc1`` holds ``[gate; up]``; Qwen3's q/k norms are
+    ``self_attention.q_layernorm`` / ``k_layernorm``.
     ``vocab_rows``: the embedding and output layer are padded with zero rows to
     it (:func:`padded_vocab`); a zero output row never gets a gradient, since the
     logits are cut to the vocabulary before the loss.
     """
-    d = qwen2_dims(hf_config)
+    d = gpt_dims(hf_config)
     groups, hd = d["groups"], d["head_dim"]
     per = d["heads"] // groups
 
@@ -314,7 +335,11 @@ def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any, *,
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
         out[m + "self_attention.linear_qkv.weight"] = qkv("weight", i)
-        out[m + "self_attention.linear_qkv.bias"] = qkv("bias", i)
+        if d["qkv_bias"]:
+            out[m + "self_attention.linear_qkv.bias"] = qkv("bias", i)
+        if d["qk_norm"]:
+            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
         out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])
@@ -324,7 +349,7 @@ def megatron_from_hf(hf: Mapping[str, torch.Tensor], hf_config: Any, *,
 
 @torch.no_grad()
 def load_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Write HF Qwen2 tensors into a megatron GPTModel's parameters, this rank's slice of
+    """Write HF tensors (:func:`megatron_from_hf`) into a megatron GPTModel's parameters, this rank's slice of
     each (in place: a memory region the parameters were allocated in keeps them)."""
     from megatron.core import parallel_state as ps
 
@@ -333,13 +358,13 @@ def load_hf(model: torch.nn.Module, hf: Mapping[str, torch.Tensor], hf_config: A
     params = dict(model.named_parameters())
     missing, extra = sorted(set(params) - set(src)), sorted(set(src) - set(params))
     if missing or extra:
-        raise ValueError(f"megatron trainer: the GPTModel's parameters and the Qwen2 layout differ: "
+        raise ValueError(f"megatron trainer: the GPTModel's parameters and the HF layout differ: "
                          f"not written {missing}, no such parameter {extra}")
     for name, p in params.items():
         mine = tp_slice(src[name], p, rank, size)
         if tuple(p.shape) != tuple(mine.shape):
             raise ValueError(f"megatron trainer: {name} is {tuple(p.shape)} on tensor-parallel rank {rank} of "
-                             f"{size}, the Qwen2 layout gives {tuple(mine.shape)}")
+                             f"{size}, the HF layout gives {tuple(mine.shape)}")
         p.copy_(mine)
 
 
@@ -380,7 +405,7 @@ class MegatronTrainer(PolicyTrainer):
         self.engine_dtype = engine_dtype
         self.opt = new_optimizer(self.model.parameters(), self.config)
         self._memory_backend = memory_backend
-        d = qwen2_dims(hf_config)
+        d = gpt_dims(hf_config)
         self._extractor_args = {"attention": (d["heads"], d["groups"]), "vocab_size": hf_config.vocab_size,
                                 "group": runtime.meta_group, "tp_group": runtime.tp_group}
         # Pairs, not a mapping: a Parameter is followed through optimizer steps.
@@ -498,15 +523,15 @@ class MegatronTrainer(PolicyTrainer):
         if self._paused():
             # Touching the paused model would read unmapped device memory; a CPU
             # GPTModel beside a CUDA one would need the CPU workarounds, which are
-            # process-wide. An HF Qwen2 twin fed the host backup computes the same
-            # function (a test checks the two agree).
+            # process-wide. The transformers model of the architecture, fed the host backup,
+            # computes the same function (a test checks the two agree).
             if self._cpu_twin is None:
-                from transformers import Qwen2ForCausalLM
+                from colo.trainers.models import model_class
 
-                self._cpu_twin = Qwen2ForCausalLM(self.hf_config).eval()
+                self._cpu_twin = model_class(self.hf_config)(self.hf_config).eval()
             state = self.hf_state()
             missing, unexpected = self._cpu_twin.load_state_dict(state, strict=False)
-            tied = {"lm_head.weight"} if qwen2_dims(self.hf_config)["tied"] else set()
+            tied = {"lm_head.weight"} if gpt_dims(self.hf_config)["tied"] else set()
             if set(missing) - tied or unexpected:
                 raise RuntimeError(f"megatron trainer: HF twin state mismatch: missing {missing}, "
                                    f"unexpected {unexpected}")
@@ -542,7 +567,7 @@ def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) ->
     got = trainer.hf_state()
     if set(got) != set(hf):
         raise RuntimeError(f"megatron trainer: the extractor gives {sorted(set(got) ^ set(hf))} "
-                           f"on one side only of the Qwen2 names")
+                           f"on one side only of the HF names")
     bad = [n for n, t in got.items() if not torch.equal(t.cpu(), hf[n])]
     if bad:
         raise RuntimeError(f"megatron trainer: the extractor reads back different values for {bad}")
@@ -550,7 +575,7 @@ def _check_readback(trainer: MegatronTrainer, hf: Mapping[str, torch.Tensor]) ->
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
           param_dtype: str | None = None, optimizer_state: bool = True,
-          reference_init: bool = True) -> tuple[MegatronTrainer, Any]:
+          reference_init: bool = True, checkpoint: str | None = None) -> tuple[MegatronTrainer, Any]:
     """The megatron-core trainer, starting from the reference trainer's initial weights for
     ``seed`` (rounded to ``param_dtype``, :func:`~colo.trainers.base.param_dtype_for`:
     on a GPU the engine's, bf16, with fp32 master weights in the optimizer, as
@@ -563,8 +588,10 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     random init stays (a trainer whose values nobody compares with the reference, as
     the multi-GPU benchmark's, which checks the engine against this trainer's own
     tensors): the reference model is never built, which at Qwen2-7B is 30 GB of fp32
-    initialised on the CPU by every rank before its first sync.)"""
-    from colo.trainers.models import build_trainer_model
+    initialised on the CPU by every rank before its first sync.) ``checkpoint``: the weights
+    are that local Hugging Face directory's (read by transformers, written into the Megatron
+    layout), not the reference initialisation."""
+    from colo.trainers.models import initial_model
     from colo.trainers.precision import cast_parameters
 
     if device not in ("cpu", "cuda"):
@@ -574,8 +601,8 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     check_tensor_parallel(model_config, dist.get_world_size() if dist.is_initialized() else 1)
     # named_parameters, not state_dict: a tied lm_head is listed once, as embed_tokens
     hf = None
-    if reference_init:
-        hf = {n: p.detach().to(dtype) for n, p in build_trainer_model(model_config, seed).named_parameters()}
+    if reference_init or checkpoint is not None:
+        hf = {n: p.detach().to(dtype) for n, p in initial_model(model_config, seed, checkpoint).named_parameters()}
     runtime = MegatronRuntime(device, seed=seed)
     try:
         if device == "cpu":

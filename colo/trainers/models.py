@@ -1,9 +1,13 @@
-"""The reference trainer model: a small Qwen2 built in code, no downloads.
+"""The trainer's model: a user's checkpoint, or a small one built in code (no downloads).
 
-The engine (``colo.engine.model``) implements the same math with fused
-parameters; the trainer side is the stock Hugging Face ``Qwen2ForCausalLM``, so
-the name map and shard offsets the engine's loader applies are exercised
-against the real trainer layout rather than a copy of it.
+A checkpoint is a local Hugging Face directory (:func:`load_trainer_model`: transformers'
+``from_pretrained`` of it, nothing downloaded); without one the demo's small Qwen2 is
+built at random from a config (:func:`build_trainer_model`). Either way the model is
+transformers' own class for the architecture (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``LlamaForCausalLM``, ... as :mod:`colo.models.arch` names it), so the name map and
+shard offsets the engines' loaders apply are exercised against the real trainer layout
+rather than a copy of it. The engine (``colo.engine.model``) implements the same math
+with fused parameters.
 """
 
 from __future__ import annotations
@@ -57,41 +61,102 @@ def demo_model_config(name: str) -> Any:
     return demo_config(**DEMO_MODELS[name])
 
 
-# Keys Qwen2Config takes as constructor arguments without keeping an attribute
-# of the same name (transformers 5 moves them into rope_parameters / a private slot).
+# Keys a config takes as constructor arguments without keeping an attribute of the
+# same name (transformers 5 moves them into rope_parameters / a private slot).
 _CONSTRUCTOR_ONLY = {"rope_theta", "attn_implementation"}
 
 
-def demo_config(**overrides: Any) -> Any:
-    """The demo's Qwen2 config; ``overrides`` replace single fields (tests shrink it).
+def demo_config(model_type: str = "qwen2", **overrides: Any) -> Any:
+    """The demo's config, a Qwen2 by default; ``model_type`` another dense architecture of
+    :mod:`colo.models.arch` of the same sizes (a Qwen3's head_dim is its own field, 128
+    unless ``head_dim=`` says otherwise); ``overrides`` replace single fields (tests shrink it).
 
-    Unknown keys are refused: ``Qwen2Config`` would silently keep them as
+    Unknown keys are refused: a transformers config would silently keep them as
     attributes and a misspelt override would have no effect.
     """
-    from transformers import Qwen2Config
+    from transformers import CONFIG_MAPPING
 
-    known = set(vars(Qwen2Config()))
+    from colo.models.arch import arch_of
+
+    if arch_of({"model_type": model_type}, what="demo_config").moe:
+        raise ValueError(f"demo_config builds dense models; {model_type} is a MoE: use moe_model_config")
+    cls = CONFIG_MAPPING[model_type]
+    known = set(vars(cls()))
     unknown = sorted(k for k in overrides if k not in known and k not in _CONSTRUCTOR_ONLY)
     if unknown:
-        raise ValueError(f"unknown Qwen2Config field(s) {', '.join(map(repr, unknown))}; "
-                         f"expected fields of transformers.Qwen2Config such as {', '.join(DEMO_DEFAULTS)}")
-    return Qwen2Config(**{**DEMO_DEFAULTS, **overrides})
+        raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(map(repr, unknown))}; "
+                         f"expected fields of transformers.{cls.__name__} such as {', '.join(DEMO_DEFAULTS)}")
+    return cls(**{**DEMO_DEFAULTS, **overrides})
+
+
+def model_class(config: Any) -> type:
+    """transformers' causal-LM class of ``config``'s architecture (the table's ``hf_class``);
+    an architecture colo does not have is refused (``UnsupportedArchitecture``)."""
+    import transformers
+
+    from colo.models.arch import arch_of
+
+    return getattr(transformers, arch_of(config).hf_class)
 
 
 def build_trainer_model(config: Any, seed: int) -> Any:
-    """A float32, randomly initialised ``Qwen2ForCausalLM``, identical for equal seeds.
+    """A float32, randomly initialised model of ``config``'s architecture (transformers'
+    own class for it), identical for equal seeds.
 
     The initialisation draws from a forked RNG so building a model neither
     depends on nor disturbs the caller's global random state.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    from transformers import Qwen2ForCausalLM
-
+    cls = model_class(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = cls(config)
     return model.to(torch.float32)
+
+
+def checkpoint_config(path: Any) -> Any:
+    """The transformers config of the local checkpoint at ``path``, once the directory is
+    checked (:func:`colo.models.checkpoint.inspect`: it exists, has ``config.json``, is an
+    architecture colo has, and its safetensors hold exactly that config's tensors)."""
+    from transformers import AutoConfig
+
+    from colo.models.checkpoint import inspect
+
+    ckpt = inspect(path)
+    return AutoConfig.from_pretrained(ckpt.path, local_files_only=True)
+
+
+def load_trainer_model(path: Any) -> Any:
+    """The model of the local checkpoint at ``path`` (transformers' ``from_pretrained``, local
+    files only), in float32, checked first as :func:`checkpoint_config` checks it. A tensor
+    transformers did not load from the files (it would initialise it at random and only log
+    it), one it did not use, or one of another shape is refused (``CheckpointError``)."""
+    from colo.core.errors import CheckpointError
+    from colo.models.checkpoint import inspect
+
+    ckpt = inspect(path)
+    cls = model_class(ckpt.config)
+    try:
+        model, info = cls.from_pretrained(ckpt.path, local_files_only=True, dtype=torch.float32,
+                                          attn_implementation="sdpa", output_loading_info=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: transformers could not load it: "
+                              + " ".join(str(e).split())) from None
+    wrong = {k: list(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+             and v}
+    if wrong:
+        raise CheckpointError(f"checkpoint {ckpt.path!r}: transformers' {cls.__name__} did not load it whole: "
+                              + "; ".join(f"{k.replace('_', ' ')} {v[:4]}" for k, v in wrong.items()))
+    return model.to(torch.float32)
+
+
+def initial_model(model_config: Any, seed: int, checkpoint: Any) -> Any:
+    """A trainer's starting model: the checkpoint's (``checkpoint``, a local directory), else
+    one of ``model_config`` initialised at random from ``seed``."""
+    if checkpoint is not None:
+        return load_trainer_model(checkpoint)
+    return build_trainer_model(model_config, seed)
 
 
 # -- a Qwen3-MoE shape (issue 15) -----------------------------------------------------
@@ -136,14 +201,13 @@ def moe_model_config(name: str, **overrides: Any) -> Any:
 
 
 def config_from_dict(d: dict[str, Any]) -> Any:
-    """The transformers config a ``to_dict()`` came from: Qwen3-MoE by its ``model_type``, else Qwen2."""
-    if d.get("model_type") == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
+    """The transformers config a ``to_dict()`` came from, of the class its ``model_type`` names
+    (an architecture of :mod:`colo.models.arch`; none named: Qwen2, colo's own configs)."""
+    from transformers import CONFIG_MAPPING
 
-        return Qwen3MoeConfig(**d)
-    from transformers import Qwen2Config
+    from colo.models.arch import arch_of
 
-    return Qwen2Config(**d)
+    return CONFIG_MAPPING[arch_of(d).model_type](**d)
 
 
 def moe_checkpoint_names(config: Any) -> list[tuple[str, tuple[int, ...]]]:

@@ -11,7 +11,9 @@ FORBIDDEN = ["torch", "torch.cuda", "anyio", "torch_memory_saver", "structlog"]
 CORE = sorted(f"colo.core.{m.name}" for m in pkgutil.iter_modules(colo.core.__path__))
 #: pure modules outside the core package: errors, and the offline tools over traces
 OFFLINE = ["colo.core.errors", "colo.offline.replay", "colo.offline.tune", "colo.offline.export",
-           "colo.offline.summary"]
+           "colo.offline.summary",
+           # the architecture table and the checkpoint checks: data, read by engines' workers too
+           "colo.models", "colo.models.arch", "colo.models.checkpoint"]
 
 
 def _pulled_in(modules: list[str]) -> str:

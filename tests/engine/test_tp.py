@@ -43,6 +43,10 @@ CASES = {
     "tied_bf16": ({"tie_word_embeddings": True}, "bfloat16", 0.05),
     "kv1_vocab127_fp32": ({"num_key_value_heads": 1, "vocab_size": 127}, "float32", 0.05),
     "tied_vocab127_fp32": ({"tie_word_embeddings": True, "vocab_size": 127}, "float32", 0.2),
+    # the other dense architectures (colo.models.arch): Qwen3's q/k norms are replicated on
+    # every rank, its head_dim (32) is not hidden / heads; a Llama has no bias to split
+    "qwen3_fp32": ({"model_type": "qwen3", "head_dim": 32}, "float32", 0.05),
+    "llama_fp32": ({"model_type": "llama"}, "float32", 0.05),
 }
 FP32 = [name for name in CASES if name.endswith("fp32")]
 BF16 = [name for name in CASES if name.endswith("bf16")]
@@ -56,7 +60,8 @@ def probe(vocab_size: int) -> torch.Tensor:
 def config_for(name: str):
     from colo.trainers.models import demo_config
 
-    return demo_config(**{**SMALL, **CASES[name][0]})
+    fields = {**SMALL, **CASES[name][0]}
+    return demo_config(fields.pop("model_type", "qwen2"), **fields)
 
 
 def trainer_state(name: str) -> dict[str, torch.Tensor]:
@@ -297,7 +302,7 @@ def test_tp_above_one_needs_a_matching_process_group():
 # -- the slicing, pure -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, tp", [("untied_fp32", 2), ("untied_fp32", 4), ("kv1_vocab127_fp32", 2),
-                                      ("tied_vocab127_fp32", 2)])
+                                      ("tied_vocab127_fp32", 2), ("qwen3_fp32", 2), ("llama_fp32", 2)])
 def test_the_shards_reassemble_the_tp1_engines_parameters(name, tp, states):
     config = config_for(name)
     d = Dims.from_config(config)

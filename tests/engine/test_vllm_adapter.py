@@ -47,3 +47,19 @@ def test_vllm_on_a_cpu_runs_float32_on_a_device_that_holds_its_kv_cache():
     cfg = DemoConfig(engine="vllm")
     assert cfg.engine_dtype == "float32" and cfg.device_mem_gib == 2.0
     assert DemoConfig().engine_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("hello, why", [
+    ({"model_type": "gpt2", "layout_problem": None}, "the model vLLM serves: model_type 'gpt2' is not an "
+                                                     "architecture colo supports; supported: qwen2, qwen3, llama"),
+    ({"model_type": "llama", "layout_problem": "the checkpoint vLLM loaded is not what colo's llama table gives "
+                                               "for its config: missing model.norm.weight"}, "missing model.norm"),
+])
+def test_a_vllm_whose_model_the_architecture_table_does_not_describe_is_refused(hello, why):
+    """What vLLM's worker reports at hello (attach, connect): its model_type and how its
+    checkpoint differs from colo's table; the driver refuses either as bad input."""
+    from colo.engine.vllm import _check_layout
+
+    with pytest.raises(BadInput, match=why):
+        _check_layout(hello)
+    _check_layout({"model_type": "qwen3", "layout_problem": None})  # described: accepted

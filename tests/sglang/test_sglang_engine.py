@@ -409,11 +409,17 @@ async def test_release_pauses_first_and_a_tag_twice_is_refused_before_sglang_see
 
 # -- bad input: a clear error before any request --------------------------------------------------
 
-def test_a_model_sglangs_qwen2_loader_cannot_take_is_refused():
-    from transformers import LlamaConfig
+def test_a_model_sglangs_loaders_cannot_take_is_refused():
+    from transformers import GPT2Config
 
-    with pytest.raises(BadInput, match="SGLang's Qwen2 loader only; this config is model_type='llama'"):
-        SglangModel(LlamaConfig(), tp_size=1)
+    from colo.trainers.models import moe_model_config
+
+    # the architecture table's: SGLang's qwen2.py, qwen3.py and llama.py take the dense three
+    with pytest.raises(BadInput, match="model_type 'gpt2' is not an architecture colo supports"):
+        SglangModel(GPT2Config(), tp_size=1)
+    with pytest.raises(BadInput, match="SGLang's loaders of qwen2, qwen3, llama only; this config is "
+                                       "model_type='qwen3_moe'"):
+        SglangModel(moe_model_config("qwen3-moe-tiny"), tp_size=1)
     # heads 4, kv heads 2, intermediate 48 (SGLang's Qwen2Attention and linear layers assert these)
     with pytest.raises(BadInput, match="num_attention_heads 4 is not a multiple of tp_size 3"):
         SglangModel(qwen2(False), tp_size=3)
