@@ -8,6 +8,7 @@ below it, never one above:
 0. ``colo.core`` — the pure core (phases, invariants, ledger, buckets, errors);
 1. leaves on torch alone or plain files: ``colo.dtypes``, ``colo.digest`` (the verification
    contract every engine meets), ``colo.tasks``, ``colo.blocking`` (colo from synchronous code),
+   ``colo.models`` (what each architecture's checkpoint holds: data every side reads),
    ``colo.proc`` (the channel, handles, process lifetime), ``colo.trace``;
 2. what reads traces or devices and drives sides: ``colo.offline``, ``colo.device``,
    ``colo.groups``, ``colo.scheduler``, ``colo.verification`` (the digest and the probe);
@@ -29,7 +30,7 @@ ROOT = Path(colo.__file__).parent
 
 LAYERS: list[tuple[str, ...]] = [
     ("colo.core",),
-    ("colo.dtypes", "colo.digest", "colo.tasks", "colo.blocking", "colo.proc", "colo.trace"),
+    ("colo.dtypes", "colo.digest", "colo.tasks", "colo.blocking", "colo.models", "colo.proc", "colo.trace"),
     ("colo.offline", "colo.device", "colo.groups", "colo.scheduler", "colo.verification"),
     ("colo.transports",),
     ("colo.extractors", "colo.engine"),
