@@ -7,7 +7,8 @@ import pytest
 
 from tests.docs.blocks import blocks, run_python, scratch
 
-VLLM = [b for b in blocks() if b.mark == "# needs vLLM"]
+#: the README's embedding example is run, with a checkpoint of each architecture, by test_embedding.py
+VLLM = [b for b in blocks() if b.mark == "# needs vLLM" and "sched.to_train(" not in b.text]
 
 
 @pytest.mark.parametrize("block", VLLM, ids=[b.id for b in VLLM])
