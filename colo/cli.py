@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "Convert a trace to Chrome trace JSON: phases, bucket stages and memory counters, for ui.perfetto.dev.")
     e.add_argument("trace", metavar="TRACE", help="a colo.trace/1 file")
     e.add_argument("-o", "--output", required=True, metavar="OUT.json", help="where the JSON goes")
+    e.add_argument("--lenient", action="store_true",
+                   help="export a trace that colo replay rejects (a cut-off or damaged run, to look at); "
+                        "without it such a trace is refused, naming its first violation")
     e.set_defaults(module="colo.offline.export", func="run_export")
 
     t = command("tune", "recommend mem_fraction_static and a bucket size",

@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from colo.core.errors import UsageError
-from colo.offline.replay import BadTrace, LoadedTrace, load_trace
+from colo.offline.replay import BadTrace, LoadedTrace, first_violation, load_trace, require_valid
 from colo.trace.outputs import output_path, replace_into
 
 PHASE_TID = 1
@@ -260,6 +260,10 @@ def run_export(args) -> int:
                          "with its export: choose another output path")
     output_path(out, "-o")  # refused before the trace is read, and left as it was
     try:
+        if not args.lenient:
+            require_valid([args.trace], "export")
+        elif (first := first_violation([args.trace])) is not None:
+            print(f"warning: exported although colo replay rejects it (--lenient): {first}", file=sys.stderr)
         trace = load_trace(args.trace)
     except BadTrace as e:
         raise UsageError(str(e)) from None

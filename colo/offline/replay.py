@@ -226,6 +226,27 @@ def replay(paths: list[str | os.PathLike]) -> ReplayReport:
     return ReplayReport(results, findings, warnings)
 
 
+def first_violation(paths: list[str | os.PathLike]) -> str | None:
+    """The first violation replay finds in ``paths`` (with how many more), None when they replay clean."""
+    report = replay(list(paths))
+    if report.valid:
+        return None
+    rest = len(report.findings) - 1
+    return report.findings[0].text(with_file=True) + (f" ({rest} more: colo replay --json lists all)" if rest else "")
+
+
+def require_valid(paths: list[str | os.PathLike], command: str) -> None:
+    """Refuse (:class:`UsageError`, exit 2) a trace that replay rejects, naming its first
+    violation: a recommendation or an export made from a trace that breaks the phase table
+    or an invariant (decreasing timestamps, a second ``trace.started``) would be made from
+    events that did not happen as written. Each file is replayed on its own: ``colo tune``
+    also takes the traces of different runs together (several devices)."""
+    for path in paths:
+        first = first_violation([path])
+        if first is not None:
+            raise UsageError(f"colo replay rejects this trace, so colo {command} does not read it: {first}")
+
+
 # -- the command ---------------------------------------------------------------------
 
 def _usage_error(message: str):

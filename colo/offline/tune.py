@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB
 from colo.core.memory import GiB, MiB, fmt_bytes
 from colo.core.phases import EFFECTS, PLANS, Effect, Phase
-from colo.offline.replay import BadTrace, LoadedTrace, check_one_run, load_trace
+from colo.offline.replay import BadTrace, LoadedTrace, check_one_run, load_trace, require_valid
 from colo.core.schema import BUCKET_STAGES, SCHEMA
 from colo.offline.summary import START
 from colo.core.errors import TuneError, UsageError
@@ -790,6 +790,7 @@ def run_tune(args) -> int:
             if whatif_flags:
                 raise UsageError("--" + ", --".join(k.replace("_", "-") for k in whatif_flags)
                                  + " describe a what-if without a trace; give either TRACE... or them")
+            require_valid(args.traces, "tune")
             traces = [load_trace(p) for p in args.traces]
             warnings = [w for t in traces for w in t.warnings]
             rec = tune(traces, margin)
