@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import re
 import sys
 from collections.abc import Sequence
 
@@ -45,9 +46,24 @@ def _show(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
+#: what a number on colo's command line is written as: ASCII digits, an optional sign, for a
+#: float a point and an exponent. Python's int() and float() also take surrounding spaces,
+#: underscores and any script's digits (' 3', '1_0', '١'): a flag accepted so says one number
+#: and means another to whoever reads the command line or the trace's config
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
+def _number(kind, text: str):
+    """``kind(text)`` for a number written as :data:`_INT` or :data:`_FLOAT` says; ValueError else."""
+    if not (_INT if kind is int else _FLOAT).fullmatch(text):
+        raise ValueError(text)
+    return kind(text)
+
+
 def _fraction(text: str) -> float:
     try:
-        value = float(text)
+        value = _number(float, text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
     if not 0.0 < value < 1.0:  # NaN fails this too
@@ -60,9 +76,10 @@ def _positive(kind, most=None, least=None):
     a float flag also refuses inf and nan."""
     def parse(text: str):
         try:
-            value = kind(text)
+            value = _number(kind, text)
         except ValueError:  # also int("9" * 5000): Python's digit limit
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__} in ASCII digits, got {text!r}") \
+                from None
         if not value > 0:  # nan > 0 is False
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text}")
         if least is not None and value < least:
@@ -82,7 +99,7 @@ def _bounded(kind, least, most):
     reports itself (``--margin-gib``) keeps only the absurd out."""
     def parse(text: str):
         try:
-            value = kind(text)
+            value = _number(kind, text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if (kind is float and not math.isfinite(value)) or not least <= value <= most:

@@ -103,8 +103,10 @@ class MultiDemoRun:
         # another process in between once (EADDRINUSE, CI 2026-11-27)
         trainer_init, engine_init = self._host_store(), self._host_store()
         specs = [self._spec(r, trainer_init, engine_init) for r in range(self.n)]
-        cfg.start_engine_logs()
         await self._spawn_workers(specs)
+        # once the workers exist (a Ray cluster that cannot be reached refuses the run before
+        # that, and left empty logs behind it), before their engines start
+        cfg.start_engine_logs()
         hellos = await self._each_worker("start")
         self._proxies(hellos)
         self.sched = self._scheduler()

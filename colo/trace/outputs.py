@@ -11,7 +11,10 @@ path is checked first, with ``lstat``:
 - it is a regular file: it is replaced (or truncated), as asked;
 - it is a symbolic link the user named: followed to the regular file it names
   (the link stays, the file it names gets the result); a link to anything else,
-  or to nothing, is refused;
+  or to nothing, is refused; so is a link through an open descriptor
+  (``/dev/stdout`` -> ``/proc/self/fd/1``): the file it resolves to would be replaced
+  by a new one while the descriptor still writes into the old, so the process's own
+  output (colo's status line, a redirect's target) is lost;
 - anything else (a device, a FIFO, a socket, a directory) is refused, untouched.
 
 A path colo derives itself (a rank's trace beside the one named) is never opened
@@ -21,6 +24,7 @@ through a symbolic link: nobody asked for that link.
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 from colo.core.errors import UsageError
@@ -55,6 +59,11 @@ def output_path(path: str | os.PathLike, flag: str, *, follow: bool = True) -> s
     if stat.S_ISREG(st.st_mode):
         return p
     if stat.S_ISLNK(st.st_mode):
+        hop = _descriptor_hop(p)
+        if hop is not None:
+            raise UsageError(f"{flag} {p} is a link to an open descriptor ({hop}); colo writes its result to a "
+                             f"new file and renames it into place, which a descriptor would not see: "
+                             f"{EXPECTED}, and it was left as it was")
         if not follow:
             raise UsageError(f"{flag} {p} is a symbolic link colo did not ask for (it derives this path from "
                              f"the one given, and opens nothing through a link); {EXPECTED}")
@@ -70,6 +79,27 @@ def output_path(path: str | os.PathLike, flag: str, *, follow: bool = True) -> s
         return real
     raise UsageError(f"{flag} {p} is not a regular file ({kind_of(st.st_mode)}); {EXPECTED}, "
                      "and it was left as it was")
+
+
+#: a process's descriptors under /proc: a "magic" link that resolves to whatever the descriptor has open
+_FD_LINK = re.compile(r"^/proc/[^/]+/fd/[0-9]+$")
+
+
+def _descriptor_hop(path: str, hops: int = 40) -> str | None:
+    """The ``/proc/<pid>/fd/<n>`` a chain of symbolic links from ``path`` passes through, if any
+    (``path`` itself included)."""
+    cur = os.path.abspath(path)
+    for _ in range(hops):
+        # the directories resolved, the last component not: /dev/fd/1 is /proc/<pid>/fd/1
+        cur = os.path.join(os.path.realpath(os.path.dirname(cur)), os.path.basename(cur))
+        if _FD_LINK.match(cur):
+            return cur
+        try:
+            nxt = os.readlink(cur)
+        except OSError:
+            return None  # not a link (any more): the chain ended
+        cur = os.path.normpath(os.path.join(os.path.dirname(cur), nxt))
+    return None
 
 
 def replace_into(tmp: str, target: str, flag: str) -> None:

@@ -25,6 +25,12 @@ KEEP = '{"keep": "me"}\n'
     (["--bucket-mib", "0"], "expected a positive float, got 0"),
     (["--bucket-mib", "1e-30"], "expected a float of at least 0.01 and at most 1048576, got 1e-30"),
     (["--bucket-mib", "-4"], "expected a positive float, got -4"),
+    # integers in ASCII digits only (Python's int() takes ' 3', '1_0' and other scripts' digits)
+    (["--steps", " 3"], "argument --steps: expected a positive int in ASCII digits, got ' 3'"),
+    (["--steps", "\u0661"], "argument --steps: expected a positive int in ASCII digits, got '\u0661'"),
+    (["--steps", "1_0"], "argument --steps: expected a positive int in ASCII digits, got '1_0'"),
+    (["--seed", "\uff17"], "argument --seed: expected a number, got '\uff17'"),
+    (["--bucket-mib", "\u0661"], "argument --bucket-mib: expected a positive float in ASCII digits, got '\u0661'"),
     (["--plan", "fast"], "invalid choice: 'fast'"),
     (["--transport", "pigeon"], "invalid choice: 'pigeon'"),
     (["--fault", "explode@sync"], "unknown fault kind 'explode'; expected one of kill-engine, raise"),

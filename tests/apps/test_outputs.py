@@ -395,3 +395,29 @@ def test_a_trace_disk_full_from_the_start_is_said_before_anything_starts(gpus, t
                 "No space left on device (checked before the run's start-up: a trace needs room for 64 KiB") in out
         assert started == []  # no start-up at all: not the trainer, not a worker
         assert sorted(os.listdir(disk)) == ["filler"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", str(ROOT / "traces" / "cpu-demo.jsonl"), "-o", "{out}"],
+    ["demo", "--quiet", "--trace", "{out}"],
+    ["bench", "--transports", "packed", "--reps", "1", "--out", "{out}"],
+], ids=["export", "demo", "bench"])
+@pytest.mark.parametrize("out", ["/dev/stdout", "/dev/fd/1"])
+def test_an_output_through_a_link_to_an_open_descriptor_is_refused_and_the_redirect_target_kept(argv, out, tmp_path):
+    """Issue 45, item 4: ``-o /dev/stdout`` with stdout redirected to a file resolved to that
+    file and replaced it by rename (a new inode): the redirect and colo's own status line went
+    to the old one, unlinked. Now refused before anything is read or started."""
+    import subprocess
+
+    redirect = tmp_path / "stdout.txt"
+    redirect.write_text("kept\n")
+    inode = redirect.stat().st_ino
+    with open(redirect, "a") as stdout:
+        proc = subprocess.run([sys.executable, "-m", "colo.cli", *[a.format(out=out) for a in argv]], cwd=tmp_path,
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=CEILING_S,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    [line] = proc.stderr.strip().splitlines()
+    assert f" {out} is a link to an open descriptor (/proc/" in line and "/fd/1); colo " in line, line
+    assert redirect.stat().st_ino == inode and redirect.read_text() == "kept\n"
+    assert not list(tmp_path.glob("colo-*"))

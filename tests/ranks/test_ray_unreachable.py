@@ -47,6 +47,8 @@ def test_an_unreachable_address_ends_in_bounded_time_naming_it(tmp_path, address
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[0].startswith(f"colo demo: no Ray cluster at {address}: ")
+    # a refused start leaves nothing: no trace, no engine logs (before: empty ones, issue 45 item 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 _SILENT = r"""
