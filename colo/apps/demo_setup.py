@@ -8,6 +8,7 @@ the other's run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable
@@ -224,8 +225,9 @@ class DemoConfig:
         for rank in (range(self.gpus) if self.gpus > 1 else [None]):
             log = self.engine_log_path(rank)
             derived = self.engine_log is None or rank is not None
-            if log is not None and derived:
-                output_path(log, "engine log", follow=False)
+            if log is not None:
+                # a path the user named may be a link to a regular file; one colo derived may not
+                output_path(log, "engine log" if derived else "--engine-log", follow=not derived)
 
     def _check_checkpoint(self) -> None:
         if self.checkpoint is None:
@@ -323,15 +325,35 @@ class DemoConfig:
         return f"{base}{suffix}"
 
     def start_engine_logs(self) -> None:
-        """Empty this run's engine logs (an engine appends: a replaced one writes after the first)."""
+        """Empty this run's engine logs (an engine appends: a replaced one writes after the first),
+        each asked for room first: a log that cannot be written (no room, no permission) is
+        bad input said now, in one line, not an engine's traceback as it starts."""
+        from colo.trace.writer import TRACE_ROOM_BYTES, _CANNOT_TELL
+
         for rank in (range(self.gpus) if self.gpus > 1 else [None]):
             path = self.engine_log_path(rank)
-            if path is not None and (not os.path.exists(path) or os.path.isfile(path)):
+            if path is None or not (not os.path.exists(path) or os.path.isfile(path)):
+                continue
+            made = not os.path.exists(path)
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
                 try:
-                    Path(path).parent.mkdir(parents=True, exist_ok=True)
-                    open(path, "w", encoding="utf-8").close()
-                except OSError:
-                    pass  # the engine says so on stderr and logs there (colo.proc.lifecycle.open_log)
+                    try:
+                        os.posix_fallocate(fd, 0, TRACE_ROOM_BYTES)
+                    except OSError as e:
+                        if e.errno not in _CANNOT_TELL:
+                            raise
+                    os.ftruncate(fd, 0)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                if made:  # a refused start leaves nothing
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise UsageError(f"cannot write the engine log {path}: {e.strerror or e} (checked before the "
+                                 f"engine starts: a log needs room for {TRACE_ROOM_BYTES >> 10} KiB at least)") \
+                    from None
 
 
 def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:

@@ -31,6 +31,7 @@ command line or write a file in it, and they are ended before the dir is removed
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -503,9 +504,28 @@ def open_log(path: str | None) -> None:
 
 
 def log(event: str, **fields: Any) -> None:
-    # JSON lines, to the starter's log file or to stderr; flushed so a killed
-    # process leaves its last words behind.
-    print(json.dumps({"event": event, "pid": os.getpid(), **fields}), file=_LOG or sys.stderr, flush=True)
+    """One JSON line, to the starter's log file or to stderr; flushed so a killed process
+    leaves its last words behind. Never raises: a log whose disk filled up (or that was
+    closed under it) is no reason for an engine to die mid-run with a traceback; its lines
+    go to stderr from then on, after one saying so."""
+    global _LOG
+    line = json.dumps({"event": event, "pid": os.getpid(), **fields})
+    if _LOG is not None:
+        try:
+            print(line, file=_LOG, flush=True)
+            return
+        except (OSError, ValueError) as e:
+            lost, _LOG = _LOG, None
+            with contextlib.suppress(OSError, ValueError):
+                lost.close()
+            _to_stderr(json.dumps({"event": "log.unwritable", "pid": os.getpid(), "path": getattr(lost, "name", "?"),
+                                   "error": getattr(e, "strerror", None) or str(e)}))
+    _to_stderr(line)
+
+
+def _to_stderr(line: str) -> None:
+    with contextlib.suppress(OSError, ValueError):  # a closed or broken stderr: nowhere left to say it
+        print(line, file=sys.stderr, flush=True)
 
 
 # -- a child ends with its parent ---------------------------------------------------

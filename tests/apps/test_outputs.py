@@ -421,3 +421,47 @@ def test_an_output_through_a_link_to_an_open_descriptor_is_refused_and_the_redir
     assert f" {out} is a link to an open descriptor (/proc/" in line and "/fd/1); colo " in line, line
     assert redirect.stat().st_ino == inode and redirect.read_text() == "kept\n"
     assert not list(tmp_path.glob("colo-*"))
+
+
+def test_an_engine_log_that_is_a_device_or_on_a_full_disk_is_one_line_exit_2_before_the_engine_starts(tmp_path,
+                                                                                                      capsys):
+    """Issue 45, item 2: a named --engine-log was not checked as --trace is: on a full disk or a
+    device node the engine died at start with its OSError traceback."""
+    from colo.cli import main
+    from tests.fulldisk import small_disk
+
+    trace = tmp_path / "t.jsonl"
+    assert main(["demo", "--quiet", "--engine-log", "/dev/full", "--trace", str(trace)]) == 2
+    assert capsys.readouterr().err.strip() == ("colo demo: --engine-log /dev/full is not a regular file (a character "
+                                               "device); expected a new path or an existing regular file, and it "
+                                               "was left as it was")
+    with small_disk(tmp_path / "disk", size_kib=64) as disk:
+        assert main(["demo", "--quiet", "--steps", "1", "--engine-log", str(disk / "e.log"), "--trace",
+                     str(trace)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line == (f"colo demo: cannot write the engine log {disk / 'e.log'}: No space left on device (checked "
+                        "before the engine starts: a log needs room for 64 KiB at least)")
+        assert sorted(os.listdir(disk)) == ["filler"]  # nothing left on it
+    assert not trace.exists() and not list(tmp_path.glob("colo-*"))
+
+
+def test_a_log_whose_disk_fills_mid_run_goes_on_to_stderr_and_never_raises(tmp_path):
+    """The engine's lifecycle log, its disk full after a few lines: the process lives on, says
+    once that the log is lost, and logs to stderr from there."""
+    import subprocess
+
+    from tests.fulldisk import small_disk
+
+    code = ("import sys\nfrom colo.proc import lifecycle\nlifecycle.open_log(sys.argv[1])\n"
+            "for i in range(2000):\n    lifecycle.log('tick', i=i, pad='x' * 200)\nprint('survived', flush=True)\n")
+    with small_disk(tmp_path / "disk", size_kib=64, free_kib=8) as disk:
+        proc = subprocess.run([sys.executable, "-c", code, str(disk / "e.log")], capture_output=True, text=True,
+                              timeout=CEILING_S, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        written = (disk / "e.log").read_text().splitlines()
+    assert proc.returncode == 0 and proc.stdout == "survived\n", proc.stderr[-2000:]
+    err = [json.loads(ln) for ln in proc.stderr.splitlines()]
+    assert err[0]["event"] == "log.unwritable" and err[0]["error"] == "No space left on device"
+    assert [e for e in err if e["event"] == "log.unwritable"] == [err[0]]
+    # every tick is in the log or on stderr, from where the log stopped (the tick that failed included)
+    assert [json.loads(ln)["i"] for ln in written if ln.endswith("}")][:3] == [0, 1, 2]
+    assert err[-1]["i"] == 1999 and len(written) + len(err) - 1 >= 2000
