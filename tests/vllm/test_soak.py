@@ -1,5 +1,6 @@
 """Issue 45, item 6: 200 cycles of the demo on a real vLLM keep every process flat: the
-driver (vLLM's front end in it) and vLLM's own processes (its engine core, its workers).
+driver with vLLM in it, and, with ``--vllm-processes``, vLLM's own engine-core and worker
+processes.
 Resident memory is sampled every 10 cycles; its least-squares slope after warm-up is printed
 per process and bounded; open fds and /dev/shm segments are the same at the end as after
 warm-up. A soak: ``COLO_SOAK=1 tools/vllm-env python -m pytest -s tests/vllm/test_soak.py``
@@ -31,12 +32,18 @@ cycles, every, trace, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys
 samples = {}
 
 def descendants(pid):
-    out = []
+    # every thread's children: vLLM starts its engine core from the thread colo runs it on
+    out, kids = [], []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(p) for p in f.read().split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/children") as f:
+                kids += [int(p) for p in f.read().split()]
+        except OSError:
+            pass
     for k in kids:
         out += [k, *descendants(k)]
     return out
@@ -58,7 +65,8 @@ def on_cycle(n):
         samples[n] = {role: {"pid": pid, "rss": rss(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")),
                              "shm": len(leftover_segments(pid))} for role, pid in procs.items()}
 
-cfg = DemoConfig(steps=cycles, engine="vllm", engine_dtype="float32", batch=4, new_tokens=4, trace=trace)
+cfg = DemoConfig(steps=cycles, engine="vllm", engine_dtype="float32", batch=4, new_tokens=4, trace=trace,
+                 vllm_processes=sys.argv[5] == "processes")
 res = anyio.run(lambda: run(cfg, progress=False, on_cycle=on_cycle))
 with open(out, "w") as f:
     json.dump({"error": None if res.error is None else repr(res.error), "rewards": len(res.rewards),
@@ -66,9 +74,10 @@ with open(out, "w") as f:
 """
 
 
-def test_200_cycles_on_vllm_keep_every_process_flat(tmp_path):
+@pytest.mark.parametrize("where", ["in-process", "processes"])
+def test_200_cycles_on_vllm_keep_every_process_flat(where, tmp_path):
     trace, out = tmp_path / "t.jsonl", tmp_path / "seen.json"
-    proc = subprocess.run([sys.executable, "-c", _LOOP, str(CYCLES), str(EVERY), str(trace), str(out)],
+    proc = subprocess.run([sys.executable, "-c", _LOOP, str(CYCLES), str(EVERY), str(trace), str(out), where],
                           cwd=REPO, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(out.read_text())
@@ -77,7 +86,8 @@ def test_200_cycles_on_vllm_keep_every_process_flat(tmp_path):
     assert [s["weight_version"] for s in syncs] == list(range(1, CYCLES + 1))  # each verified by the demo
     samples = {int(n): s for n, s in got["samples"].items()}
     first, last = samples[WARMUP], samples[CYCLES]
-    assert len(first) >= 2 and sorted(first) == sorted(last)  # vLLM's processes, the same ones throughout
+    # the same processes throughout; with --vllm-processes vLLM's own beside the driver
+    assert sorted(first) == sorted(last) and len(first) >= (2 if where == "processes" else 1), sorted(first)
     print()
     for role in sorted(first):
         points = [(n, s[role]["rss"]) for n, s in sorted(samples.items()) if n >= WARMUP]
