@@ -32,8 +32,8 @@ from colo.core.errors import EngineDied
 from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.core.invariants import InvariantViolation
-from colo.apps.demo_setup import (LOGIT_TOLERANCES, CycleSeeded, DemoConfig, DemoOutcome, Recovery,
-                                  SimulatedDevice, check_fits, device_budget, make_verifier, trainer_digest)
+from colo.apps.demo_setup import (CycleSeeded, DemoConfig, DemoOutcome, Recovery, SimulatedDevice, check_fits,
+                                  device_budget, logit_tolerance, make_verifier, trainer_digest)
 from colo.core.memory import OWNERS_TAGS, MiB, MemoryLedger
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
@@ -268,7 +268,7 @@ class DemoRun:
         trace.add_listener(self.summary.feed)
         trainer = self.injector.wrap_trainer(self.trainer) if self.injector else self.trainer
         verify, probe = make_verifier(self.trainer, lambda: sched.engine, self.model_config, cfg.engine_dtype,
-                                      cfg.seed, LOGIT_TOLERANCES[cfg.model])
+                                      cfg.seed, logit_tolerance(cfg))
         sched = Scheduler(
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
@@ -415,13 +415,26 @@ def _progress(steps: int, enabled: bool) -> Any:
                 dynamic_ncols=True)
 
 
+def chance_reward(cfg: DemoConfig) -> float:
+    """The demo task's reward for a policy that ignores it (:attr:`colo.tasks.ReinforceTask.chance`)."""
+    from colo.trainers.models import demo_model_config
+
+    return make_task("reinforce", vocab_size=demo_model_config(cfg.model).vocab_size, batch=cfg.batch,
+                     prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seed=cfg.seed).chance
+
+
 def report(cfg: DemoConfig, out: DemoOutcome) -> str:
-    lines = [out.summary.table(), "", "reward per step:"]
+    chance = chance_reward(cfg)
+    # the reward means nothing without its baseline: what a policy that ignores the reward scores
+    lines = [out.summary.table(), "",
+             f"reward per step (chance {chance:.3f}: the reward is the share of completion tokens in a fixed "
+             f"{chance:.1%} of the vocabulary):"]
     for i, r in enumerate(out.rewards):
         lines.append(f"  step {i:3d}  {r:.3f}  " + "#" * int(round(r * 40)))
     if len(out.rewards) >= 10:
         first, last = out.rewards[:5], out.rewards[-5:]
-        lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f}")
+        lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f} "
+                     f"(chance {chance:.3f})")
     lines.append(f"trace: {out.trace_path}")
     log = cfg.engine_log_path(0 if cfg.gpus > 1 else None)
     if log is not None:
@@ -513,6 +526,12 @@ def run_demo(args: Any) -> int:
     except UsageError as e:
         print(f"colo demo: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if cfg.device == "cpu" and cfg.engine == "colo":
+        # This process's trainer and colo's engine share the machine's cores (the engine takes one
+        # thread: colo.engine.server.use_engine_threads). With torch's default of one thread per
+        # core, libgomp's spinning waits turn any other load into stalls: a train step of the demo
+        # took 9.5 s on two threads beside other jobs on the two-core VM, 0.5 s on one.
+        torch.set_num_threads(1)
     out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
     if out is None:
         names = ", ".join(signal.Signals(s).name for s in signals)
