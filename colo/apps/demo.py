@@ -364,8 +364,16 @@ class DemoRun:
                         step=self.sched.step, cause=failed.get("error", "?"),
                         trainer_digest_at_fault=self._at_fault[-1] if injected else "",
                         staging_bytes_after_failure=self.sched.memory.staging_bytes,
-                        segments_after_failure=leftover_segments(),
+                        segments_after_failure=self._leftover_segments(),
                         trainer_digest_after_failure=self.trainer_digest())
+
+    def _leftover_segments(self) -> list[str]:
+        """This process's ``/dev/shm`` segments but the trainer's own storage: a one-copy
+        trainer's weights live in one (on the CPU, where the engine reads them straight
+        from it), and a failure left nothing there."""
+        flat = getattr(self.trainer, "flat_weights", None)
+        own = set(flat.segment_names) if flat is not None else set()
+        return [name for name in leftover_segments() if name not in own]
 
     async def _replace_dead_engine(self, rec: Recovery) -> None:
         old = self.engines[-1]
@@ -526,13 +534,17 @@ def run_demo(args: Any) -> int:
     except UsageError as e:
         print(f"colo demo: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    threads = torch.get_num_threads()
     if cfg.device == "cpu" and cfg.engine == "colo":
         # This process's trainer and colo's engine share the machine's cores (the engine takes one
         # thread: colo.engine.server.use_engine_threads). With torch's default of one thread per
         # core, libgomp's spinning waits turn any other load into stalls: a train step of the demo
         # took 9.5 s on two threads beside other jobs on the two-core VM, 0.5 s on one.
         torch.set_num_threads(1)
-    out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
+    try:
+        out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
+    finally:
+        torch.set_num_threads(threads)  # as the caller had it: main() may run inside a longer process
     if out is None:
         names = ", ".join(signal.Signals(s).name for s in signals)
         # every rank writes its own trace: the files written, not the name they derive from
