@@ -314,9 +314,9 @@ def use_engine_threads(build: dict) -> int:
     OpenMP pool when it has two threads. libgomp's waiting threads spin, so whenever
     another process holds a core (the trainer, a neighbour's job), every region waits
     for a descheduled thread: the demo's rollout (32 x 24 tokens, fp32, the demo model)
-    took 3 to 17 s with two threads on a busy two-core machine against 0.4 to 0.5 s with
-    one, and a quiet machine gains little from the second thread at these sizes. On a
-    GPU the host threads only launch kernels: torch's default is kept."""
+    took 3 to 17 s with two threads on the busy two-core development VM against 0.4 to
+    0.5 s with one (bench/rollout_speed.py's ``colo-2-threads`` row times it beside the
+    default). On a GPU the host threads only launch kernels: torch's default is kept."""
     threads = build.get("threads")
     if threads is None and str(build.get("device")) == "cpu":
         threads = CPU_ENGINE_THREADS
