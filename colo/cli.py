@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "summary and the reward per step; writes the trace.")
     d.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the trainer and the engine run (cpu: a simulated device of --device-mem-gib)")
-    d.add_argument("--steps", type=_positive(int, 10**6), default=8, help="RL steps (cycles) to run")
+    # DemoConfig.steps: enough for the reward to rise well above chance
+    d.add_argument("--steps", type=_positive(int, 10**6), default=20, help="RL steps (cycles) to run")
     d.add_argument("--plan", choices=PLANS, default="offload-first", help="the order of the phases after train")
     d.add_argument("--transport", choices=TRANSPORTS, default="packed", help="how the weights travel in a sync")
     d.add_argument("--engine", choices=ENGINES, default="colo",

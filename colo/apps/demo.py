@@ -200,10 +200,16 @@ class DemoRun:
             self.trainer, self.saver = build_trainer(cfg, self.model_config)
             check_shm_staging(cfg, self.trainer)  # before the engine starts: the sync's buckets in /dev/shm
         except SharedMemoryFull as e:
-            # the trainer's flat weights did not fit: a run sized for a /dev/shm it does not
-            # have, said before anything started
-            e.exit_code = EXIT_BAD_INPUT
-            raise
+            if self.trainer is not None:  # the staging check: said as it is
+                e.exit_code = EXIT_BAD_INPUT
+                raise
+            # the trainer's weights as one flat shared buffer did not fit: a run sized for a
+            # /dev/shm it does not have, said before anything started
+            raise SharedMemoryFull(
+                where=e.where, what="the trainer's weights, one shared buffer the engine reads (the one-copy sync)",
+                need=e.need, room=e.room, before_start=True,
+                remedy="train in bfloat16 (--trainer-dtype bfloat16: the sync converts, and stages buckets), "
+                       "or " + SharedMemoryFull.MORE) from None
         if self.fault is not None:
             from colo.testing.faults import FaultInjector
 
@@ -375,8 +381,16 @@ class DemoRun:
                         step=self.sched.step, cause=failed.get("error", "?"),
                         trainer_digest_at_fault=self._at_fault[-1] if injected else "",
                         staging_bytes_after_failure=self.sched.memory.staging_bytes,
-                        segments_after_failure=leftover_segments(),
+                        segments_after_failure=self._leftover_segments(),
                         trainer_digest_after_failure=self.trainer_digest())
+
+    def _leftover_segments(self) -> list[str]:
+        """This process's ``/dev/shm`` segments but the trainer's own storage: a one-copy
+        trainer's weights live in one (on the CPU, where the engine reads them straight
+        from it), and a failure left nothing there."""
+        flat = getattr(self.trainer, "flat_weights", None)
+        own = set(flat.segment_names) if flat is not None else set()
+        return [name for name in leftover_segments() if name not in own]
 
     async def _replace_dead_engine(self, rec: Recovery) -> None:
         old = self.engines[-1]
@@ -426,13 +440,26 @@ def _progress(steps: int, enabled: bool) -> Any:
                 dynamic_ncols=True)
 
 
+def chance_reward(cfg: DemoConfig) -> float:
+    """The demo task's reward for a policy that ignores it (:attr:`colo.tasks.ReinforceTask.chance`)."""
+    from colo.trainers.models import demo_model_config
+
+    return make_task("reinforce", vocab_size=demo_model_config(cfg.model).vocab_size, batch=cfg.batch,
+                     prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seed=cfg.seed).chance
+
+
 def report(cfg: DemoConfig, out: DemoOutcome) -> str:
-    lines = [out.summary.table(), "", "reward per step:"]
+    chance = chance_reward(cfg)
+    # the reward means nothing without its baseline: what a policy that ignores the reward scores
+    lines = [out.summary.table(), "",
+             f"reward per step (chance {chance:.3f}: the reward is the share of completion tokens in a fixed "
+             f"{chance:.1%} of the vocabulary):"]
     for i, r in enumerate(out.rewards):
         lines.append(f"  step {i:3d}  {r:.3f}  " + "#" * int(round(r * 40)))
     if len(out.rewards) >= 10:
         first, last = out.rewards[:5], out.rewards[-5:]
-        lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f}")
+        lines.append(f"mean reward: first 5 steps {sum(first) / 5:.3f}, last 5 steps {sum(last) / 5:.3f} "
+                     f"(chance {chance:.3f})")
     lines.append(f"trace: {out.trace_path}")
     log = cfg.engine_log_path(0 if cfg.gpus > 1 else None)
     if log is not None:
@@ -522,7 +549,17 @@ def run_demo(args: Any) -> int:
     except UsageError as e:
         print(f"colo demo: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
+    threads = torch.get_num_threads()
+    if cfg.device == "cpu" and cfg.engine == "colo":
+        # This process's trainer and colo's engine share the machine's cores (the engine takes one
+        # thread: colo.engine.server.use_engine_threads). With torch's default of one thread per
+        # core, libgomp's spinning waits turn any other load into stalls: a train step of the demo
+        # took 9.5 s on two threads beside other jobs on the two-core VM, 0.5 s on one.
+        torch.set_num_threads(1)
+    try:
+        out, signals = anyio.run(functools.partial(run_until_signalled, cfg, progress=not args.quiet))
+    finally:
+        torch.set_num_threads(threads)  # as the caller had it: main() may run inside a longer process
     if out is None:
         names = ", ".join(signal.Signals(s).name for s in signals)
         # every rank writes its own trace: the files written, not the name they derive from

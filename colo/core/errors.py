@@ -60,13 +60,17 @@ class SharedMemoryFull(ColoError, MemoryError):
     is known (``before_start``: bad input, exit 2), else as the phase that asked for it
     failing (exit 1)."""
 
-    def __init__(self, *, where: str, what: str, need: int, room: int, before_start: bool = False):
+    #: what frees room or needs less, as the command line says it
+    MORE = ("give this machine or container more shared memory (a container's /dev/shm is 64 MiB unless "
+            "started with e.g. docker run --shm-size=2g)")
+    REMEDY = "use a smaller --bucket-mib, or " + MORE
+
+    def __init__(self, *, where: str, what: str, need: int, room: int, before_start: bool = False,
+                 remedy: str = REMEDY):
         self.where, self.what, self.need, self.room = where, what, need, room
         if before_start:
             self.exit_code = EXIT_BAD_INPUT
-        super().__init__(f"{where} has {fmt_bytes(room)} free, and {fmt_bytes(need)} is needed for {what}: use a "
-                         f"smaller --bucket-mib, or give this machine or container more shared memory (a "
-                         f"container's /dev/shm is 64 MiB unless started with e.g. docker run --shm-size=2g)")
+        super().__init__(f"{where} has {fmt_bytes(room)} free, and {fmt_bytes(need)} is needed for {what}: {remedy}")
 
 
 class IncompleteCheckpoint(ColoError, ValueError):

@@ -260,6 +260,12 @@ class FlatWeights:
         return self._flat if self.device.type == "cpu" else self._host
 
     @property
+    def segment_names(self) -> list[str]:
+        """The ``/dev/shm`` segments this buffer lives in: the buffer itself on the CPU, the
+        shared host backup of paused GPU weights once made. Live storage, not leftovers."""
+        return [seg.name for seg in (self._seg, self._host_seg) if seg is not None]
+
+    @property
     def host_shared(self) -> bool:
         """The host backup exists and another process can read it."""
         return self._host_seg is not None

@@ -501,12 +501,13 @@ class EngineModel:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.dims.rms_norm_eps)
         return weight * h.to(x.dtype)
 
-    def _forward(self, tokens: torch.Tensor, start: int, slots: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, start: int, kv: torch.Tensor | None) -> torch.Tensor:
         """Hidden states after the final norm, ``[B, T, H]``.
 
-        ``slots`` (``[B, start + T]`` pool slot ids) switches on the cache:
-        the K/V of the T new tokens are written to ``slots[:, start:]`` and
-        attention reads all ``start + T`` of them back from the pool.
+        ``kv`` (``[layers, 2, B, S, kv_heads, head_dim]``: these rows' slots of the pool,
+        a view, see ``_rows_of_pool``) switches on the cache: the K/V of the T new tokens
+        are written at positions ``start .. start + T - 1`` and attention reads all
+        ``start + T`` of them back from the pool.
         """
         p = self._params
         d = self.dims
@@ -525,12 +526,13 @@ class EngineModel:
             q, k, v = self._qkv(pre, x)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            if slots is not None:
-                k, v = self._store_and_gather(layer, k, v, slots, start)
-            # kv head j serves query heads j*groups .. (j+1)*groups-1, as HF's repeat_kv
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.head_dim ** -0.5)
+            if kv is not None:
+                k, v = self._store_and_gather(layer, k, v, kv, start)
+            # kv head j serves query heads j*groups .. (j+1)*groups-1, as HF's repeat_kv; read
+            # in place by the attention kernel (enable_gqa) rather than copied out per layer
+            # and decode step (repeat_interleave)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.head_dim ** -0.5,
+                                                  enable_gqa=groups > 1)
             attn = attn.transpose(1, 2).reshape(b, t, d.q_rows)
             h = h + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
             x = self._rmsnorm(h, p[pre + "post_attention_layernorm.weight"])
@@ -567,13 +569,24 @@ class EngineModel:
         """The output of a row-parallel layer (o_proj, down_proj): whole here; a TP rank all-reduces."""
         return partial
 
-    def _store_and_gather(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    def _store_and_gather(self, layer: int, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                           start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new tokens' K/V (``[B, kv_heads, T, head_dim]``) into the rows' slots and
+        return the first ``start + T`` positions of each row, as views of the pool: the rows
+        are one contiguous run of slots (``_rows_of_pool``), so no gather copies a row's whole
+        history out of the pool at every layer of every decode step (an ``index`` by slot ids,
+        a tenth of the demo's rollout on the CPU)."""
+        end = start + k.shape[2]
+        keys, values = kv[layer, 0], kv[layer, 1]  # [B, S, kv_heads, head_dim]
+        keys[:, start:end] = k.transpose(1, 2)
+        values[:, start:end] = v.transpose(1, 2)
+        return keys[:, :end].transpose(1, 2), values[:, :end].transpose(1, 2)
+
+    def _rows_of_pool(self, first: int, rows: int, seq_slots: int) -> torch.Tensor:
+        """Slots ``first .. first + rows * seq_slots - 1`` of the pool as ``[layers, 2, rows,
+        seq_slots, kv_heads, head_dim]``: row r holds its sequence at ``first + r * seq_slots``."""
         pool = self._pool
-        new = slots[:, start:]
-        pool[layer, 0][new] = k.transpose(1, 2)
-        pool[layer, 1][new] = v.transpose(1, 2)
-        return pool[layer, 0][slots].transpose(1, 2), pool[layer, 1][slots].transpose(1, 2)
+        return pool[:, :, first:first + rows * seq_slots].unflatten(2, (rows, seq_slots))
 
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self._params[self.map.lm_head()]).float()
@@ -645,27 +658,24 @@ class EngineModel:
     def _generate_chunk(self, prompts: torch.Tensor, steps: int, temperature: float, uniforms: torch.Tensor,
                         seq_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         b, plen = prompts.shape
-        starts: list[int] = []
+        # the chunk's rows take one contiguous run of slots, row after row, so that each
+        # layer reads a row's history as a view of the pool (``_store_and_gather``)
+        first = self.slots.alloc(b * seq_slots)
         try:
-            for _ in range(b):
-                starts.append(self.slots.alloc(seq_slots))
-            slots = (torch.tensor(starts, device=self.device)[:, None]
-                     + torch.arange(seq_slots, device=self.device)[None, :])
+            kv = self._rows_of_pool(first, b, seq_slots)
             out = torch.empty((b, steps), dtype=torch.long, device=self.device)
             lps = torch.empty((b, steps), dtype=torch.float32, device=self.device)
-            h = self._forward(prompts, 0, slots[:, :plen])
+            h = self._forward(prompts, 0, kv)
             for step in range(steps):
                 tok, lp = self._sample(self._lm_head(h[:, -1]), temperature, uniforms[:, step])
                 out[:, step] = tok
                 lps[:, step] = lp
                 if step + 1 < steps:
-                    pos = plen + step
-                    h = self._forward(tok[:, None], pos, slots[:, :pos + 1])
+                    h = self._forward(tok[:, None], plen + step, kv)
             return out, lps
         finally:
             # slots are per call: nothing outlives a generate, so a failure frees them too
-            for s in starts:
-                self.slots.free(s, seq_slots)
+            self.slots.free(first, b * seq_slots)
 
     @staticmethod
     def _sample(logits: torch.Tensor, temperature: float,

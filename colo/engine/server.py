@@ -270,6 +270,9 @@ def _check_build(build: Any) -> None:
         raise ValueError(f"mem_fraction_static must be in (0, 1], got {fraction!r}")
     if build.get("memory") not in (None, "free", "saver"):
         raise ValueError(f"memory must be free or saver, got {build.get('memory')!r}")
+    threads = build.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
     checkpoint = build.get("checkpoint")
     if checkpoint is not None and not isinstance(checkpoint, str):
         raise ValueError(f"checkpoint must be a path or None, got {type(checkpoint).__name__}")
@@ -296,6 +299,30 @@ def _check_build(build: Any) -> None:
             f"engine refused its build: its weights and KV pool take {fmt_bytes(plan.static_bytes)} "
             f"(mem_fraction_static {fraction:g} of a {fmt_bytes(total)} device), more than this machine's "
             f"{ram / (1 << 30):.1f} GiB of memory (a CPU engine's device is host memory)")
+
+
+#: torch's intra-op threads in an engine on the CPU, unless its build names them (``"threads"``)
+CPU_ENGINE_THREADS = 1
+
+
+def use_engine_threads(build: dict) -> int:
+    """Set this engine process's intra-op threads from its build; the number in use.
+
+    On the CPU one thread unless the build says otherwise. The engine shares the
+    machine's cores with its trainer (colocated: another process on the same cores)
+    and decodes in hundreds of small ops per token, each a parallel region of torch's
+    OpenMP pool when it has two threads. libgomp's waiting threads spin, so whenever
+    another process holds a core (the trainer, a neighbour's job), every region waits
+    for a descheduled thread: the demo's rollout (32 x 24 tokens, fp32, the demo model)
+    took 3 to 17 s with two threads on the busy two-core development VM against 0.4 to
+    0.5 s with one (bench/rollout_speed.py's ``colo-2-threads`` row times it beside the
+    default). On a GPU the host threads only launch kernels: torch's default is kept."""
+    threads = build.get("threads")
+    if threads is None and str(build.get("device")) == "cpu":
+        threads = CPU_ENGINE_THREADS
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    return torch.get_num_threads()
 
 
 def start_failure(exc: BaseException) -> dict:
@@ -409,6 +436,7 @@ def _serve(sock_path: str, key: bytes, build: dict) -> None:
     open_log(build.get("log_path"))
     try:
         check_build(build)
+        use_engine_threads(build)
         core = build_core(build)
     except Exception as e:
         # The client is waiting for this engine's hello: it gets the reason instead, over the

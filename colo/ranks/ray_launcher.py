@@ -159,13 +159,10 @@ class EngineActor:
     def start(self, build: dict, state: bytes | None) -> dict:
         """Build the engine rank (joining its TP group: every rank at once) from ``state``,
         safetensors bytes of the trainer's weights, or empty and stale when None."""
-        import torch
-
-        from colo.engine.server import EngineServer, build_core, check_build
+        from colo.engine.server import EngineServer, build_core, check_build, use_engine_threads
 
         check_build(build)  # before the group is joined or the state read (EngineRefused: exit 2)
-        if str(build["device"]) == "cpu":
-            torch.set_num_threads(1)  # N trainer ranks and N engine ranks share the host's cores
+        use_engine_threads(build)  # on the CPU one: N trainer ranks and N engine ranks share the host's cores
         from colo.proc.lifecycle import open_log
 
         open_log(build.get("log_path"))  # else Ray's worker log

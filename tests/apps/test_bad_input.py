@@ -233,8 +233,9 @@ def test_every_float_flag_refuses_absurd_and_non_finite_numbers(command, flag, v
 @pytest.mark.parametrize("argv,msg", [
     (["--mem-fraction-static", "0.0000001"], "--mem-fraction-static 1e-07 on a 256.00 MiB device: "
                                              "mem_fraction_static 1e-07 of 268435456 bytes"),
-    # weights 5.5 MiB + one 256-token sequence of 2 KiB slots = 6.0 MiB = 0.0235 of 256 MiB
-    (["--mem-fraction-static", "0.023"], "--mem-fraction-static 0.023 on a 256.00 MiB device: KV pool budget"),
+    # the CPU demo's fp32 engine: weights 11.0 MiB + one 256-token sequence of 4 KiB slots = 12.0 MiB
+    # = 0.0469 of 256 MiB; 0.045 leaves room for 128 slots
+    (["--mem-fraction-static", "0.045"], "--mem-fraction-static 0.045 on a 256.00 MiB device: KV pool budget"),
     (["--device-mem-gib", "0.03"], "--device-mem-gib 0.03 is too small for the engine: reserved memory "
                                    "32.00 MiB leaves nothing of a 30.72 MiB device"),
     (["--device-mem-gib", "0.007"], "--device-mem-gib 0.007 is too small for the engine: reserved memory "

@@ -1,17 +1,24 @@
 """The demo end to end: a real trainer, a real engine process, real shared memory."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from colo.apps.demo import DemoConfig, run
+from colo.apps.demo import DemoConfig, DemoOutcome, report, run
+from colo.apps.demo_setup import FP32_LOGIT_TOLERANCE, LOGIT_TOLERANCE, logit_tolerance
+from colo.offline.summary import PhaseSummary
+from colo.tasks import make_task
 from colo.core.invariants import InvariantChecker
 from colo.trace.writer import read_trace
 from tests.leaks import new_segments
 
-SMALL = dict(steps=2, batch=8, new_tokens=8)
+# A bfloat16 engine beside the fp32 trainer: each sync converts through staging buckets. (With
+# the engine in the trainer's dtype, the CPU default, the hf trainer's one-copy sync hands the
+# engine its own buffer, unstaged, in one piece.)
+SMALL = dict(steps=2, batch=8, new_tokens=8, engine_dtype="bfloat16")
 
 
 def replay_clean(path):
@@ -41,7 +48,7 @@ async def test_each_plan_completes_with_verified_syncs(plan, tmp_path):
 
 # The documented size: at mem_fraction_static 0.84 the KV pool fills the
 # simulated device, so only a plan that stages buckets while KV is away fits.
-OOM_ARGS = dict(mem_fraction_static=0.84, bucket_mib=2.0, steps=1, batch=8, new_tokens=8)
+OOM_ARGS = dict(mem_fraction_static=0.84, bucket_mib=2.0, steps=1, batch=8, new_tokens=8, engine_dtype="bfloat16")
 
 
 @pytest.mark.parametrize("plan,fits", [("offload-first", True), ("sync-first", True), ("single-stage", False)])
@@ -65,6 +72,49 @@ def test_cli_demo_exits_zero_prints_table_and_writes_trace(tmp_path):
     assert "engine_wake_kv" in proc.stdout and "reward per step" in proc.stdout
     first = json.loads(trace.read_text().splitlines()[0])
     assert first["event"] == "trace.started" and first["schema"] == "colo.trace/1"
+
+
+def test_the_default_demo_learns_well_above_chance_and_says_what_chance_is(tmp_path):
+    """Issue 41, item 5: ``colo demo`` with its defaults shows learning, every sync verified, and
+    says what the reward of a policy that ignores it is. The margin is the math of seed 0, not
+    the machine's speed: the run may take as long as it takes."""
+    trace = tmp_path / "default.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--trace", str(trace)],
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr
+    assert "reward per step (chance 0.125: the reward is the share of completion tokens in a fixed 12.5% of " \
+           "the vocabulary)" in proc.stdout
+    m = re.search(r"mean reward: first 5 steps ([0-9.]+), last 5 steps ([0-9.]+) \(chance 0\.125\)", proc.stdout)
+    assert m is not None, proc.stdout
+    first, last = float(m[1]), float(m[2])
+    assert first < 0.2 and last - first >= 0.2, (first, last)  # 0.140 -> 0.637 here
+    events = replay_clean(trace)
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert len(syncs) == 20 and all(s["verify_s"] is not None and s["digest"] for s in syncs)
+    assert json.loads(trace.read_text().splitlines()[0])["config"]["model"]["engine_dtype"] == "float32"
+
+
+def test_the_report_says_what_chance_is(tmp_path):
+    out = DemoOutcome([0.125] * 5 + [0.5] * 5, PhaseSummary(), tmp_path / "t.jsonl")
+    text = report(DemoConfig(trace=str(tmp_path / "t.jsonl")), out)
+    assert "reward per step (chance 0.125: the reward is the share of completion tokens in a fixed 12.5% of " \
+           "the vocabulary):" in text
+    assert "mean reward: first 5 steps 0.125, last 5 steps 0.500 (chance 0.125)" in text
+
+
+@pytest.mark.parametrize("vocab,chance", [(1024, 0.125), (151936, 0.125), (1001, 126 / 1001)])
+def test_chance_is_the_rewarded_share_of_the_vocabulary(vocab, chance):
+    assert make_task("reinforce", vocab_size=vocab, batch=1, prompt_len=1, new_tokens=1, seed=0).chance == chance
+
+
+def test_the_engine_computes_in_float32_on_a_cpu_and_is_probed_at_float32_bounds(tmp_path):
+    trace = str(tmp_path / "t.jsonl")
+    cpu = DemoConfig(trace=trace)
+    assert (cpu.engine_dtype, DemoConfig(device="cuda", trace=trace).engine_dtype) == ("float32", "bfloat16")
+    assert logit_tolerance(cpu) == FP32_LOGIT_TOLERANCE == 1e-3
+    # a bfloat16 side on either end: bfloat16's bound
+    assert logit_tolerance(DemoConfig(trace=trace, engine_dtype="bfloat16")) == LOGIT_TOLERANCE
+    assert logit_tolerance(DemoConfig(trace=trace, trainer_dtype="bfloat16")) == LOGIT_TOLERANCE
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -347,10 +347,11 @@ def test_a_trace_disk_that_fills_mid_run_stops_it_naming_the_trace_the_step_and_
     from colo.cli import main
     from tests.fulldisk import small_disk
 
-    # room for the start-up check (64 KiB) and about four of the demo's cycles (17 KiB each)
+    # room for the start-up check (64 KiB) and a few of the demo's cycles (9 KiB each with the
+    # CPU default's one-copy sync, 17 KiB with staged buckets)
     with small_disk(tmp_path / "disk", size_kib=256, free_kib=80) as disk:
         trace = disk / "run.jsonl"
-        rc = main(["demo", "--quiet", "--steps", "8", "--trace", str(trace),
+        rc = main(["demo", "--quiet", "--steps", "20", "--trace", str(trace),
                    "--engine-log", str(tmp_path / "engine.log")])
         out, err = capsys.readouterr()
         assert rc == 1 and "Traceback" not in err

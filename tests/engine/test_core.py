@@ -367,6 +367,22 @@ def test_greedy_generation_through_the_pool_equals_argmax_of_full_forwards(confi
     torch.testing.assert_close(logprobs, full_forward_logprobs(core, prompts, completions), rtol=0, atol=1e-5)
 
 
+def test_sampled_tokens_are_inverse_cdf_draws_from_full_forwards(config, state, probe):
+    """The tokens themselves, not only their logprobs: each is the draw the same uniform makes
+    from softmax(logits) of a full forward over the sequence so far (no cache), row by row."""
+    core = make_core(config, init_state=state)
+    prompts, steps = probe[:, :6], 10
+    completions, _ = core.generate(prompts, steps, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    uniforms = torch.rand((4, steps), generator=torch.Generator().manual_seed(7))  # as generate draws them
+    seq = prompts
+    for step in range(steps):
+        cdf = torch.log_softmax(core.logits(seq)[:, -1], dim=-1).exp().cumsum(dim=-1)
+        tok = torch.searchsorted(cdf, (uniforms[:, step] * cdf[:, -1])[:, None], right=True)
+        seq = torch.cat([seq, tok.clamp_max(config.vocab_size - 1)], dim=1)
+    assert torch.equal(completions, seq[:, 6:])
+    assert len(set(completions.flatten().tolist())) > 10  # sampled, not one token over and over
+
+
 def test_the_pool_holds_each_sequences_post_rope_keys_and_values(config, trainer, state, probe):
     core = make_core(config, init_state=state)
     prompts = probe[:2, :5]
@@ -396,11 +412,13 @@ def test_decode_steps_read_keys_and_values_from_the_pool(config, state, probe, m
     model = core.model
     original = model._store_and_gather
 
-    def scribble(layer, k, v, slots, start):
-        # overwrite what earlier calls wrote: only a reader of the pool notices
+    def scribble(layer, k, v, kv, start):
+        # overwrite what earlier calls wrote (kv: the rows' slots, a view of the pool): only a
+        # reader of the pool notices
         if start > 0:
-            model.kv_pool[layer][:, slots[:, :start]] = 0
-        return original(layer, k, v, slots, start)
+            assert kv.untyped_storage().data_ptr() == model.kv_pool.untyped_storage().data_ptr()
+            kv[layer, :, :, :start] = 0
+        return original(layer, k, v, kv, start)
 
     monkeypatch.setattr(model, "_store_and_gather", scribble)
     _, lp = core.generate(prompts, 6, temperature=0.0, generator=g())

@@ -158,3 +158,16 @@ def test_channel_refuses_oversized_and_non_object_frames():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("build,want", [({"device": "cpu"}, 1), ({"device": "cpu", "threads": 2}, 2),
+                                        ({"device": "cuda"}, None)])
+def test_an_engine_on_the_cpu_computes_on_one_thread_unless_its_build_names_more(build, want):
+    from colo.engine.server import use_engine_threads
+
+    before = torch.get_num_threads()
+    try:
+        # None: on a GPU the count is left as torch set it
+        assert use_engine_threads(build) == torch.get_num_threads() == (before if want is None else want)
+    finally:
+        torch.set_num_threads(before)

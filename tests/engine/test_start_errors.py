@@ -39,6 +39,7 @@ MALFORMED = [
     ("an integer engine dtype", dict(build={"dtype": "int8"}), "engine dtype must be a floating point dtype, got int8"),
     ("an unknown dtype", dict(build={"dtype": "float7"}), "dtype 'float7' is not allowed"),
     ("an unknown device", dict(build={"device": "tpu"}), "device must be cpu or cuda[:N], got 'tpu'"),
+    ("no threads", dict(build={"threads": 0}), "threads must be a positive integer or None, got 0"),
     ("a fraction above 1", dict(build={"mem_fraction_static": 1.5}), "mem_fraction_static must be in (0, 1], got 1.5"),
     ("a string device size", dict(build={"total_bytes": "64M"}), "total_bytes must be a positive integer, got '64M'"),
     ("a device larger than this machine's memory", dict(build={"total_bytes": 1 << 50}),

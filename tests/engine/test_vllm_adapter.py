@@ -46,7 +46,7 @@ def test_the_demo_refuses_what_vllm_cannot_do_naming_the_flag(kw, why):
 def test_vllm_on_a_cpu_runs_float32_on_a_device_that_holds_its_kv_cache():
     cfg = DemoConfig(engine="vllm")
     assert cfg.engine_dtype == "float32" and cfg.device_mem_gib == 2.0
-    assert DemoConfig().engine_dtype == "bfloat16"
+    assert DemoConfig().engine_dtype == "float32"  # colo's engine on a CPU too (bfloat16 is slow there)
 
 
 @pytest.mark.parametrize("hello, why", [

@@ -72,23 +72,31 @@ print(json.dumps(out))
     assert out["blocks"] >= 512 << 10 and out["room_after"] <= (1 << 20) - (512 << 10)
 
 
-def test_a_demo_whose_staging_cannot_fit_in_dev_shm_is_one_line_exit_2_before_it_starts(tmp_path):
+@pytest.mark.parametrize("dtype, need", [
+    # the CPU default: the trainer's fp32 weights are one flat shared buffer, the engine reads it whole
+    ("float32", "11.02 MiB is needed for the trainer's weights, one shared buffer the engine reads (the "
+                "one-copy sync): train in bfloat16 (--trainer-dtype bfloat16: the sync converts, and stages "
+                "buckets), or give this machine"),
+    # a trainer in bfloat16: the sync converts, and stages two buckets in /dev/shm
+    ("bfloat16", "2.00 MiB is needed for the packed transport's two staging buckets: use a smaller --bucket-mib, "
+                 "or give this machine"),
+])
+def test_a_demo_that_cannot_fit_in_dev_shm_is_one_line_exit_2_before_the_engine_starts(dtype, need, tmp_path):
     """Before: rc 135 (SIGBUS), nothing on stdout or stderr, the trace cut mid-sync."""
-    proc = _in_small_shm("1m", 'python -m colo.cli demo --quiet --steps 3 --trace "$1"; echo "rc=$?"; ls -A /dev/shm',
-                         str(tmp_path / "t.jsonl"), cwd=tmp_path)
+    proc = _in_small_shm("1m", 'python -m colo.cli demo --quiet --steps 3 --trainer-dtype "$2" --trace "$1"; '
+                         'echo "rc=$?"; ls -A /dev/shm', str(tmp_path / "t.jsonl"), dtype, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert "rc=2" in lines, proc.stdout + proc.stderr
     assert lines[-1] == "rc=2"  # and /dev/shm holds nothing of the run
     err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert err[0].startswith("colo demo: /dev/shm has 1.00 MiB free, and 2.00 MiB is needed for the packed "
-                             "transport's two staging buckets: use a smaller --bucket-mib"), err[0]
+    assert err[0].startswith(f"colo demo: /dev/shm has 1.00 MiB free, and {need}"), err[0]
     assert not list(tmp_path.glob("colo-*")), list(tmp_path.iterdir())
 
 
 _FILL_MID_RUN = r"""
-python -m colo.cli demo --quiet --steps 3 --bucket-mib 0.25 --trace "$1" > "$2" 2>&1 &
+python -m colo.cli demo --quiet --steps 3 --trainer-dtype bfloat16 --bucket-mib 0.25 --trace "$1" > "$2" 2>&1 &
 demo=$!
 # once the first sync has finished, another process takes every byte /dev/shm has left
 until grep -q '"sync.finished"' "$1" 2>/dev/null || ! kill -0 $demo 2>/dev/null; do sleep 0.1; done

@@ -220,8 +220,9 @@ async def test_demo_with_the_fsdp_trainer_verifies_every_sync(tmp_path, monkeypa
 
     monkeypatch.setattr(fsdp, "build", recording_build)
     try:
+        # a bfloat16 engine (the CPU demo's default is float32): every sync converts through buckets
         out = await run(DemoConfig(trainer="fsdp", steps=2, batch=8, new_tokens=8, bucket_mib=0.5,
-                                   trace=str(tmp_path / "t.jsonl")), progress=False)
+                                   engine_dtype="bfloat16", trace=str(tmp_path / "t.jsonl")), progress=False)
     finally:
         for trainer in built:
             trainer.close()

@@ -222,8 +222,10 @@ async def test_demo_runs_with_the_megatron_trainer_and_every_sync_verifies(tmp_p
 
     monkeypatch.setattr(demo, "build_trainer", build_trainer)
     try:
+        # a bfloat16 engine (the CPU demo's default is float32): every sync converts through buckets
         out = await demo.run(demo.DemoConfig(trainer="megatron", steps=2, batch=8, new_tokens=8, bucket_mib=0.5,
-                                             trace=str(tmp_path / "t.jsonl")), progress=False)
+                                             engine_dtype="bfloat16", trace=str(tmp_path / "t.jsonl")),
+                             progress=False)
         # the demo raises (and reports here) on a digest or probe-logit mismatch after any sync
         assert out.error is None, out.error
         [trainer] = built

@@ -28,7 +28,9 @@ from colo.transports import REGISTRY, get_strategy, make_transport
 from tests.leaks import new_segments
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
-DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5)
+# a bfloat16 engine beside the fp32 trainer, so every transport converts through staging buckets
+# (with the engine in the trainer's dtype, the CPU default, packed sends the trainer's own buffer)
+DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5, engine_dtype="bfloat16")
 #: what the scheduler books for a trainer that only syncs
 TAG_BYTES = {"weights": 1 << 20, "optimizer": 2 << 20}
 
