@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|session5 [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -53,6 +53,15 @@ case "${1:-tests}" in
       2>&1 | tee "$OUT/gpu-tests.log" | tail -8
     timeout "${2:-150}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed --trainers megatron \
       --reps 3 --out "$OUT/colo-bench-megatron-1.5b.json" 2>&1 | tee "$OUT/megatron.log" | tail -16
+    ;;
+  session5)  # one GPU, what the session of 2026-11-27 (evening) changed or landed: the device digest's tests (the
+    # engine summing a verified load as it writes it, probed once per engine: never run on a GPU), the handoff
+    # around a user's own loop from a checkpoint, every one-GPU demo; then the real trainers' rows at Qwen2-1.5B
+    # with what verification adds to a sync (issue 44's baseline). Limits: arg 2 for the tests, arg 3 the bench
+    timeout "${2:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu --durations=12 tests/gpu/test_digest_cuda.py \
+      tests/gpu/test_handoff_gpu.py tests/gpu/test_one_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
+    timeout "${3:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -20
     ;;
   verify31)  # issue 31 item 2 after colo's engine began to sum a verified load as it writes it and to be probed
     # once per engine: the device digest's GPU tests (the summed load from pinned memory among them), then the
