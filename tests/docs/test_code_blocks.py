@@ -29,10 +29,11 @@ def test_the_readme_test_command_is_what_ci_runs():
 
 
 def test_the_docs_have_the_blocks_this_test_expects():
-    # a guide with no code would pass vacuously: the README's embedding, own-engine and vLLM
-    # examples and the command blocks are all found
+    # a guide with no code would pass vacuously: the README's four python examples (the user's
+    # loop on vLLM, colo's own loop, an in-process engine, vLLM's own) and the command blocks
+    # are all found
     readme = [b for b in blocks() if b.path.name == "README.md"]
-    assert sum(b.lang == "python" for b in readme) == 3 and sum(b.lang == "bash" for b in readme) >= 3
+    assert sum(b.lang == "python" for b in readme) == 4 and sum(b.lang == "bash" for b in readme) >= 3
     assert any(b.mark == "# needs vLLM" for b in readme)
 
 
