@@ -446,6 +446,9 @@ class RdtTransport(BucketSender):
         self.backend, self.timeout_s = backend, float(timeout_s)
         self._pair: _Pair | None = None
         self._slots: list[tuple[Staged, Any] | None] = [None, None]
+        self._pair_checked = False
+        #: per slot, (key, ref) of the bucket staged in Ray and not yet handed off
+        self._refs: list[tuple[int, Any] | None] = [None, None]
         self._cap = 0
         self._cuda = False
         self._keys = itertools.count()
@@ -454,6 +457,7 @@ class RdtTransport(BucketSender):
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         self._cap = max(b.nbytes for b in buckets)
+        self._pair_checked = False  # the first bucket's pack forms the pair, or checks it
 
     def _slot(self, i: int, ctx: SyncContext, device: torch.device) -> Any:
         if self._slots[i] is None:
@@ -472,24 +476,28 @@ class RdtTransport(BucketSender):
 
         target = getattr(self._extractor, "upload_to", None)
         device = torch.device(target) if target is not None else tensors[0][1].device
-        flat = self._slot(slot, ctx, device)
+        flat = self._slot(slot, ctx, device)[:bucket.nbytes]
         t0 = time.perf_counter()
         # settled: the bytes must be in the slot before Ray reads it on another thread
         await anyio.to_thread.run_sync(pack_and_settle, flat, bucket, tensors)
+        # Staged in Ray here, not at the handoff: the task that hands the slot to Ray's RDT
+        # store is a round trip of its own (a few ms on two cores), and here it runs while
+        # the previous bucket is handed off and loaded. Nothing moves before the handoff
+        # passes the ref to the engine actor.
+        pair = await self._sync_pair(device)
+        key = next(self._keys)
+        self._refs[slot] = (key, await anyio.to_thread.run_sync(pair.produce, key, flat))
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
-        flat = self._slots[slot][1][:bucket.nbytes]
-        # the first sync's first handoff forms the pair: part of its handoff
-        pair = await self._ensure_pair(engine, flat.device)
+        pair = self._pair
+        key, ref = self._refs[slot]
+        self._refs[slot] = None
         # a two-sided transport receives into a tensor Ray allocates on the engine: counted
         # while the request runs (CUDA IPC maps this slot instead)
         receive = Staged(ctx, bucket.nbytes) if pair.two_sided else None
-        key = next(self._keys)
-        ref = None
         try:
-            ref = await anyio.to_thread.run_sync(pair.produce, key, flat)
             fields, layout = self._memo.fields(engine, bucket)
             end = self._end_of(bucket, ctx)
             try:
@@ -514,6 +522,17 @@ class RdtTransport(BucketSender):
         self._memo.acked(bucket.index, layout)
         self._loaded(reply)
         on_ack(reply)
+
+    async def _sync_pair(self, device: torch.device) -> _Pair:
+        """This sync's pair: formed (or checked) at its first bucket, then the same one; a pair
+        Ray aborted mid-sync (a transfer failed) fails the sync, and the next one forms anew."""
+        if not self._pair_checked:
+            self._pair_checked = True
+            return await self._ensure_pair(self._engine, device)
+        pair = self._pair
+        if pair is None or not pair.alive():
+            raise RuntimeError("rdt: the pair group was aborted during this sync (a transfer failed)")
+        return pair
 
     async def _ensure_pair(self, engine: Any, device: torch.device) -> _Pair:
         peer = getattr(engine, "ray_actor", None)
@@ -587,6 +606,12 @@ class RdtTransport(BucketSender):
             pair.store = None
 
     def _cleanup(self) -> None:
+        # a failed sync may leave a bucket staged and never handed off: its ref and key go
+        for i, staged in enumerate(self._refs):
+            if staged is not None:
+                with _lock:
+                    _outgoing.pop(staged[0], None)
+                self._refs[i] = None
         for i, s in enumerate(self._slots):
             if s is not None:
                 s[0].free()
