@@ -25,7 +25,11 @@ cannot take one new member), in the same bundle. The trainer actor asks its
 engine actor directly, in the engine channel's own JSON frames (the requests,
 the bucket handles); the handles name ``/dev/shm`` segments or CUDA IPC
 memory of their shared host and never pass through the driver, which sees
-only the verbs, the stage records and the digests.
+only the verbs, the stage records and the digests. A transport whose buckets go
+through Ray Direct Transport (``rdt``) gets :class:`TensorRankActor` and
+:class:`TensorEngineActor` instead, declared with tensor transport: a request then
+carries a ref beside its frame, and Ray moves the ref's tensors between the two
+actors out of band.
 
 The engine ranks start from the trainer's weights without a file: every
 trainer rank already holds the full state after the start-up gather
