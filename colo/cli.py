@@ -287,9 +287,25 @@ def missing_extra(args: argparse.Namespace) -> str | None:
     return None
 
 
+def launch_refusal(args: argparse.Namespace) -> str | None:
+    """The refusal for a transport that needs a launcher this command does not run it under
+    (``rdt``: a rank's two Ray actors), or None: before anything starts, not at its first sync."""
+    from colo.transports import LAUNCHERS, launcher_refusal
+
+    if args.command == "demo":
+        return launcher_refusal(args.transport, args.launcher if args.gpus > 1 else None)
+    if args.command == "bench":
+        # colo bench times syncs into an engine process of its own: it starts no ranks
+        for name in args.transports or ():
+            if name in LAUNCHERS:
+                return (f"--transports {name} needs --launcher {LAUNCHERS[name][0]}, and colo bench starts no "
+                        f"ranks: python -m bench.{name} times it beside packed")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    refusal = missing_extra(args)
+    refusal = missing_extra(args) or launch_refusal(args)
     if refusal is not None:
         print(f"colo {args.command}: {refusal}", file=sys.stderr)
         return EXIT_BAD_INPUT

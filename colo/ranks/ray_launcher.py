@@ -25,7 +25,11 @@ cannot take one new member), in the same bundle. The trainer actor asks its
 engine actor directly, in the engine channel's own JSON frames (the requests,
 the bucket handles); the handles name ``/dev/shm`` segments or CUDA IPC
 memory of their shared host and never pass through the driver, which sees
-only the verbs, the stage records and the digests.
+only the verbs, the stage records and the digests. A transport whose buckets go
+through Ray Direct Transport (``rdt``) gets :class:`TensorRankActor` and
+:class:`TensorEngineActor` instead, declared with tensor transport: a request then
+carries a ref beside its frame, and Ray moves the ref's tensors between the two
+actors out of band.
 
 The engine ranks start from the trainer's weights without a file: every
 trainer rank already holds the full state after the start-up gather
@@ -144,7 +148,6 @@ def placement() -> dict:
 
 
 # -- the engine rank's actor --------------------------------------------------------
-@ray.remote(max_concurrency=1)
 class EngineActor:
     """Engine rank r on bundle r: an :class:`~colo.engine.server.EngineServer` whose requests
     are the engine channel's JSON frames, sent by the trainer rank's actor on the same bundle.
@@ -190,6 +193,35 @@ class EngineActor:
         return placement()
 
 
+class TensorEngineActor(EngineActor):
+    """An :class:`EngineActor` whose requests may carry tensors beside their frame, moved out
+    of band by Ray Direct Transport (the ``rdt`` transport's buckets): the actor is declared
+    with tensor transport, so Ray receives an object's tensors on its ``_ray_system``
+    thread before the task that takes them runs."""
+
+    def request_tensors(self, frame: bytes, tensors: list) -> bytes:
+        """One request whose bucket is ``tensors`` (Ray resolved the ref the sender passed:
+        the tensors themselves, received out of band), for the transport's receiver."""
+        from colo.transports.rdt import arrived
+
+        with arrived(tensors):
+            return self.request(frame)
+
+    def rdt_state(self) -> dict:
+        """What this process holds of the rdt transport (pair groups): the tests' look inside."""
+        from colo.transports.rdt import process_state
+
+        return process_state()
+
+
+# Ray's actor classes; the plain classes above are their bodies. Tensor transport is declared
+# on the class (Ray reads ``enable_tensor_transport`` and the concurrency groups when it
+# decorates, never from ``.options()``), and it runs every task of the actor off its main
+# thread: only a run whose transport moves tensors through Ray gets the tensor classes.
+EngineActor = ray.remote(max_concurrency=1)(EngineActor)
+TensorEngineActor = ray.remote(max_concurrency=1, enable_tensor_transport=True)(TensorEngineActor)
+
+
 def _unframe(frame: bytes) -> bytes:
     """The body of one channel frame (``encode``'s length prefix checked and removed)."""
     if not isinstance(frame, bytes) or len(frame) < _LEN.size:
@@ -220,6 +252,10 @@ class _ActorProcess:
         _kill(self.actor)
 
 
+#: the request field that carries a ref beside the frame (:meth:`ActorEngineClient.transport_load`)
+OUT_OF_BAND = "_tensors_ref"
+
+
 class _ActorChannel:
     """``AsyncChannel.request`` over the engine actor: one ``request.remote`` per request."""
 
@@ -227,9 +263,15 @@ class _ActorChannel:
         self._proc = proc
 
     async def request(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        # a ref whose tensors Ray moves to the engine actor out of band (the rdt transport's
+        # bucket): beside the frame, never in it (a frame is strict JSON)
+        tensors = fields.pop(OUT_OF_BAND, None)
         frame = encode({"id": 0, "op": op, **fields})
         try:
-            ref = self._proc.actor.request.remote(frame)
+            if tensors is None:
+                ref = self._proc.actor.request.remote(frame)
+            else:
+                ref = self._proc.actor.request_tensors.remote(frame, tensors)
             if on_sent is not None:
                 on_sent()
             reply = await ref
@@ -258,6 +300,21 @@ class ActorEngineClient(EngineClient):
 
     async def reconnect(self) -> None:
         """Each request is its own call: there is no connection to renew."""
+
+    @property
+    def ray_actor(self) -> Any:
+        """The engine actor's handle: where a transport through Ray Direct Transport sends."""
+        return self.process.actor
+
+    async def transport_load(self, transport: str, request: dict, on_sent: Any = None, *, end: bool = False,
+                             flush_cache: bool = False, tensors: Any = None) -> dict:
+        """As the engine client's; ``tensors``: a ref whose tensors are the request's bucket, moved
+        out of band by Ray (the engine actor must be a :class:`TensorEngineActor`)."""
+        if tensors is None:
+            return await super().transport_load(transport, request, on_sent, end=end, flush_cache=flush_cache)
+        ends = {"end_load": True, "flush_cache": bool(flush_cache)} if end else {}
+        return await self.call("transport_load", transport=transport, request=request, on_sent=on_sent, **ends,
+                               **{OUT_OF_BAND: tensors})
 
     async def _call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
         # the wire-level request (EngineClient.call adds the deferred begin on top)
@@ -304,18 +361,19 @@ class ActorEngineClient(EngineClient):
 
 
 async def spawn_engine_actor(build: dict, *, state: Any, pg: Any, bundle: int, name: str, gpu: bool,
-                             cpus: float, task: Any = None,
+                             cpus: float, task: Any = None, tensors: bool = False,
                              start_timeout_s: float = START_TIMEOUT_S) -> Any:
     """Engine rank ``build["tp"]["rank"]`` as an :class:`EngineActor` on bundle ``bundle`` of ``pg``
     (half its CPUs and GPU), started from ``state`` (an object ref of safetensors bytes, or
-    None: empty and stale); its client. A failed start kills the actor."""
+    None: empty and stale); its client. ``tensors``: a :class:`TensorEngineActor`, for a
+    transport through Ray Direct Transport. A failed start kills the actor."""
     options: dict[str, Any] = {
         "name": name, "num_cpus": cpus, "max_restarts": 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                 placement_group_bundle_index=bundle)}
     if gpu:
         options["num_gpus"] = 1 / ACTORS_PER_BUNDLE
-    actor = EngineActor.options(**options).remote()
+    actor = (TensorEngineActor if tensors else EngineActor).options(**options).remote()
     try:
         with anyio.fail_after(start_timeout_s):
             hello = await actor.start.remote(build, state)
@@ -361,14 +419,13 @@ class _EngineActors:
         p["engines"] = p.get("engines", 0) + 1
         return await spawn_engine_actor(build, state=checkpoint, pg=p["pg"], bundle=s.rank,
                                         name=f"colo-engine{s.rank}-{p['token']}-{p['engines']}", gpu=p["gpu"],
-                                        cpus=p["cpus"], task=self.task)
+                                        cpus=p["cpus"], task=self.task, tensors=p.get("tensors") is True)
 
     def hello(self) -> dict:
         return {**super().hello(), "engine_actor": self.engine.name}
 
 
 # -- the trainer rank's actor -------------------------------------------------------
-@ray.remote(max_concurrency=1)
 class RankActor:
     """One rank on its bundle: a :class:`~colo.ranks.host.RankHost` (its engine rank an
     :class:`EngineActor` on the same bundle), its ops as data."""
@@ -407,6 +464,46 @@ class RankActor:
 
     def where(self) -> dict:
         return placement()
+
+
+#: the rank actor's concurrency group for the tasks that hand its staged buckets to Ray: its
+#: main group runs one op at a time, and the sync that stages them is that op
+TENSOR_GROUP = "colo_tensors"
+
+
+class TensorRankActor(RankActor):
+    """A :class:`RankActor` whose transport hands its buckets to its engine actor through Ray
+    Direct Transport (``rdt``): declared with tensor transport, its engine actor a
+    :class:`TensorEngineActor`."""
+
+    def setup(self, spec: dict, where: dict) -> dict:
+        from colo.transports.rdt import register_ray_transports
+
+        # before the engine actor exists: Ray hands the registrations to the actors this
+        # process creates afterwards (Ray's documented order)
+        register_ray_transports()
+        return super().setup(spec, where)
+
+    @ray.method(concurrency_group=TENSOR_GROUP)
+    def rdt_tensors(self, key: int) -> list:
+        """The bucket the transport staged under ``key``; called by the transport on this very
+        actor with ``.options(tensor_transport=...)``, so Ray keeps the returned tensor here
+        and moves it out of band to the actor that gets the ref
+        (:data:`colo.transports.rdt.SOURCE_METHOD`)."""
+        from colo.transports.rdt import take_outgoing
+
+        return take_outgoing(key)
+
+    def rdt_state(self) -> dict:
+        """What this process holds of the rdt transport (pair groups, pairs, staged buckets)."""
+        from colo.transports.rdt import process_state
+
+        return process_state()
+
+
+RankActor = ray.remote(max_concurrency=1)(RankActor)
+TensorRankActor = ray.remote(max_concurrency=1, enable_tensor_transport=True,
+                             concurrency_groups={TENSOR_GROUP: 1})(TensorRankActor)
 
 
 class _Launch:
@@ -748,15 +845,17 @@ async def spawn_workers(specs: Sequence[Any], *, envs: Sequence[dict[str, str] |
     all or none (a failure removes every actor and the group)."""
     started = await _ensure_ray(address)
     gpu = specs[0].device == "cuda"
+    tensors = _moves_tensors_through_ray(specs[0].transport)
     launch = _Launch(None, started, len(specs))
     actors: list[Any] = []
     token = uuid.uuid4().hex[:8]
     try:
         launch.pg = await reserve(bundles_for(len(specs), gpu=gpu, cpus_per_rank=cpus_per_rank), strategy=strategy)
-        share = {"pg": launch.pg, "token": token, "gpu": gpu, "cpus": cpus_per_rank / ACTORS_PER_BUNDLE}
+        share = {"pg": launch.pg, "token": token, "gpu": gpu, "cpus": cpus_per_rank / ACTORS_PER_BUNDLE,
+                 "tensors": tensors}
         for spec in specs:
             env = _actor_env((envs or [None] * len(specs))[spec.rank], gpu)
-            actors.append(_place(launch.pg, spec.rank, token, env, gpu=gpu, cpus=share["cpus"]))
+            actors.append(_place(launch.pg, spec.rank, token, env, gpu=gpu, cpus=share["cpus"], tensors=tensors))
         specs = await _meet_at_rank0(actors[0], specs)
         with anyio.fail_after(START_TIMEOUT_S):
             # submitted together (each imports torch), awaited together
@@ -780,7 +879,16 @@ def _actor_env(env: dict[str, str] | None, gpu: bool) -> dict[str, str]:
     return env
 
 
-def _place(pg: Any, rank: int, token: str, env: dict[str, str], *, gpu: bool, cpus: float) -> Any:
+def _moves_tensors_through_ray(transport: str) -> bool:
+    """Whether ``transport`` hands its buckets between the actors through Ray Direct Transport
+    (its strategy says so): then both actors of every rank are tensor actors."""
+    from colo.transports import get_strategy
+
+    return getattr(get_strategy(transport), "ray_tensor_transport", False) is True
+
+
+def _place(pg: Any, rank: int, token: str, env: dict[str, str], *, gpu: bool, cpus: float,
+           tensors: bool = False) -> Any:
     options: dict[str, Any] = {
         "name": f"colo-rank{rank}-{token}", "num_cpus": cpus, "max_restarts": 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
@@ -789,7 +897,7 @@ def _place(pg: Any, rank: int, token: str, env: dict[str, str], *, gpu: bool, cp
         options["num_gpus"] = 1 / ACTORS_PER_BUNDLE
     if env:
         options["runtime_env"] = {"env_vars": env}
-    return RankActor.options(**options).remote()
+    return (TensorRankActor if tensors else RankActor).options(**options).remote()
 
 
 async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
@@ -802,5 +910,5 @@ async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
     return [dataclasses.replace(s, trainer_init=trainer_init, engine_init=engine_init) for s in specs]
 
 
-__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "RankActor", "RayWorker", "bundles_for", "placement", "reserve",
-           "spawn_engine_actor", "spawn_workers"]
+__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "RankActor", "RayWorker", "TensorEngineActor", "TensorRankActor",
+           "bundles_for", "placement", "reserve", "spawn_engine_actor", "spawn_workers"]

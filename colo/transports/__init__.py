@@ -17,10 +17,26 @@ REGISTRY = {
     "ipc": "colo.transports.ipc:IpcTransport",
     "broadcast": "colo.transports.broadcast:BroadcastTransport",
     "disk": "colo.transports.disk:DiskTransport",
+    "rdt": "colo.transports.rdt:RdtTransport",
 }
 
 #: name -> "module:attribute" of the strategy (the factory of both halves).
 STRATEGIES = {name: target.split(":")[0] + ":STRATEGY" for name, target in REGISTRY.items()}
+
+
+#: name -> (the launcher its ranks must run under, why), for a transport that needs more of
+#: the run than its module: ``rdt`` moves each bucket between a rank's two Ray actors
+LAUNCHERS = {"rdt": ("ray", "it hands each bucket from a trainer rank's Ray actor to its engine actor "
+                            "through Ray Direct Transport")}
+
+
+def launcher_refusal(name: str, launcher: str | None) -> str | None:
+    """The one line refusing transport ``name`` under ``launcher`` (None: one process, no
+    ranks), or None where it may run."""
+    need = LAUNCHERS.get(name)
+    if need is None or need[0] == launcher:
+        return None
+    return f"--transport {name} needs --launcher {need[0]} (and --gpus N >= 2): {need[1]}"
 
 
 def _load(table: dict[str, str], name: str, what: str) -> Any:

@@ -28,6 +28,8 @@ from colo.transports import REGISTRY, get_strategy, make_transport
 from tests.leaks import new_segments
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
+#: transports that run only between a rank's two Ray actors (tests/ranks/test_ray_rdt.py)
+RAY_ONLY = ("rdt",)
 # a bfloat16 engine beside the fp32 trainer, so every transport converts through staging buckets
 # (with the engine in the trainer's dtype, the CPU default, packed sends the trainer's own buffer)
 DEMO = dict(steps=2, batch=8, new_tokens=8, bucket_mib=0.5, engine_dtype="bfloat16")
@@ -38,8 +40,8 @@ pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
 def test_every_transport_is_registered_with_a_strategy():
-    assert sorted(REGISTRY) == sorted(TRANSPORTS)
-    for name in TRANSPORTS:
+    assert sorted(REGISTRY) == sorted(TRANSPORTS + RAY_ONLY)
+    for name in TRANSPORTS + RAY_ONLY:
         s = get_strategy(name)
         assert s.name == name == make_transport(name).name
         assert all(hasattr(s, a) for a in ("create_init_info", "create_sender", "create_receiver",
