@@ -76,15 +76,14 @@ import anyio
 import anyio.to_thread
 import torch
 
-from colo.core.buckets import Bucket, plan_buckets
+from colo.core.buckets import Bucket, itemsize, numel, plan_buckets
 from colo.core.errors import BadInput, EngineDied, EngineError, EngineStateError, WeightMismatch
 from colo.core.interfaces import EngineCapabilities, RolloutResult, SyncContext, TensorSpec
 from colo.digest import ReceivedDigest
 from colo.dtypes import dtype_name
-from colo.engine.dims import Dims
-from colo.models.arch import ARCHS, arch_of
 from colo.engine.kit import check_tags
-from colo.engine.weights import WeightMap, _check_specs
+from colo.models.arch import ARCHS, arch_of, hf_shapes, sizes_of
+from colo.models.specs import check_specs, tied_names
 from colo.tasks import RolloutTask, roll_out
 from colo.transports.base import BucketSender, Staged, timed_ack
 from colo.transports.pack import pack_into
@@ -129,10 +128,11 @@ class SglangModel:
             raise BadInput(f"colo's SGLang engine checks names against SGLang's loaders of "
                            f"{', '.join(checked)} only; this config is model_type={arch.model_type!r}")
         try:
-            dims = Dims.from_config(config)
+            sizes = sizes_of(config)
         except ValueError as e:
             raise BadInput(f"SGLang model config refused: {e}") from None
-        heads, kv, inter = dims.num_heads, dims.num_kv_heads, dims.intermediate_size
+        heads, kv = sizes.q_rows // sizes.head_dim, sizes.kv_rows // sizes.head_dim
+        inter = sizes.intermediate_size
         wrong = []
         # SGLang's attention (Qwen2Attention, Qwen3Attention, LlamaAttention): total_num_heads %
         # tp_size == 0; KV heads are split when there are at least tp_size of them, else
@@ -151,13 +151,20 @@ class SglangModel:
             raise BadInput("SGLang cannot shard this model: " + "; ".join(wrong))
         self.config, self.tp_size, self.dtype = config, tp_size, dtype_name(dtype)
         self.arch = arch
-        self.weights = WeightMap.build(dims)
+        #: the checkpoint's tensors (HF name -> shape): what SGLang's loader has a parameter for
+        self.shapes = hf_shapes(config)
+        self.tied = tied_names(config)
+
+    def nbytes(self) -> int:
+        """The served weights' bytes, in the served dtype."""
+        return sum(numel(shape) for shape in self.shapes.values()) * itemsize(self.dtype)
 
     def check_specs(self, specs: Sequence[TensorSpec]) -> None:
         """Every HF name exactly once, each one SGLang's loader has a parameter for, with
         its shape and the served dtype: one ``WeightMismatch`` naming all that is wrong."""
-        _check_specs(self.weights, ((s.name, s.shape, s.dtype) for s in specs), self.dtype,
-                     f"SGLang's {self.arch.model_type} loader ({self.arch.sglang}) cannot take this sync")
+        check_specs(self.shapes, ((s.name, s.shape, s.dtype) for s in specs), self.dtype,
+                    f"SGLang's {self.arch.model_type} loader ({self.arch.sglang}) cannot take this sync",
+                    tied=self.tied)
 
 
 # -- the payload ------------------------------------------------------------------------------
@@ -464,7 +471,7 @@ class SglangEngine:
         unknown = sorted(set(extra) - set(TAGS))
         if unknown:
             raise BadInput(f"SGLang has no memory tag(s) {', '.join(unknown)}; its tags are {', '.join(TAGS)}")
-        self._tag_bytes = {"weights": model.weights.nbytes(model.dtype), "kv_cache": int(extra.get("kv_cache", 0)),
+        self._tag_bytes = {"weights": model.nbytes(), "kv_cache": int(extra.get("kv_cache", 0)),
                            "cuda_graph": int(extra.get("cuda_graph", 0))}
         self._lock = threading.Lock()  # one call into SGLang at a time
         self._released: set[str] = set()
