@@ -46,7 +46,7 @@ _API = {
     "FSDPExtractor": "colo.extractors.fsdp:FSDPExtractor",
     "MegatronExtractor": "colo.extractors.megatron:MegatronExtractor",
     # engines: colo's own (a process behind a client) and the kit any engine hosts
-    "EngineClient": "colo.engine.client:EngineClient",
+    "EngineClient": "colo.engine.reference.client:EngineClient",
     "EngineKit": "colo.engine.kit:EngineKit",
     "InProcessEngine": "colo.engine.local:InProcessEngine",
     "VllmEngine": "colo.engine.vllm:VllmEngine",

@@ -110,7 +110,7 @@ class SourceTrainer:
 
     def __init__(self, config: Any, *, source_dtype: str, engine_dtype: str, seed: int = 0,
                  upload_to: str | None = None):
-        from colo.engine.weights import expected_hf_specs
+        from colo.engine.reference.weights import expected_hf_specs
 
         g = torch.Generator().manual_seed(seed)
         pin = upload_to is not None and torch.device(upload_to).type == "cuda"
@@ -276,7 +276,7 @@ def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
 async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, state: dict, workdir: str) -> Any:
     """colo's engine in its own process, or a real vLLM on a model directory of ``state``."""
     if kind == "colo":
-        from colo.engine.client import EngineClient
+        from colo.engine.reference.client import EngineClient
 
         return await EngineClient.spawn(_engine_build(config, model, device))
     from safetensors.torch import save_file
@@ -296,7 +296,7 @@ async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, 
 
 async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
                       progress: Any = None, limit_GBps: float | None = None, engine_kind: str = "colo") -> dict:
-    from colo.engine.weights import expected_digest
+    from colo.engine.reference.weights import expected_digest
     from colo.trainers.models import demo_config
 
     say = progress or (lambda *_: None)
@@ -353,7 +353,7 @@ def _trainer_digest(trainer: SourceTrainer, config: Any, model: BenchModel, devi
     benchmark's host copy is uploaded tensor by tensor first, outside the timing, then
     checksummed on the device (the same lanes as on the host: tests/gpu/test_digest_cuda.py)."""
     from colo.digest import expected_weights_digest
-    from colo.engine.weights import expected_digest
+    from colo.engine.reference.weights import expected_digest
 
     dtype = getattr(torch, model.engine_dtype)
     if device != "cuda":

@@ -29,7 +29,7 @@ import torch
 from colo.core.errors import (EXIT_BAD_INPUT, EXIT_OK, ColoError, SharedMemoryFull, TraceUnwritable, UsageError,
                               exit_code)
 from colo.core.config import SchedulerConfig
-from colo.engine.client import EngineError
+from colo.engine.reference.client import EngineError
 from colo.core.errors import EngineDied
 from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import make_dir, release_dir, sweep
@@ -249,7 +249,7 @@ class DemoRun:
         if self.cfg.engine == "vllm":
             engine = await start_vllm(self.cfg, build, self.task)
         else:
-            from colo.engine.client import EngineClient
+            from colo.engine.reference.client import EngineClient
 
             engine = await EngineClient.spawn(build, task=self.task, env=self.env)
         self.engines.append(engine)

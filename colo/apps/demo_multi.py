@@ -90,7 +90,7 @@ class MultiDemoRun:
             trace.open()
 
     async def start(self) -> None:
-        from colo.engine.tp import TPLayout
+        from colo.engine.reference.tp import TPLayout
 
         cfg = self.cfg
         self.claim_traces()  # run() did, unless a caller starts this run itself

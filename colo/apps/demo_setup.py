@@ -290,7 +290,7 @@ class DemoConfig:
         if g > 1 and self.device == "cuda" and g > torch.cuda.device_count():
             raise ValueError(f"--gpus {g}: this machine has {torch.cuda.device_count()} visible CUDA device(s)")
         if g > 1:
-            from colo.engine.tp import TPLayout
+            from colo.engine.reference.tp import TPLayout
 
             # a TP=g engine must split the heads evenly: refused before any process starts
             TPLayout.from_config(self.model_config(), tp_rank=0, tp_size=g)
@@ -355,9 +355,9 @@ def check_fits(cfg: DemoConfig, model_config: Any) -> None:
     and the device budget, so a pool that cannot exist is bad input, not an
     engine that dies while starting."""
     from colo.dtypes import as_dtype
-    from colo.engine.dims import dims_from_config
-    from colo.engine.kvpool import KVPoolPlan
-    from colo.engine.weights import WeightMap
+    from colo.engine.reference.dims import dims_from_config
+    from colo.engine.reference.kvpool import KVPoolPlan
+    from colo.engine.reference.weights import WeightMap
     from colo.core.errors import KVPoolTooSmall
 
     try:

@@ -250,7 +250,7 @@ class RankHost:
         return path
 
     async def _spawn_engine(self, init_method: str, checkpoint: str | None) -> Any:
-        from colo.engine.client import EngineClient
+        from colo.engine.reference.client import EngineClient
 
         s = self.spec
         build = {**self._build, "checkpoint": checkpoint,
@@ -335,7 +335,7 @@ class RankHost:
 
     async def op_expected_digest(self) -> dict:
         """The digest this rank's engine shard must have after a sync of the trainer's weights (a collective)."""
-        from colo.engine.tp import expected_shard_digest
+        from colo.engine.reference.tp import expected_shard_digest
 
         def compute() -> str:
             state = self.trainer.hf_state()
@@ -346,7 +346,7 @@ class RankHost:
 
     async def op_full_digest(self) -> dict:
         """The TP=1 engine digest of the trainer's full weights (a collective): equal on every rank."""
-        from colo.engine.weights import expected_digest
+        from colo.engine.reference.weights import expected_digest
 
         def compute() -> str:
             return expected_digest(self.trainer.hf_state(), self.model_config,

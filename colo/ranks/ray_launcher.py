@@ -13,7 +13,7 @@ What each process holds:
   shared by two actors with half of it each (``num_gpus=0.5``): the
   :class:`RankActor` hosting a :class:`~colo.ranks.host.RankHost` — trainer
   rank r — and the :class:`EngineActor` holding engine rank r (an
-  :class:`~colo.engine.server.EngineServer`). Both are scheduled with
+  :class:`~colo.engine.reference.server.EngineServer`). Both are scheduled with
   ``PlacementGroupSchedulingStrategy(placement_group_bundle_index=r)``, so they
   share GPU r and its host.
 
@@ -66,7 +66,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
-from colo.engine.client import DEATH_WAIT_S, EngineClient
+from colo.engine.reference.client import DEATH_WAIT_S, EngineClient
 from colo.proc.handles import SHM_DIR
 from colo.proc.lifecycle import end_processes_in, make_short_dir, owner_alive, process_state, release_dir, sweep
 from colo.core.errors import ClusterUnreachable, EngineDied, EngineError, EngineRefused, RankDied, UsageError
@@ -146,7 +146,7 @@ def placement() -> dict:
 # -- the engine rank's actor --------------------------------------------------------
 @ray.remote(max_concurrency=1)
 class EngineActor:
-    """Engine rank r on bundle r: an :class:`~colo.engine.server.EngineServer` whose requests
+    """Engine rank r on bundle r: an :class:`~colo.engine.reference.server.EngineServer` whose requests
     are the engine channel's JSON frames, sent by the trainer rank's actor on the same bundle.
 
     Frames, not Python objects: the engine validates them as it validates its socket's
@@ -161,7 +161,7 @@ class EngineActor:
         safetensors bytes of the trainer's weights, or empty and stale when None."""
         import torch
 
-        from colo.engine.server import EngineServer, build_core, check_build
+        from colo.engine.reference.server import EngineServer, build_core, check_build
 
         check_build(build)  # before the group is joined or the state read (EngineRefused: exit 2)
         if str(build["device"]) == "cpu":
@@ -252,7 +252,7 @@ def _first_line(e: BaseException) -> str:
 
 
 class ActorEngineClient(EngineClient):
-    """An :class:`~colo.engine.client.EngineClient` whose engine is an :class:`EngineActor`:
+    """An :class:`~colo.engine.reference.client.EngineClient` whose engine is an :class:`EngineActor`:
     the same verbs, heartbeat and errors (a dead actor is ``EngineDied``)."""
 
     @property

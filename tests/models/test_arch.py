@@ -72,7 +72,7 @@ def test_every_engine_sees_the_same_table():
     """colo's engine map, SGLang's preflight, the spec lists apps build and the checkpoint
     check read one table."""
     from colo.engine.sglang import SglangModel
-    from colo.engine.weights import expected_hf_specs
+    from colo.engine.reference.weights import expected_hf_specs
     from colo.models.specs import hf_specs
 
     for case in CASES:
@@ -87,7 +87,7 @@ def test_every_engine_sees_the_same_table():
 def test_colos_engine_refuses_what_the_table_lacks():
     from transformers import GPT2Config
 
-    from colo.engine.core import EngineCore
+    from colo.engine.reference.core import EngineCore
     from colo.engine.sglang import SglangModel
 
     with pytest.raises(UnsupportedArchitecture, match="'gpt2'"):

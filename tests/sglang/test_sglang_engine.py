@@ -39,7 +39,7 @@ from colo.engine.sglang import (SglangEngine, SglangModel, SglangTransport, begi
                                 bucket_views, checksum_request, continue_request, decode_payload,
                                 serialize_payload, end_request, generate_request, pause_request,
                                 probe_request, release_request, resume_request, update_request, version_request)
-from colo.engine.weights import expected_digest
+from colo.engine.reference.weights import expected_digest
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.pack import pack_into
@@ -463,7 +463,7 @@ def test_this_is_the_release_the_adapter_was_written_against():
 def test_the_in_process_calls_match_the_engine_methods_sglang_ships():
     """``sglang.Engine`` cannot be imported here (engine.py reaches sgl_kernel): its methods'
     signatures are read from the file, and every call colo's in-process path makes must fit."""
-    from colo.engine.sglang import _InProcess
+    from colo.engine.sglang.engine import _InProcess
 
     tree = ast.parse(member("sglang/srt/entrypoints/engine.py").read_text())
     (engine_cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]

@@ -12,8 +12,8 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.apps.demo import DemoConfig, run
-from colo.engine.client import EngineError
-from colo.engine.weights import expected_digest
+from colo.engine.reference.client import EngineError
+from colo.engine.reference.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.core.interfaces import SyncContext
 from colo.core.invariants import InvariantChecker

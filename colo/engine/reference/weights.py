@@ -19,7 +19,7 @@ from colo.core.buckets import itemsize, numel, spec
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.digest import expected_weights_digest, weights_digest
-from colo.engine.dims import TIED, Dims, dims_from_config
+from colo.engine.reference.dims import TIED, Dims, dims_from_config
 from colo.models.arch import expand
 from colo.models.specs import check_specs, describe_unexpected
 

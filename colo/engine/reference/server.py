@@ -198,7 +198,7 @@ class EngineServer:
             conn.sendall(self.reply_bytes(msg))
 
 
-#: the config fields the engine's model reads (colo.engine.dims.Dims.from_config)
+#: the config fields the engine's model reads (colo.engine.reference.dims.Dims.from_config)
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "max_position_embeddings", "rms_norm_eps")
 
@@ -250,9 +250,9 @@ def check_build(build: Any) -> None:
 def _check_build(build: Any) -> None:
     from colo.core.errors import EngineRefused
     from colo.core.units import fmt_bytes
-    from colo.engine.dims import dims_from_config
-    from colo.engine.kvpool import KVPoolPlan
-    from colo.engine.weights import WeightMap
+    from colo.engine.reference.dims import dims_from_config
+    from colo.engine.reference.kvpool import KVPoolPlan
+    from colo.engine.reference.weights import WeightMap
 
     if not isinstance(build, dict):
         raise ValueError(f"the build must be a dict, got {type(build).__name__}")
@@ -276,7 +276,7 @@ def _check_build(build: Any) -> None:
     config = model_config(build.get("config"))
     tp = build.get("tp")
     if tp is not None:
-        from colo.engine.tp import TPLayout
+        from colo.engine.reference.tp import TPLayout
 
         if not isinstance(tp, dict):
             raise ValueError(f"tp must be a dict (rank, size, init_method, backend), got {type(tp).__name__}")
@@ -311,7 +311,7 @@ def build_core(build: dict, init_state: Any = None) -> Any:
     """The EngineCore described by ``build`` (plain data, made by the client); ``init_state``
     is version 0 already in memory (a Ray engine actor gets it through the object store)
     instead of ``build["checkpoint"]``."""
-    from colo.engine.moe import core_class
+    from colo.engine.reference.moe import core_class
 
     checkpoint = build.get("checkpoint") if init_state is None else None
     if checkpoint and os.path.isdir(checkpoint):
@@ -335,7 +335,7 @@ def build_core(build: dict, init_state: Any = None) -> Any:
     if build.get("tp") is not None:
         return _build_tp_core(build, init_state, saver)
     config = model_config(build["config"])
-    core = core_class(config, tp=False)  # a Qwen3-MoE's own core (colo.engine.moe), else EngineCore
+    core = core_class(config, tp=False)  # a Qwen3-MoE's own core (colo.engine.reference.moe), else EngineCore
     return core(config, dtype=torch_dtype(build["dtype"]),
                       device=build["device"], total_bytes=int(build["total_bytes"]),
                       mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
@@ -375,7 +375,7 @@ def _init_tp_group(tp: dict) -> tuple[int, int]:
 
 def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
     """One rank of a tensor-parallel engine (``build["tp"]``), after joining its group."""
-    from colo.engine.moe import core_class
+    from colo.engine.reference.moe import core_class
 
     device = str(build["device"])
     if device.startswith("cuda"):

@@ -103,7 +103,7 @@ class EngineClient:
                     start_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> EngineClient:
         """Start the engine process; ``env`` is added to its environment only (e.g. its
         own ``CUDA_VISIBLE_DEVICES``, as an engine launched elsewhere would have)."""
-        from colo.engine.server import serve
+        from colo.engine.reference.server import serve
 
         key = new_key()
         sockdir = socket_dir()
