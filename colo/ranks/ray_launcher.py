@@ -340,6 +340,21 @@ async def spawn_engine_actor(build: dict, *, state: Any, pg: Any, bundle: int, n
     return ActorEngineClient(_ActorChannel(proc), proc, None, None, hello, task)
 
 
+async def start_engine_actor(host: Any, init_method: str, checkpoint: Any) -> Any:
+    """colo's engine rank ``host.spec.rank`` as an :class:`EngineActor` on the rank's bundle:
+    the ``ray`` rank start of the registry's ``colo`` entry (:data:`colo.engine.ENGINES`).
+    ``checkpoint``: the trainer's weights in this node's object store, or None (empty)."""
+    s, p = host.spec, host.ray_placement
+    # the start-up state is not kept: once the engine has it, the object store may free it
+    host.engine_build["checkpoint"] = None
+    build = {**host.engine_build, "checkpoint": None,
+             "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
+    p["engines"] = p.get("engines", 0) + 1
+    return await spawn_engine_actor(build, state=checkpoint, pg=p["pg"], bundle=s.rank,
+                                    name=f"colo-engine{s.rank}-{p['token']}-{p['engines']}", gpu=p["gpu"],
+                                    cpus=p["cpus"], task=host.task)
+
+
 class _EngineActors:
     """Mixed into the rank's host class: engine rank r is an :class:`EngineActor` on this
     actor's bundle, started from the trainer's weights through the object store."""
@@ -355,16 +370,8 @@ class _EngineActors:
         # in this node's object store; read by this rank's engine actor, on the same node
         return ray.put(data)
 
-    async def _spawn_engine(self, init_method: str, checkpoint: Any) -> Any:
-        s, p = self.spec, self.ray_placement
-        # the start-up state is not kept: once the engine has it, the object store may free it
-        self._build["checkpoint"] = None
-        build = {**self._build, "checkpoint": None,
-                 "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
-        p["engines"] = p.get("engines", 0) + 1
-        return await spawn_engine_actor(build, state=checkpoint, pg=p["pg"], bundle=s.rank,
-                                        name=f"colo-engine{s.rank}-{p['token']}-{p['engines']}", gpu=p["gpu"],
-                                        cpus=p["cpus"], task=self.task)
+    #: the rank start of the engine's registry entry this host uses (``rank_start["ray"]``)
+    launcher = "ray"
 
     def hello(self) -> dict:
         return {**super().hello(), "engine_actor": self.engine.name}

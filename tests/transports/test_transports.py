@@ -24,7 +24,7 @@ from colo.scheduler import Scheduler
 from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter, read_trace
-from colo.transports import REGISTRY, get_strategy, make_transport
+from colo.transports import ENGINE_OWN, REGISTRY, STRATEGIES, get_strategy, make_transport
 from tests.leaks import new_segments
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
@@ -36,7 +36,8 @@ pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
 def test_every_transport_is_registered_with_a_strategy():
-    assert sorted(REGISTRY) == sorted(TRANSPORTS)
+    # and the senders whose receiver is an engine's own (SGLang's) beside them, without one
+    assert sorted(STRATEGIES) == sorted(TRANSPORTS) and sorted(REGISTRY) == sorted([*TRANSPORTS, *ENGINE_OWN])
     for name in TRANSPORTS:
         s = get_strategy(name)
         assert s.name == name == make_transport(name).name

@@ -296,6 +296,9 @@ class _InProcess:
     def dead(self) -> bool:
         return False
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
 
 # -- the engine ---------------------------------------------------------------------------------
 
@@ -308,10 +311,12 @@ class SglangEngine:
     computed from the config)."""
 
     def __init__(self, api: Any, model: SglangModel, *, memory_saver: bool, task: RolloutTask | None = None,
-                 tag_bytes: dict[str, int] | None = None, call_timeout_s: float = 600.0):
+                 tag_bytes: dict[str, int] | None = None, call_timeout_s: float = 600.0, owned: bool = False):
         if not isinstance(memory_saver, bool):
             raise BadInput(f"memory_saver must be a bool (SGLang's enable_memory_saver), got {memory_saver!r}")
         self._api, self.model, self.task, self.call_timeout_s = api, model, task, call_timeout_s
+        #: colo started this SGLang (``colo demo --engine sglang``): closing the engine shuts it down
+        self.owned = owned
         note = "" if memory_saver else ("SGLang was started without enable_memory_saver: "
                                         "release_memory_occupation frees no memory")
         self.capabilities = EngineCapabilities(
@@ -520,7 +525,12 @@ class SglangEngine:
         return not self.closed and not self._api.dead()
 
     async def aclose(self) -> None:
-        self.closed = True  # the server or Engine is the caller's: it started it
+        if self.closed:
+            return
+        self.closed = True
+        if self.owned:  # else the server or Engine is the caller's: it started it
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._api.shutdown)
 
 
 __all__ = ["LOAD_FORMAT", "SELECTOR", "SGLANG_VERSION", "TAGS", "TRANSPORT", "SglangEngine", "SglangModel",
