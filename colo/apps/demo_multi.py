@@ -288,7 +288,7 @@ class MultiDemoRun:
             rec["rollout_refused_by_scheduler"] = f"{type(e).__name__}: {e}"
         alive = [r["alive"] for r in await self._each_worker("engine_alive")]
         rec["engine_ranks_alive"] = alive
-        rec["versions_after_failure"] = [await e.own_weight_version() if a else None
+        rec["versions_after_failure"] = [await e.reported_version() if a else None
                                          for e, a in zip(self.engines, alive)]
         if not all(alive):
             await self._restart_engines(rec)

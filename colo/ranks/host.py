@@ -28,7 +28,8 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.transports.base import extract_bucket
-from colo.core.interfaces import RolloutResult, SyncContext
+from colo.core.interfaces import SyncContext
+from colo.engine.forward import rollout_from_json, rollout_to_json  # noqa: F401 (re-exported)
 from colo.core.memory import StagingBudget
 from colo.tasks import make_task
 from colo.core.errors import OutOfMemory
@@ -98,21 +99,6 @@ class RankSpec:
     @property
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
-
-
-def rollout_to_json(r: RolloutResult) -> dict:
-    d = r.data
-    return {"reward": r.reward, "tokens": r.tokens,
-            "data": None if d is None else {"prompts": d.prompts, "completions": d.completions, "rewards": d.rewards}}
-
-
-def rollout_from_json(d: dict) -> RolloutResult:
-    from colo.tasks import RolloutData
-
-    data = d.get("data")
-    return RolloutResult(reward=float(d["reward"]), tokens=int(d["tokens"]),
-                         data=None if data is None else RolloutData(data["prompts"], data["completions"],
-                                                                    data["rewards"]))
 
 
 class _Drain:
@@ -312,15 +298,11 @@ class RankHost:
         return {"result": {k: float(v) for k, v in out.items()}, "steps": int(self.trainer.steps)}
 
     async def op_engine(self, verb: str, args: dict) -> dict:
-        """One EngineSide verb on this rank's engine rank."""
-        if verb not in _ENGINE_VERBS:
-            raise ValueError(f"unknown engine verb {verb!r}; expected one of {', '.join(_ENGINE_VERBS)}")
-        if verb == "hello":  # the engine's own record of its weight version
-            return {"weight_version": (await self.engine.call("hello"))["weight_version"]}
-        out = await getattr(self.engine, verb)(**args)
-        if verb == "generate":
-            return {"rollout": rollout_to_json(out)}
-        return {"value": out}
+        """One declared engine verb (``ENGINE_VERBS``) on this rank's engine rank, answered as
+        :class:`colo.ranks.proxy.RemoteEngine` decodes it (:mod:`colo.engine.forward`)."""
+        from colo.engine.forward import answer
+
+        return await answer(self.engine, verb, args)
 
     async def op_sync(self, step: int, weight_version: int, bucket_bytes: int, source: str,
                       staging: dict, kill_engine_after: int | None = None, flush_cache: bool = False) -> dict:
@@ -427,10 +409,6 @@ class RankHost:
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_pg = False
-
-
-_ENGINE_VERBS = ("release", "resume", "flush_cache", "set_weight_version", "digest", "generate", "logits",
-                 "drop_handles", "hello")
 
 
 def load_object(target: str) -> Any:
