@@ -4,8 +4,9 @@ A :class:`RankHost` lives in one process per GPU (a worker of
 :mod:`colo.ranks.worker`, or a Ray actor). At start it joins the trainer's
 process group and builds its trainer rank (``colo.trainers.build`` sees an
 N-rank world: Megatron TP=N, FSDP2 over N, or data parallel), writes the
-initial checkpoint once (rank 0), and starts its engine rank as a child
-process on the same GPU, in the engine's TP group. A sync runs here, from this
+initial checkpoint once (rank 0), and starts its engine rank as the engine's
+registry entry says (``colo.engine.ENGINES``: ``rank_start`` per launcher; colo's engine
+is a child process on the same GPU, in the engine's TP group). A sync runs here, from this
 trainer rank straight to this engine rank: every rank takes part in the
 extractor's collectives; the bucket is packed on this GPU and its handle goes
 only to the engine rank on this GPU (keyed by the GPU's UUID). Nothing of the
