@@ -403,8 +403,8 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
                 progress: Any = None, engine: str = REFERENCE, trainers: Sequence[str] = (),
                 trainer_reps: int | None = None, partial: Any = None) -> dict:
     """Every model through every case on ``device``, beside the limits measured first.
-    ``engine="vllm"``: each model into colo's engine and into a real vLLM, same transport and
-    bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
+    ``engine``: another engine than colo's (its name in :data:`colo.engine.ENGINES`): each model
+    into colo's engine and into it, same transport and bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
     model too, every transition of the cycle timed (:mod:`colo.apps.bench_trainers`), and on a
     GPU torch_memory_saver's own CPU backup over each model's weight bytes. ``partial(result)``,
     where given, gets the result as it stands after the transports' rows and after each
