@@ -21,7 +21,7 @@ import torch
 
 from colo.apps.bench import machine_info, measure_gpu_limits, release_cached
 from colo.digest import expected_weights_digest, weights_digest
-from colo.engine.weights import expected_hf_specs
+from colo.engine.reference.weights import expected_hf_specs
 from colo.trainers.models import DEMO_MODELS, QWEN2_7B, demo_config
 
 

@@ -92,7 +92,7 @@ class BenchTrainer:
     (the memory saver aborts on a second pause)."""
 
     def __init__(self, config: Any, saver: Any, tag: str = "trainer"):
-        from colo.engine.weights import expected_hf_specs
+        from colo.engine.reference.weights import expected_hf_specs
 
         self.saver = saver
         self.weights_tag, self.optimizer_tag = f"{tag}.weights", f"{tag}.optimizer"
@@ -381,8 +381,8 @@ async def bench_model(name: str, saver: Any, limits: dict, *, bucket_mib: float,
                       layers: int | None, peer: dict | None = None) -> dict:
     """One model: its floors, colo's syncs under both plans, the cycle's phases, and their
     ratios against the peer's result (``peer``: :func:`run_peer_process`'s, measured before)."""
-    from colo.engine.client import EngineClient
-    from colo.engine.weights import expected_digest, expected_hf_specs
+    from colo.engine.reference.client import EngineClient
+    from colo.engine.reference.weights import expected_digest, expected_hf_specs
     from colo.trainers.models import demo_config
 
     label = gpu_models()[name][0]

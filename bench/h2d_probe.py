@@ -44,7 +44,7 @@ def numa_pages(ptr: int) -> dict:
 
 def main(out: str) -> None:
     from colo.device.cuda_ipc import PinnedShm
-    from colo.engine.weights import expected_hf_specs
+    from colo.engine.reference.weights import expected_hf_specs
     from bench.gpu_sync import gpu_models
     from colo.apps.bench import release_cached
     from colo.trainers.models import demo_config

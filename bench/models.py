@@ -9,7 +9,7 @@ Nothing here imports transformers: the peer's process, and the receiver it
 spawns, run ``gc.collect()`` on every checkpoint-engine update (its own code), and
 transformers' modules add a quarter to the objects that collection walks. The
 peer therefore reads a model's shapes from :func:`attr_config`, colo's own size
-tables read as attributes (what ``colo.engine.dims.dims_from_config`` accepts, the
+tables read as attributes (what ``colo.engine.reference.dims.dims_from_config`` accepts, the
 same as a ``Qwen2Config``'s ``to_dict()``); ``tests/bench/test_peer.py`` checks it
 gives exactly the specs of the ``Qwen2Config`` that ``bench.gpu_sync`` builds.
 """

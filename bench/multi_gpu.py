@@ -41,7 +41,7 @@ the synthetic trainer is megatron-core's TP=N + EP=N layout (expert TP 1: rank r
 experts ``r * E/N ..`` whole; ``tests/engine/test_moe.py`` checks it against megatron-core's
 own model), so every expert reaches every rank by a broadcast from its owner (the
 extractor's EP path) and the rest by all_gather; the engine is colo's TP-MoE
-(:mod:`colo.engine.moe`). The limits add broadcast bandwidth (the root turning
+(:mod:`colo.engine.reference.moe`). The limits add broadcast bandwidth (the root turning
 over the ranks) and the time to broadcast every expert's bytes in bucket-sized
 calls; the floors add that time. The rows are colo-packed and slime-style, the
 targets issue 15's (the sync within 1.0 s, the anchor's IPC loop being 3.0 s; at
@@ -397,14 +397,14 @@ def build_real_megatron(*, model_config: Any, seed: int, engine_dtype: str, devi
 
 
 def streamed_shard_entries(ex: Any, config: Any, dtype: torch.dtype, rank: int, size: int) -> dict[str, str]:
-    """``colo.engine.tp.expected_shard_digest``'s entries of the extractor's full tensors: each of
+    """``colo.engine.reference.tp.expected_shard_digest``'s entries of the extractor's full tensors: each of
     engine rank ``rank``'s parameters, in its order, with its digest entry in hex (``combine``
     of them is that digest; ``EngineClient.param_entries`` is the engine's side). The tensors
     are taken one at a time (a collective: every rank calls it): each full tensor's slice for
     engine rank ``rank`` is copied to the host and the tensor dropped, so a rank never holds
     the whole model (Qwen3-30B-A3B's 61 GB, on each of 8 GPUs and then 8 times in host memory)."""
     from colo.digest import weights_entries
-    from colo.engine.tp import ShardPlan, TPLayout, write_slice
+    from colo.engine.reference.tp import ShardPlan, TPLayout, write_slice
 
     plan = ShardPlan.build(TPLayout.from_config(config, tp_rank=rank, tp_size=size))
     names = [s.name for s in ex.specs()]
@@ -778,8 +778,8 @@ async def _each(peers: list[Any], fn: Any) -> list:
 def engine_build(config: Any, gpus: int) -> dict:
     """Every engine rank's build: its KV pool twice one sequence of max length (the
     benchmark never generates; the GPU's memory is for the weights and the syncs)."""
-    from colo.engine.weights import WeightMap
-    from colo.engine.tp import TPLayout
+    from colo.engine.reference.weights import WeightMap
+    from colo.engine.reference.tp import TPLayout
 
     local = TPLayout.from_config(config, tp_rank=0, tp_size=gpus).local  # refuses a TP that does not divide
     weights = WeightMap.build(local).nbytes(torch.bfloat16)
@@ -1110,7 +1110,7 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
     """Refuse, before any process starts, a run this machine cannot make: no CUDA, fewer
     GPUs than ``--gpus`` (the 8-GPU Qwen3-30B-A3B run on a smaller machine), or a GPU
     count the model's heads / experts do not split into."""
-    from colo.engine.tp import TPLayout
+    from colo.engine.reference.tp import TPLayout
     from colo.core.errors import UsageError
 
     if device == "cuda":

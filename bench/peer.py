@@ -19,7 +19,7 @@ Two of its process-group modes are measured:
   creates the NCCL process group and destroys it again, every time.
 
 After each configuration's timed updates the receiver's weights are digested
-the way colo's engine digests its own (``colo.engine.model.expected_digest``)
+the way colo's engine digests its own (``colo.engine.reference.model.expected_digest``)
 and compared with the trainer's: a row whose bytes did not arrive says so.
 
 Nothing here is colo's sync path. ``python -m bench.peer OUT.json`` runs it as a
@@ -180,7 +180,7 @@ def _receiver(conn: Any, specs: list[tuple[str, tuple[int, ...]]], config: dict,
         import zmq
         from checkpoint_engine import update_weights_from_ipc
 
-        from colo.engine.weights import expected_digest
+        from colo.engine.reference.weights import expected_digest
 
         torch.cuda.set_device(device_index)
         dest = {name: torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for name, shape in specs}
@@ -525,7 +525,7 @@ def measure(model: str, *, layers: int | None, reps: int, buckets_gib: Iterable[
 
     from bench.models import attr_config, gpu_models, seeded_flat_weights
     from colo.apps.bench import measure_gpu_limits, release_cached
-    from colo.engine.weights import expected_digest, expected_hf_specs
+    from colo.engine.reference.weights import expected_digest, expected_hf_specs
 
     limits = measure_gpu_limits()  # frees its buffers (device and pinned host) before returning
     say(f"pinned host->device {limits['pinned_h2d_GBps']:.1f} GB/s in this process")

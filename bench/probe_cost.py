@@ -50,7 +50,7 @@ async def measure(model: str, reps: int) -> dict:
     from colo.apps.demo_setup import make_verifier, probe_batch, probe_columns
     from colo.core.interfaces import SyncContext
     from colo.core.memory import StagingBudget
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
     from colo.trainers import build
     from colo.trainers.models import demo_config
     from colo.transports import make_transport

@@ -51,7 +51,7 @@ class TimingHost(RankHost):
                 p.neg_()
 
     def _expected_digest(self) -> str:
-        from colo.engine.tp import expected_shard_digest
+        from colo.engine.reference.tp import expected_shard_digest
 
         # what the rank's verification compares (RankHost.op_expected_digest): this rank's engine
         # shard of the trainer's weights, here the whole model (one rank)

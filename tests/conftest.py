@@ -2,7 +2,7 @@
 
 import pytest
 
-from colo.engine.client import EngineClient
+from colo.engine.reference.client import EngineClient
 from tests.leaks import begin_test, new_segments
 from colo.trainers.models import demo_config
 

@@ -46,9 +46,16 @@ def test_fault_help_lists_every_kind_and_where_it_can_happen():
 
 @pytest.mark.parametrize("argv, extra", [(["demo", "--trainer", "megatron"], "megatron"),
                                          (["demo", "--gpus", "2", "--launcher", "ray"], "ray"),
-                                         (["demo", "--engine", "vllm"], "vllm")])
+                                         (["demo", "--engine", "vllm"], "vllm"),
+                                         (["bench", "--engine", "vllm"], "vllm"),
+                                         (["demo", "--engine", "sglang"], "sglang"),
+                                         (["bench", "--engine", "sglang"], "sglang")])
 def test_a_missing_extra_is_exit_2_with_the_install_line(argv, extra, monkeypatch, capsys):
-    module = next(m for (_, _, v), (m, e, _) in EXTRAS.items() if e == extra)
+    from colo.engine import ENGINES
+
+    # an engine's extra is its registry entry's; the others are the command line's own
+    engines = {e.extra: e.requires for e in ENGINES.values() if e.extra}
+    module = engines.get(extra) or next(m for (_, _, v), (m, e, _) in EXTRAS.items() if e == extra)
     # hide the module (and its parent package) as if the extra were not installed
     monkeypatch.setitem(sys.modules, module.split(".")[0], None)
     if "." in module:

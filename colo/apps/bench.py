@@ -25,6 +25,7 @@ checkpoint-engine, the multi-GPU benchmark) live beside the package in
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import json
 import os
 import platform
@@ -48,6 +49,7 @@ from colo.core.interfaces import SyncContext
 from colo.core.config import MIN_BUCKET_MIB
 from colo.core.units import GiB, MiB
 from colo.trace.outputs import output_path, replace_into
+from colo.engine import ENGINES, REFERENCE
 from colo.trainers.models import DEMO_MODELS, QWEN2_7B
 
 
@@ -110,12 +112,12 @@ class SourceTrainer:
 
     def __init__(self, config: Any, *, source_dtype: str, engine_dtype: str, seed: int = 0,
                  upload_to: str | None = None):
-        from colo.engine.weights import expected_hf_specs
+        from colo.models.specs import hf_specs
 
         g = torch.Generator().manual_seed(seed)
         pin = upload_to is not None and torch.device(upload_to).type == "cuda"
         self.state = {}
-        for s in expected_hf_specs(config, getattr(torch, source_dtype)):
+        for s in hf_specs(config, source_dtype):
             t = torch.empty(s.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=g)
             t = t.to(getattr(torch, source_dtype))
             self.state[s.name] = t.pin_memory() if pin else t
@@ -274,29 +276,33 @@ def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
 
 
 async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, state: dict, workdir: str) -> Any:
-    """colo's engine in its own process, or a real vLLM on a model directory of ``state``."""
-    if kind == "colo":
-        from colo.engine.client import EngineClient
-
-        return await EngineClient.spawn(_engine_build(config, model, device))
+    """Engine ``kind`` (:data:`colo.engine.ENGINES`) started as its entry says: empty where it
+    can start so (the syncs fill it), else from ``state`` in the form it reads (a model
+    directory, or a safetensors file) with half the device for itself (the benchmark's
+    trainer copy and digest need the rest)."""
     from safetensors.torch import save_file
 
-    from colo.engine.vllm import VllmEngine
+    from colo.engine import engine_entry, start_engine
 
-    model_dir = os.path.join(workdir, "model")
-    config.save_pretrained(model_dir)
-    dtype = getattr(torch, model.engine_dtype)
-    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, os.path.join(model_dir, "model.safetensors"))
-    gpu = device == "cuda"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return await VllmEngine.start(model_dir, skip_tokenizer_init=True, dtype=model.engine_dtype, max_model_len=256,
-                                  max_num_seqs=8, enforce_eager=not gpu, block_size=None if gpu else 32,
-                                  gpu_memory_utilization=0.5 if gpu else 0.2)
+    entry = engine_entry(kind)
+    build = _engine_build(config, model, device)
+    if not entry.starts_empty:
+        dtype = getattr(torch, model.engine_dtype)
+        weights = {k: v.to(dtype).contiguous().cpu() for k, v in state.items()}
+        if entry.starts_from == "hf_dir":
+            path = os.path.join(workdir, "model")
+            config.save_pretrained(path)
+            save_file(weights, os.path.join(path, "model.safetensors"))
+        else:
+            path = os.path.join(workdir, "init.safetensors")
+            save_file(weights, path)
+        build.update(checkpoint=path, mem_fraction_static=0.5)
+    return await start_engine(kind, build)
 
 
 async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
-                      progress: Any = None, limit_GBps: float | None = None, engine_kind: str = "colo") -> dict:
-    from colo.engine.weights import expected_digest
+                      progress: Any = None, limit_GBps: float | None = None, engine_kind: str = REFERENCE) -> dict:
+    from colo.engine import engine_entry
     from colo.trainers.models import demo_config
 
     say = progress or (lambda *_: None)
@@ -313,10 +319,11 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                 say(f"{model.name} into {engine_kind}: {case.label} ...")
                 row = await time_case(case, trainer, engine, bucket_bytes=int(model.bucket_mib * MiB),
                                       repeat=model.repeat)
-                if engine_kind == "vllm":
-                    # where vLLM's syncs went: its calls, and inside its worker (over every sync timed)
-                    row["vllm_call_s"] = {k: v / (row["syncs"]) for k, v in engine.call_s.items()}
-                    row["vllm_worker_s"] = {k: v / (row["syncs"]) for k, v in (await engine.worker_timings()).items()}
+                if engine_entry(engine_kind).timings:
+                    # where the engine's syncs went: its calls, and inside its worker (over every sync timed)
+                    row[f"{engine_kind}_call_s"] = {k: v / (row["syncs"]) for k, v in engine.call_s.items()}
+                    row[f"{engine_kind}_worker_s"] = {k: v / (row["syncs"])
+                                                      for k, v in (await engine.worker_timings()).items()}
                     engine.call_s.clear()
                 # the last sync must have delivered the trainer's weights, bit for bit; the engine's
                 # side of a verification timed as the scheduler sees it (a call into its process)
@@ -353,12 +360,12 @@ def _trainer_digest(trainer: SourceTrainer, config: Any, model: BenchModel, devi
     benchmark's host copy is uploaded tensor by tensor first, outside the timing, then
     checksummed on the device (the same lanes as on the host: tests/gpu/test_digest_cuda.py)."""
     from colo.digest import expected_weights_digest
-    from colo.engine.weights import expected_digest
 
     dtype = getattr(torch, model.engine_dtype)
     if device != "cuda":
         t0 = time.perf_counter()
-        want = expected_digest(trainer.state, config, dtype)
+        # the tensors in the engine's order (SourceTrainer made them so), each in the engine's dtype
+        want = expected_weights_digest(trainer.state, list(trainer.state), dtype)
         return want, time.perf_counter() - t0
     on_device = {n: t.to("cuda") for n, t in trainer.state.items()}
     order = list(on_device)
@@ -393,11 +400,11 @@ def machine_info() -> dict:
 
 
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
-                progress: Any = None, engine: str = "colo", trainers: Sequence[str] = (),
+                progress: Any = None, engine: str = REFERENCE, trainers: Sequence[str] = (),
                 trainer_reps: int | None = None, partial: Any = None) -> dict:
     """Every model through every case on ``device``, beside the limits measured first.
-    ``engine="vllm"``: each model into colo's engine and into a real vLLM, same transport and
-    bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
+    ``engine``: another engine than colo's (its name in :data:`colo.engine.ENGINES`): each model
+    into colo's engine and into it, same transport and bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
     model too, every transition of the cycle timed (:mod:`colo.apps.bench_trainers`), and on a
     GPU torch_memory_saver's own CPU backup over each model's weight bytes. ``partial(result)``,
     where given, gets the result as it stands after the transports' rows and after each
@@ -409,16 +416,16 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
     else:
         limits = measure_limits()
         limit, link = limits["memcpy_GBps"], "host memcpy"
-    kinds = ("colo", "vllm") if engine == "vllm" else ("colo",)
+    kinds = (REFERENCE,) if engine == REFERENCE else (REFERENCE, engine)
     results = [await bench_model(m, cases, device=device, progress=progress, limit_GBps=limit, engine_kind=k)
                for m in models for k in kinds]
     out = {"kind": f"colo.apps.bench/{device}-sync",
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "device": device, "gpus": 1 if device == "cuda" else 0, "machine": machine_info(), "limits": limits,
            "limit": {"link": link, "GBps": limit}, "models": results}
-    if engine == "vllm":
+    if engine != REFERENCE:
         out["comparison"] = compare_engines(results)
-        out["vllm"] = {"version": _vllm_version()}
+        out[engine] = {"version": _engine_version(engine)}
     if trainers:
         from colo.apps import bench_trainers as bt
 
@@ -442,28 +449,44 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
     return out
 
 
-def _vllm_version() -> str:
-    from colo.engine.vllm import installed_version
+def _engine_version(engine: str) -> str:
+    """The installed version of the engine's package (its entry's ``requires``)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return installed_version()
+    from colo.engine import engine_entry
+
+    module = engine_entry(engine).requires
+    if module is None:
+        from colo import __version__
+
+        return __version__
+    mod = importlib.import_module(module)
+    found = getattr(mod, "__version__", None)
+    if found is None:
+        try:
+            found = version(module)
+        except PackageNotFoundError:
+            found = "?"
+    return str(found)
 
 
 def compare_engines(results: Sequence[dict]) -> list[dict]:
-    """Per model and transport: vLLM's sync time over colo's engine's (same bytes, transport and
-    bucket), and the stages beside each other (where the extra time goes)."""
+    """Per model and transport: each other engine's sync time over colo's engine's (same bytes,
+    transport and bucket), and the stages beside each other (where the extra time goes)."""
     out = []
     by = {(m["model"], m["engine"]): m for m in results}
     for (name, kind), m in by.items():
-        if kind != "vllm" or (name, "colo") not in by:
+        if kind == REFERENCE or (name, REFERENCE) not in by:
             continue
-        ref = {r["transport"]: r for r in by[(name, "colo")]["rows"]}
+        ref = {r["transport"]: r for r in by[(name, REFERENCE)]["rows"]}
         for r in m["rows"]:
             c = ref.get(r["transport"])
             if c is not None:
-                out.append({"model": name, "transport": r["transport"], "colo_s": c["sync_s"], "vllm_s": r["sync_s"],
-                            "ratio": r["sync_s"] / c["sync_s"], "colo_stage_s": c["stage_s_median"],
-                            "vllm_stage_s": r["stage_s_median"], "vllm_call_s": r.get("vllm_call_s", {}),
-                            "vllm_worker_s": r.get("vllm_worker_s", {})})
+                out.append({"model": name, "engine": kind, "transport": r["transport"], f"{REFERENCE}_s": c["sync_s"],
+                            f"{kind}_s": r["sync_s"], "ratio": r["sync_s"] / c["sync_s"],
+                            f"{REFERENCE}_stage_s": c["stage_s_median"], f"{kind}_stage_s": r["stage_s_median"],
+                            f"{kind}_call_s": r.get(f"{kind}_call_s", {}),
+                            f"{kind}_worker_s": r.get(f"{kind}_worker_s", {})})
     return out
 
 
@@ -476,16 +499,21 @@ def table(result: dict) -> str:
     for m in result["models"]:
         for r in m["rows"]:
             share = f"{r['of_limit']:.3f}" if "of_limit" in r else "-"
-            engine = f" into {m['engine']}" if m.get("engine", "colo") != "colo" else ""
+            engine = f" into {m['engine']}" if m.get("engine", REFERENCE) != REFERENCE else ""
             lines.append(f"| {m['model']}{engine} ({m['params'] / 1e6:,.0f} M params, {m['bucket_mib']:g} MiB buckets) "
                          f"| {r['transport']} | {r['sync_s']:.3f} | {r['bytes']:,} | {r['GBps']:.2f} | {share} "
                          f"| {r['peak_staging_bytes'] / MiB:,.1f} MiB | {r['requests_per_sync']:,} "
                          f"| {r['verify_s']:.4f} ({r['verify_of_sync']:.2f}) "
                          f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
     for c in result.get("comparison", []):
-        lines.append(f"\n{c['model']} over {c['transport']}: vLLM {c['vllm_s'] * 1e3:.1f} ms, colo's engine "
-                     f"{c['colo_s'] * 1e3:.1f} ms: {c['ratio']:.2f}x; in vLLM's worker per sync: "
-                     + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in c["vllm_worker_s"].items()))
+        kind = c["engine"]
+        title = ENGINES[kind].title if kind in ENGINES else kind
+        worker = c.get(f"{kind}_worker_s", {})
+        lines.append(f"\n{c['model']} over {c['transport']}: {title} {c[f'{kind}_s'] * 1e3:.1f} ms, colo's engine "
+                     f"{c[f'{REFERENCE}_s'] * 1e3:.1f} ms: {c['ratio']:.2f}x"
+                     + (f"; in {title}'s worker per sync: " + ", ".join(f"{k} {v * 1e3:.1f} ms"
+                                                                           for k, v in worker.items())
+                        if worker else ""))
     return "\n".join(lines)
 
 
@@ -552,14 +580,21 @@ def write_result(text: str, *, out: str | os.PathLike | None, directory: str | o
             os.unlink(tmp)
 
 
-def vllm_model(model: BenchModel, device: str) -> BenchModel:
-    """The model as both engines take it when vLLM is compared: float32 on a CPU (vLLM's bfloat16
-    CPU kernels hit an illegal instruction on short prompts), the same for colo's engine."""
+def model_for_engine(model: BenchModel, engine: str, device: str) -> BenchModel:
+    """The model as both engines take it when ``engine`` is compared with colo's: in a dtype
+    the engine runs on ``device`` (its entry's ``dtypes``; vLLM on a CPU: float32, its bfloat16
+    CPU kernels hit an illegal instruction on short prompts), the same for colo's engine, and
+    converted from the same dtype."""
     import dataclasses
 
-    if device == "cpu":
-        return dataclasses.replace(model, engine_dtype="float32", source_dtype="float32")
-    return model
+    from colo.engine import engine_entry
+
+    entry = engine_entry(engine)
+    entry.check(device=device)  # a device the engine does not run on: bad input (UsageError below)
+    if model.engine_dtype in entry.dtypes[device]:
+        return model
+    dtype = entry.default_dtype(device)
+    return dataclasses.replace(model, engine_dtype=dtype, source_dtype=dtype)
 
 
 def check_out(out: str | None) -> None:
@@ -590,9 +625,11 @@ def run_bench(args: Any) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    engine = getattr(args, "engine", "colo")
-    if engine == "vllm":
-        models = [vllm_model(m, args.device) for m in models]
+    engine = getattr(args, "engine", REFERENCE)
+    try:
+        models = [model_for_engine(m, engine, args.device) for m in models]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     trainers = choose_trainers(getattr(args, "trainers", None), args.device)
 
     def partial(result: dict) -> None:

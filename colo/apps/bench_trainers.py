@@ -70,8 +70,8 @@ def engine_build(config: Any, engine_dtype: str, device: str) -> dict:
     never generates, and the device's memory is for the weights."""
     import torch
 
-    from colo.engine.dims import dims_from_config
-    from colo.engine.weights import expected_hf_specs
+    from colo.engine.reference.dims import dims_from_config
+    from colo.engine.reference.weights import expected_hf_specs
 
     dtype = getattr(torch, engine_dtype)
     weights = sum(s.nbytes for s in expected_hf_specs(config, dtype))
@@ -217,8 +217,8 @@ async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, see
     ``name``, ``config``, ``engine_dtype`` and ``bucket_mib``): see the module docstring."""
     import torch
     from colo.apps.demo_setup import LOGIT_TOLERANCE, LOGIT_TOLERANCES, make_verifier
-    from colo.engine.client import EngineClient
-    from colo.engine.weights import expected_hf_specs
+    from colo.engine.reference.client import EngineClient
+    from colo.engine.reference.weights import expected_hf_specs
     from colo.trainers import build
     from colo.trainers.models import demo_config
     from colo.transports import make_transport

@@ -29,8 +29,7 @@ import torch
 from colo.core.errors import (EXIT_BAD_INPUT, EXIT_OK, ColoError, SharedMemoryFull, TraceUnwritable, UsageError,
                               exit_code)
 from colo.core.config import SchedulerConfig
-from colo.engine.client import EngineError
-from colo.core.errors import EngineDied
+from colo.core.errors import EngineDied, EngineError
 from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.core.invariants import InvariantViolation
@@ -57,36 +56,6 @@ def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
                      device=cfg.device, param_dtype=cfg.trainer_dtype)
     return build(cfg.trainer, model_config=model_config, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
                  device=cfg.device, param_dtype=cfg.trainer_dtype)
-
-
-async def start_vllm(cfg: DemoConfig, build: dict, task: Any) -> Any:
-    """A real vLLM on the demo's model directory (``build["checkpoint"]``), with colo's worker
-    extension; on a CPU with the settings vLLM needs there (float32, token ids, 32-token blocks,
-    1 GiB of KV cache), on a GPU in sleep mode at the demo's memory fraction."""
-    from colo.engine.vllm import VllmEngine
-
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    _vllm_logs_to(build.get("log_path"))
-    gpu = cfg.device == "cuda"
-    return await VllmEngine.start(
-        build["checkpoint"], task=task, processes=cfg.vllm_processes, skip_tokenizer_init=True,
-        dtype=cfg.engine_dtype, max_model_len=256, max_num_seqs=max(8, cfg.batch), seed=cfg.seed,
-        enforce_eager=not gpu, enable_sleep_mode=gpu, block_size=None if gpu else 32,
-        gpu_memory_utilization=cfg.mem_fraction_static if gpu else 0.2)
-
-
-def _vllm_logs_to(path: str | None) -> None:
-    """vLLM's log lines into the engine log (the console keeps the report)."""
-    import logging
-
-    if path is None:
-        return
-    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # no handler of vLLM's own on the console
-    logger = logging.getLogger("vllm")
-    if not any(getattr(h, "baseFilename", None) == os.path.abspath(path) for h in logger.handlers):
-        logger.addHandler(logging.FileHandler(path))
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def _refusal(exc: BaseException) -> str:
@@ -213,7 +182,8 @@ class DemoRun:
         if self.fault is not None:
             from colo.testing.faults import FaultInjector
 
-            self.injector = FaultInjector(self.fault, on_fire=lambda: self._at_fault.append(self.trainer_digest()))
+            self.injector = FaultInjector(self.fault, on_fire=lambda: self._at_fault.append(self.trainer_digest()),
+                                          engine=cfg.engine)
         self.task = make_task("reinforce", vocab_size=self.model_config.vocab_size, batch=cfg.batch,
                               prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, seed=cfg.seed)
         self.total, self.reserved, self.device_name = device_budget(cfg)
@@ -226,11 +196,11 @@ class DemoRun:
 
     async def _engine_build(self) -> dict:
         """The engine starts from the trainer's initial checkpoint (version 0), as
-        SGLang and vLLM start from a model path."""
+        SGLang and vLLM start from a model path: in the form its registry entry says."""
         from safetensors.torch import save_file
 
-        if self.cfg.engine == "vllm":
-            # a model directory as vLLM loads one: the config and the weights in its dtype
+        if self.cfg.engine_entry.starts_from == "hf_dir":
+            # a model directory as vLLM and SGLang load one: the config and the weights in its dtype
             model_dir = os.path.join(self.workdir, "model")
             self.model_config.save_pretrained(model_dir)
             dtype = getattr(torch, self.cfg.engine_dtype)
@@ -252,12 +222,11 @@ class DemoRun:
                 "run_dir": self.workdir, "log_path": cfg.engine_log_path()}
 
     async def _spawn_engine(self, build: dict) -> Any:
-        if self.cfg.engine == "vllm":
-            engine = await start_vllm(self.cfg, build, self.task)
-        else:
-            from colo.engine.client import EngineClient
+        from colo.engine import start_engine
 
-            engine = await EngineClient.spawn(build, task=self.task, env=self.env)
+        cfg = self.cfg
+        engine = await start_engine(cfg.engine, build, task=self.task, env=self.env, options=cfg.engine_options,
+                                    seed=cfg.seed, batch=cfg.batch)
         self.engines.append(engine)
         return engine
 
@@ -367,7 +336,8 @@ class DemoRun:
             raise RuntimeError("the engine generated with stale weights after a failure")
         except EngineError as e:
             rec.rollout_refused_by_engine = _refusal(e)
-        rec.engine_weight_version_after_failure = await self.engines[-1].reported_version()
+        if "reported_version" in self.cfg.engine_entry.lifecycle:
+            rec.engine_weight_version_after_failure = await self.engines[-1].reported_version()
         await self.sched.recover()
         rec.engine_digest_after_recovery = self.sched.last_sync["digest"]
         rec.recovered = rec.engine_digest_after_recovery == self.trainer_digest()
@@ -394,14 +364,18 @@ class DemoRun:
 
     async def _replace_dead_engine(self, rec: Recovery) -> None:
         old = self.engines[-1]
-        if old.alive():
-            return
+        lifecycle = self.cfg.engine_entry.lifecycle
+        if "alive" not in lifecycle or old.alive():
+            return  # an engine that cannot die on its own (in this process) is never replaced
         # The trainer's copy is the truth: a new engine starts stale (colo's empty; vLLM
         # cannot start without a model, so from the first checkpoint, then marked stale by
         # replace_engine) and the recovery sync fills it.
-        new = await self._spawn_engine(self.build if self.cfg.engine == "vllm" else {**self.build, "checkpoint": None})
+        empty = self.cfg.engine_entry.starts_empty
+        new = await self._spawn_engine({**self.build, "checkpoint": None} if empty else self.build)
         await self.sched.replace_engine(self._wrap_engine(new))
-        rec.engine_replaced, rec.old_engine_pid, rec.new_engine_pid = True, old.pid, new.pid
+        rec.engine_replaced = True
+        if "pid" in lifecycle:
+            rec.old_engine_pid, rec.new_engine_pid = old.pid, new.pid
         await old.aclose()
 
     # -- the end -------------------------------------------------------------------
@@ -552,7 +526,7 @@ def run_demo(args: Any) -> int:
     threads = torch.get_num_threads()
     if cfg.device == "cpu" and cfg.engine == "colo":
         # This process's trainer and colo's engine share the machine's cores (the engine takes one
-        # thread: colo.engine.server.use_engine_threads). With torch's default of one thread per
+        # thread: colo.engine.reference.server.use_engine_threads). With torch's default of one thread per
         # core, libgomp's spinning waits turn any other load into stalls: a train step of the demo
         # took 9.5 s on two threads beside other jobs on the two-core VM, 0.5 s on one.
         torch.set_num_threads(1)

@@ -1,8 +1,9 @@
 """``colo demo --gpus N``: the demo's RL loop over N ranks, one process per GPU.
 
 Rank r is a worker process (:mod:`colo.ranks.worker`) on GPU r holding
-trainer rank r (Megatron TP=N, FSDP2 over N, or data parallel for ``hf``) and,
-as its child, engine rank r of a TP=N engine. This process is the driver: it
+trainer rank r (Megatron TP=N, FSDP2 over N, or data parallel for ``hf``) and
+engine rank r, started as the engine's registry entry says (``rank_start``; colo's
+engine: rank r of a TP=N engine, a child of the worker). This process is the driver: it
 holds only the scheduler, one memory ledger per GPU and one trace per rank
 (``run.jsonl`` -> ``run.rank0.jsonl`` ...). Each sync runs inside the workers,
 every rank from its own trainer rank straight to its own engine rank.
@@ -56,6 +57,8 @@ class MultiDemoRun:
         if cfg.fault is not None and cfg.fault not in MULTI_FAULTS:
             raise ValueError(f"--gpus {gpus} supports the fault(s) {', '.join(MULTI_FAULTS)}, got {cfg.fault!r}")
         self.cfg, self.n = cfg, gpus
+        #: the engine's name in colo.engine.ENGINES (a config without one: colo's)
+        self.engine_name = getattr(cfg, "engine", "colo")
         self.model_config = demo_model_config(getattr(cfg, "model", "demo"))
         self.summary = PhaseSummary()
         self.rewards: list[float] = []
@@ -90,12 +93,14 @@ class MultiDemoRun:
             trace.open()
 
     async def start(self) -> None:
-        from colo.engine.tp import TPLayout
+        from colo.engine import engine_entry
 
         cfg = self.cfg
         self.claim_traces()  # run() did, unless a caller starts this run itself
-        # refused before any process starts: a TP size that does not divide the heads
-        TPLayout.from_config(self.model_config, tp_rank=0, tp_size=self.n)
+        # refused before any process starts: an engine without a layout of N ranks, a TP size
+        # that does not divide the heads (the engine's entry: DemoConfig checked it already)
+        engine_entry(self.engine_name).check(device=cfg.device, gpus=self.n, launcher=cfg.launcher,
+                                             model_config=self.model_config)
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
         self.budgets = [self._budget(r) for r in range(self.n)]
         # the two groups meet at stores this process serves (a Ray launcher moves them to
@@ -142,7 +147,12 @@ class MultiDemoRun:
             task={"name": "reinforce", "vocab_size": self.model_config.vocab_size, "batch": cfg.batch,
                   "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "seed": cfg.seed},
             engine_log=cfg.engine_log_path(r), param_dtype=cfg.trainer_dtype,
-            workdir=self.workdir)
+            workdir=self.workdir, engine=self.engine_name, layout=self._layout())
+
+    def _layout(self) -> str:
+        from colo.engine import engine_entry
+
+        return engine_entry(self.engine_name).layouts[0]
 
     async def _spawn_workers(self, specs: list[Any]) -> None:
         """Every worker at once (each imports torch before it listens); all or none."""
@@ -280,7 +290,7 @@ class MultiDemoRun:
             rec["rollout_refused_by_scheduler"] = f"{type(e).__name__}: {e}"
         alive = [r["alive"] for r in await self._each_worker("engine_alive")]
         rec["engine_ranks_alive"] = alive
-        rec["versions_after_failure"] = [await e.own_weight_version() if a else None
+        rec["versions_after_failure"] = [await e.reported_version() if a else None
                                          for e, a in zip(self.engines, alive)]
         if not all(alive):
             await self._restart_engines(rec)

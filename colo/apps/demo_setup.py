@@ -22,6 +22,7 @@ from colo.core.config import MIN_BUCKET_MIB, MIN_PHASE_DEADLINE_S
 from colo.core.errors import UsageError
 from colo.core.memory import GiB, MiB, MemoryLedger, fmt_bytes
 from colo.core.phases import PLANS
+from colo.engine import ENGINES
 from colo.offline.summary import PhaseSummary
 from colo.transports import REGISTRY as TRANSPORTS
 from colo.verification import (LOGIT_TOLERANCE, LOGPROB_TOLERANCE, PROBE_COLUMNS, make_verifier,  # noqa: F401
@@ -34,11 +35,6 @@ MAX_GPUS = 8
 MULTI_FAULTS = ("kill-engine@sync",)
 #: who starts the ranks: local worker processes, or Ray actors (``colo.ranks.ray_launcher``)
 LAUNCHERS = ("process", "ray")
-#: the rollout engines ``colo demo --engine`` drives: colo's own, or a real vLLM (``colo-rl[vllm]``)
-ENGINES = ("colo", "vllm")
-#: vLLM on a CPU holds its KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) whether asleep or not: the
-#: simulated device must hold it beside the trainer
-VLLM_CPU_DEFAULT_GIB = 2.0
 #: Simulated always-resident device memory on the CPU (the CUDA context,
 #: communicator buffers, allocator cache of a real GPU): a parameter of the
 #: simulation, not a measurement.
@@ -100,7 +96,8 @@ class DemoConfig:
     #: first and last 5 steps at seed 0): ``colo demo`` shows learning, not only the handoff
     steps: int = 20
     plan: str = "offload-first"
-    transport: str = "packed"
+    #: None: the engine's default (its registry entry's first transport: packed, or sglang for SGLang)
+    transport: str | None = None
     trainer: str = "hf"
     #: the demo's size (``colo.trainers.models.DEMO_MODELS``): ``demo`` (tiny) or ``qwen2-1.5b``
     model: str = "demo"
@@ -116,18 +113,19 @@ class DemoConfig:
     engine_visible_devices: str | None = None
     trace: str | None = None
     seed: int = 0
-    #: the engine's dtype; None: bfloat16 on a GPU, float32 on a CPU. On a CPU without bfloat16
-    #: instructions (AVX2 only, as the development VM) torch's bfloat16 matmuls are several times
-    #: slower than float32 ones: colo's engine rolled the demo's batch out in 0.9-1.0 s in bfloat16
-    #: against 0.26 s in float32 on one thread there. vLLM's bfloat16 CPU kernels hit an illegal
-    #: instruction on short prompts on these CPUs.
+    #: the engine's dtype; None: the engine's default on the device (its registry entry's first:
+    #: bfloat16 on a GPU, float32 on a CPU, for colo's engine because torch's bfloat16 matmuls
+    #: are several times slower than float32 ones on a CPU without bfloat16 instructions, for
+    #: vLLM because its bfloat16 CPU kernels hit an illegal instruction on short prompts there)
     engine_dtype: str | None = None
     #: the trainer's parameters' dtype; None: the engine's on a GPU (bf16 parameters, fp32 master
     #: weights in the optimizer, the one-copy sync for the hf trainer), float32 on a CPU
     trainer_dtype: str | None = None
-    #: the rollout engine: ``colo`` (colo's own, a process of its own) or ``vllm`` (a real vLLM)
+    #: the rollout engine, by its name in :data:`colo.engine.ENGINES`: ``colo`` (colo's own, a
+    #: process of its own), ``vllm`` (a real vLLM), ``sglang`` (SGLang in this process)
     engine: str = "colo"
-    #: vLLM in its own engine-core and worker processes (else all in this process)
+    #: vLLM in its own engine-core and worker processes (else all in this process): the engine
+    #: option ``processes``
     vllm_processes: bool = False
     batch: int = 32
     prompt_len: int = 8
@@ -155,18 +153,19 @@ class DemoConfig:
     engine_log: str | None = None
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
+        if not isinstance(self.engine, str) or self.engine not in ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine_dtype is None:
-            object.__setattr__(self, "engine_dtype", "float32" if self.device == "cpu" else "bfloat16")
-        if self.device_mem_gib is None and self.engine == "vllm" and self.device == "cpu":
-            object.__setattr__(self, "device_mem_gib", VLLM_CPU_DEFAULT_GIB)
-        if self.engine == "vllm":
-            self._check_vllm()
-        elif self.vllm_processes:
-            raise ValueError("--vllm-processes is for --engine vllm")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        entry = self.engine_entry
+        if self.engine_dtype is None and entry.default_dtype(self.device) is not None:
+            object.__setattr__(self, "engine_dtype", entry.default_dtype(self.device))
+        if self.transport is None:
+            object.__setattr__(self, "transport", entry.takes_transports()[0])
+        if self.device_mem_gib is None and self.device == "cpu" and entry.cpu_device_gib is not None:
+            # an engine whose memory the demo's default does not hold (vLLM on a CPU holds its KV
+            # cache, VLLM_CPU_KVCACHE_SPACE, whether asleep or not)
+            object.__setattr__(self, "device_mem_gib", entry.cpu_device_gib)
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         from colo.trainers import BUILDERS
@@ -220,6 +219,7 @@ class DemoConfig:
             raise ValueError(f"--fault needs --verify every (a recovery is judged by the engine's digest "
                              f"after it), got --verify {self.verify}")
         self._check_gpus()
+        self._check_engine()
         self._check_paths()
 
     def _check_paths(self) -> None:
@@ -276,20 +276,26 @@ class DemoConfig:
             return FP32_LOGIT_TOLERANCE
         return LOGIT_TOLERANCES["checkpoint" if self.checkpoint is not None else self.model]
 
-    def _check_vllm(self) -> None:
-        if self.device == "cpu" and self.engine_dtype != "float32":
-            raise ValueError(f"--engine vllm on a CPU runs float32 (vLLM's bfloat16 CPU kernels hit an illegal "
-                             f"instruction on short prompts), got engine dtype {self.engine_dtype}")
-        if self.gpus != 1:
-            raise ValueError("--engine vllm drives one vLLM (TP=1): --gpus N is for colo's own engine")
-        if self.transport not in ("packed", "ipc"):
-            raise ValueError(f"--engine vllm takes its weights through packed or ipc (handles vLLM's worker maps), "
-                             f"got --transport {self.transport}")
-        if self.fault is not None and self.fault.startswith("kill-engine") and not self.vllm_processes:
-            raise ValueError("--fault kill-engine@... with --engine vllm needs --vllm-processes: an in-process "
-                             "vLLM cannot be killed without the trainer")
-        if self.engine_visible_devices is not None:
-            raise ValueError("--engine-visible-devices is for colo's engine process")
+    @property
+    def engine_entry(self) -> Any:
+        """The engine's registry entry (:data:`colo.engine.ENGINES`)."""
+        return ENGINES[self.engine]
+
+    @property
+    def engine_options(self) -> dict[str, Any]:
+        """The engine options this run asks for (the entry's ``options``)."""
+        return {"processes": self.vllm_processes}
+
+    def _check_engine(self) -> None:
+        """The engine's declared limits (:meth:`colo.engine.EngineEntry.check`), once: its devices,
+        dtypes, transports, options, layouts of N ranks, whether a fault can kill it."""
+        from colo.testing.faults import kills_engine
+
+        self.engine_entry.check(device=self.device, dtype=self.engine_dtype, transport=self.transport,
+                                gpus=self.gpus, launcher=self.launcher, options=self.engine_options,
+                                model_config=self.model_config() if self.gpus > 1 else None,
+                                kill=kills_engine(self.parsed_fault()),
+                                visible_devices=self.engine_visible_devices is not None)
 
     def _check_gpus(self) -> None:
         g = self.gpus
@@ -311,11 +317,6 @@ class DemoConfig:
             raise ValueError(f"--gpus {g} injects only {', '.join(MULTI_FAULTS)}, got --fault {self.fault}")
         if g > 1 and self.device == "cuda" and g > torch.cuda.device_count():
             raise ValueError(f"--gpus {g}: this machine has {torch.cuda.device_count()} visible CUDA device(s)")
-        if g > 1:
-            from colo.engine.tp import TPLayout
-
-            # a TP=g engine must split the heads evenly: refused before any process starts
-            TPLayout.from_config(self.model_config(), tp_rank=0, tp_size=g)
 
     def parsed_fault(self) -> Any:
         from colo.testing.faults import Fault
@@ -389,32 +390,24 @@ def device_budget(cfg: DemoConfig) -> tuple[int, int, str]:
 
 
 def check_fits(cfg: DemoConfig, model_config: Any) -> None:
-    """Refuse, before anything starts, a device the engine cannot fit on.
-
-    The engine sizes its KV pool as SGLang does (``KVPoolPlan``: total x
-    mem_fraction_static - weights, at least one sequence of maximum length);
-    the same numbers are known here from the model config, the engine dtype
-    and the device budget, so a pool that cannot exist is bad input, not an
-    engine that dies while starting."""
-    from colo.dtypes import as_dtype
-    from colo.engine.dims import dims_from_config
-    from colo.engine.kvpool import KVPoolPlan
-    from colo.engine.weights import WeightMap
-    from colo.core.errors import KVPoolTooSmall
+    """Refuse, before anything starts, a device the engine cannot fit on: one too small for
+    the run's reserved memory, or one the engine's own check refuses (its entry's ``fits``:
+    colo's engine sizes its KV pool as SGLang does, and a pool that cannot exist is bad input,
+    not an engine that dies while starting). An engine without one sizes itself and says
+    so when it cannot (vLLM)."""
+    from colo.engine import load
 
     try:
         total, reserved, _ = device_budget(cfg)
     except ValueError as e:
         raise UsageError(f"--device-mem-gib {cfg.device_mem_gib:g} is too small for the engine: {e}") from None
-    if cfg.engine != "colo":
-        return  # vLLM sizes its own KV cache (and says so when it cannot)
-    dims = dims_from_config(model_config)
-    dtype = as_dtype(cfg.engine_dtype)
+    fits = cfg.engine_entry.fits
+    if fits is None:
+        return
     try:
-        KVPoolPlan(total_bytes=total, mem_fraction_static=cfg.mem_fraction_static,
-                   weight_bytes=WeightMap.build(dims).nbytes(dtype), slot_bytes=dims.slot_bytes(dtype),
-                   min_slots=dims.max_positions)
-    except KVPoolTooSmall as e:
+        load(fits)(model_config, dtype=cfg.engine_dtype, total_bytes=total,
+                   mem_fraction_static=cfg.mem_fraction_static)
+    except ValueError as e:  # KVPoolTooSmall among them
         raise UsageError(f"--mem-fraction-static {cfg.mem_fraction_static:g} on a {fmt_bytes(total)} device: {e}") \
             from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -245,6 +246,61 @@ class EngineSide(Protocol):
     async def set_weight_version(self, version: int | None) -> None:
         """The engine's own record of what it holds; ``None`` marks it stale."""
         ...
+
+
+@runtime_checkable
+class EngineLifecycle(Protocol):
+    """What a run may ask of an engine beyond the phases' verbs: whether it lives, its
+    process, killing it (fault injection, a crash), closing it, and the weight version it
+    holds by its own record. An engine has those its registry entry declares
+    (``colo.engine.EngineEntry.lifecycle``): an engine in the trainer's process cannot be
+    killed on its own, and a run asks it no ``kill``."""
+
+    @property
+    def pid(self) -> int | None: ...
+    def alive(self) -> bool: ...
+    def kill(self) -> None: ...
+    async def aclose(self) -> None: ...
+    async def reported_version(self) -> int | None: ...
+
+
+@runtime_checkable
+class EngineProbe(Protocol):
+    """The verification probe, answered as ``EngineCapabilities.probe`` says: ``logits``
+    (``[batch, seq, vocab]``, or only the vocabulary ``columns``) or ``logprobs``
+    (log p(token i | the tokens before it), i >= 1). An engine has the one it declares."""
+
+    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> list: ...
+    async def logprobs(self, tokens: list[list[int]]) -> list: ...
+
+
+@dataclass(frozen=True)
+class EngineVerb:
+    """How one engine verb crosses to an engine in another process: its arguments, and the
+    field its answer travels in (``reply``; None: no answer) encoded as ``codec``: ``json``
+    (as it is), ``rollout`` (a ``RolloutResult``'s fields), ``f32`` (float32 bytes, base64,
+    beside their ``shape``)."""
+
+    args: tuple[str, ...] = ()
+    reply: str | None = None
+    codec: str = "json"
+
+
+#: every verb a run asks of an engine in another process: ``EngineSide``'s, the probes
+#: (``EngineProbe``) and the engine's own record of its version (``EngineLifecycle``). The
+#: one forwarding of them is ``colo.engine.forward``; colo's engine process answers the same.
+ENGINE_VERBS: Mapping[str, EngineVerb] = MappingProxyType({
+    "release": EngineVerb(("tags",)),
+    "resume": EngineVerb(("tags",)),
+    "flush_cache": EngineVerb(),
+    "set_weight_version": EngineVerb(("version",)),
+    "digest": EngineVerb(reply="digest"),
+    "generate": EngineVerb(("step",), reply="rollout", codec="rollout"),
+    "drop_handles": EngineVerb(),
+    "logits": EngineVerb(("tokens", "columns"), reply="f32le", codec="f32"),
+    "logprobs": EngineVerb(("tokens",), reply="logprobs"),
+    "reported_version": EngineVerb(reply="weight_version"),
+})
 
 
 class PhaseHooks(Protocol):

@@ -14,12 +14,13 @@ sender, in this same process, joins at once (``broadcast``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio.to_thread
 
-from colo.core.errors import EngineError, EngineStateError
+from colo.core.errors import EngineError
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.digest import ReceivedDigest
 from colo.engine.kit import EngineKit, WeightSink, check_tags
@@ -75,6 +76,7 @@ class InProcessEngine:
         self.capabilities = capabilities or EngineCapabilities(tags=tuple(self._tag_bytes))
         self._paused: set[str] = set()
         self.weight_version: int | None = 0
+        self._closed = False
 
     async def _kit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs))
@@ -148,7 +150,23 @@ class InProcessEngine:
     async def drop_handles(self) -> None:
         await self._kit(self.kit.drop_handles)
 
+    # -- lifecycle (colo.core.interfaces.EngineLifecycle): no kill, it is this process --------
+    @property
+    def pid(self) -> int:
+        """The process that holds the model: this one."""
+        return os.getpid()
+
+    def alive(self) -> bool:
+        return not self._closed
+
+    async def reported_version(self) -> int | None:
+        """The weight version the engine holds (None: stale)."""
+        return self.weight_version
+
     async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         await self._kit(self.kit.close)
 
 

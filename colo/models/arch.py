@@ -9,9 +9,9 @@ the MLP is a sparse MoE block (Qwen3-MoE), the config values this table assumes,
 which of SGLang's model files loads it. Everything else (embedding, norms, SwiGLU MLP,
 lm_head or tied embeddings) they share, and the name tables below say it once.
 
-Who reads it: colo's engine (``colo.engine.dims`` picks its tables, ``colo.engine.model``
+Who reads it: colo's engine (``colo.engine.reference.dims`` picks its tables, ``colo.engine.reference.model``
 its bias and q/k norms), the weight map every engine-side check uses
-(``colo.engine.weights``), the trainers (``colo.trainers.models``: a config or checkpoint
+(``colo.engine.reference.weights``), the trainers (``colo.trainers.models``: a config or checkpoint
 of another architecture is refused before a model is built), the Megatron trainer
 (``colo.trainers.megatron``: ``add_qkv_bias``, ``qk_layernorm``), the checkpoint checks
 (:mod:`colo.models.checkpoint`: a directory vLLM starts from holds exactly these names),

@@ -7,7 +7,7 @@ on the machine may bind it, and rank 0 then fails ``EADDRINUSE`` (CI, 2026-11-27
 two-rank engine's store, beside tests binding ports of their own).
 
 A :class:`HostedStore` closes that window: the process that starts the ranks (the
-driver, or an :class:`~colo.engine.client.EngineClient` starting a TP engine) serves
+driver, or an :class:`~colo.engine.reference.client.EngineClient` starting a TP engine) serves
 the group's ``TCPStore`` itself, on a port the kernel gives it *while listening*, and
 hands out ``colo-store://host:port``. Every rank, rank 0 included, joins as a client
 through :func:`init_default_group`. The store must outlive the group's start (NCCL

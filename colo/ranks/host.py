@@ -4,8 +4,9 @@ A :class:`RankHost` lives in one process per GPU (a worker of
 :mod:`colo.ranks.worker`, or a Ray actor). At start it joins the trainer's
 process group and builds its trainer rank (``colo.trainers.build`` sees an
 N-rank world: Megatron TP=N, FSDP2 over N, or data parallel), writes the
-initial checkpoint once (rank 0), and starts its engine rank as a child
-process on the same GPU, in the engine's TP group. A sync runs here, from this
+initial checkpoint once (rank 0), and starts its engine rank as the engine's
+registry entry says (``colo.engine.ENGINES``: ``rank_start`` per launcher; colo's engine
+is a child process on the same GPU, in the engine's TP group). A sync runs here, from this
 trainer rank straight to this engine rank: every rank takes part in the
 extractor's collectives; the bucket is packed on this GPU and its handle goes
 only to the engine rank on this GPU (keyed by the GPU's UUID). Nothing of the
@@ -28,7 +29,8 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.transports.base import extract_bucket
-from colo.core.interfaces import RolloutResult, SyncContext
+from colo.core.interfaces import SyncContext
+from colo.engine.forward import rollout_from_json, rollout_to_json  # noqa: F401 (re-exported)
 from colo.core.memory import StagingBudget
 from colo.tasks import make_task
 from colo.core.errors import OutOfMemory
@@ -69,6 +71,12 @@ class RankSpec:
     #: ``"module:Class"``, a RankHost subclass the worker serves (with more ``op_`` verbs)
     host_class: str | None = None
     extra: dict = field(default_factory=dict)
+    #: the engine, by its name in :data:`colo.engine.ENGINES`: its entry starts engine rank r
+    #: (``rank_start``) and says what a rank's digest is (``shard_digest``)
+    engine: str = "colo"
+    #: how the engine spans the ranks (:data:`colo.engine.LAYOUTS`): ``tp``, one engine of TP=N
+    #: whose rank r holds its shard, or ``replicas``, a whole engine per rank
+    layout: str = "tp"
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "seed"):
@@ -79,6 +87,12 @@ class RankSpec:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"rank spec device must be cpu or cuda, got {self.device!r}")
+        from colo.engine import engine_entry
+
+        entry = engine_entry(self.engine)
+        if self.world_size > 1 and self.layout not in entry.layouts:
+            raise ValueError(f"engine {self.engine} takes the layout(s) {', '.join(entry.layouts) or 'none'} "
+                             f"of N ranks, got {self.layout!r}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -86,21 +100,6 @@ class RankSpec:
     @property
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
-
-
-def rollout_to_json(r: RolloutResult) -> dict:
-    d = r.data
-    return {"reward": r.reward, "tokens": r.tokens,
-            "data": None if d is None else {"prompts": d.prompts, "completions": d.completions, "rewards": d.rewards}}
-
-
-def rollout_from_json(d: dict) -> RolloutResult:
-    from colo.tasks import RolloutData
-
-    data = d.get("data")
-    return RolloutResult(reward=float(d["reward"]), tokens=int(d["tokens"]),
-                         data=None if data is None else RolloutData(data["prompts"], data["completions"],
-                                                                    data["rewards"]))
 
 
 class _Drain:
@@ -249,19 +248,24 @@ class RankHost:
         dist.barrier()
         return path
 
-    async def _spawn_engine(self, init_method: str, checkpoint: str | None) -> Any:
-        from colo.engine.client import EngineClient
+    @property
+    def engine_build(self) -> dict:
+        """What every engine rank is built from (the spec's engine build, the model, its dtype
+        and device, the initial checkpoint)."""
+        return self._build
 
-        s = self.spec
-        build = {**self._build, "checkpoint": checkpoint,
-                 "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
-        if s.engine_log:
-            build["log_path"] = s.engine_log
-        return await EngineClient.spawn(build, task=self.task)
+    #: the launcher whose rank start of the engine's entry this host uses
+    launcher = "process"
+
+    async def _spawn_engine(self, init_method: str, checkpoint: Any) -> Any:
+        """Engine rank r, as the engine's registry entry starts it on a rank of this launcher."""
+        from colo.engine import engine_entry, load
+
+        return await load(engine_entry(self.spec.engine).rank_start[self.launcher])(self, init_method, checkpoint)
 
     def hello(self) -> dict:
         t, e = self.trainer, self.engine
-        return {"rank": self.spec.rank, "pid": os.getpid(), "engine_pid": e.process.pid,
+        return {"rank": self.spec.rank, "pid": os.getpid(), "engine_pid": e.pid,
                 "trainer_tag_bytes": dict(t.tag_bytes()), "engine_tag_bytes": e.tag_bytes(),
                 "engine_capabilities": e.capabilities.to_json(),
                 "param_specs": [[p.name, list(p.shape), p.dtype, p.nbytes] for p in t.param_specs()],
@@ -295,15 +299,11 @@ class RankHost:
         return {"result": {k: float(v) for k, v in out.items()}, "steps": int(self.trainer.steps)}
 
     async def op_engine(self, verb: str, args: dict) -> dict:
-        """One EngineSide verb on this rank's engine rank."""
-        if verb not in _ENGINE_VERBS:
-            raise ValueError(f"unknown engine verb {verb!r}; expected one of {', '.join(_ENGINE_VERBS)}")
-        if verb == "hello":  # the engine's own record of its weight version
-            return {"weight_version": (await self.engine.call("hello"))["weight_version"]}
-        out = await getattr(self.engine, verb)(**args)
-        if verb == "generate":
-            return {"rollout": rollout_to_json(out)}
-        return {"value": out}
+        """One declared engine verb (``ENGINE_VERBS``) on this rank's engine rank, answered as
+        :class:`colo.ranks.proxy.RemoteEngine` decodes it (:mod:`colo.engine.forward`)."""
+        from colo.engine.forward import answer
+
+        return await answer(self.engine, verb, args)
 
     async def op_sync(self, step: int, weight_version: int, bucket_bytes: int, source: str,
                       staging: dict, kill_engine_after: int | None = None, flush_cache: bool = False) -> dict:
@@ -334,23 +334,30 @@ class RankHost:
         return {}
 
     async def op_expected_digest(self) -> dict:
-        """The digest this rank's engine shard must have after a sync of the trainer's weights (a collective)."""
-        from colo.engine.tp import expected_shard_digest
+        """The digest this rank's engine must report after a sync of the trainer's weights (a
+        collective): in the ``tp`` layout its shard's (the engine entry's ``shard_digest``), a
+        replica's the whole model's."""
+        from colo.engine import engine_entry, load
+
+        s = self.spec
+        if s.layout != "tp" or s.world_size == 1:
+            return await self.op_full_digest()
+        shard_digest = load(engine_entry(s.engine).shard_digest)
 
         def compute() -> str:
-            state = self.trainer.hf_state()
-            return expected_shard_digest(state, self.model_config, getattr(torch, self.spec.engine_dtype),
-                                         self.spec.rank, self.spec.world_size)
+            return shard_digest(self.trainer.hf_state(), self.model_config, getattr(torch, s.engine_dtype),
+                                s.rank, s.world_size)
 
         return {"digest": await anyio.to_thread.run_sync(compute)}
 
     async def op_full_digest(self) -> dict:
-        """The TP=1 engine digest of the trainer's full weights (a collective): equal on every rank."""
-        from colo.engine.weights import expected_digest
+        """The digest of the trainer's full weights (a collective): equal on every rank, what a
+        whole engine of them reports (:mod:`colo.digest`)."""
+        from colo.digest import expected_weights_digest
 
         def compute() -> str:
-            return expected_digest(self.trainer.hf_state(), self.model_config,
-                                   getattr(torch, self.spec.engine_dtype))
+            state = self.trainer.hf_state()
+            return expected_weights_digest(state, list(state), getattr(torch, self.spec.engine_dtype))
 
         return {"digest": await anyio.to_thread.run_sync(compute)}
 
@@ -364,16 +371,16 @@ class RankHost:
         old, self.engine = self.engine, None
         await old.aclose()
         self.engine = await self._spawn_engine(init_method, None)
-        return {"engine_pid": self.engine.process.pid, "old_engine_pid": old.process.pid}
+        return {"engine_pid": self.engine.pid, "old_engine_pid": old.pid}
 
     async def op_kill_engine(self) -> dict:
         """Kill the engine rank outright (a crash, from outside the run's code)."""
-        pid = self.engine.process.pid
+        pid = self.engine.pid
         self.engine.kill()
         return {"engine_pid": pid}
 
     async def op_engine_alive(self) -> dict:
-        return {"alive": bool(self.engine is not None and self.engine.process.is_alive())}
+        return {"alive": bool(self.engine is not None and self.engine.alive())}
 
     async def op_shutdown(self) -> dict:
         await self.aclose()
@@ -403,10 +410,6 @@ class RankHost:
         if self._owns_pg and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_pg = False
-
-
-_ENGINE_VERBS = ("release", "resume", "flush_cache", "set_weight_version", "digest", "generate", "logits",
-                 "drop_handles", "hello")
 
 
 def load_object(target: str) -> Any:

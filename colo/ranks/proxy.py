@@ -26,12 +26,12 @@ import anyio
 
 from colo.proc.channel import AsyncChannel, new_key
 from colo.proc.lifecycle import release_dir
-from colo.core.interfaces import (EngineCapabilities, RolloutResult, StageRecord, SyncContext, SyncResult,
-                                  TensorSpec)
+from colo.core.interfaces import EngineCapabilities, RolloutResult, StageRecord, SyncContext, SyncResult, TensorSpec
 from colo.core.errors import (ChannelError, EngineDied, EngineError, EngineRefused, OutOfMemory, RankDied,
                               RankError, VerificationError)
 from colo.proc.lifecycle import unless_stopped
-from colo.ranks.host import RankSpec, rollout_from_json, rollout_to_json
+from colo.engine.forward import ForwardedEngine, rollout_to_json
+from colo.ranks.host import RankSpec
 
 #: a rank builds a model, joins two process groups and starts an engine: minutes on a busy host
 START_TIMEOUT_S = 600.0
@@ -178,8 +178,9 @@ class RemoteTrainer:
         return reply["result"]
 
 
-class RemoteEngine:
-    """An engine rank behind its worker (an ``EngineSide``)."""
+class RemoteEngine(ForwardedEngine):
+    """An engine rank behind its worker (an ``EngineSide``): every verb is one request to the
+    worker, forwarded as any engine in another process is (:mod:`colo.engine.forward`)."""
 
     def __init__(self, worker: Worker, hello: dict):
         self.worker = worker
@@ -191,36 +192,8 @@ class RemoteEngine:
     def tag_bytes(self) -> dict[str, int]:
         return dict(self._tags)
 
-    async def _verb(self, verb: str, **args: Any) -> dict:
+    async def _forward(self, verb: str, **args: Any) -> dict:
         return await self.worker.call("engine", verb=verb, args=args)
-
-    async def release(self, tags: Sequence[str]) -> None:
-        await self._verb("release", tags=list(tags))
-
-    async def resume(self, tags: Sequence[str]) -> None:
-        await self._verb("resume", tags=list(tags))
-
-    async def flush_cache(self) -> None:
-        await self._verb("flush_cache")
-
-    async def set_weight_version(self, version: int | None) -> None:
-        await self._verb("set_weight_version", version=version)
-        self.weight_version = version
-
-    async def digest(self) -> str:
-        return str((await self._verb("digest"))["value"])
-
-    async def generate(self, step: int) -> RolloutResult:
-        return rollout_from_json((await self._verb("generate", step=step))["rollout"])
-
-    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> list:
-        if columns is None:
-            return (await self._verb("logits", tokens=tokens))["value"]
-        return (await self._verb("logits", tokens=tokens, columns=[int(c) for c in columns]))["value"]
-
-    async def own_weight_version(self) -> int | None:
-        """What the engine rank itself says it holds (None: stale)."""
-        return (await self._verb("hello"))["weight_version"]
 
 
 class RemoteTransport:

@@ -13,7 +13,7 @@ What each process holds:
   shared by two actors with half of it each (``num_gpus=0.5``): the
   :class:`RankActor` hosting a :class:`~colo.ranks.host.RankHost` — trainer
   rank r — and the :class:`EngineActor` holding engine rank r (an
-  :class:`~colo.engine.server.EngineServer`). Both are scheduled with
+  :class:`~colo.engine.reference.server.EngineServer`). Both are scheduled with
   ``PlacementGroupSchedulingStrategy(placement_group_bundle_index=r)``, so they
   share GPU r and its host.
 
@@ -70,7 +70,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from colo.proc.channel import _LEN, MAX_FRAME, ChannelError, decode, encode
-from colo.engine.client import DEATH_WAIT_S, EngineClient
+from colo.engine.reference.client import DEATH_WAIT_S, EngineClient
 from colo.proc.handles import SHM_DIR
 from colo.proc.lifecycle import end_processes_in, make_short_dir, owner_alive, process_state, release_dir, sweep
 from colo.core.errors import ClusterUnreachable, EngineDied, EngineError, EngineRefused, RankDied, UsageError
@@ -149,7 +149,7 @@ def placement() -> dict:
 
 # -- the engine rank's actor --------------------------------------------------------
 class EngineActor:
-    """Engine rank r on bundle r: an :class:`~colo.engine.server.EngineServer` whose requests
+    """Engine rank r on bundle r: an :class:`~colo.engine.reference.server.EngineServer` whose requests
     are the engine channel's JSON frames, sent by the trainer rank's actor on the same bundle.
 
     Frames, not Python objects: the engine validates them as it validates its socket's
@@ -162,7 +162,7 @@ class EngineActor:
     def start(self, build: dict, state: bytes | None) -> dict:
         """Build the engine rank (joining its TP group: every rank at once) from ``state``,
         safetensors bytes of the trainer's weights, or empty and stale when None."""
-        from colo.engine.server import EngineServer, build_core, check_build, use_engine_threads
+        from colo.engine.reference.server import EngineServer, build_core, check_build, use_engine_threads
 
         check_build(build)  # before the group is joined or the state read (EngineRefused: exit 2)
         use_engine_threads(build)  # on the CPU one: N trainer ranks and N engine ranks share the host's cores
@@ -291,7 +291,7 @@ def _first_line(e: BaseException) -> str:
 
 
 class ActorEngineClient(EngineClient):
-    """An :class:`~colo.engine.client.EngineClient` whose engine is an :class:`EngineActor`:
+    """An :class:`~colo.engine.reference.client.EngineClient` whose engine is an :class:`EngineActor`:
     the same verbs, heartbeat and errors (a dead actor is ``EngineDied``)."""
 
     @property
@@ -395,6 +395,21 @@ async def spawn_engine_actor(build: dict, *, state: Any, pg: Any, bundle: int, n
     return ActorEngineClient(_ActorChannel(proc), proc, None, None, hello, task)
 
 
+async def start_engine_actor(host: Any, init_method: str, checkpoint: Any) -> Any:
+    """colo's engine rank ``host.spec.rank`` as an :class:`EngineActor` on the rank's bundle:
+    the ``ray`` rank start of the registry's ``colo`` entry (:data:`colo.engine.ENGINES`).
+    ``checkpoint``: the trainer's weights in this node's object store, or None (empty)."""
+    s, p = host.spec, host.ray_placement
+    # the start-up state is not kept: once the engine has it, the object store may free it
+    host.engine_build["checkpoint"] = None
+    build = {**host.engine_build, "checkpoint": None,
+             "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
+    p["engines"] = p.get("engines", 0) + 1
+    return await spawn_engine_actor(build, state=checkpoint, pg=p["pg"], bundle=s.rank,
+                                    name=f"colo-engine{s.rank}-{p['token']}-{p['engines']}", gpu=p["gpu"],
+                                    cpus=p["cpus"], task=host.task, tensors=p.get("tensors") is True)
+
+
 class _EngineActors:
     """Mixed into the rank's host class: engine rank r is an :class:`EngineActor` on this
     actor's bundle, started from the trainer's weights through the object store."""
@@ -410,16 +425,8 @@ class _EngineActors:
         # in this node's object store; read by this rank's engine actor, on the same node
         return ray.put(data)
 
-    async def _spawn_engine(self, init_method: str, checkpoint: Any) -> Any:
-        s, p = self.spec, self.ray_placement
-        # the start-up state is not kept: once the engine has it, the object store may free it
-        self._build["checkpoint"] = None
-        build = {**self._build, "checkpoint": None,
-                 "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
-        p["engines"] = p.get("engines", 0) + 1
-        return await spawn_engine_actor(build, state=checkpoint, pg=p["pg"], bundle=s.rank,
-                                        name=f"colo-engine{s.rank}-{p['token']}-{p['engines']}", gpu=p["gpu"],
-                                        cpus=p["cpus"], task=self.task, tensors=p.get("tensors") is True)
+    #: the rank start of the engine's registry entry this host uses (``rank_start["ray"]``)
+    launcher = "ray"
 
     def hello(self) -> dict:
         return {**super().hello(), "engine_actor": self.engine.name}

@@ -5,7 +5,7 @@
   load from the engine.
 - :class:`ReceiverOnCore`: the engine's receiving side without the engine
   process: a transport's real receiver feeding a real
-  :class:`~colo.engine.core.EngineCore`, in the test's own process, where a test
+  :class:`~colo.engine.reference.core.EngineCore`, in the test's own process, where a test
   can hold a copy back until the sender has moved on.
 
 The in-process engine that implements only the declared engine protocols is

@@ -24,6 +24,11 @@ phase never writes to the trainer's weights: whatever the engine holds, the
 trainer's copy is the truth recovery restores from. The injector fires once
 (the first occurrence of the phase at step >= ``Fault.step``) and is inert
 afterwards, so the run can recover and continue.
+
+The injector is told the engine by its name in :data:`colo.engine.ENGINES` and asks of it
+only the lifecycle verbs its entry declares: ``kill`` to kill it, ``alive`` to see it dead.
+Whether an engine can be killed at all is its entry's limit, checked with the run's
+configuration (:func:`kills_engine`, :meth:`colo.engine.EngineEntry.check`).
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ POSSIBLE: dict[str, tuple[str, ...]] = {
     "oom": tuple(p for p in _ALL if EFFECTS[Phase(p)].resume or EFFECTS[Phase(p)].allocates),
     "cancel": _ALL,
 }
+
+def kills_engine(fault: Fault | None) -> bool:
+    """The fault kills the engine (its engine must have ``kill`` in its lifecycle)."""
+    return fault is not None and fault.kind == "kill-engine"
+
 
 #: in sync the fault waits for this many bucket loads first: the engine is
 #: then really half-updated (``end_load`` is the fallback for one-bucket syncs)
@@ -105,8 +115,14 @@ class FaultInjector:
     scheduler's work, for ``cancel`` faults.
     """
 
-    def __init__(self, fault: Fault, *, on_fire: Callable[[], None] | None = None):
+    def __init__(self, fault: Fault, *, on_fire: Callable[[], None] | None = None, engine: str = "colo"):
+        from colo.engine import engine_entry
+
         self.fault = fault
+        #: the engine's registry entry: the lifecycle verbs it may be asked for
+        self.entry = engine_entry(engine)
+        if kills_engine(fault) and "kill" not in self.entry.lifecycle:
+            raise ValueError(f"fault {fault}: --engine {engine} cannot be killed on its own")
         self.fired = False
         self.fired_step: int | None = None
         self.scope: anyio.CancelScope | None = None
@@ -188,7 +204,7 @@ class FaultInjector:
             # seen dead before the call goes out, so the caller sees a dead engine (alive()
             # reaps a killed process; a vLLM's monitor notices its worker's death)
             with anyio.move_on_after(10):
-                while engine.alive():
+                while "alive" in self.entry.lifecycle and engine.alive():
                     await anyio.sleep(0.02)
         elif kind == "raise":
             where = "the receiver's load of a bucket after the first" if self.fault.phase == "sync" else \
@@ -245,4 +261,4 @@ class _Wrapped:
         return self._target
 
 
-__all__ = ["CALLEE", "Fault", "FaultInjector", "InjectedFault", "KINDS", "POSSIBLE"]
+__all__ = ["CALLEE", "Fault", "FaultInjector", "InjectedFault", "KINDS", "POSSIBLE", "kills_engine"]

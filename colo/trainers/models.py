@@ -6,7 +6,7 @@ built at random from a config (:func:`build_trainer_model`). Either way the mode
 transformers' own class for the architecture (``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
 ``LlamaForCausalLM``, ... as :mod:`colo.models.arch` names it), so the name map and
 shard offsets the engines' loaders apply are exercised against the real trainer layout
-rather than a copy of it. The engine (``colo.engine.model``) implements the same math
+rather than a copy of it. The engine (``colo.engine.reference.model``) implements the same math
 with fused parameters.
 """
 

@@ -2,8 +2,13 @@
 
 Each module holds its init info, request type, sender, receiver and a
 ``STRATEGY`` that builds them (see ``colo.transports.base``). ``REGISTRY``
-names the sender the scheduler drives; ``STRATEGIES`` is the engine's
+names the sender the scheduler drives; ``STRATEGIES`` is the engine kit's
 allow-list: a receiver is built only for a name listed here.
+
+A sender whose receiving half is an engine's own (SGLang reads its flattened buckets
+in its own ranks) is registered like any other, beside its engine's folder, and listed
+in ``ENGINE_OWN``: no engine kit builds a receiver for it, and only that engine takes it
+(its entry's ``transports``, :data:`colo.engine.ENGINES`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,16 @@ REGISTRY = {
     "broadcast": "colo.transports.broadcast:BroadcastTransport",
     "disk": "colo.transports.disk:DiskTransport",
     "rdt": "colo.transports.rdt:RdtTransport",
+    "sglang": "colo.engine.sglang.transport:SglangTransport",
 }
 
-#: name -> "module:attribute" of the strategy (the factory of both halves).
-STRATEGIES = {name: target.split(":")[0] + ":STRATEGY" for name, target in REGISTRY.items()}
+#: senders whose receiver is an engine's own, not the engine kit's: transport -> that engine
+ENGINE_OWN = {"sglang": "sglang"}
+
+#: name -> "module:attribute" of the strategy (the factory of both halves), for every
+#: transport the engine kit receives.
+STRATEGIES = {name: target.split(":")[0] + ":STRATEGY" for name, target in REGISTRY.items()
+              if name not in ENGINE_OWN}
 
 
 #: name -> (the launcher its ranks must run under, why), for a transport that needs more of

@@ -60,7 +60,7 @@ def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, 
     (dict(mem_fraction_static=0.0), "mem_fraction_static must be in (0, 1), got 0.0"),
     (dict(mem_fraction_static=1.0), "mem_fraction_static must be in (0, 1), got 1.0"),
     (dict(plan="fast"), "plan must be one of offload-first, sync-first, single-stage, got 'fast'"),
-    (dict(transport="pigeon"), "transport must be one of packed, ipc, broadcast, disk, rdt, got 'pigeon'"),
+    (dict(transport="pigeon"), "transport must be one of packed, ipc, broadcast, disk, rdt, sglang, got 'pigeon'"),
     (dict(fault="raise"), "fault must be KIND@PHASE"),
     (dict(fault="deadline@sync", fault_deadline_s=0), "fault deadline must be > 0 seconds, got 0"),
 ])

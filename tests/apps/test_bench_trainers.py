@@ -12,7 +12,7 @@ from colo.apps.bench_trainers import OPTIMIZER_BYTES_PER_PARAM, HEADROOM_BYTES, 
 from colo.cli import main
 from colo.core.buckets import plan_buckets
 from colo.digest import expected_weights_digest
-from colo.engine.weights import expected_hf_specs
+from colo.engine.reference.weights import expected_hf_specs
 from colo.trainers.models import build_trainer_model, demo_config
 
 from tests.apps.test_bench import TINY

@@ -20,7 +20,7 @@ from bench import peer as bench_peer
 from bench.models import GPU_MODEL_NAMES, attr_config, shapes_of
 from bench.peer import (Copier, PeerConfig, check_configs, digest_config, parse_buckets, peer_configs, pick_handle,
                         read_update_log, summarize)
-from colo.engine.weights import expected_digest, expected_hf_specs
+from colo.engine.reference.weights import expected_digest, expected_hf_specs
 from colo.trainers.models import demo_config
 
 
@@ -161,7 +161,7 @@ def test_peer_reads_the_shapes_gpu_sync_builds_without_transformers(name):
     """The peer's process builds no Qwen2Config (transformers would lengthen the gc.collect its
     updates run): its attribute config must name exactly the tensors, shapes and order of the
     Qwen2Config bench.gpu_sync builds, and digest them alike."""
-    from colo.engine.dims import dims_from_config
+    from colo.engine.reference.dims import dims_from_config
 
     for layers in (None, 2):
         ours, theirs = attr_config(name, layers), demo_config(**shapes_of(name, layers))

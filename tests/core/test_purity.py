@@ -13,7 +13,7 @@ CORE = sorted(f"colo.core.{m.name}" for m in pkgutil.iter_modules(colo.core.__pa
 OFFLINE = ["colo.core.errors", "colo.offline.replay", "colo.offline.tune", "colo.offline.export",
            "colo.offline.summary",
            # the architecture table and the checkpoint checks: data, read by engines' workers too
-           "colo.models", "colo.models.arch", "colo.models.checkpoint"]
+           "colo.models", "colo.models.arch", "colo.models.checkpoint", "colo.models.specs"]
 
 
 def _pulled_in(modules: list[str]) -> str:

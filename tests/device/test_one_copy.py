@@ -17,7 +17,7 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.weights import expected_digest
+from colo.engine.reference.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.device.flat_weights import FlatWeights
 from colo.testing.engines import RecordingEngine
@@ -88,7 +88,7 @@ on_cpu_engine = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cpu_engine(tmp_path_factory):
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     config = demo_config(**SMALL_CFG)
     client = await EngineClient.spawn(small_engine_build(tmp_path_factory.mktemp("one-copy") / "engine.log"))
@@ -336,7 +336,7 @@ GPU_CFG = dict(vocab_size=16384, hidden_size=1024, num_hidden_layers=2, num_atte
 @pytest.mark.gpu
 @gpu
 async def test_one_copy_on_cuda_is_exact_and_a_pause_returns_the_buffer_once_the_engine_let_go():
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     MiB = 1 << 20
     config = demo_config(**GPU_CFG)
@@ -416,7 +416,7 @@ def mapped_by(pid: int, segment: str) -> bool:
 @pytest.mark.gpu
 @gpu
 async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_nothing_staged():
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     config = demo_config(**GPU_CFG)
     trainer = FlatTrainer(config, 5, device="cuda", extractor="host-when-paused")
@@ -471,7 +471,7 @@ async def test_offload_first_reads_the_shared_pinned_backup_in_one_request_with_
 @pytest.mark.parametrize("why", ["asked", "no room"])
 async def test_a_private_pinned_backup_is_packed_through_device_staging_and_arrives_exact(why, monkeypatch):
     import colo.device.cuda_ipc
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     config = demo_config(**GPU_CFG)
     if why == "no room":  # a container's small /dev/shm: the backup is private pinned memory, and says so

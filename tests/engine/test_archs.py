@@ -10,10 +10,10 @@ import copy
 import pytest
 import torch
 
-from colo.engine.core import EngineCore
-from colo.engine.dims import Dims
-from colo.engine.server import model_config
-from colo.engine.weights import expected_digest, expected_hf_specs
+from colo.engine.reference.core import EngineCore
+from colo.engine.reference.dims import Dims
+from colo.engine.reference.server import model_config
+from colo.engine.reference.weights import expected_digest, expected_hf_specs
 from tests.archs import CASES, perturbed_model, tiny_config
 
 MiB = 1 << 20

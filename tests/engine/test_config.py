@@ -1,11 +1,11 @@
 """The engine process reads the model config the client sent as plain fields
-(colo.engine.server.model_config), not as a rebuilt transformers.Qwen2Config:
+(colo.engine.reference.server.model_config), not as a rebuilt transformers.Qwen2Config:
 it must see the same model either way, and a config missing a field is refused."""
 
 import pytest
 
-from colo.engine.dims import Dims
-from colo.engine.server import CONFIG_FIELDS, model_config
+from colo.engine.reference.dims import Dims
+from colo.engine.reference.server import CONFIG_FIELDS, model_config
 from colo.trainers.models import DEMO_MODELS, demo_model_config
 
 

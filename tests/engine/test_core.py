@@ -9,11 +9,11 @@ import torch
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
 from colo.core.buckets import spec
-from colo.engine.core import EngineCore
+from colo.engine.reference.core import EngineCore
 from colo.core.errors import EngineStateError, KVPoolTooSmall, WeightMismatch
-from colo.engine.dims import Dims
-from colo.engine.model import EngineModel
-from colo.engine.weights import expected_digest, expected_hf_specs
+from colo.engine.reference.dims import Dims
+from colo.engine.reference.model import EngineModel
+from colo.engine.reference.weights import expected_digest, expected_hf_specs
 from colo.trainers.models import build_trainer_model, demo_config
 from tests.syncparts import calls_of
 

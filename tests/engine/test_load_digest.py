@@ -7,9 +7,9 @@ that the sums are used exactly when they are the engine's current weights."""
 import pytest
 import torch
 
-import colo.engine.model as model_mod
-from colo.engine.core import EngineCore
-from colo.engine.weights import expected_digest
+import colo.engine.reference.model as model_mod
+from colo.engine.reference.core import EngineCore
+from colo.engine.reference.weights import expected_digest
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.wire import Piece
 from tests.conftest import SMALL_CFG

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from colo.engine.client import decode_f32
+from colo.engine.forward import decode_f32
 
 
 def test_float32_bytes_round_trip_exactly_nan_and_extremes_included():

@@ -94,7 +94,7 @@ def worker(rank: int, world: int, tmp_path, fields: dict) -> dict:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from colo.engine.moe import MoETPEngineCore
+    from colo.engine.reference.moe import MoETPEngineCore
     from colo.extractors import MegatronExtractor
 
     # the config's fields as attributes, as the engine's build reads them: the workers do
@@ -171,8 +171,8 @@ def test_checkpoint_names_load_into_transformers_qwen3_moe_with_nothing_missing(
 
 
 def test_the_30b_shape_is_qwen3_30b_a3b():
-    from colo.engine.weights import WeightMap
-    from colo.engine.dims import MoEDims
+    from colo.engine.reference.weights import WeightMap
+    from colo.engine.reference.dims import MoEDims
     from colo.trainers.models import moe_checkpoint_names, moe_model_config
 
     cfg = moe_model_config("qwen3-30b-a3b")
@@ -186,8 +186,8 @@ def test_the_30b_shape_is_qwen3_30b_a3b():
 
 
 def test_engine_tp1_equals_transformers_and_tp_layout_refuses_what_does_not_split(tmp_path):
-    from colo.engine.moe import MoEEngineCore
-    from colo.engine.tp import TPLayout, TPLayoutError
+    from colo.engine.reference.moe import MoEEngineCore
+    from colo.engine.reference.tp import TPLayout, TPLayoutError
     from colo.trainers.models import moe_checkpoint_state, moe_model_config
 
     cfg = _config()
@@ -213,7 +213,7 @@ def test_extracted_tensors_in_transformers_reproduce_megatron_core_ep2_logits(ra
 
 
 def test_every_engine_rank_holds_its_tp_moe_shard_and_computes_transformers_logits(ranks, hf):
-    from colo.engine.tp import expected_shard_digest
+    from colo.engine.reference.tp import expected_shard_digest
 
     cfg = _config()
     tensors = ranks[0]["tensors"]
@@ -224,7 +224,7 @@ def test_every_engine_rank_holds_its_tp_moe_shard_and_computes_transformers_logi
 
 
 def test_tp2_greedy_tokens_equal_tp1_engine_and_transformers(ranks, hf):
-    from colo.engine.moe import MoEEngineCore
+    from colo.engine.reference.moe import MoEEngineCore
 
     cfg = _config()
     engine = MoEEngineCore(cfg, init_state=ranks[0]["tensors"], **_engine_build())
@@ -246,7 +246,7 @@ def test_bench_synthetic_layout_is_megatron_cores_own(ranks):
 
 
 def test_moe_configs_the_engine_cannot_run_are_refused_naming_the_field():
-    from colo.engine.dims import MoEDims
+    from colo.engine.reference.dims import MoEDims
     from colo.trainers.models import moe_model_config
 
     with pytest.raises(ValueError, match=r"mlp_only_layers=\[1\]"):
@@ -262,10 +262,10 @@ def test_moe_configs_the_engine_cannot_run_are_refused_naming_the_field():
 def test_the_engine_build_from_the_sent_config_dict_is_the_moe_engine():
     """An engine process builds from ``config.to_dict()`` without transformers: a Qwen3-MoE's
     dict must give the MoE core with the same specs as from the config, and the dense one a dense core."""
-    from colo.engine.core import EngineCore
-    from colo.engine.weights import expected_hf_specs
-    from colo.engine.moe import MoEEngineCore
-    from colo.engine.server import build_core
+    from colo.engine.reference.core import EngineCore
+    from colo.engine.reference.weights import expected_hf_specs
+    from colo.engine.reference.moe import MoEEngineCore
+    from colo.engine.reference.server import build_core
     from colo.trainers.models import demo_config
 
     cfg = _config()

@@ -10,8 +10,8 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.proc.channel import ChannelError, answer, recv_frame, send_frame
-from colo.engine.client import EngineError
-from colo.engine.weights import expected_digest
+from colo.engine.reference.client import EngineError
+from colo.engine.reference.weights import expected_digest
 from colo.proc.handles import HandleError, ShmSegment, open_handle
 from colo.trainers.models import build_trainer_model
 from colo.transports.base import TensorMeta
@@ -120,7 +120,7 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
     # the contract digest is in the order of the spec list the engine accepted
     assert await client.digest() == expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
     # the diagnostic beside it: each of the engine's own parameters' entries, over the socket
-    from colo.engine.core import EngineCore
+    from colo.engine.reference.core import EngineCore
 
     local = EngineCore(config, dtype=torch.float32, total_bytes=32 << 20, mem_fraction_static=0.5,
                        init_state=state)
@@ -163,7 +163,7 @@ def test_channel_refuses_oversized_and_non_object_frames():
 @pytest.mark.parametrize("build,want", [({"device": "cpu"}, 1), ({"device": "cpu", "threads": 2}, 2),
                                         ({"device": "cuda"}, None)])
 def test_an_engine_on_the_cpu_computes_on_one_thread_unless_its_build_names_more(build, want):
-    from colo.engine.server import use_engine_threads
+    from colo.engine.reference.server import use_engine_threads
 
     before = torch.get_num_threads()
     try:

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from colo.core.errors import EngineDied, EngineRefused, exit_code
-from colo.engine.client import EngineClient
+from colo.engine.reference.client import EngineClient
 from colo.trainers.models import demo_config
 
 from tests.conftest import SMALL_CFG

@@ -14,11 +14,11 @@ import torch
 from colo.core.buckets import spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.client import EngineClient, EngineError
-from colo.engine.core import EngineCore
+from colo.engine.reference.client import EngineClient, EngineError
+from colo.engine.reference.core import EngineCore
 from colo.core.errors import WeightMismatch
-from colo.engine.dims import Dims
-from colo.engine.weights import expected_digest, expected_hf_specs
+from colo.engine.reference.dims import Dims
+from colo.engine.reference.weights import expected_digest, expected_hf_specs
 from colo.extractors.plain import PlainExtractor
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config

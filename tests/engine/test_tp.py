@@ -1,4 +1,4 @@
-"""The tensor-parallel engine (colo.engine.tp): two gloo ranks against the TP=1 engine.
+"""The tensor-parallel engine (colo.engine.reference.tp): two gloo ranks against the TP=1 engine.
 
 The TP=1 engine (``EngineCore``) is checked against transformers in
 tests/engine/test_core.py and tests/engine/test_tied.py; here the TP=2 engine
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from colo.core.buckets import spec
-from colo.engine.core import EngineCore
+from colo.engine.reference.core import EngineCore
 from colo.core.errors import EngineStateError, WeightMismatch
-from colo.engine.dims import Dims
-from colo.engine.weights import digest_tensors, engine_state_from_hf, expected_digest, expected_hf_specs
-from colo.engine.tp import TPEngineCore, TPLayout, TPLayoutError, expected_shard_digest, shard_state_from_hf
+from colo.engine.reference.dims import Dims
+from colo.engine.reference.weights import digest_tensors, engine_state_from_hf, expected_digest, expected_hf_specs
+from colo.engine.reference.tp import TPEngineCore, TPLayout, TPLayoutError, expected_shard_digest, shard_state_from_hf
 from tests.dist_helpers import run_workers
 
 # tests/conftest.py's SMALL_CFG (importing conftest would pull transformers into the workers)

@@ -19,9 +19,9 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.core.buckets import spec as mkspec
-from colo.engine.client import EngineClient
-from colo.engine.core import EngineCore
-from colo.engine.tp import expected_shard_digest
+from colo.engine.reference.client import EngineClient
+from colo.engine.reference.core import EngineCore
+from colo.engine.reference.tp import expected_shard_digest
 from colo.core.errors import EngineDied, EngineRefused
 from colo.groups import EngineGroup
 from colo.proc.handles import ShmSegment

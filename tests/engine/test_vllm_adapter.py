@@ -32,20 +32,34 @@ def test_the_server_command_carries_colos_extension_and_backend():
 
 
 @pytest.mark.parametrize("kw, why", [
-    (dict(engine_dtype="bfloat16"), "float32"),
-    (dict(gpus=2), "--gpus N is for colo's own engine"),
-    (dict(transport="disk"), "packed or ipc"),
-    (dict(fault="kill-engine@sync"), "needs --vllm-processes"),
-    (dict(engine="sglang"), "--engine must be one of colo, vllm"),
+    (dict(engine_dtype="bfloat16"), "--engine vllm on cpu runs float32 .vLLM's bfloat16 CPU kernels hit an illegal "
+                                    "instruction on short prompts., got engine dtype bfloat16"),
+    (dict(gpus=2), "--engine vllm runs on one rank: it has no layout of N ranks .one vLLM, TP=1. .engines that "
+                   "have one: colo., got --gpus 2"),
+    (dict(transport="disk"), "--engine vllm takes its weights through packed or ipc .handles vLLM's worker maps., "
+                             "got --transport disk"),
+    (dict(fault="kill-engine@sync"), "a fault kill-engine@... with --engine vllm needs --vllm-processes .an "
+                                     "in-process vLLM cannot be killed without the trainer."),
+    (dict(engine_visible_devices="0"), "--engine-visible-devices sets the environment of an engine in a process "
+                                       "of its own; --engine vllm has none"),
+    (dict(engine="sglang"), "--engine sglang runs on cuda .SGLang's CPU path needs a CPU build of sgl_kernel"),
+    (dict(engine="sglang", device="cuda", transport="packed"), "--engine sglang takes its weights through sglang "
+                                                               ".SGLang reads only its own flattened buckets., "
+                                                               "got --transport packed"),
+    (dict(engine="tgi"), "--engine must be one of colo, vllm, sglang, got 'tgi'"),
+    (dict(engine="colo", vllm_processes=True), "--vllm-processes is for --engine vllm, got --engine colo"),
+    (dict(engine="colo", transport="sglang"), "--engine colo takes its weights through packed or ipc or broadcast "
+                                              "or disk, got --transport sglang"),
 ])
-def test_the_demo_refuses_what_vllm_cannot_do_naming_the_flag(kw, why):
+def test_the_demo_refuses_what_an_engine_cannot_do_naming_the_flag(kw, why):
+    """Each refusal is the engine's registry entry's declared limit, checked once by DemoConfig."""
     with pytest.raises(ValueError, match=why):
         DemoConfig(**{"engine": "vllm", **kw})
 
 
 def test_vllm_on_a_cpu_runs_float32_on_a_device_that_holds_its_kv_cache():
     cfg = DemoConfig(engine="vllm")
-    assert cfg.engine_dtype == "float32" and cfg.device_mem_gib == 2.0
+    assert cfg.engine_dtype == "float32" and cfg.device_mem_gib == 2.0 and cfg.transport == "packed"
     assert DemoConfig().engine_dtype == "float32"  # colo's engine on a CPU too (bfloat16 is slow there)
 
 

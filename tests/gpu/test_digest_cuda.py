@@ -92,9 +92,9 @@ def test_an_engine_load_summed_as_it_writes_from_pinned_memory_equals_the_traine
     that waits for each group's copies (queued from pinned host memory, the offload-first
     path): sums that did not wait would read the last sync's bytes. Large tensors (a
     32000 x 2048 embedding, 131 MB in bf16) keep the copies running while the sums queue."""
-    import colo.engine.model as model_mod
-    from colo.engine.core import EngineCore
-    from colo.engine.weights import expected_digest
+    import colo.engine.reference.model as model_mod
+    from colo.engine.reference.core import EngineCore
+    from colo.engine.reference.weights import expected_digest
     from colo.trainers.models import build_trainer_model, demo_config
 
     config = demo_config(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,

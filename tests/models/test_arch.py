@@ -69,22 +69,25 @@ def test_values_that_add_tensors_the_table_lacks_are_refused(case, field):
 
 
 def test_every_engine_sees_the_same_table():
-    """colo's engine map, SGLang's preflight and the checkpoint check read one table."""
+    """colo's engine map, SGLang's preflight, the spec lists apps build and the checkpoint
+    check read one table."""
     from colo.engine.sglang import SglangModel
-    from colo.engine.weights import expected_hf_specs
+    from colo.engine.reference.weights import expected_hf_specs
+    from colo.models.specs import hf_specs
 
     for case in CASES:
         config = tiny_config(case)
         want = hf_shapes(config)
         assert {s.name: s.shape for s in expected_hf_specs(config)} == want
-        assert {n: s.shape for n, s in SglangModel(config).weights.shards.items()} == want
+        assert hf_specs(config, "bfloat16") == expected_hf_specs(config)
+        assert SglangModel(config).shapes == want
         assert ARCHS[config.model_type].sglang.endswith(f"/{config.model_type}.py")
 
 
 def test_colos_engine_refuses_what_the_table_lacks():
     from transformers import GPT2Config
 
-    from colo.engine.core import EngineCore
+    from colo.engine.reference.core import EngineCore
     from colo.engine.sglang import SglangModel
 
     with pytest.raises(UnsupportedArchitecture, match="'gpt2'"):

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from colo.proc.channel import MAX_FRAME, AsyncChannel, ChannelError, new_key
-from colo.engine.client import EngineClient
+from colo.engine.reference.client import EngineClient
 from colo.core.errors import EngineDied
 from colo.trainers.models import demo_config
 

@@ -10,7 +10,7 @@ import pytest
 
 from colo.apps import demo
 from colo.apps.demo import DemoConfig, run
-from colo.engine.client import EngineClient
+from colo.engine.reference.client import EngineClient
 from colo.proc.lifecycle import process_state
 from colo.core.errors import EngineDied
 

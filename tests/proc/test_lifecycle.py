@@ -18,7 +18,7 @@ import pytest
 from colo.proc.channel import ChannelError
 from colo.cli import main as cli_main
 from colo.apps.demo import DemoConfig
-from colo.engine.client import EngineClient
+from colo.engine.reference.client import EngineClient
 from colo.core.errors import EngineDied
 from colo.trainers.models import demo_config
 

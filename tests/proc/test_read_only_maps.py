@@ -94,7 +94,7 @@ async def test_the_engine_process_maps_the_senders_staging_read_only(small_engin
     its process every one of them is ``r--s``."""
     from colo.core.interfaces import SyncContext
     from colo.core.memory import StagingBudget
-    from colo.engine.weights import expected_digest
+    from colo.engine.reference.weights import expected_digest
     from colo.testing.trainers import StateTrainer
     from colo.trainers.models import build_trainer_model
     from colo.transports.packed import PackedTransport

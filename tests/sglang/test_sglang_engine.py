@@ -39,7 +39,7 @@ from colo.engine.sglang import (SglangEngine, SglangModel, SglangTransport, begi
                                 bucket_views, checksum_request, continue_request, decode_payload,
                                 serialize_payload, end_request, generate_request, pause_request,
                                 probe_request, release_request, resume_request, update_request, version_request)
-from colo.engine.weights import expected_digest
+from colo.engine.reference.weights import expected_digest
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.transports.pack import pack_into
@@ -463,7 +463,7 @@ def test_this_is_the_release_the_adapter_was_written_against():
 def test_the_in_process_calls_match_the_engine_methods_sglang_ships():
     """``sglang.Engine`` cannot be imported here (engine.py reaches sgl_kernel): its methods'
     signatures are read from the file, and every call colo's in-process path makes must fit."""
-    from colo.engine.sglang import _InProcess
+    from colo.engine.sglang.engine import _InProcess
 
     tree = ast.parse(member("sglang/srt/entrypoints/engine.py").read_text())
     (engine_cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
@@ -477,6 +477,45 @@ def test_the_in_process_calls_match_the_engine_methods_sglang_ships():
     assert not {"pause_generation", "continue_generation", "update_weight_version", "weights_checker",
                 "check_weights"} & set(methods)
     assert methods["update_weights_from_tensor"] == ["named_tensors", "load_format", "flush_cache"]
+
+
+def test_the_demos_sglang_engine_takes_only_fields_of_sglangs_server_args():
+    """``colo demo --engine sglang`` builds ``sglang.Engine(**kwargs)``; Engine passes them to
+    ``ServerArgs``, whose input fields are the annotated fields of the classes in
+    ``sglang/srt/arg_groups/fields/`` (read from the wheel: SGLang cannot be imported here)."""
+    from colo.engine.sglang.start import check_version, engine_kwargs
+
+    import zipfile
+
+    from tests.sglang_wheel import wheel
+
+    folder = "sglang/srt/arg_groups/fields/"
+    with zipfile.ZipFile(wheel()) as z:
+        files = sorted(n for n in z.namelist() if n.startswith(folder) and n.endswith(".py"))
+    assert len(files) > 5, files
+    fields = set()
+    for name in files:
+        for node in ast.walk(ast.parse(member(name).read_text())):
+            if isinstance(node, ast.ClassDef):
+                fields |= {a.target.id for a in node.body
+                           if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)}
+    kwargs = engine_kwargs({"checkpoint": "/m", "dtype": "bfloat16", "mem_fraction_static": 0.8}, seed=3, batch=32)
+    assert set(kwargs) <= fields, sorted(set(kwargs) - fields)
+    assert kwargs["enable_memory_saver"] is True and kwargs["tp_size"] == 1 and kwargs["random_seed"] == 3
+    check_version(SGLANG_VERSION)
+    with pytest.raises(BadInput, match="SGLang 0.5.24 is not supported.*written against 0.5.23"):
+        check_version("0.5.24")
+
+
+def test_sglangs_sender_is_a_registered_transport_only_sglang_takes():
+    from colo.engine import ENGINES
+    from colo.transports import ENGINE_OWN, REGISTRY, STRATEGIES, get_strategy, make_transport
+
+    assert isinstance(make_transport("sglang"), SglangTransport) and "sglang" in REGISTRY
+    assert ENGINE_OWN == {"sglang": "sglang"} and "sglang" not in STRATEGIES  # SGLang's ranks receive it
+    with pytest.raises(ValueError, match="unknown transport 'sglang'"):
+        get_strategy("sglang")  # no engine kit builds a receiver for it
+    assert [n for n, e in ENGINES.items() if "sglang" in e.takes_transports()] == ["sglang"]
 
 
 def test_what_docs_sglang_md_says_does_not_import_here_still_does_not():

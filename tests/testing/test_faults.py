@@ -20,8 +20,8 @@ from colo.core.config import SchedulerConfig
 from colo.apps.demo import DemoConfig, run
 from colo.apps.demo_setup import make_verifier
 from colo.tasks import ReinforceTask
-from colo.engine.client import EngineClient
-from colo.engine.weights import expected_digest
+from colo.engine.reference.client import EngineClient
+from colo.engine.reference.weights import expected_digest
 from colo.testing.faults import KINDS, POSSIBLE, Fault, FaultInjector
 from colo.proc.handles import leftover_segments
 from colo.core.memory import MemoryLedger

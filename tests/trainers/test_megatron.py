@@ -208,7 +208,7 @@ def test_close_tears_down_only_what_it_set_up(trainers, tmp_path):
 async def test_demo_runs_with_the_megatron_trainer_and_every_sync_verifies(tmp_path, monkeypatch):
     import colo.apps.demo as demo
     from colo.core.invariants import InvariantChecker
-    from colo.engine.weights import expected_digest
+    from colo.engine.reference.weights import expected_digest
     from tests.leaks import new_segments
     from colo.trace.writer import read_trace
 

@@ -88,7 +88,7 @@ def test_cast_parameters_leaves_the_rotary_frequencies_in_fp32():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def bf16_engine(tmp_path_factory):
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     config = demo_config(**SMALL_CFG)
     client = await EngineClient.spawn(small_engine_build(tmp_path_factory.mktemp("precision") / "engine.log",

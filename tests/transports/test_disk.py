@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from colo.core.config import SchedulerConfig
-from colo.engine.client import EngineClient
-from colo.engine.weights import expected_digest
+from colo.engine.reference.client import EngineClient
+from colo.engine.reference.weights import expected_digest
 from colo.core.memory import MemoryLedger
 from colo.trainers.models import build_trainer_model, demo_config
 from colo.core.phases import Phase

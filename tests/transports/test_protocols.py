@@ -17,7 +17,7 @@ from colo.scheduler import Scheduler
 from colo.testing.fakes import protocol_engine
 from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter
-from colo.transports import LAUNCHERS, REGISTRY, make_transport
+from colo.transports import LAUNCHERS, STRATEGIES, make_transport
 
 # methods, and attributes declared by annotation (``EngineSide.capabilities``)
 DECLARED = frozenset(n for proto in (EngineSide, EngineReceiver)
@@ -45,9 +45,11 @@ def test_the_strict_proxy_refuses_an_undeclared_member():
     assert {"preflight", "transport_load", "end_load", "drop_handles", "generate"} <= DECLARED
 
 
-# a transport that runs only under a launcher (rdt: between a rank's two Ray actors) needs
-# more than these protocols, an engine that is a Ray actor: tests/ranks/test_ray_rdt.py
-@pytest.mark.parametrize("name", sorted(n for n in REGISTRY if n not in LAUNCHERS))
+# every transport the engine kit receives (a sender whose receiver is an engine's own, SGLang's,
+# speaks to that engine only: tests/sglang/); a transport that runs only under a launcher (rdt:
+# between a rank's two Ray actors) needs more than these protocols, an engine that is a Ray
+# actor: tests/ranks/test_ray_rdt.py
+@pytest.mark.parametrize("name", sorted(n for n in STRATEGIES if n not in LAUNCHERS))
 def test_every_transport_completes_a_sync_against_an_engine_of_only_the_protocols(name, tmp_path):
     g = torch.Generator().manual_seed(7)
     # a bf16, an fp32 and an int64 tensor, one larger than the bucket

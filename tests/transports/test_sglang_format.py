@@ -17,8 +17,8 @@ import torch
 from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.core import EngineCore
-from colo.engine.weights import expected_digest
+from colo.engine.reference.core import EngineCore
+from colo.engine.reference.weights import expected_digest
 from colo.proc.handles import ShmSegment
 from colo.testing.engines import ReceiverOnCore
 from colo.testing.trainers import StateTrainer

@@ -20,9 +20,9 @@ import torch
 from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.core import EngineCore
-from colo.engine.weights import expected_digest
-from colo.engine.tp import ShardPlan, TPLayout, write_slice, shard_state_from_hf
+from colo.engine.reference.core import EngineCore
+from colo.engine.reference.weights import expected_digest
+from colo.engine.reference.tp import ShardPlan, TPLayout, write_slice, shard_state_from_hf
 from colo.core.errors import OutOfMemory
 from colo.extractors.plain import PlainExtractor
 from colo.testing.engines import ReceiverOnCore

@@ -17,7 +17,7 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.weights import expected_digest
+from colo.engine.reference.weights import expected_digest
 from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model
@@ -204,7 +204,7 @@ async def test_kept_buffers_survive_a_refused_sync_and_abort_frees_them(kept):
 async def test_a_new_engine_opens_the_kept_buffers_afresh(tmp_path):
     """The engine died between syncs (its mappings with it); a new engine process is sent
     the same kept buffers and loads them exactly."""
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
     from colo.trainers.models import demo_config
     from tests.conftest import SMALL_CFG
 

@@ -17,8 +17,8 @@ import torch
 from colo.core.buckets import plan_buckets, spec
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.client import EngineError
-from colo.engine.weights import expected_digest
+from colo.engine.reference.client import EngineError
+from colo.engine.reference.weights import expected_digest
 from colo.proc.handles import ShmSegment
 from colo.testing.trainers import StateTrainer
 from colo.trainers.models import build_trainer_model, demo_config
@@ -246,7 +246,7 @@ def test_a_changed_layout_replaces_the_cached_one_and_an_old_key_is_refused():
 def test_a_layout_cache_miss_is_logged_as_a_miss_and_other_errors_as_failed_requests(monkeypatch):
     # a miss is the cache's normal path (the sender sends the layout whole): the engine's
     # log must not report it as a failed request, and must still report real failures
-    from colo.engine import server
+    from colo.engine.reference import server
 
     seen: list[str] = []
     monkeypatch.setattr(server, "log", lambda event, **fields: seen.append(event))
@@ -385,8 +385,8 @@ class ServerSide:
 
 @pytest.mark.parametrize("flush", [True, False], ids=["flush", "no-flush"])
 async def test_the_last_load_ends_the_load_and_flushes_the_prefix_cache_in_the_engine(flush):
-    from colo.engine.core import EngineCore
-    from colo.engine.server import EngineServer
+    from colo.engine.reference.core import EngineCore
+    from colo.engine.reference.server import EngineServer
 
     config = demo_config(**SMALL_CFG)
     core = EngineCore(config, dtype=torch.float32, device="cpu", total_bytes=64 << 20, mem_fraction_static=0.5)

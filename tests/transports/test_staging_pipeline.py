@@ -17,7 +17,7 @@ import torch
 
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
-from colo.engine.weights import expected_digest
+from colo.engine.reference.weights import expected_digest
 from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import StateTrainer
 from colo.testing.transports import OneBufferPacked
@@ -41,7 +41,7 @@ def trainer_state(config, seed: int, *, pinned: bool) -> dict[str, torch.Tensor]
 
 
 async def test_queued_uploads_deliver_exact_weights_to_an_engine_that_loads_late():
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
 
     config = demo_config(**SMALL_CFG)
     client = await EngineClient.spawn({"config": config.to_dict(), "dtype": "float32", "device": "cuda",
@@ -111,7 +111,7 @@ async def test_tensors_a_gather_is_still_writing_on_the_default_stream_reach_the
     upload stream, which did not wait for the default stream where a sync-first gather
     ran, and copied gathered tensors before their bytes arrived (two H200s, Qwen2-7B
     TP=2: 19 and 37 tensors differed). Every sync must be exact."""
-    from colo.engine.client import EngineClient
+    from colo.engine.reference.client import EngineClient
     from colo.transports import make_transport
 
     config = demo_config(**SMALL_CFG)

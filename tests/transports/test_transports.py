@@ -12,8 +12,8 @@ import torch
 
 from colo.core.buckets import plan_buckets
 from colo.apps.demo import DemoConfig, run
-from colo.engine.client import EngineError
-from colo.engine.weights import expected_digest
+from colo.engine.reference.client import EngineError
+from colo.engine.reference.weights import expected_digest
 from colo.extractors.plain import PlainExtractor
 from colo.core.interfaces import SyncContext
 from colo.core.invariants import InvariantChecker
@@ -24,7 +24,7 @@ from colo.scheduler import Scheduler
 from colo.testing.engines import RecordingEngine
 from colo.testing.trainers import StateTrainer
 from colo.trace.writer import TraceWriter, read_trace
-from colo.transports import REGISTRY, get_strategy, make_transport
+from colo.transports import ENGINE_OWN, REGISTRY, STRATEGIES, get_strategy, make_transport
 from tests.leaks import new_segments
 
 TRANSPORTS = ("ipc", "packed", "broadcast", "disk")
@@ -40,7 +40,9 @@ pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
 def test_every_transport_is_registered_with_a_strategy():
-    assert sorted(REGISTRY) == sorted(TRANSPORTS + RAY_ONLY)
+    # and the senders whose receiver is an engine's own (SGLang's) beside them, without one
+    assert sorted(STRATEGIES) == sorted(TRANSPORTS + RAY_ONLY)
+    assert sorted(REGISTRY) == sorted([*TRANSPORTS, *RAY_ONLY, *ENGINE_OWN])
     for name in TRANSPORTS + RAY_ONLY:
         s = get_strategy(name)
         assert s.name == name == make_transport(name).name

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from colo.core.buckets import itemsize, numel, spec
-from colo.core.errors import WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.digest import expected_weights_digest, weights_digest
-from colo.engine.dims import TIED, Dims, dims_from_config
+from colo.engine.reference.dims import TIED, Dims, dims_from_config
 from colo.models.arch import expand
+from colo.models.specs import check_specs, describe_unexpected
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,7 @@ class WeightMap:
 
     def unexpected(self, name: str) -> str:
         """How an HF name the map has no shard for is listed in a ``WeightMismatch``."""
-        if name in self.tied:
-            # Refused rather than compared: preflight sees only names and shapes, and a
-            # trainer that sends a separate lm_head for a tied config has either untied
-            # it (the engine would silently drop its values) or sends the same bytes twice.
-            return (f"{name} (the config ties word embeddings: {self.tied[name]} is also the "
-                    f"{name.split('.')[0]}; send it once, without {name})")
-        return name
+        return describe_unexpected(name, self.tied)
 
     def nbytes(self, dtype: DTypeLike) -> int:
         size = itemsize(dtype_name(dtype))
@@ -83,30 +77,12 @@ def expected_hf_specs(config: Any, dtype: DTypeLike = torch.bfloat16) -> list[Te
 
 
 def _check_specs(wmap: WeightMap, incoming: Iterable[Any], dtype: str | None, context: str) -> None:
-    """Compare (name, shape[, dtype]) entries against the map; raise one WeightMismatch.
+    """Compare (name, shape[, dtype]) entries against the map; raise one WeightMismatch
+    (:func:`colo.models.specs.check_specs`, the check every engine makes).
 
     ``dtype=None`` skips the dtype check (the in-process loader converts).
     """
-    seen: set[str] = set()
-    duplicate, unexpected, wrong_shape, wrong_dtype = [], [], [], []
-    for name, shape, got_dtype in incoming:
-        if name in seen:
-            duplicate.append(name)
-            continue
-        seen.add(name)
-        shard = wmap.shards.get(name)
-        if shard is None:
-            unexpected.append(wmap.unexpected(name))
-            continue
-        if tuple(shape) != shard.shape:
-            wrong_shape.append(f"{name} {tuple(shape)} (expected {shard.shape})")
-        if dtype is not None and got_dtype != dtype:
-            wrong_dtype.append(f"{name} {got_dtype} (expected {dtype})")
-    missing = [n for n in wmap.shards if n not in seen]
-    err = WeightMismatch(context, missing=missing, unexpected=unexpected, duplicate=duplicate,
-                         wrong_shape=wrong_shape, wrong_dtype=wrong_dtype)
-    if not err.empty:
-        raise err
+    check_specs({n: s.shape for n, s in wmap.shards.items()}, incoming, dtype, context, tied=wmap.tied)
 
 
 def _spec_triples(specs: Iterable[Any]) -> Iterator[tuple[str, tuple[int, ...], str]]:

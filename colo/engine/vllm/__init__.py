@@ -1,5 +1,9 @@
 """vLLM as colo's rollout engine: :class:`VllmEngine`, an ``EngineSide`` and ``EngineReceiver``.
 
+This folder is the registry's ``vllm`` entry (:data:`colo.engine.ENGINES`): the driver side
+here, the worker side in :mod:`colo.engine.vllm.worker`, how the demo and the benchmark start
+it in :mod:`colo.engine.vllm.start`.
+
 Every verb of colo's engine protocol is one of vLLM's own calls:
 
 ================================  =====================================================
@@ -20,7 +24,7 @@ colo                              vLLM (``LLM``; the same over HTTP)
 ``logprobs(tokens)``              ``generate(..., SamplingParams(prompt_logprobs=0, max_tokens=1))``
 ================================  =====================================================
 
-The worker side is :mod:`colo.engine.vllm_worker` (the backend ``colo``, hosting
+The worker side is :mod:`colo.engine.vllm.worker` (the backend ``colo``, hosting
 colo's engine kit). vLLM has no ``cuda_graph`` tag, so this engine declares
 only ``weights`` and ``kv_cache``; colo keeps enforcing that no tag is released
 or resumed twice (vLLM only warns on a second wake). Where vLLM's sleep frees
@@ -58,7 +62,10 @@ from colo.engine.kit import check_tags
 from colo.tasks import RolloutTask, roll_out
 
 #: the worker extension vLLM must be started with
-EXTENSION = "colo.engine.vllm_worker.ColoWorkerExtension"
+EXTENSION = "colo.engine.vllm.worker.ColoWorkerExtension"
+#: the same class by the path it had before the engines had folders of their own (a re-export
+#: there keeps saved configs and running servers that name it working)
+EXTENSIONS = (EXTENSION, "colo.engine.vllm_worker.ColoWorkerExtension")
 #: the weight-transfer backend it registers
 BACKEND = "colo"
 #: the vLLM releases this adapter is written against: its RL API changes between releases
@@ -292,7 +299,7 @@ class VllmEngine:
         config = llm.llm_engine.vllm_config
         extension = getattr(config.parallel_config, "worker_extension_cls", "")
         backend = getattr(getattr(config, "weight_transfer_config", None), "backend", None)
-        if extension != EXTENSION or backend != BACKEND:
+        if extension not in EXTENSIONS or backend != BACKEND:
             raise BadInput(f"this vLLM was started without colo's worker extension (worker_extension_cls="
                            f"{extension!r}, weight transfer backend {backend!r}); start it with "
                            f"LLM(..., worker_extension_cls={EXTENSION!r}, weight_transfer_config="
@@ -560,5 +567,5 @@ def _worker_message(e: BaseException) -> str:
     return text
 
 
-__all__ = ["BACKEND", "EXTENSION", "SUPPORTED", "VllmEngine", "check_version", "installed_version",
+__all__ = ["BACKEND", "EXTENSION", "EXTENSIONS", "SUPPORTED", "VllmEngine", "check_version", "installed_version",
            "server_command"]

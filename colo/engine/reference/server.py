@@ -9,7 +9,6 @@ serving. Bucket handles are opened by the transports' receivers, through
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import signal
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from colo.core.buckets import ITEMSIZE
+from colo.engine.forward import encode_f32
 from colo.engine.kit import EngineKit
 from colo.proc.channel import HANDSHAKE_S, ChannelError, FrameRefused, Gate, encode, recv_frame, send_frame
 from colo.proc.lifecycle import die_with_parent, log, open_log, serve_then_end
@@ -86,8 +86,7 @@ class EngineServer:
         # as float32 bytes, not a JSON list: formatting and parsing the probe's 17,000 numbers was
         # 23 ms of a 43 ms probe at Qwen2-1.5B on an H100 (bench/probe_cost.py); NaNs pass as
         # bytes, and the verifier's comparison fails on them
-        host = out.detach().float().cpu().contiguous()
-        return {"shape": list(host.shape), "f32le": base64.b64encode(host.numpy().astype("<f4").tobytes()).decode()}
+        return encode_f32(out)  # the answer colo.engine.forward decodes
 
     def op_digest(self) -> dict:
         # in the order of the spec list the last preflight accepted: the trainer's
@@ -198,7 +197,7 @@ class EngineServer:
             conn.sendall(self.reply_bytes(msg))
 
 
-#: the config fields the engine's model reads (colo.engine.dims.Dims.from_config)
+#: the config fields the engine's model reads (colo.engine.reference.dims.Dims.from_config)
 CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                  "intermediate_size", "max_position_embeddings", "rms_norm_eps")
 
@@ -250,9 +249,9 @@ def check_build(build: Any) -> None:
 def _check_build(build: Any) -> None:
     from colo.core.errors import EngineRefused
     from colo.core.units import fmt_bytes
-    from colo.engine.dims import dims_from_config
-    from colo.engine.kvpool import KVPoolPlan
-    from colo.engine.weights import WeightMap
+    from colo.engine.reference.dims import dims_from_config
+    from colo.engine.reference.kvpool import KVPoolPlan
+    from colo.engine.reference.weights import WeightMap
 
     if not isinstance(build, dict):
         raise ValueError(f"the build must be a dict, got {type(build).__name__}")
@@ -279,7 +278,7 @@ def _check_build(build: Any) -> None:
     config = model_config(build.get("config"))
     tp = build.get("tp")
     if tp is not None:
-        from colo.engine.tp import TPLayout
+        from colo.engine.reference.tp import TPLayout
 
         if not isinstance(tp, dict):
             raise ValueError(f"tp must be a dict (rank, size, init_method, backend), got {type(tp).__name__}")
@@ -338,7 +337,7 @@ def build_core(build: dict, init_state: Any = None) -> Any:
     """The EngineCore described by ``build`` (plain data, made by the client); ``init_state``
     is version 0 already in memory (a Ray engine actor gets it through the object store)
     instead of ``build["checkpoint"]``."""
-    from colo.engine.moe import core_class
+    from colo.engine.reference.moe import core_class
 
     checkpoint = build.get("checkpoint") if init_state is None else None
     if checkpoint and os.path.isdir(checkpoint):
@@ -362,7 +361,7 @@ def build_core(build: dict, init_state: Any = None) -> Any:
     if build.get("tp") is not None:
         return _build_tp_core(build, init_state, saver)
     config = model_config(build["config"])
-    core = core_class(config, tp=False)  # a Qwen3-MoE's own core (colo.engine.moe), else EngineCore
+    core = core_class(config, tp=False)  # a Qwen3-MoE's own core (colo.engine.reference.moe), else EngineCore
     return core(config, dtype=torch_dtype(build["dtype"]),
                       device=build["device"], total_bytes=int(build["total_bytes"]),
                       mem_fraction_static=float(build["mem_fraction_static"]), init_state=init_state,
@@ -402,7 +401,7 @@ def _init_tp_group(tp: dict) -> tuple[int, int]:
 
 def _build_tp_core(build: dict, init_state: Any, saver: Any) -> Any:
     """One rank of a tensor-parallel engine (``build["tp"]``), after joining its group."""
-    from colo.engine.moe import core_class
+    from colo.engine.reference.moe import core_class
 
     device = str(build["device"])
     if device.startswith("cuda"):

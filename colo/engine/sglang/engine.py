@@ -54,19 +54,18 @@ class by name, which SGLang's ``SafeUnpickler`` allows. colo writes it without
 importing SGLang: the trainer's environment need not hold SGLang (0.5.23 pins
 torch 2.14.1). ``flat_r`` is that rank's own copy of the bucket, on its GPU.
 
+The payload's format is :mod:`colo.engine.sglang.payload`, colo's sender of it
+:mod:`colo.engine.sglang.transport` (the transport ``sglang``), and how the demo and the
+benchmark start SGLang :mod:`colo.engine.sglang.start`: this folder is the registry's
+``sglang`` entry (:data:`colo.engine.ENGINES`).
+
 Importing this module imports no SGLang.
 """
 
 from __future__ import annotations
 
-import base64
-import copyreg
-import io
 import json
-import os
-import pickle
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -74,21 +73,16 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 
-from colo.core.buckets import Bucket, plan_buckets
+from colo.core.buckets import itemsize, numel
 from colo.core.errors import BadInput, EngineDied, EngineError, EngineStateError, WeightMismatch
-from colo.core.interfaces import EngineCapabilities, RolloutResult, SyncContext, TensorSpec
+from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.digest import ReceivedDigest
 from colo.dtypes import dtype_name
-from colo.engine.dims import Dims
-from colo.models.arch import ARCHS, arch_of
 from colo.engine.kit import check_tags
-from colo.engine.weights import WeightMap, _check_specs
+from colo.models.arch import ARCHS, arch_of, hf_shapes, sizes_of
+from colo.models.specs import check_specs, tied_names
 from colo.tasks import RolloutTask, roll_out
-from colo.transports.base import BucketSender, Staged, timed_ack
-from colo.transports.pack import pack_into
-from colo.transports.wire import UNPADDED, TensorMeta, relayout
 
 #: the SGLang release this adapter is written against and checked with
 SGLANG_VERSION = "0.5.23"
@@ -99,11 +93,6 @@ TRANSPORT = "sglang"
 LOAD_FORMAT = "flattened_bucket"
 #: colo syncs the served model only: a speculative draft has its own names
 SELECTOR = "target"
-#: where SGLang keeps the metadata class its SafeUnpickler allows in a payload
-META_CLASS = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
-#: torch's reduce_tensor puts a CUDA tensor's device index at this argument (SGLang's
-#: patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX): colo writes the GPU's UUID there
-_DEVICE_ARG = 6
 
 
 # -- the model SGLang serves ----------------------------------------------------------------
@@ -129,10 +118,11 @@ class SglangModel:
             raise BadInput(f"colo's SGLang engine checks names against SGLang's loaders of "
                            f"{', '.join(checked)} only; this config is model_type={arch.model_type!r}")
         try:
-            dims = Dims.from_config(config)
+            sizes = sizes_of(config)
         except ValueError as e:
             raise BadInput(f"SGLang model config refused: {e}") from None
-        heads, kv, inter = dims.num_heads, dims.num_kv_heads, dims.intermediate_size
+        heads, kv = sizes.q_rows // sizes.head_dim, sizes.kv_rows // sizes.head_dim
+        inter = sizes.intermediate_size
         wrong = []
         # SGLang's attention (Qwen2Attention, Qwen3Attention, LlamaAttention): total_num_heads %
         # tp_size == 0; KV heads are split when there are at least tp_size of them, else
@@ -151,154 +141,21 @@ class SglangModel:
             raise BadInput("SGLang cannot shard this model: " + "; ".join(wrong))
         self.config, self.tp_size, self.dtype = config, tp_size, dtype_name(dtype)
         self.arch = arch
-        self.weights = WeightMap.build(dims)
+        #: the checkpoint's tensors (HF name -> shape): what SGLang's loader has a parameter for
+        self.shapes = hf_shapes(config)
+        self.tied = tied_names(config)
+
+    def nbytes(self) -> int:
+        """The served weights' bytes, in the served dtype."""
+        return sum(numel(shape) for shape in self.shapes.values()) * itemsize(self.dtype)
 
     def check_specs(self, specs: Sequence[TensorSpec]) -> None:
         """Every HF name exactly once, each one SGLang's loader has a parameter for, with
         its shape and the served dtype: one ``WeightMismatch`` naming all that is wrong."""
-        _check_specs(self.weights, ((s.name, s.shape, s.dtype) for s in specs), self.dtype,
-                     f"SGLang's {self.arch.model_type} loader ({self.arch.sglang}) cannot take this sync")
+        check_specs(self.shapes, ((s.name, s.shape, s.dtype) for s in specs), self.dtype,
+                    f"SGLang's {self.arch.model_type} loader ({self.arch.sglang}) cannot take this sync",
+                    tied=self.tied)
 
-
-# -- the payload ------------------------------------------------------------------------------
-
-class _Meta:
-    """One tensor of a bucket, pickled as SGLang's ``FlattenedTensorMetadata`` (a plain
-    dataclass, rebuilt by ``__new__`` and its ``__dict__``: what pickling SGLang's own
-    instance writes)."""
-
-    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, start_idx: int, end_idx: int,
-                 numel: int):
-        self.name, self.shape, self.dtype = name, shape, dtype
-        self.start_idx, self.end_idx, self.numel = start_idx, end_idx, numel
-
-    def __reduce_ex__(self, protocol: int) -> tuple:
-        return copyreg.__newobj__, (_Meta,), dict(self.__dict__)
-
-
-def _reduce_tensor(t: torch.Tensor) -> tuple:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    rebuild, args = reduce_tensor(t)
-    if t.is_cuda and isinstance(args[_DEVICE_ARG], int):  # (SGLang's own patch, where loaded, wrote it)
-        # The receiver may see other CUDA_VISIBLE_DEVICES: name the GPU by its UUID, which
-        # SGLang's patched rebuild_cuda_tensor maps back to its own index
-        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
-        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1:])
-    return rebuild, args
-
-
-class _Pickler(pickle._Pickler):
-    """ForkingPickler's reductions in Python's own pickler, which lets colo name SGLang's
-    metadata class without importing SGLang (the C pickler imports every class it names)."""
-
-    def __init__(self, file: Any):
-        import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
-        from multiprocessing.reduction import ForkingPickler
-
-        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
-        self.dispatch_table = copyreg.dispatch_table.copy()
-        self.dispatch_table.update(ForkingPickler._extra_reducers)
-        self.dispatch_table[torch.Tensor] = _reduce_tensor
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        if obj is not _Meta:
-            return super().save_global(obj, name)
-        module, qualname = META_CLASS
-        self.save(module)
-        self.save(qualname)
-        self.write(pickle.STACK_GLOBAL)
-        self.memoize(obj)
-
-
-def bucket_metadata(laid: Bucket) -> list[dict]:
-    """The bucket's entries as SGLang's metadata fields (JSON: name, shape, dtype, start_idx,
-    end_idx, numel in bytes). SGLang loads whole tensors only: a piece is refused here."""
-    metas = [m.to_json() for m in TensorMeta.of_bucket(laid)]
-    pieces = [m["name"] for m in metas if "piece_offset" in m]
-    if pieces:
-        raise ValueError(f"SGLang's flattened_bucket has no pieces: {', '.join(pieces)} must travel whole")
-    return metas
-
-
-def serialize_payload(flat: torch.Tensor, metadata: Sequence[dict]) -> str:
-    """One rank's payload, base64 as SGLang's HTTP route and ``Engine`` both take it."""
-    if flat.dtype != torch.uint8 or flat.dim() != 1:
-        raise ValueError(f"a flattened bucket is a 1-d uint8 tensor, got {flat.dtype} of shape {tuple(flat.shape)}")
-    metas = [_Meta(m["name"], torch.Size(m["shape"]), getattr(torch, m["dtype"]), int(m["start_idx"]),
-                   int(m["end_idx"]), int(m["numel"])) for m in metadata]
-    buf = io.BytesIO()
-    _Pickler(buf).dump({"flattened_tensor": flat, "metadata": metas})
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _device_of_uuid(uuid: str) -> int:
-    for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
-            return index
-    raise ValueError(f"SGLang payload names GPU {uuid}, which this process cannot see "
-                     f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
-
-
-def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
-    """torch's rebuild of an IPC-shared CUDA tensor, its device given as the GPU's UUID
-    (SGLang's ``_rebuild_cuda_tensor_modified`` reads it the same way)."""
-    from torch.multiprocessing import reductions
-
-    device = args[_DEVICE_ARG]
-    if isinstance(device, str):
-        device = _device_of_uuid(device)
-    return reductions.rebuild_cuda_tensor(*args[:_DEVICE_ARG], device, *args[_DEVICE_ARG + 1:])
-
-
-class _PayloadUnpickler(pickle.Unpickler):
-    """colo's receiver of a payload: the globals a flattened bucket's pickle names and no
-    other (a payload is never trusted with an arbitrary global: SGLang had a CVE there)."""
-
-    REDUCTIONS = frozenset({"rebuild_tensor", "rebuild_storage_fd", "rebuild_storage_filename",
-                            "rebuild_storage_empty", "rebuild_typed_storage", "rebuild_typed_storage_child"})
-
-    def find_class(self, module: str, name: str) -> Any:
-        from torch.multiprocessing import reductions
-
-        if (module, name) == META_CLASS:
-            return _Meta
-        if module == "torch.multiprocessing.reductions" and name == "rebuild_cuda_tensor":
-            return _rebuild_cuda_tensor
-        if module == "torch.multiprocessing.reductions" and name in self.REDUCTIONS:
-            return getattr(reductions, name)
-        if module == "torch" and (name in ("Size", "Tensor", "UntypedStorage")
-                                  or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if (module, name) in (("copyreg", "__newobj__"), ("multiprocessing.resource_sharer", "DupFd"),
-                              ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"SGLang payload names {module}.{name}, which a flattened bucket "
-                                     f"never holds: refused")
-
-
-def decode_payload(payload: str | bytes) -> tuple[torch.Tensor, list[dict]]:
-    """One rank's payload back to (the flat uint8 tensor, its metadata as JSON fields):
-    colo's own receiver of SGLang's format. A CUDA tensor is mapped from the sender's
-    GPU, found by its UUID among this process's devices."""
-    import torch.multiprocessing  # noqa: F401  (torch's storage reductions)
-
-    data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
-    obj = _PayloadUnpickler(io.BytesIO(data)).load()
-    if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
-        raise ValueError(f"SGLang payload is not a flattened bucket: {type(obj).__name__} "
-                         f"{sorted(obj) if isinstance(obj, dict) else ''}")
-    flat = obj["flattened_tensor"]
-    metadata = [{"name": m.name, "shape": list(m.shape), "dtype": str(m.dtype).removeprefix("torch."),
-                 "start_idx": m.start_idx, "end_idx": m.end_idx, "numel": m.numel} for m in obj["metadata"]]
-    return flat, metadata
-
-
-def bucket_views(flat: torch.Tensor, metadata: Sequence[dict]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of a flat bucket as SGLang's ``FlattenedTensorBucket.reconstruct_tensors``
-    reads them: bytes [start_idx, end_idx) viewed as the dtype, reshaped."""
-    return [(m["name"], flat[m["start_idx"]:m["end_idx"]].view(getattr(torch, m["dtype"])).reshape(m["shape"]))
-            for m in metadata]
 
 
 # -- the requests (HTTP bodies: fields of SGLang's io_struct request types) ------------------
@@ -439,6 +296,9 @@ class _InProcess:
     def dead(self) -> bool:
         return False
 
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
 
 # -- the engine ---------------------------------------------------------------------------------
 
@@ -451,10 +311,12 @@ class SglangEngine:
     computed from the config)."""
 
     def __init__(self, api: Any, model: SglangModel, *, memory_saver: bool, task: RolloutTask | None = None,
-                 tag_bytes: dict[str, int] | None = None, call_timeout_s: float = 600.0):
+                 tag_bytes: dict[str, int] | None = None, call_timeout_s: float = 600.0, owned: bool = False):
         if not isinstance(memory_saver, bool):
             raise BadInput(f"memory_saver must be a bool (SGLang's enable_memory_saver), got {memory_saver!r}")
         self._api, self.model, self.task, self.call_timeout_s = api, model, task, call_timeout_s
+        #: colo started this SGLang (``colo demo --engine sglang``): closing the engine shuts it down
+        self.owned = owned
         note = "" if memory_saver else ("SGLang was started without enable_memory_saver: "
                                         "release_memory_occupation frees no memory")
         self.capabilities = EngineCapabilities(
@@ -464,7 +326,7 @@ class SglangEngine:
         unknown = sorted(set(extra) - set(TAGS))
         if unknown:
             raise BadInput(f"SGLang has no memory tag(s) {', '.join(unknown)}; its tags are {', '.join(TAGS)}")
-        self._tag_bytes = {"weights": model.weights.nbytes(model.dtype), "kv_cache": int(extra.get("kv_cache", 0)),
+        self._tag_bytes = {"weights": model.nbytes(), "kv_cache": int(extra.get("kv_cache", 0)),
                            "cuda_graph": int(extra.get("cuda_graph", 0))}
         self._lock = threading.Lock()  # one call into SGLang at a time
         self._released: set[str] = set()
@@ -663,101 +525,15 @@ class SglangEngine:
         return not self.closed and not self._api.dead()
 
     async def aclose(self) -> None:
-        self.closed = True  # the server or Engine is the caller's: it started it
-
-
-# -- the sender ------------------------------------------------------------------------------------
-
-class SglangTransport(BucketSender):
-    """colo's sender for SGLang: each bucket packed back to back (SGLang's layout), one copy
-    per TP rank on that rank's device (``devices``; default the bucket's own device for
-    every rank), each serialized into that rank's payload, one ``update_weights_from_tensor``
-    per bucket. A tensor travels whole (SGLang has no pieces): a bucket grows to the
-    largest tensor. Buffers are freed once SGLang acknowledged the bucket."""
-
-    name = TRANSPORT
-
-    def __init__(self, *, devices: Sequence[Any] | None = None, pipelined: bool = True):
-        super().__init__(pipelined=pipelined)
-        self.devices = None if devices is None else [torch.device(d) for d in devices]
-        self._layout: dict[int, Bucket] = {}
-        self._slots: list[tuple[Bucket, list[torch.Tensor], list[Staged]] | None] = [None, None]
-
-    def _buckets(self, specs: list, bucket_bytes: int) -> list[Bucket]:
-        largest = max(s.nbytes for s in specs)
-        buckets = plan_buckets(specs, max(bucket_bytes, largest))
-        self._layout = {b.index: relayout(b, align=UNPADDED) for b in buckets}
-        return buckets
-
-    async def sync(self, trainer: Any, engine: Any, ctx: SyncContext) -> Any:
-        if not isinstance(engine, SglangEngine):
-            raise BadInput(f"colo's {TRANSPORT!r} sender speaks to an SglangEngine, not {type(engine).__name__}")
-        ranks = len(self.devices) if self.devices is not None else engine.model.tp_size
-        if ranks != engine.model.tp_size:
-            raise BadInput(f"{ranks} device(s) for SGLang's {engine.model.tp_size} TP ranks: one each")
-        return await super().sync(trainer, engine, ctx)
-
-    def _began(self, ctx: SyncContext) -> None:
-        ctx.mark("session.opened")
-
-    async def _end_load(self, engine: Any, ctx: SyncContext) -> None:
-        await super()._end_load(engine, ctx)
-        ctx.mark("session.closed")
-
-    async def _pack(self, bucket: Bucket, tensors: list[tuple[str, Any]], slot: int, ctx: SyncContext) -> None:
-        t0 = time.perf_counter()
-        laid = self._layout[bucket.index]
-        source = tensors[0][1].device
-        devices = self.devices or [source] * self._engine.model.tp_size
-        # counted against the budget before the memory exists
-        staged = [Staged(ctx, laid.nbytes) for _ in devices]
-        self._slots[slot] = (laid, [], staged)
-
-        def pack() -> list[torch.Tensor]:
-            flats = []
-            for d in devices:
-                flat = torch.empty(laid.nbytes, dtype=torch.uint8, device=d)
-                pack_into(flat, laid, tensors)
-                if flat.is_cuda:
-                    # SGLang's ranks read from other processes, outside our stream order
-                    torch.cuda.synchronize(flat.device)
-                flats.append(flat)
-            return flats
-
-        self._slots[slot] = (laid, await anyio.to_thread.run_sync(pack), staged)
-        ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
-
-    async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
-        laid, flats, _ = self._slots[slot]
-        metadata = bucket_metadata(laid)
-        payloads = [serialize_payload(f, metadata) for f in flats]
-        on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
-        reply = await engine.transport_load(self.name, {"serialized_named_tensors": payloads,
-                                                        "tensors": len(laid.entries)}, on_sent=on_sent)
-        for name, view in bucket_views(flats[0], metadata):
-            engine.received.add(name, view)
-        self._free(slot)
-        on_ack(reply)
-
-    def _free(self, slot: int) -> None:
-        held, self._slots[slot] = self._slots[slot], None
-        if held is None:
+        if self.closed:
             return
-        _, flats, staged = held
-        cuda = any(f.is_cuda for f in flats)
-        del flats[:]
-        for s in staged:
-            s.free()
-        if cuda:
-            # SGLang's ranks dropped their mappings: the IPC-shared blocks can go back now
-            torch.cuda.ipc_collect()
-
-    def _cleanup(self) -> None:
-        for slot in range(len(self._slots)):
-            self._free(slot)
+        self.closed = True
+        if self.owned:  # else the server or Engine is the caller's: it started it
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._api.shutdown)
 
 
-__all__ = ["LOAD_FORMAT", "SGLANG_VERSION", "TAGS", "TRANSPORT", "SglangEngine", "SglangModel", "SglangTransport",
-           "begin_request", "bucket_metadata", "bucket_views", "checksum_request", "continue_request", "decode_payload", "end_request",
-           "generate_request", "pause_request", "probe_request", "release_request", "resume_request",
-           "serialize_payload", "update_request", "version_request"]
+__all__ = ["LOAD_FORMAT", "SELECTOR", "SGLANG_VERSION", "TAGS", "TRANSPORT", "SglangEngine", "SglangModel",
+           "begin_request", "checksum_request", "continue_request", "end_request", "generate_request",
+           "pause_request", "probe_request", "release_request", "resume_request", "update_request",
+           "version_request"]

@@ -18,7 +18,7 @@ Tensor parallelism: **TP-MoE** (SGLang's default for Qwen3-MoE when no
 ``--ep-size`` is given): every rank holds every expert, each expert's
 intermediate dimension split over the ranks exactly like the dense MLP's
 (``gate``/``up`` rows and ``down`` columns: the ``intermediate_size`` axis of
-:mod:`colo.engine.tp`, which for a MoE is ``moe_intermediate_size``). Each rank
+:mod:`colo.engine.reference.tp`, which for a MoE is ``moe_intermediate_size``). Each rank
 computes a partial sum over its slice of every chosen expert and the block's
 output is all-reduced once, as the dense MLP's is. Chosen over EP-MoE (whole
 experts per rank) because it needs no token dispatch (all-to-all) in the
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from colo.engine.core import EngineCore
+from colo.engine.reference.core import EngineCore
 from colo.dtypes import DTypeLike
-from colo.engine.dims import MoEDims, is_moe_config  # noqa: F401 (re-exported)
-from colo.engine.model import EngineModel
-from colo.engine.tp import TPEngineCore, TPEngineModel
+from colo.engine.reference.dims import MoEDims, is_moe_config  # noqa: F401 (re-exported)
+from colo.engine.reference.model import EngineModel
+from colo.engine.reference.tp import TPEngineCore, TPEngineModel
 
 
 class _MoEForward:

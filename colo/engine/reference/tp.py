@@ -59,11 +59,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from colo.engine.core import EngineCore
+from colo.engine.reference.core import EngineCore
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
-from colo.engine.dims import TIED, Dims, dims_from_config
-from colo.engine.model import EngineModel
-from colo.engine.weights import WeightMap, _check_specs, digest_tensors, _named_items
+from colo.engine.reference.dims import TIED, Dims, dims_from_config
+from colo.engine.reference.model import EngineModel
+from colo.engine.reference.weights import WeightMap, _check_specs, digest_tensors, _named_items
 from colo.core.buckets import spec
 from colo.core.interfaces import TensorSpec
 from colo.core.errors import BadInput
@@ -128,7 +128,7 @@ class TPLayout:
     def local(self) -> Dims:
         """The rank's own model: its heads, its MLP block, its vocabulary block (padding included)."""
         d, tp = self.full, self.tp_size
-        # replace(), not Dims(): a MoE's dims (colo.engine.moe.MoEDims) keep their expert fields
+        # replace(), not Dims(): a MoE's dims (colo.engine.reference.moe.MoEDims) keep their expert fields
         return dataclasses.replace(d, vocab_size=self.padded_vocab // tp, num_heads=d.num_heads // tp,
                                    num_kv_heads=max(1, d.num_kv_heads // tp),
                                    intermediate_size=d.intermediate_size // tp)
@@ -303,7 +303,7 @@ def expected_shard_digest(full_state: Mapping[str, torch.Tensor] | Iterable[tupl
                           config: Any, dtype: DTypeLike, tp_rank: int, tp_size: int) -> str:
     """The digest rank ``tp_rank`` of a TP-``tp_size`` engine reports after loading ``full_state``.
 
-    At ``tp_size=1`` it is :func:`colo.engine.model.expected_digest`.
+    At ``tp_size=1`` it is :func:`colo.engine.reference.model.expected_digest`.
     """
     return digest_tensors(shard_state_from_hf(full_state, config, dtype, tp_rank, tp_size).items())
 

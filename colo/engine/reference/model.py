@@ -5,7 +5,7 @@ q/k norms and its own head_dim) is read from the architecture table
 
 Like SGLang's and vLLM's model files, q/k/v live in one ``qkv_proj`` and
 gate/up in one ``gate_up_proj``; the loader maps each trainer (HF) tensor to
-its row block through a table (:mod:`colo.engine.weights`), so a weight sync
+its row block through a table (:mod:`colo.engine.reference.weights`), so a weight sync
 must deliver every HF name exactly once and the engine can say precisely
 which ones it did not get (the accounting is :class:`colo.engine.kit.LoadSession`).
 With tied word embeddings (Qwen2/Qwen2.5 0.5B-3B) one parameter,
@@ -33,10 +33,10 @@ from colo.core.errors import EngineStateError, WeightMismatch
 from colo.digest import TensorHash, combine, entries_of, hash_many, weights_digest, weights_entries
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
-from colo.engine.dims import Dims, dims_from_config
+from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
-from colo.engine.kvpool import KVPoolPlan, SlotAllocator
-from colo.engine.weights import WeightMap, _check_specs, _named_items, _spec_triples
+from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
+from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
 from colo.transports.wire import Piece
 
 
@@ -160,7 +160,7 @@ class EngineModel:
         # keeps the tensors' virtual addresses; without one it drops them.
         self.saver = saver
         self._held: dict[str, Any] = {}
-        # a ``Dims`` is taken as is: a tensor-parallel rank (colo.engine.tp) builds
+        # a ``Dims`` is taken as is: a tensor-parallel rank (colo.engine.reference.tp) builds
         # this model on its shard's numbers (its heads, its slice of the vocabulary)
         self.dims = config if isinstance(config, Dims) else dims_from_config(config)
         self.dtype = as_dtype(dtype)

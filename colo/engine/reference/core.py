@@ -18,7 +18,7 @@ import torch
 from colo.core.memory import OWNERS_TAGS
 from colo.core.errors import EngineStateError, WeightMismatch  # noqa: F401 (re-exported)
 from colo.dtypes import DTypeLike, dtype_name  # noqa: F401
-from colo.engine.model import EngineModel  # noqa: F401
+from colo.engine.reference.model import EngineModel  # noqa: F401
 from colo.core.interfaces import EngineCapabilities, TensorSpec
 
 TAGS = OWNERS_TAGS["engine"]  # the one vocabulary of tags (colo.core.memory)
