@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|session5 [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -61,6 +61,16 @@ case "${1:-tests}" in
     timeout "${2:-360}" python3 -m pytest -q -p no:cacheprovider -m gpu --durations=12 tests/gpu/test_digest_cuda.py \
       tests/gpu/test_handoff_gpu.py tests/gpu/test_one_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
     timeout "${3:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -20
+    ;;
+  session6)  # one GPU, 2026-11-27 (night): the handoff around a user's own loop alone first (it failed in
+    # session5's run, the reason cut off), then the device digest's and the one-GPU tests, then the real trainers'
+    # rows at Qwen2-1.5B with what verification adds to a sync (issue 44's baseline). Limits: args 2, 3, 4
+    timeout "${2:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=long tests/gpu/test_handoff_gpu.py \
+      > "$OUT/gpu-handoff.log" 2>&1; echo "handoff test: exit $?"; grep -E "^E |passed|failed|Error" "$OUT/gpu-handoff.log" | tail -40
+    timeout "${3:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=12 \
+      tests/gpu/test_digest_cuda.py tests/gpu/test_one_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+    timeout "${4:-180}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -20
     ;;
   verify31)  # issue 31 item 2 after colo's engine began to sum a verified load as it writes it and to be probed

@@ -68,6 +68,10 @@ async def main():
     json.dump(seen, open(out, "w"))
 
 anyio.run(main)
+# torch_memory_saver tears its pools down at interpreter exit, outside any region, and its torch
+# hook then ends the process with status 1 whatever it returned (colo's own commands end so too)
+from colo.device.cuda_memory import exit_past_the_saver
+exit_past_the_saver(0)
 """
 
 
