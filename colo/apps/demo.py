@@ -524,9 +524,9 @@ def run_demo(args: Any) -> int:
         print(f"colo demo: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     threads = torch.get_num_threads()
-    if cfg.device == "cpu" and cfg.engine == "colo":
-        # This process's trainer and colo's engine share the machine's cores (the engine takes one
-        # thread: colo.engine.reference.server.use_engine_threads). With torch's default of one thread per
+    if cfg.device == "cpu" and cfg.engine_entry.own_process:
+        # This process's trainer and an engine in a process of its own share the machine's cores
+        # (colo's engine takes one thread: colo.engine.reference.server.use_engine_threads). With torch's default of one thread per
         # core, libgomp's spinning waits turn any other load into stalls: a train step of the demo
         # took 9.5 s on two threads beside other jobs on the two-core VM, 0.5 s on one.
         torch.set_num_threads(1)

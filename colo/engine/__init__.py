@@ -79,7 +79,7 @@ class EngineEntry:
     starts_empty: bool = False
     #: the module its extra installs, looked for before anything starts; None: always there
     requires: str | None = None
-    #: ``pip install 'colo-rl[EXTRA]'``, and what else the install line says
+    #: ``pip install 'colo-rl[<extra>]'``, and what else the install line says
     extra: str | None = None
     install_note: str = ""
     #: the lifecycle verbs it has (:data:`LIFECYCLE`); a run asks for no other

@@ -41,7 +41,7 @@ def test_the_registry_says_what_each_engine_is():
     assert colo.spans_ranks and colo.layouts == ("tp",) and set(colo.rank_start) == {"process", "ray"}
     assert not vllm.layouts and not sglang.layouts  # one rank each, for now: another entry's line
     assert vllm.transports == ("packed", "ipc") and sglang.transports == ("sglang",)
-    assert colo.takes_transports() == ("packed", "ipc", "broadcast", "disk")  # the kit's receivers
+    assert colo.takes_transports() == ("packed", "ipc", "broadcast", "disk", "rdt")  # the kit's receivers (rdt under --launcher ray)
     assert vllm.dtypes["cpu"] == ("float32",) and "cpu" not in sglang.dtypes
     assert (colo.probe, vllm.probe, sglang.probe) == ("logits", "logprobs", "logprobs")
     assert "kill" in vllm.lifecycle and vllm.kill_needs == "processes" and "kill" not in sglang.lifecycle

@@ -49,7 +49,7 @@ def test_the_server_command_carries_colos_extension_and_backend():
     (dict(engine="tgi"), "--engine must be one of colo, vllm, sglang, got 'tgi'"),
     (dict(engine="colo", vllm_processes=True), "--vllm-processes is for --engine vllm, got --engine colo"),
     (dict(engine="colo", transport="sglang"), "--engine colo takes its weights through packed or ipc or broadcast "
-                                              "or disk, got --transport sglang"),
+                                              "or disk or rdt, got --transport sglang"),
 ])
 def test_the_demo_refuses_what_an_engine_cannot_do_naming_the_flag(kw, why):
     """Each refusal is the engine's registry entry's declared limit, checked once by DemoConfig."""
