@@ -82,7 +82,10 @@ async def start(name: str, model_dir: str, task: Any) -> Any:
     from colo.engine.reference.client import EngineClient
     from colo.trainers.models import demo_model_config
 
-    ckpt = os.path.join(model_dir, f"engine-{dtype}.safetensors")
+    # beside the checkpoint, not in it: vLLM's preflight reads every *.safetensors of the
+    # directory as the checkpoint's and refuses a tensor found in two files
+    os.makedirs(os.path.join(model_dir, "colo-engine"), exist_ok=True)
+    ckpt = os.path.join(model_dir, "colo-engine", f"engine-{dtype}.safetensors")
     if not os.path.exists(ckpt):
         state = load_file(os.path.join(model_dir, "model.safetensors"))
         save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in state.items()}, ckpt)
