@@ -808,11 +808,21 @@ class _RayInit:
             self.dir = None
 
 
+#: the niceness of the workers of a Ray cluster colo starts (Ray's default is 15: see _init_ray)
+WORKER_NICENESS = 0
+
+
 async def _init_ray(address: str | None) -> _RayInit:
     # the dashboard is not needed and costs a core at start-up
     kwargs = {"address": address, "include_dashboard": False, "log_to_driver": False}
     if address is None and not os.environ.get("RAY_ADDRESS"):
-        session = _RayInit.local(kwargs)  # a cluster of our own: Ray's own start-up limits apply
+        # A cluster of our own: Ray's own start-up limits apply. Its workers run at the niceness
+        # of Ray's default, 15, meant for background tasks; here they are the run itself (every
+        # rank's trainer and engine), and beside two busy processes of nice 0 a rank actor got
+        # about 5 % of a core: a run of seconds took minutes (the 2-core VM under CI's load).
+        # A cluster the user runs keeps the niceness its raylet was started with.
+        kwargs["_system_config"] = {"worker_niceness": WORKER_NICENESS}
+        session = _RayInit.local(kwargs)
         await session.start_local()
         return session
     if address is not None:

@@ -36,6 +36,7 @@ from tests.multirank import shared_run, two_rank_run  # noqa: E402
 from tests.waits import CEILING_S  # noqa: E402
 from colo.core.errors import RankDied, RankFailed  # noqa: E402
 from colo.offline.replay import replay  # noqa: E402
+from colo.ranks.ray_launcher import WORKER_NICENESS  # noqa: E402
 
 #: small rollouts: four processes share two cores, and a TP=2 engine all-reduces per layer per token
 
@@ -96,7 +97,9 @@ def _run(tmp_path, name: str, on_cycle=None, **kw):
 @pytest.fixture(scope="module")
 def cluster():
     # more CPUs than cores: each rank's bundle takes one CPU, and the SIGINT test's driver is a second job
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # its workers at colo's niceness, as a cluster colo starts has them (Ray's 15 starves them beside other load)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _system_config={"worker_niceness": WORKER_NICENESS})
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

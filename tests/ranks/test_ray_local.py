@@ -275,3 +275,30 @@ def test_sigterm_while_ray_init_starts_the_cluster_is_one_line_exit_130_and_leav
     left = set(os.listdir(private_tmp)) - _torch_own(tmp_path)
     assert left == set(), f"the run left {sorted(left)} in its TMPDIR"
     assert _ray_processes_in(private_tmp) == []
+
+
+def test_the_workers_of_a_local_ray_of_its_own_run_at_colos_niceness_not_rays_15(private_tmp, monkeypatch):
+    """Before: Ray started the run's actors at its default niceness, 15; beside two busy
+    processes of niceness 0 a rank actor got about 5 % of a core, and a Ray run of seconds
+    took minutes (tests/ranks/test_ray.py's runs: 41 s quiet, over 8 minutes so). A cluster
+    colo starts runs its workers at :data:`~colo.ranks.ray_launcher.WORKER_NICENESS`, 0."""
+    import anyio
+    import ray
+
+    from colo.ranks.ray_launcher import WORKER_NICENESS, _init_ray
+
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    async def main() -> int:
+        session = await _init_ray(None)
+        try:
+            return await anyio.to_thread.run_sync(lambda: ray.get(niceness.remote(), timeout=RUN_TIMEOUT_S))
+        finally:
+            session.stop()
+
+    assert anyio.run(main) == WORKER_NICENESS == 0

@@ -22,6 +22,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
 from colo.offline.replay import replay  # noqa: E402
+from colo.ranks.ray_launcher import WORKER_NICENESS  # noqa: E402
 from tests.multirank import two_rank_run  # noqa: E402
 from tests.ranks.test_ray import (_actor, _assert_each_rank_shares_its_bundle, _assert_nothing_left,  # noqa: E402
                                   _by_rank, _live_actors, _placements, _segments)
@@ -46,7 +47,9 @@ def _rdt_states() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # its workers at colo's niceness, as a cluster colo starts has them (Ray's 15 starves them beside other load)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _system_config={"worker_niceness": WORKER_NICENESS})
     try:
         yield
     finally:
