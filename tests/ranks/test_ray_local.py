@@ -289,6 +289,9 @@ def test_the_workers_of_a_local_ray_of_its_own_run_at_colos_niceness_not_rays_15
 
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # Ray's own wait for its GCS server's port file, a ceiling that catches only a hang: in
+    # CI's full suite beside two busy processes the default ran out before the GCS wrote it
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", str(RUN_TIMEOUT_S))
 
     @ray.remote(num_cpus=0)
     def niceness() -> int:
