@@ -793,6 +793,12 @@ class _RayInit:
                 self.stop()
             raise
         if self.error is not None:
+            # Ray's own error says only which file it waited for ("Timed out waiting for file
+            # .../gcs_server_port_..."); why its daemon did not write it is in the daemon's log,
+            # which stop() removes with the cluster's dir: its last lines go with the error.
+            tail = _ray_start_logs(self.dir)
+            if tail:
+                self.error.add_note(tail)
             self.stop()
             raise self.error
 
@@ -806,6 +812,24 @@ class _RayInit:
             end_processes_in(self.dir)
             release_dir(self.dir)
             self.dir = None
+
+
+def _ray_start_logs(own_dir: str | None, lines: int = 20) -> str:
+    """The last ``lines`` lines of the start-up daemons' logs (GCS, raylet) of the cluster in
+    ``own_dir``, each file named; '' where there are none."""
+    if own_dir is None:
+        return ""
+    logs = os.path.join(own_dir, "session_latest", "logs")
+    out = []
+    for name in ("gcs_server.err", "gcs_server.out", "raylet.err", "raylet.out"):
+        try:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                text = f.read().splitlines()[-lines:]
+        except OSError:
+            continue
+        if text:
+            out.append(f"Ray's {name} ended:\n" + "\n".join(text))
+    return "\n".join(out)
 
 
 #: the niceness of the workers of a Ray cluster colo starts (Ray's default is 15: see _init_ray)

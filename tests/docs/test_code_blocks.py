@@ -21,10 +21,11 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert ci_test_command() in readme.splitlines()
     assert ci_test_command() == "pip install torch==2.13.0 -e '.[dev]' && tools/test"
     # and tools/test runs all of it, one part after the other by default: colo's suite whole
-    # (everything but tests/vllm), then tests/vllm in vLLM's own environment
+    # (everything but tests/vllm, its slowest tests listed: where CI's time goes), then
+    # tests/vllm in vLLM's own environment
     script = (REPO / "tools" / "test").read_text()
-    assert "\ncolo_suite=(python -m pytest -q -p no:cacheprovider --ignore=tests/vllm)\n" in script
-    assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider tests/vllm)\n" in script
+    assert "\ncolo_suite=(python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm)\n" in script
+    assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm)\n" in script
     assert '\n"${colo_suite[@]}"\ncolo_status=$?\n' in script and '\n  "${vllm_suite[@]}"\n  vllm_status=$?\n' in script
 
 

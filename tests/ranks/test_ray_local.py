@@ -277,31 +277,62 @@ def test_sigterm_while_ray_init_starts_the_cluster_is_one_line_exit_130_and_leav
     assert _ray_processes_in(private_tmp) == []
 
 
-def test_the_workers_of_a_local_ray_of_its_own_run_at_colos_niceness_not_rays_15(private_tmp, monkeypatch):
+#: a driver that starts a local Ray of its own as colo does and prints its workers' niceness
+_NICENESS_DRIVER = """
+import os, anyio, ray
+from colo.ranks.ray_launcher import _init_ray
+
+@ray.remote(num_cpus=0)
+def niceness():
+    return os.nice(0)
+
+async def main():
+    session = await _init_ray(None)
+    try:
+        return await anyio.to_thread.run_sync(lambda: ray.get(niceness.remote(), timeout=%d))
+    finally:
+        session.stop()
+
+print("niceness", anyio.run(main))
+"""
+
+
+def test_the_workers_of_a_local_ray_of_its_own_run_at_colos_niceness_not_rays_15(private_tmp, tmp_path):
     """Before: Ray started the run's actors at its default niceness, 15; beside two busy
     processes of niceness 0 a rank actor got about 5 % of a core, and a Ray run of seconds
     took minutes (tests/ranks/test_ray.py's runs: 41 s quiet, over 8 minutes so). A cluster
-    colo starts runs its workers at :data:`~colo.ranks.ray_launcher.WORKER_NICENESS`, 0."""
-    import anyio
-    import ray
+    colo starts runs its workers at :data:`~colo.ranks.ray_launcher.WORKER_NICENESS`, 0.
 
-    from colo.ranks.ray_launcher import WORKER_NICENESS, _init_ray
+    A driver of its own, as every run here: in this process, after tests/ranks/test_ray.py's
+    cluster had come and gone in it, Ray's GCS twice never wrote its port file in CI's full
+    suite (the same start passed alone)."""
+    from colo.ranks.ray_launcher import WORKER_NICENESS
 
-    monkeypatch.setenv("TMPDIR", str(private_tmp))
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    # Ray's own wait for its GCS server's port file, a ceiling that catches only a hang: in
-    # CI's full suite beside two busy processes the default ran out before the GCS wrote it
-    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", str(RUN_TIMEOUT_S))
+    env = _env(private_tmp)
+    # Ray's own wait for its GCS server's port file, a ceiling that catches only a hang
+    env["RAY_gcs_server_port_wait_time_s"] = str(RUN_TIMEOUT_S)
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _NICENESS_DRIVER % RUN_TIMEOUT_S], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+    _DRIVERS.append(proc)
+    code = proc.wait(2 * RUN_TIMEOUT_S)
+    text = (tmp_path / "out").read_text(errors="replace")
+    assert code == 0, text[-5000:]
+    assert [ln for ln in text.splitlines() if ln.startswith("niceness ")] == [f"niceness {WORKER_NICENESS}"]
+    assert WORKER_NICENESS == 0
+    assert _ray_dirs_of(proc.pid) == [] and _ray_processes_in(private_tmp) == []
 
-    @ray.remote(num_cpus=0)
-    def niceness() -> int:
-        return os.nice(0)
 
-    async def main() -> int:
-        session = await _init_ray(None)
-        try:
-            return await anyio.to_thread.run_sync(lambda: ray.get(niceness.remote(), timeout=RUN_TIMEOUT_S))
-        finally:
-            session.stop()
+def test_a_local_ray_that_fails_to_start_says_what_its_daemons_logged(tmp_path):
+    """Ray's own error names only the port file it waited for; the lines its GCS and raylet
+    logged go with it (the cluster's dir, their logs with it, is removed as the start fails)."""
+    from colo.ranks.ray_launcher import _ray_start_logs
 
-    assert anyio.run(main) == WORKER_NICENESS == 0
+    session = tmp_path / "session_2026-11-28_01-38-53_842877_12873"
+    (session / "logs").mkdir(parents=True)
+    (tmp_path / "session_latest").symlink_to(session)
+    (session / "logs" / "gcs_server.err").write_text("".join(f"line {i}\n" for i in range(30)))
+    (session / "logs" / "raylet.out").write_text("")
+    tail = _ray_start_logs(str(tmp_path), lines=3)
+    assert tail == "Ray's gcs_server.err ended:\nline 27\nline 28\nline 29"
+    assert _ray_start_logs(None) == _ray_start_logs(str(tmp_path / "none")) == ""
