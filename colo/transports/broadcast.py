@@ -33,9 +33,8 @@ import torch
 
 from colo.core.buckets import Bucket
 from colo.core.interfaces import SyncContext
-from colo.transports.base import (BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors,
-                                  raise_first_real, views)
-from colo.transports.wire import LayoutCache, LayoutMemo
+from colo.transports.base import BucketSender, RequestError, Staged, get_field, raise_first_real, views
+from colo.transports.wire import BucketRequest, LayoutCache, LayoutMemo, request_nbytes
 
 BACKENDS = ("gloo", "nccl")
 #: the engine is rank 1; engine tensor-parallel ranks would follow it
@@ -79,26 +78,10 @@ class DistributedInitInfo:
 
 
 @dataclass(frozen=True)
-class BroadcastRequest:
+class BroadcastRequest(BucketRequest):
     """One bucket: how many bytes the collective carries and where each tensor lies."""
 
-    nbytes: int
-    tensors: tuple[TensorMeta, ...]
-
-    def to_json(self) -> dict:
-        return {"nbytes": self.nbytes, "tensors": [m.to_json() for m in self.tensors]}
-
-    @classmethod
-    def from_json(cls, d: Any) -> BroadcastRequest:
-        nbytes = _request_nbytes(d)
-        return cls(nbytes, parse_tensors(d, "tensors", "broadcast request", buffer_nbytes=nbytes))
-
-
-def _request_nbytes(d: Any) -> int:
-    nbytes = get_field(d, "nbytes", int, "broadcast request")
-    if nbytes <= 0:
-        raise RequestError(f"broadcast request nbytes must be positive, got {nbytes}")
-    return nbytes
+    what = "broadcast request"
 
 
 def make_group(info: DistributedInitInfo, rank: int, store: Any = None) -> Any:
@@ -282,7 +265,7 @@ class BroadcastReceiver:
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
         if self.pg is None:
             raise RequestError("the broadcast group is closed: call transport_init first")
-        nbytes = _request_nbytes(request)
+        nbytes = request_nbytes(request, BroadcastRequest.what)
         flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         # Enter the collective before checking anything else: the trainer is
         # already in it, and a refusal here would strand it until the timeout.

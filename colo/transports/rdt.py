@@ -74,10 +74,9 @@ from colo.core.buckets import Bucket
 from colo.core.errors import UsageError
 from colo.core.interfaces import SyncContext
 from colo.transports import launcher_refusal
-from colo.transports.base import (BucketSender, RequestError, Staged, TensorMeta, get_field, parse_tensors,
-                                  raise_first_real, timed_ack, views)
+from colo.transports.base import (BucketSender, RequestError, Staged, get_field, raise_first_real, timed_ack, views)
 from colo.transports.broadcast import DistributedInitInfo, make_group
-from colo.transports.wire import LayoutCache, LayoutMemo, is_layout_not_cached
+from colo.transports.wire import BucketRequest, LayoutCache, LayoutMemo, is_layout_not_cached, request_nbytes
 
 try:  # Ray is an optional extra (colo-rl[ray]): without it the module imports, the sender refuses
     from ray.experimental.rdt import CommunicatorMetadata, TensorTransportManager, TensorTransportMetadata
@@ -333,26 +332,10 @@ class RdtInitInfo:
 
 
 @dataclass(frozen=True)
-class RdtRequest:
+class RdtRequest(BucketRequest):
     """One bucket: its bytes (the tensor Ray delivers beside the request) and where each tensor lies."""
 
-    nbytes: int
-    tensors: tuple[TensorMeta, ...]
-
-    def to_json(self) -> dict:
-        return {"nbytes": self.nbytes, "tensors": [m.to_json() for m in self.tensors]}
-
-    @classmethod
-    def from_json(cls, d: Any) -> RdtRequest:
-        nbytes = _request_nbytes(d)
-        return cls(nbytes, parse_tensors(d, "tensors", "rdt request", buffer_nbytes=nbytes))
-
-
-def _request_nbytes(d: Any) -> int:
-    nbytes = get_field(d, "nbytes", int, "rdt request")
-    if nbytes <= 0:
-        raise RequestError(f"rdt request nbytes must be positive, got {nbytes}")
-    return nbytes
+    what = "rdt request"
 
 
 class RdtReceiver:
@@ -373,7 +356,7 @@ class RdtReceiver:
 
     @contextlib.contextmanager
     def receive(self, request: Any) -> Iterator[list[tuple[str, Any]]]:
-        nbytes = _request_nbytes(request)
+        nbytes = request_nbytes(request, RdtRequest.what)
         got = _arrived.get()
         if got is None:
             raise RequestError("an rdt request carries its bucket beside its frame, through Ray's tensor "

@@ -207,6 +207,33 @@ def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = No
     return tuple(TensorMeta.from_json(m, buffer_nbytes=buffer_nbytes) for m in raw)
 
 
+def request_nbytes(d: Any, what: str) -> int:
+    """A bucket request's ``nbytes``: the size of the one buffer its bytes travel in."""
+    nbytes = get_field(d, "nbytes", int, what)
+    if nbytes <= 0:
+        raise RequestError(f"{what} nbytes must be positive, got {nbytes}")
+    return nbytes
+
+
+@dataclass(frozen=True)
+class BucketRequest:
+    """One bucket of a transport whose bytes travel beside the request, not in it (a
+    collective, Ray's tensor transport): how many bytes and where each tensor lies. A
+    transport's request is a subclass that names itself in errors (``what``)."""
+
+    what = "bucket request"
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+
+    def to_json(self) -> dict:
+        return {"nbytes": self.nbytes, "tensors": [m.to_json() for m in self.tensors]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> BucketRequest:
+        nbytes = request_nbytes(d, cls.what)
+        return cls(nbytes, parse_tensors(d, "tensors", cls.what, buffer_nbytes=nbytes))
+
+
 def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
     """``(name, tensor)`` views into a flat uint8 buffer, ``(name, Piece)`` for a
     piece: no copy; valid while ``flat`` is.

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from colo.trace.writer import read_trace
+from tests.soak_probe import slope
 
 CYCLES, WARMUP, EVERY = 300, 60, 10
 #: the bound on each process's RSS slope after warm-up: 16 KiB a cycle, 4 MiB over the 240
@@ -31,25 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 _LOOP = r"""
 import json, os, sys, anyio
 from colo.apps.demo import DemoConfig, run
-from colo.proc.handles import leftover_segments
+from tests.soak_probe import children, cmdline, sample
 
 cycles, every, trace, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 samples = {}
-
-def children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-def cmdline(pid):
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode(errors="replace")
-
-def rss(pid):
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
 
 def processes():
     # the driver, its rank workers (its children but the resource tracker), their engine ranks
@@ -65,9 +51,7 @@ def processes():
 
 def on_cycle(n):
     if n % every == 0:
-        samples[n] = {role: {"pid": pid, "rss": rss(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")),
-                             "shm": len(leftover_segments(pid))}
-                      for role, pid in processes().items()}
+        samples[n] = {role: sample(pid) for role, pid in processes().items()}
 
 res = anyio.run(lambda: run(DemoConfig(steps=cycles, gpus=2, batch=4, new_tokens=4, trace=trace), progress=False,
                             on_cycle=on_cycle))
@@ -75,14 +59,6 @@ with open(out, "w") as f:
     json.dump({"error": None if res.error is None else repr(res.error), "rewards": len(res.rewards),
                "samples": samples}, f)
 """
-
-
-def slope(points: list[tuple[int, int]]) -> float:
-    """Least-squares slope of ``(cycle, bytes)`` points, in bytes a cycle."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    return sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
 
 
 def test_slope_is_the_least_squares_slope():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from colo.trace.writer import read_trace
-from tests.apps.test_soak_multi import slope
+from tests.soak_probe import slope
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
@@ -26,35 +26,10 @@ REPO = Path(__file__).resolve().parents[2]
 _LOOP = r"""
 import json, os, sys, anyio
 from colo.apps.demo import DemoConfig, run
-from colo.proc.handles import leftover_segments
+from tests.soak_probe import cmdline, descendants, sample
 
 cycles, every, trace, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 samples = {}
-
-def descendants(pid):
-    # every thread's children: vLLM starts its engine core from the thread colo runs it on
-    out, kids = [], []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for t in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{t}/children") as f:
-                kids += [int(p) for p in f.read().split()]
-        except OSError:
-            pass
-    for k in kids:
-        out += [k, *descendants(k)]
-    return out
-
-def cmdline(pid):
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode(errors="replace")
-
-def rss(pid):
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
 
 def on_cycle(n):
     if n % every == 0:
@@ -62,8 +37,7 @@ def on_cycle(n):
         for p in descendants(os.getpid()):
             if "resource_tracker" not in cmdline(p):
                 procs[f"child{p}"] = p
-        samples[n] = {role: {"pid": pid, "rss": rss(pid), "fds": len(os.listdir(f"/proc/{pid}/fd")),
-                             "shm": len(leftover_segments(pid))} for role, pid in procs.items()}
+        samples[n] = {role: sample(pid) for role, pid in procs.items()}
 
 cfg = DemoConfig(steps=cycles, engine="vllm", engine_dtype="float32", batch=4, new_tokens=4, trace=trace,
                  vllm_processes=sys.argv[5] == "processes")
