@@ -36,6 +36,7 @@ from colo.core.invariants import InvariantViolation
 from colo.apps.demo_setup import (CycleSeeded, DemoConfig, DemoOutcome, Recovery, SimulatedDevice, check_fits,
                                   check_shm_staging, device_budget, make_verifier, trainer_digest)
 from colo.core.memory import OWNERS_TAGS, MiB, MemoryLedger
+from colo.engine import load
 from colo.core.phases import IllegalTransition, Phase
 from colo.scheduler import Scheduler, describe
 from colo.tasks import make_task
@@ -130,7 +131,10 @@ class DemoRun:
 
     def __init__(self, cfg: DemoConfig):
         self.cfg = cfg
-        self.model_config = cfg.model_config()
+        self.model_config: Any = None  # read in start(), while the engine's process starts
+        #: the engine's process begun before the trainer is built, until it is handed its build
+        self.begun: Any = None
+        self.env: dict[str, str] | None = None  # what the engine process's environment adds
         self.fault = cfg.parsed_fault()
         self.summary = PhaseSummary()
         self.rewards: list[float] = []
@@ -163,7 +167,14 @@ class DemoRun:
 
         cfg = self.cfg
         self.claim_traces()  # run() did, unless a caller starts this run itself
-        check_fits(cfg, self.model_config)  # before the trainer is built or the engine spawned
+        self.env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
+        if cfg.engine_entry.begin is not None:
+            # The engine's interpreter and imports (seconds) overlap the model's config and the
+            # trainer's build: the engine is built from the trainer's weights, its process
+            # need not wait for them. A run refused below ends it in close().
+            self.begun = load(cfg.engine_entry.begin)(self.env)
+        self.model_config = cfg.model_config()
+        check_fits(cfg, self.model_config)  # before the trainer is built or the engine is built
         torch.manual_seed(cfg.seed)
         try:
             self.trainer, self.saver = build_trainer(cfg, self.model_config)
@@ -189,7 +200,6 @@ class DemoRun:
         self.total, self.reserved, self.device_name = device_budget(cfg)
         self.build = await self._engine_build()
         cfg.start_engine_logs()
-        self.env = {"CUDA_VISIBLE_DEVICES": cfg.engine_visible_devices} if cfg.engine_visible_devices else None
         await self._spawn_engine(self.build)
         self.transport = make_transport(cfg.transport)
         self.sched = self._scheduler(self._ledger())
@@ -225,8 +235,10 @@ class DemoRun:
         from colo.engine import start_engine
 
         cfg = self.cfg
+        # the first engine of the run in the process begun for it; a replacement in a new one
+        begun, self.begun = self.begun, None
         engine = await start_engine(cfg.engine, build, task=self.task, env=self.env, options=cfg.engine_options,
-                                    seed=cfg.seed, batch=cfg.batch)
+                                    seed=cfg.seed, batch=cfg.batch, **({} if begun is None else {"begun": begun}))
         self.engines.append(engine)
         return engine
 
@@ -385,6 +397,9 @@ class DemoRun:
                 if self.transport is not None:
                     # the transport first: a broadcast group's other end is the engine
                     await self.transport.aclose()
+                if self.begun is not None:  # never built: the run failed before its engine
+                    begun, self.begun = self.begun, None
+                    await anyio.to_thread.run_sync(begun.abandon)
                 for engine in self.engines:
                     await engine.aclose()
                 if self.saver is not None:

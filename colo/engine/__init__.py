@@ -68,11 +68,17 @@ class EngineEntry:
     title: str
     #: what it is, for ``--help``
     summary: str
-    #: ``"module:function"``: ``await start(build, *, task, env, options, seed, batch)`` -> the engine
+    #: ``"module:function"``: ``await start(build, *, task, env, options, seed, batch)`` (and ``begun=``
+    #: where :attr:`begin` is set) -> the engine
     #: (an ``EngineSide`` and ``EngineReceiver`` with the lifecycle verbs of :attr:`lifecycle`).
     #: ``build``: config, dtype, device, total_bytes, mem_fraction_static, checkpoint (what
     #: :attr:`starts_from` says, or None: empty), memory, run_dir, log_path
     start: str
+    #: ``"module:function"`` ``(env)`` -> the engine's process started before its build is
+    #: known, passed to :attr:`start` as ``begun=``: a run calls it before it builds the
+    #: trainer, so that the engine's interpreter and imports overlap the trainer's build (the
+    #: engine's build needs the trainer's weights). None: :attr:`start` does all of it
+    begin: str | None = None
     #: what :attr:`start` reads as ``build["checkpoint"]`` (:data:`STARTS_FROM`)
     starts_from: str = "state"
     #: it can start without weights (stale until the first sync): a replacement starts so
@@ -242,7 +248,8 @@ ENGINES: dict[str, EngineEntry] = {
     "colo": EngineEntry(
         name="colo", title="colo's own engine",
         summary="colo (colo's own engine, in a process of its own)",
-        start="colo.engine.reference.start:start", starts_from="state", starts_empty=True,
+        start="colo.engine.reference.start:start", begin="colo.engine.reference.start:begin",
+        starts_from="state", starts_empty=True,
         probe="logits", dtypes={"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16", "float32")},
         layouts=("tp",), tp_check="colo.engine.reference.start:check_tp",
         rank_start={"process": "colo.engine.reference.start:start_rank",

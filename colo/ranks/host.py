@@ -186,6 +186,9 @@ class RankHost:
         self.model_config: Any = None
         self._owns_pg = False
         self._build: dict = {}
+        #: engine rank r's process begun before the trainer rank is built (the engine entry's
+        #: ``begin``), until the rank start hands it its build
+        self.begun: Any = None
 
     # -- start ---------------------------------------------------------------------
     async def start(self) -> dict:
@@ -193,6 +196,7 @@ class RankHost:
         from colo.transports import make_transport
 
         s = self.spec
+        self._begin_engine()
         self.model_config = config_from_dict(s.model_config)  # the class its model_type names
         self._join_trainer_group()
         self.trainer, self.saver = self._build_trainer()
@@ -206,6 +210,17 @@ class RankHost:
         self.engine = await self._spawn_engine(s.engine_init, ckpt)
         self.transport = make_transport(s.transport)
         return self.hello()
+
+    def _begin_engine(self) -> None:
+        """Engine rank r's process, started before the trainer rank is built where the
+        engine's entry says how (``begin``): its interpreter and imports overlap the trainer's
+        build, as in ``colo demo`` (:class:`colo.apps.demo.DemoRun`). On the process
+        launcher only: a Ray host starts its engine rank as an actor of its own."""
+        from colo.engine import engine_entry, load
+
+        entry = engine_entry(self.spec.engine)
+        if self.launcher == "process" and entry.begin is not None:
+            self.begun = load(entry.begin)(None)
 
     def _join_trainer_group(self) -> None:
         from colo.proc.rendezvous import init_default_group
@@ -389,6 +404,9 @@ class RankHost:
     async def aclose(self) -> None:
         """Shielded: the engine rank, the transport, the trainer's regions and groups."""
         with anyio.CancelScope(shield=True):
+            if self.begun is not None:  # never built: the rank failed before its engine
+                begun, self.begun = self.begun, None
+                await anyio.to_thread.run_sync(begun.abandon)
             if self.transport is not None:
                 await self.transport.aclose()
                 self.transport = None

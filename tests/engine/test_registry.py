@@ -24,7 +24,7 @@ def test_every_entry_names_what_it_starts_and_what_it_takes(name):
     assert entry.name == name
     # every "module:function" it names is there (no engine is imported by the registry itself:
     # vLLM's and SGLang's start modules import neither)
-    for target in (entry.start, entry.tp_check, entry.shard_digest, entry.fits, *entry.rank_start.values()):
+    for target in (entry.start, entry.begin, entry.tp_check, entry.shard_digest, entry.fits, *entry.rank_start.values()):
         if target is not None:
             assert callable(load(target)), target
     assert set(entry.lifecycle) <= set(LIFECYCLE)

@@ -31,9 +31,35 @@ from colo.proc.rendezvous import HostedStore
 DEATH_WAIT_S = 1.0
 
 
-def _start_process(serve: Any, path: str, key: bytes, build: dict, env: dict[str, str] | None) -> Any:
-    proc = mp.get_context("spawn").Process(target=serve, args=(path, key, build), daemon=True, name="colo-engine")
-    return start_with_env(proc, env)
+class Begun:
+    """An engine process started before its build is known, waiting for it on a pipe.
+
+    Starting the process is most of an engine's start-up on the CPU: a new interpreter
+    importing torch and the engine (3 to 6 s on the 2-core VM, more under load), while the
+    driver spends as long building the trainer whose weights the engine starts from. Begun
+    first (:meth:`EngineClient.begin`), the two overlap; :meth:`EngineClient.spawn` then
+    hands it the build. One never handed a build is ended by :meth:`abandon` (a run that
+    failed before its engine was built); a process whose parent died reads the pipe's end
+    and exits."""
+
+    def __init__(self, proc: Any, conn: Any, sockdir: str, key: bytes):
+        self.proc, self.conn, self.sockdir, self.key = proc, conn, sockdir, key
+        self.path = os.path.join(sockdir, SOCKET_NAME)
+
+    def send(self, build: dict) -> None:
+        """Hand the process its build; the pipe is closed after, whatever happened."""
+        try:
+            self.conn.send(build)
+        finally:
+            self.conn.close()
+
+    def abandon(self) -> None:
+        """End the process (never built, or its start failed) and remove its socket dir."""
+        self.conn.close()
+        if self.proc.pid is not None:
+            self.proc.kill()
+            self.proc.join(5)
+        release_dir(self.sockdir)
 
 
 async def _await_hello(proc: Any, path: str, key: bytes, start_timeout_s: float, build: dict) -> tuple:
@@ -107,26 +133,52 @@ class EngineClient(ForwardedEngine):
         #: any rank's client lives, since NCCL meets there again to make its communicators
         self._rendezvous: Any = None
 
-    @classmethod
-    async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
-                    start_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> EngineClient:
-        """Start the engine process; ``env`` is added to its environment only (e.g. its
-        own ``CUDA_VISIBLE_DEVICES``, as an engine launched elsewhere would have)."""
-        from colo.engine.reference.server import serve
+    @staticmethod
+    def begin(env: dict[str, str] | None = None) -> Begun:
+        """Start an engine process that waits for its build (:class:`Begun`); ``env`` is
+        added to its environment only (e.g. its own ``CUDA_VISIBLE_DEVICES``, as an engine
+        launched elsewhere would have)."""
+        from colo.engine.reference.server import serve_when_built
 
+        ctx = mp.get_context("spawn")
         key = new_key()
         sockdir = socket_dir()
-        proc: Any = None
-        ch: AsyncChannel | None = None
-        # Everything after mkdtemp is inside the try: a failed start (a bad
-        # environment, an engine that dies or refuses hello) must not leave the
-        # socket directory or a process behind.
+        # Everything after mkdtemp is inside the try: a failed start (a bad environment)
+        # must not leave the socket directory or a pipe behind.
         try:
             os.chmod(sockdir, 0o700)  # the socket is only reachable by this user
-            path = os.path.join(sockdir, SOCKET_NAME)
-            # the engine watches this pid and ends itself when it changes (we died)
-            proc = _start_process(serve, path, key, {**build, "parent_pid": os.getpid()}, env)
-            ch, reply = await _await_hello(proc, path, key, start_timeout_s, build)
+            theirs, ours = ctx.Pipe(duplex=False)
+            try:
+                proc = start_with_env(ctx.Process(target=serve_when_built, args=(os.path.join(sockdir, SOCKET_NAME),
+                                                                                key, theirs),
+                                                  daemon=True, name="colo-engine"), env)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()  # the child has its own copy since start(): only it reads
+        except BaseException:
+            release_dir(sockdir)
+            raise
+        return Begun(proc, ours, sockdir, key)
+
+    @classmethod
+    async def spawn(cls, build: dict, *, task: RolloutTask | None = None,
+                    start_timeout_s: float = 180.0, env: dict[str, str] | None = None,
+                    begun: Begun | None = None) -> EngineClient:
+        """Start the engine process (or build the one ``begun`` started, whose ``env`` was
+        given then); ``env`` is added to its environment only."""
+        if begun is None:
+            begun = cls.begin(env)
+        ch: AsyncChannel | None = None
+        try:
+            try:
+                # the engine watches this pid and ends itself when it changes (we died)
+                begun.send({**build, "parent_pid": os.getpid()})
+            except OSError:  # the process died before it read its build
+                await anyio.to_thread.run_sync(begun.proc.join, DEATH_WAIT_S)
+                raise EngineDied(f"engine process exited with code {begun.proc.exitcode} while starting") from None
+            ch, reply = await _await_hello(begun.proc, begun.path, begun.key, start_timeout_s, build)
             if not reply.get("ok"):
                 raise start_error(reply)
         except BaseException:
@@ -136,12 +188,9 @@ class EngineClient(ForwardedEngine):
                         await ch.aclose()
                     except Exception:
                         pass
-                if proc is not None and proc.pid is not None:
-                    proc.kill()
-                    await anyio.to_thread.run_sync(proc.join, 5)
-                release_dir(sockdir)
+                await anyio.to_thread.run_sync(begun.abandon)
             raise
-        return cls(ch, proc, sockdir, key, reply, task)
+        return cls(ch, begun.proc, begun.sockdir, begun.key, reply, task)
 
     @classmethod
     async def spawn_tp(cls, build: dict, n: int, *, backend: str = "gloo", init_method: str | None = None,

@@ -431,6 +431,19 @@ def serve(sock_path: str, key: bytes, build: dict) -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def serve_when_built(sock_path: str, key: bytes, conn: Any) -> None:
+    """Process entry point of an engine begun before its build was known
+    (:class:`colo.engine.reference.client.Begun`): this process's imports are done by now;
+    wait for the build, then :func:`serve` it."""
+    try:
+        build = conn.recv()
+    except (EOFError, OSError):
+        return  # the run gave up on this engine before building it, or died: nothing to serve
+    finally:
+        conn.close()
+    serve(sock_path, key, build)
+
+
 def _serve(sock_path: str, key: bytes, build: dict) -> None:
     open_log(build.get("log_path"))
     try:

@@ -1,9 +1,10 @@
 """How a run starts colo's own engine: the registry's ``colo`` entry (:data:`colo.engine.ENGINES`).
 
-- :func:`start`: one engine in a process of its own (``colo demo``, ``colo bench``);
+- :func:`start`: one engine in a process of its own (``colo demo``, ``colo bench``), in the
+  process :func:`begin` started before the trainer was built where a run did;
 - :func:`start_rank`: engine rank r of a TP engine spanning the ranks, a child process of
-  rank r's worker (``colo demo --gpus N``; the Ray launcher's form is its own:
-  :func:`colo.ranks.ray_launcher.start_engine_actor`);
+  rank r's worker, begun before the worker built its trainer rank (``colo demo --gpus N``;
+  the Ray launcher's form is its own: :func:`colo.ranks.ray_launcher.start_engine_actor`);
 - :func:`check_tp` and :func:`check_fits`: its limits that depend on the model (a TP size
   the heads cannot be split into, a KV pool the device cannot hold), refused before
   anything starts.
@@ -15,13 +16,21 @@ from collections.abc import Mapping
 from typing import Any
 
 
-async def start(build: dict, *, task: Any = None, env: Mapping[str, str] | None = None,
-                options: Mapping[str, Any] | None = None, seed: int = 0, batch: int = 8) -> Any:
-    """colo's engine in a process of its own, from ``build`` (``build["checkpoint"]``: a
-    safetensors file of the trainer's tensors, or None: empty and stale until a sync)."""
+def begin(env: Mapping[str, str] | None = None) -> Any:
+    """The engine's process, started now and waiting for its build (``start(..., begun=)``)."""
     from colo.engine.reference.client import EngineClient
 
-    return await EngineClient.spawn(build, task=task, env=dict(env) if env else None)
+    return EngineClient.begin(dict(env) if env else None)
+
+
+async def start(build: dict, *, task: Any = None, env: Mapping[str, str] | None = None,
+                options: Mapping[str, Any] | None = None, seed: int = 0, batch: int = 8, begun: Any = None) -> Any:
+    """colo's engine in a process of its own, from ``build`` (``build["checkpoint"]``: a
+    safetensors file of the trainer's tensors, or None: empty and stale until a sync); in
+    the process :func:`begin` started, where given."""
+    from colo.engine.reference.client import EngineClient
+
+    return await EngineClient.spawn(build, task=task, env=dict(env) if env else None, begun=begun)
 
 
 async def start_rank(host: Any, init_method: str, checkpoint: str | None) -> Any:
@@ -35,7 +44,9 @@ async def start_rank(host: Any, init_method: str, checkpoint: str | None) -> Any
              "tp": {"rank": s.rank, "size": s.world_size, "init_method": init_method, "backend": s.backend}}
     if s.engine_log:
         build["log_path"] = s.engine_log
-    return await EngineClient.spawn(build, task=host.task)
+    # the process the host began for it before building its trainer rank (begin), if any
+    begun, host.begun = getattr(host, "begun", None), None
+    return await EngineClient.spawn(build, task=host.task, begun=begun)
 
 
 def check_tp(model_config: Any, n: int) -> None:
@@ -61,4 +72,4 @@ def check_fits(model_config: Any, *, dtype: str, total_bytes: int, mem_fraction_
                min_slots=dims.max_positions)
 
 
-__all__ = ["check_fits", "check_tp", "start", "start_rank"]
+__all__ = ["begin", "check_fits", "check_tp", "start", "start_rank"]
