@@ -280,22 +280,13 @@ async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, 
     can start so (the syncs fill it), else from ``state`` in the form it reads (a model
     directory, or a safetensors file) with half the device for itself (the benchmark's
     trainer copy and digest need the rest)."""
-    from safetensors.torch import save_file
-
     from colo.engine import engine_entry, start_engine
+    from colo.models.save import save_start
 
     entry = engine_entry(kind)
     build = _engine_build(config, model, device)
     if not entry.starts_empty:
-        dtype = getattr(torch, model.engine_dtype)
-        weights = {k: v.to(dtype).contiguous().cpu() for k, v in state.items()}
-        if entry.starts_from == "hf_dir":
-            path = os.path.join(workdir, "model")
-            config.save_pretrained(path)
-            save_file(weights, os.path.join(path, "model.safetensors"))
-        else:
-            path = os.path.join(workdir, "init.safetensors")
-            save_file(weights, path)
+        path = save_start(entry.starts_from, config, state, workdir, dtype=getattr(torch, model.engine_dtype))
         build.update(checkpoint=path, mem_fraction_static=0.5)
     return await start_engine(kind, build)
 

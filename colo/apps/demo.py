@@ -16,7 +16,6 @@ drawn from a fixed eighth of the vocabulary, so the mean reward starts near
 from __future__ import annotations
 
 import functools
-import os
 import signal
 import sys
 from collections.abc import Callable
@@ -207,19 +206,13 @@ class DemoRun:
     async def _engine_build(self) -> dict:
         """The engine starts from the trainer's initial checkpoint (version 0), as
         SGLang and vLLM start from a model path: in the form its registry entry says."""
-        from safetensors.torch import save_file
+        from colo.models.save import save_start
 
-        if self.cfg.engine_entry.starts_from == "hf_dir":
-            # a model directory as vLLM and SGLang load one: the config and the weights in its dtype
-            model_dir = os.path.join(self.workdir, "model")
-            self.model_config.save_pretrained(model_dir)
-            dtype = getattr(torch, self.cfg.engine_dtype)
-            save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in self.trainer.hf_state().items()},
-                      os.path.join(model_dir, "model.safetensors"))
-            ckpt = model_dir
-        else:
-            ckpt = os.path.join(self.workdir, "init.safetensors")
-            save_file({k: v.contiguous().cpu() for k, v in self.trainer.hf_state().items()}, ckpt)
+        entry = self.cfg.engine_entry
+        # a model directory as vLLM and SGLang load one (the weights in the engine's dtype), or
+        # the trainer's tensors as they are for colo's engine
+        dtype = getattr(torch, self.cfg.engine_dtype) if entry.starts_from == "hf_dir" else None
+        ckpt = save_start(entry.starts_from, self.model_config, self.trainer.hf_state(), self.workdir, dtype=dtype)
         if self.saver is not None:
             # Colocated start: the trainer offloads before the engine starts, as
             # slime does, so the engine's KV pool can take its fraction.

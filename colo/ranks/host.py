@@ -250,18 +250,23 @@ class RankHost:
         return build(s.trainer, **kw)
 
     def _initial_checkpoint(self) -> str:
-        """Rank 0 writes the trainer's weights once; every engine rank loads its shard from it
+        """Rank 0 writes the trainer's weights once, in the form the engine's entry starts from
+        (``starts_from``); every engine rank loads its shard, or a replica the whole, from it
         (as SGLang's TP ranks each load their shard from one model path)."""
         import torch.distributed as dist
-        from safetensors.torch import save_file
 
+        from colo.engine import engine_entry
+        from colo.models.save import save_start, start_path
+
+        s = self.spec
+        starts_from = engine_entry(s.engine).starts_from
         state = self.trainer.hf_state()  # a collective: every rank calls it
-        path = os.path.join(self.spec.workdir, "init.safetensors")
-        if self.spec.rank == 0:
-            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, path + ".tmp")
-            os.replace(path + ".tmp", path)
+        # a model directory in the engine's dtype (vLLM), or the trainer's tensors as they are
+        dtype = getattr(torch, s.engine_dtype) if starts_from == "hf_dir" else None
+        if s.rank == 0:
+            save_start(starts_from, self.model_config, state, s.workdir, dtype=dtype)
         dist.barrier()
-        return path
+        return start_path(starts_from, s.workdir)
 
     @property
     def engine_build(self) -> dict:
