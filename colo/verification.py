@@ -59,6 +59,33 @@ def trainer_digest(trainer: Any, dtype: str, fresh: bool = True) -> str:
                                    getattr(torch, dtype))
 
 
+async def ask_probe(engine: Any, kind: str, batch: list[list[int]], columns: list[int]) -> Any:
+    """The engine's answer to the probe batch, as its probe (``kind``) gives it: logprobs of the
+    batch's tokens, or the logits of ``columns``."""
+    if kind == "logprobs":
+        return await engine.logprobs(batch)
+    return await engine.logits(batch, columns=columns)
+
+
+def check_probe(kind: str, ref: Any, answer: Any, batch: list[list[int]], columns: list[int],
+                tolerance: float = LOGIT_TOLERANCE, who: str = "engine") -> None:
+    """The engine's answer (:func:`ask_probe`) against the trainer's logits ``ref`` on the batch
+    (``[batch, seq, vocab]``): logprobs within :data:`LOGPROB_TOLERANCE`, logits within
+    ``tolerance`` of the largest; a ``VerificationError`` naming ``who`` otherwise."""
+    ref = torch.as_tensor(ref).float()
+    got = torch.tensor(answer)
+    if kind == "logprobs":
+        logp = torch.log_softmax(ref, dim=-1)
+        want = torch.stack([logp[b, torch.arange(len(s) - 1), torch.tensor(s[1:])] for b, s in enumerate(batch)])
+        err, bound = float((got - want).abs().max()), LOGPROB_TOLERANCE
+    else:
+        want = ref[..., columns]
+        err, bound = float((got - want).abs().max()), tolerance * float(want.abs().max())
+    if not err <= bound:
+        raise VerificationError(f"{who} {kind} differ from the trainer's by {err:.4g} on the probe "
+                                f"batch (bound {bound:.4g})")
+
+
 def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str | None = None, seed: int = 0,
                   tolerance: float = LOGIT_TOLERANCE) -> tuple[Callable, Callable]:
     """``(verify, probe)`` for the scheduler: ``verify(digests)`` checks each engine rank's
@@ -87,21 +114,11 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str | Non
         # looked up here, not when the verifier is made: a trainer that only syncs (and is only
         # ever digest-checked) has no logits to offer
         ref = (getattr(trainer, "probe_logits", None) or trainer.logits)(batch)
-        if eng.capabilities.probe == "logprobs":
-            got = torch.tensor(await eng.logprobs(batch))
-            logp = torch.log_softmax(ref.float(), dim=-1)
-            want = torch.stack([logp[b, torch.arange(len(s) - 1), torch.tensor(s[1:])] for b, s in enumerate(batch)])
-            err, bound, what = float((got - want).abs().max()), LOGPROB_TOLERANCE, "logprobs"
-        else:
-            ref = ref[..., columns]
-            got = torch.tensor(await eng.logits(batch, columns=columns))
-            err, bound, what = float((got - ref).abs().max()), tolerance * float(ref.abs().max()), "logits"
-        if not err <= bound:
-            raise VerificationError(f"engine {what} differ from the trainer's by {err:.4g} on the probe "
-                                    f"batch (bound {bound:.4g})")
+        answer = await ask_probe(eng, eng.capabilities.probe, batch, columns)
+        check_probe(eng.capabilities.probe, ref, answer, batch, columns, tolerance)
 
     return verify, probe
 
 
-__all__ = ["LOGIT_TOLERANCE", "LOGPROB_TOLERANCE", "PROBE_COLUMNS", "make_verifier", "probe_batch",
-           "probe_columns", "trainer_digest"]
+__all__ = ["LOGIT_TOLERANCE", "LOGPROB_TOLERANCE", "PROBE_COLUMNS", "ask_probe", "check_probe", "make_verifier",
+           "probe_batch", "probe_columns", "trainer_digest"]

@@ -47,6 +47,22 @@ def visible_gpus(n: int) -> list[str]:
     return ["GPU-" + str(torch.cuda.get_device_properties(i).uuid).removeprefix("GPU-") for i in range(n)]
 
 
+class RankRecovery(dict):
+    """What one injected fault did to an N-rank run and how it was recovered (the fields
+    :meth:`MultiDemoRun.recover` records), as the report says it."""
+
+    def lines(self) -> list[str]:
+        out = [f"fault {self['fault']} injected at step {self['step']}: {self['cause']}",
+               f"  after the failure: engine ranks alive {self['engine_ranks_alive']}, weight versions "
+               f"{self['versions_after_failure']}, rollout refused ({self.get('rollout_refused_by_scheduler', '-')})"]
+        if self.get("replaced_ranks"):
+            pids = ", ".join(f"{old} -> {new}" for old, new in self["engine_pids"])
+            out.append(f"  engine rank(s) {self['replaced_ranks']} replaced (processes {pids})")
+        out.append("  recovered: every engine rank re-synced from the trainer's weights" if self.get("recovered")
+                   else "  recovery FAILED")
+        return out
+
+
 class MultiDemoRun:
     """What one N-rank demo run holds: the workers, the proxies, the ledgers, the
     traces, the scheduler; the same surface as :class:`colo.apps.demo.DemoRun`."""
@@ -217,31 +233,41 @@ class MultiDemoRun:
             self.trainers, self._seeded, [self._ledger(r) for r in range(self.n)], self.transports,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
                                    phase_deadline_s=cfg.phase_deadline_s, verify=cfg.verify),
-            trace=traces, verify=self.verify,
+            trace=traces, verify=self.verify, probe=self.probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"}, "gpus": self.n,
                         "gpu_uuids": self.uuids, "mem_fraction_static": cfg.mem_fraction_static,
                         "model": {"params": self.trainers[0].num_params(), "engine_dtype": cfg.engine_dtype}})
 
     # -- verification ------------------------------------------------------------
     async def verify(self, digests: list[str]) -> None:
-        """Every engine rank holds its shard of the trainer's weights, and the TP
-        engine computes the trainer's logits on the probe batch."""
-        from colo.apps.demo_setup import LOGIT_TOLERANCES, probe_batch
-
+        """Every engine rank holds its part of the trainer's weights: its shard (``tp``) or the
+        whole (``replicas``), digest for digest."""
         wants = [r["digest"] for r in await self._each_worker("expected_digest")]
         for rank, (got, want) in enumerate(zip(digests, wants)):
             if got != want:
-                raise VerificationError(f"engine rank {rank} shard digest {got[:16]} != the trainer's shard "
-                                        f"digest {want[:16]} after sync")
-        probe = probe_batch(self.model_config.vocab_size, self.cfg.seed)
-        calls = [(lambda e=e: e.logits(probe)) for e in self.engines]
-        got = torch.tensor((await together(calls, "engine", "logits"))[0][0])
-        ref = torch.tensor((await self._each_worker("trainer_logits", tokens=probe))[0]["logits"])
+                raise VerificationError(f"engine rank {rank} digest {got[:16]} != the trainer's digest of its "
+                                        f"part {want[:16]} after sync")
+
+    async def probe(self) -> None:
+        """The engine answers the probe batch as the trainer computes it: a TP engine once (its
+        ranks answer together, rank 0 speaks), every replica on its own. Its probe is its
+        entry's (colo's engine: logits; vLLM: logprobs, once its KV cache is back)."""
+        from colo.apps.demo_setup import LOGIT_TOLERANCES
+        from colo.engine import engine_entry
+        from colo.verification import ask_probe, check_probe, probe_batch, probe_columns
+
+        kind = engine_entry(self.engine_name).probe
+        batch = probe_batch(self.model_config.vocab_size, self.cfg.seed)
+        columns = probe_columns(self.model_config.vocab_size, batch, self.cfg.seed)
+        calls = [(lambda e=e: ask_probe(e, kind, batch, columns)) for e in self.engines]
+        answers, _ = await together(calls, "engine", kind)
+        ref = (await self._each_worker("trainer_logits", tokens=batch))[0]["logits"]
         tolerance = LOGIT_TOLERANCES[getattr(self.cfg, "model", "demo")]  # bf16 rounding grows with depth
-        err, bound = float((got - ref).abs().max()), tolerance * float(ref.abs().max())
-        if not err <= bound:
-            raise VerificationError(f"TP engine logits differ from the trainer's by {err:.4g} on the probe "
-                                    f"batch (bound {bound:.4g})")
+        if self._layout() == "tp":
+            check_probe(kind, ref, answers[0], batch, columns, tolerance, who="TP engine")
+            return
+        for rank, answer in enumerate(answers):
+            check_probe(kind, ref, answer, batch, columns, tolerance, who=f"engine rank {rank}")
 
     async def trainer_digest(self) -> str:
         return (await self._each_worker("full_digest"))[0]["digest"]
@@ -280,8 +306,7 @@ class MultiDemoRun:
     async def recover(self) -> dict:
         """Fail safe, then back to a synced engine: every engine rank stale (rollout
         refused), the whole TP group restarted when a rank died, re-synced."""
-        rec: dict[str, Any] = {"fault": self.cfg.fault, "step": self.sched.step,
-                               "cause": describe(self.sched.last_error)}
+        rec = RankRecovery(fault=self.cfg.fault, step=self.sched.step, cause=describe(self.sched.last_error))
         self.recoveries.append(rec)
         try:
             await self.sched.run_phase(Phase.ROLLOUT)
@@ -293,20 +318,27 @@ class MultiDemoRun:
         rec["versions_after_failure"] = [await e.reported_version() if a else None
                                          for e, a in zip(self.engines, alive)]
         if not all(alive):
-            await self._restart_engines(rec)
+            await self._restart_engines(rec, alive)
         await self.sched.recover()
         rec["recovered"] = True
         return rec
 
-    async def _restart_engines(self, rec: dict) -> None:
-        """A TP group cannot take one new member: every rank starts a new engine rank
-        in a new group, empty and stale; the recovery sync fills all of them."""
-        # the new group meets at engine rank 0: on its node when Ray placed it (maybe not this one)
-        init = await self.workers[0].rendezvous() if self.cfg.launcher == "ray" else self._host_store()
-        replies = await self._each_worker("replace_engine", init_method=init)
+    async def _restart_engines(self, rec: dict, alive: list[bool]) -> None:
+        """A TP group cannot take one new member: every rank starts a new engine rank in a new
+        group. Replicas share no group: only the dead ones are replaced. Each new one is stale
+        (colo's empty, vLLM from the first checkpoint); the recovery sync fills all of them."""
+        tp = self._layout() == "tp"
+        ranks = [r for r in range(self.n) if tp or not alive[r]]
+        init = ""
+        if tp:
+            # the new group meets at engine rank 0: on its node when Ray placed it (maybe not this one)
+            init = await self.workers[0].rendezvous() if self.cfg.launcher == "ray" else self._host_store()
+        calls = [(lambda r=r: self.workers[r].call("replace_engine", init_method=init)) for r in ranks]
+        replies, _ = await together(calls, "worker", "replace_engine")
         rec["engine_pids"] = [(r["old_engine_pid"], r["engine_pid"]) for r in replies]
-        for r, engine in enumerate(self.engines):
-            engine.pid = replies[r]["engine_pid"]
+        rec["replaced_ranks"] = ranks
+        for r, reply in zip(ranks, replies):
+            self.engines[r].pid = reply["engine_pid"]
             await self.sched.replace_engine(self._seeded[r], r)
 
     # -- the end -------------------------------------------------------------------
@@ -332,8 +364,8 @@ class MultiDemoRun:
         from colo.apps.demo_setup import DemoOutcome
 
         # the summary is rank 0's; every rank's trace sits beside it (run.rank1.jsonl ...)
-        return DemoOutcome(self.rewards, self.summary, rank_path(self.cfg.trace_path, 0, self.n), self.error, [],
-                           self.final_digest)
+        return DemoOutcome(self.rewards, self.summary, rank_path(self.cfg.trace_path, 0, self.n), self.error,
+                           list(self.recoveries), self.final_digest)
 
 
-__all__ = ["MultiDemoRun", "visible_gpus"]
+__all__ = ["MultiDemoRun", "RankRecovery", "visible_gpus"]

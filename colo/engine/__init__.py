@@ -116,6 +116,9 @@ class EngineEntry:
     fits: str | None = None
     #: options a run passes through to :attr:`start` (name -> the command line's flag for it)
     options: Mapping[str, str] = field(default_factory=dict)
+    #: the options every engine rank of N has, whatever the command line said (its rank start
+    #: sets them; :meth:`check` counts them)
+    rank_options: Mapping[str, Any] = field(default_factory=dict)
     #: it runs in a process of its own whose environment (CUDA_VISIBLE_DEVICES) a run may set
     own_process: bool = False
     #: the simulated CPU device's default size in GiB, where the demo's default is too small for it
@@ -152,7 +155,10 @@ class EngineEntry:
             raise ValueError(f"{where}: unknown launcher(s) {', '.join(bad)}; expected some of {', '.join(LAUNCHERS)}")
         if self.kill_needs is not None and self.kill_needs not in self.options:
             raise ValueError(f"{where}: kill_needs {self.kill_needs!r} is not one of its options")
-        for name in ("dtypes", "rank_start", "options", "notes"):
+        bad = [v for v in self.rank_options if v not in self.options]
+        if bad:
+            raise ValueError(f"{where}: rank_options {', '.join(bad)} are not among its options")
+        for name in ("dtypes", "rank_start", "options", "rank_options", "notes"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     # -- what it is ------------------------------------------------------------------------
@@ -191,6 +197,8 @@ class EngineEntry:
         split that way, or a launcher that cannot start its ranks), an option it does not take,
         a kill it cannot survive, an environment of its own it does not have."""
         flag = f"--engine {self.name}"
+        if gpus > 1:
+            options = {**(options or {}), **self.rank_options}
         if device not in self.dtypes:
             raise ValueError(f"{flag} runs on {' or '.join(self.dtypes)}{self._note('devices')}, got --device {device}")
         if dtype is not None and dtype not in self.dtypes[device]:
@@ -264,11 +272,14 @@ ENGINES: dict[str, EngineEntry] = {
         kill_needs="processes", probe="logprobs",
         dtypes={"cpu": ("float32",), "cuda": ("bfloat16", "float16", "float32")},
         transports=("packed", "ipc"), options={"processes": "--vllm-processes"},
+        # a rank's worker holds the trainer's process group: its vLLM runs in processes of its own
+        layouts=("replicas",), rank_options={"processes": True},
+        rank_start={"process": "colo.engine.vllm.start:start_rank"},
         cpu_device_gib=2.0, timings=True,
         notes={"dtypes": "vLLM's bfloat16 CPU kernels hit an illegal instruction on short prompts",
                "transports": "handles vLLM's worker maps",
                "kill": "an in-process vLLM cannot be killed without the trainer",
-               "layouts": "one vLLM, TP=1"}),
+               "layouts": "one vLLM per rank, TP=1"}),
     "sglang": EngineEntry(
         name="sglang", title="SGLang 0.5.23",
         summary="sglang (SGLang 0.5.23 in this process, colo-rl[sglang]; a CUDA GPU)",

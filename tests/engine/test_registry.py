@@ -39,7 +39,10 @@ def test_every_entry_names_what_it_starts_and_what_it_takes(name):
 def test_the_registry_says_what_each_engine_is():
     colo, vllm, sglang = ENGINES["colo"], ENGINES["vllm"], ENGINES["sglang"]
     assert colo.spans_ranks and colo.layouts == ("tp",) and set(colo.rank_start) == {"process", "ray"}
-    assert not vllm.layouts and not sglang.layouts  # one rank each, for now: another entry's line
+    # vLLM: a whole vLLM per rank, started by the process launcher, in processes of its own
+    assert vllm.layouts == ("replicas",) and not vllm.spans_ranks and set(vllm.rank_start) == {"process"}
+    assert dict(vllm.rank_options) == {"processes": True}
+    assert not sglang.layouts  # one rank, for now
     assert vllm.transports == ("packed", "ipc") and sglang.transports == ("sglang",)
     assert colo.takes_transports() == ("packed", "ipc", "broadcast", "disk", "rdt")  # the kit's receivers (rdt under --launcher ray)
     assert vllm.dtypes["cpu"] == ("float32",) and "cpu" not in sglang.dtypes
@@ -58,6 +61,7 @@ def test_an_entry_that_is_not_whole_is_refused_naming_the_field():
                         (dict(layouts=("pipeline",)), "unknown layout.s. pipeline"),
                         (dict(layouts=("tp",)), "a layout of N ranks needs a rank_start"),
                         (dict(kill_needs="processes"), "kill_needs 'processes' is not one of its options"),
+                        (dict(rank_options={"processes": True}), "rank_options processes are not among its options"),
                         (dict(starts_from="s3"), "starts_from must be one of state, hf_dir")]:
         with pytest.raises(ValueError, match=why):
             EngineEntry(**{**base, **change})
@@ -77,8 +81,15 @@ def test_the_limits_are_checked_once_naming_engine_limit_and_what_is_allowed():
         ENGINES["sglang"].check(device="cpu")
     with pytest.raises(ValueError, match="--engine sglang cannot be killed on its own"):
         ENGINES["sglang"].check(device="cuda", kill=True)
-    with pytest.raises(ValueError, match="--engine vllm starts its ranks|--engine vllm runs on one rank"):
-        ENGINES["vllm"].check(device="cpu", gpus=2)
+    with pytest.raises(ValueError, match="--engine sglang runs on one rank: it has no layout of N ranks"):
+        ENGINES["sglang"].check(device="cuda", gpus=2)
+    with pytest.raises(ValueError, match="--engine vllm starts its ranks under --launcher process, got --launcher ray"):
+        ENGINES["vllm"].check(device="cpu", gpus=2, launcher="ray")
+    # a kill needs vLLM in processes of its own: on N ranks it always is (its rank_options),
+    # on one rank only where --vllm-processes says so
+    ENGINES["vllm"].check(device="cpu", gpus=2, kill=True, options={"processes": False})
+    with pytest.raises(ValueError, match="needs --vllm-processes"):
+        ENGINES["vllm"].check(device="cpu", gpus=1, kill=True, options={"processes": False})
 
 
 def test_a_missing_engine_is_one_line_with_its_install_line(monkeypatch):

@@ -118,6 +118,8 @@ class _LLM:
 
     def __init__(self, llm: Any):
         self.llm = llm
+        #: vLLM's worker process, once it said hello (this process where vLLM runs in it)
+        self.worker_pid: int | None = None
 
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         if verb == "rpc":
@@ -136,7 +138,19 @@ class _LLM:
     def dead(self) -> bool:
         core = getattr(self.llm.llm_engine, "engine_core", None)
         resources = getattr(core, "resources", None)
-        return bool(getattr(resources, "engine_dead", False))
+        return bool(getattr(resources, "engine_dead", False)) or self._worker_gone()
+
+    #: as cheap as asking this process: asked before every call
+    known_dead = dead
+
+    def _worker_gone(self) -> bool:
+        """vLLM's worker process (a descendant of this one: an ``LLM`` runs here) is gone or a
+        zombie. A call that met its death fails ("collective_rpc ... cancelled") before vLLM's
+        engine core has marked itself dead: the process says it at once."""
+        from colo.proc.lifecycle import process_state
+
+        pid = self.worker_pid
+        return pid is not None and pid != os.getpid() and process_state(pid) in (None, "Z", "X")
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -228,6 +242,10 @@ class _Http:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return True
 
+    def known_dead(self) -> bool:
+        """Nothing known without a request (:meth:`dead` is one): a server's calls time out."""
+        return False
+
     def shutdown(self) -> None:
         pass  # the server is the caller's: it started it
 
@@ -311,6 +329,7 @@ class VllmEngine:
             return api.call("rpc", "colo_hello", ())[0]
 
         reply = await anyio.to_thread.run_sync(hello)
+        api.worker_pid = reply.get("pid")
         _check_layout(reply)
         frees, note = _sleep_report(llm)
         return cls(api, reply, task=task, frees_memory=frees, note=note, probe="logprobs")
@@ -345,6 +364,11 @@ class VllmEngine:
     async def _call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         if self.closed:
             raise EngineDied(f"vLLM engine is closed: cannot {verb}")
+        if self._api.known_dead():
+            # never asked: a call into a vLLM whose worker is gone may never return (its engine
+            # core waits on the dead worker), and its thread, stuck in vLLM, would keep this
+            # process from exiting
+            raise EngineDied(f"vLLM's engine is dead: cannot {verb}")
 
         def run() -> Any:
             with self._lock:

@@ -29,6 +29,28 @@ async def start(build: dict, *, task: Any = None, env: Mapping[str, str] | None 
         gpu_memory_utilization=build["mem_fraction_static"] if gpu else 0.2)
 
 
+async def start_rank(host: Any, init_method: str, checkpoint: str | None) -> Any:
+    """Engine rank ``host.spec.rank`` of the ``replicas`` layout: a whole vLLM beside trainer rank
+    r, on its GPU, from the model directory rank 0 wrote (``checkpoint``; None, for a replacement:
+    the same directory again, stale until the recovery sync fills it: vLLM cannot start empty).
+    ``init_method`` names the engine group of a TP layout: replicas join none.
+
+    In vLLM's own engine-core and worker processes, whatever ``--vllm-processes`` said: the rank's
+    worker holds the trainer's process group, and a vLLM in that process would take the trainer's
+    world for its own (``init_distributed_environment`` builds its world group from an initialized
+    default group: world size N against its TP=1). Those processes are spawned, not forked: a
+    forked child inherits the trainer's initialized group the same way."""
+    s = host.spec
+    build = dict(host.engine_build)
+    if checkpoint is not None:
+        build["checkpoint"] = checkpoint
+    if s.engine_log:
+        build["log_path"] = s.engine_log
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    return await start(build, task=host.task, options={"processes": True}, seed=s.seed,
+                       batch=int(s.task.get("batch", 8)))
+
+
 def logs_to(path: str | None) -> None:
     """vLLM's log lines into the engine log (the console keeps the report)."""
     import logging
@@ -43,4 +65,4 @@ def logs_to(path: str | None) -> None:
     logger.propagate = False
 
 
-__all__ = ["logs_to", "start"]
+__all__ = ["logs_to", "start", "start_rank"]
