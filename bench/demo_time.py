@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", help="where the JSON goes")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--date", default=None, help="the date to record (default: today, UTC)")
-    p.add_argument("extra", nargs="*", help="flags added to colo demo (after --)")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # what follows "--" goes to colo demo as it is (argparse would read its flags as its own)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.extra = extra
     import torch
 
     from bench.rollout_speed import cpu_flags, cpu_name

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|baseline44 [S]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -72,6 +72,13 @@ case "${1:-tests}" in
       tests/gpu/test_digest_cuda.py tests/gpu/test_one_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
     timeout "${4:-180}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -20
+    ;;
+  gpu1)  # every one-GPU test in one call: the handoff around a user's own loop, the device digest, the one-GPU
+    # demos, the real trainers; colo's engine begun before the trainer is built (146e4d1) has not run on a GPU
+    # before this. Limit: arg 2
+    timeout "${2:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=15 \
+      tests/gpu/test_handoff_gpu.py tests/gpu/test_digest_cuda.py tests/gpu/test_one_gpu.py tests/gpu/test_real_trainers.py \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -30
     ;;
   baseline44)  # issue 44's baseline whole: every real trainer's rows at Qwen2-1.5B, both plans, what
     # --verify every adds to each (earlier calls' limits ended them after hf's rows); limit: arg 2
