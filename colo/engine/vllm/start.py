@@ -37,9 +37,11 @@ async def start_rank(host: Any, init_method: str, checkpoint: str | None) -> Any
 
     In vLLM's own engine-core and worker processes, whatever ``--vllm-processes`` said: the rank's
     worker holds the trainer's process group, and a vLLM in that process would take the trainer's
-    world for its own (``init_distributed_environment`` builds its world group from an initialized
-    default group: world size N against its TP=1). Those processes are spawned, not forked: a
-    forked child inherits the trainer's initialized group the same way."""
+    world for its own (``init_distributed_environment`` skips its own ``init_process_group`` where
+    a default group is initialized, and builds its world group from it: N ranks against its
+    TP=1). Those processes are spawned, never forked: vLLM spawns them itself on a CPU
+    (``platforms/cpu.py``) and where CUDA is initialized (``utils/system_utils.py``); colo asks
+    for it everywhere else, since a forked child would carry the trainer's group with it."""
     s = host.spec
     build = dict(host.engine_build)
     if checkpoint is not None:
