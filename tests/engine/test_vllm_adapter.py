@@ -34,8 +34,7 @@ def test_the_server_command_carries_colos_extension_and_backend():
 @pytest.mark.parametrize("kw, why", [
     (dict(engine_dtype="bfloat16"), "--engine vllm on cpu runs float32 .vLLM's bfloat16 CPU kernels hit an illegal "
                                     "instruction on short prompts., got engine dtype bfloat16"),
-    (dict(gpus=2), "--engine vllm runs on one rank: it has no layout of N ranks .one vLLM, TP=1. .engines that "
-                   "have one: colo., got --gpus 2"),
+    (dict(gpus=2, launcher="ray"), "--engine vllm starts its ranks under --launcher process, got --launcher ray"),
     (dict(transport="disk"), "--engine vllm takes its weights through packed or ipc .handles vLLM's worker maps., "
                              "got --transport disk"),
     (dict(fault="kill-engine@sync"), "a fault kill-engine@... with --engine vllm needs --vllm-processes .an "
@@ -55,6 +54,13 @@ def test_the_demo_refuses_what_an_engine_cannot_do_naming_the_flag(kw, why):
     """Each refusal is the engine's registry entry's declared limit, checked once by DemoConfig."""
     with pytest.raises(ValueError, match=why):
         DemoConfig(**{"engine": "vllm", **kw})
+
+
+def test_vllm_on_n_ranks_is_a_replica_per_rank_in_processes_of_its_own():
+    """``--gpus 2 --engine vllm`` is taken (the replicas layout), and a kill fault with it needs no
+    --vllm-processes: every engine rank of N runs in processes of its own (its rank_options)."""
+    cfg = DemoConfig(engine="vllm", gpus=2, fault="kill-engine@sync")
+    assert cfg.engine_entry.layouts == ("replicas",) and not cfg.vllm_processes
 
 
 def test_vllm_on_a_cpu_runs_float32_on_a_device_that_holds_its_kv_cache():
