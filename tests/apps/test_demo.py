@@ -13,6 +13,7 @@ from colo.offline.summary import PhaseSummary
 from colo.tasks import make_task
 from colo.core.invariants import InvariantChecker
 from colo.trace.writer import read_trace
+from tests.docs.blocks import README_DEMO, REPO, run_command, scratch
 from tests.leaks import new_segments
 
 # A bfloat16 engine beside the fp32 trainer: each sync converts through staging buckets. (With
@@ -77,10 +78,13 @@ def test_cli_demo_exits_zero_prints_table_and_writes_trace(tmp_path):
 def test_the_default_demo_learns_well_above_chance_and_says_what_chance_is(tmp_path):
     """Issue 41, item 5: ``colo demo`` with its defaults shows learning, every sync verified, and
     says what the reward of a policy that ignores it is. The margin is the math of seed 0, not
-    the machine's speed: the run may take as long as it takes."""
-    trace = tmp_path / "default.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "colo.cli", "demo", "--quiet", "--trace", str(trace)],
-                          capture_output=True, text=True, timeout=1800)
+    the machine's speed: the run may take as long as it takes.
+
+    It runs the README's first command exactly as written (``README_DEMO``, as the README's
+    block test would run it: in a scratch directory, through bash, the trace at its default
+    path), so the block test leaves that line to this test instead of running the demo twice."""
+    assert README_DEMO in (REPO / "README.md").read_text().splitlines()
+    proc = run_command(README_DEMO.split(" && ")[-1], scratch(tmp_path), timeout=1800)
     assert proc.returncode == 0, proc.stderr
     assert "reward per step (chance 0.125: the reward is the share of completion tokens in a fixed 12.5% of " \
            "the vocabulary)" in proc.stdout
@@ -88,6 +92,7 @@ def test_the_default_demo_learns_well_above_chance_and_says_what_chance_is(tmp_p
     assert m is not None, proc.stdout
     first, last = float(m[1]), float(m[2])
     assert first < 0.2 and last - first >= 0.2, (first, last)  # 0.140 -> 0.637 here
+    trace = tmp_path / "traces" / "demo-offload-first.jsonl"  # the default plan's default path
     events = replay_clean(trace)
     syncs = [e for e in events if e["event"] == "sync.finished"]
     assert len(syncs) == 20 and all(s["verify_s"] is not None and s["digest"] for s in syncs)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colo.cli import build_parser
-from tests.docs.blocks import REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
+from tests.docs.blocks import README_DEMO, REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
 
 #: blocks run, and held to what they print, by a test of their own (run once, not twice)
 ELSEWHERE = {"docs/embedding.md": "tests/test_handoff.py"}
@@ -27,6 +27,15 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert "\ncolo_suite=(python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm)\n" in script
     assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm)\n" in script
     assert '\n"${colo_suite[@]}"\ncolo_status=$?\n' in script and '\n  "${vllm_suite[@]}"\n  vllm_status=$?\n' in script
+
+
+def test_the_readmes_first_command_is_run_by_the_default_demos_test():
+    # the block test leaves README_DEMO to that test: it must be the README's line and that
+    # test must run it (its name and the constant both in its source)
+    assert README_DEMO in (REPO / "README.md").read_text().splitlines()
+    source = (REPO / "tests" / "apps" / "test_demo.py").read_text()
+    assert "def test_the_default_demo_learns_well_above_chance_and_says_what_chance_is" in source
+    assert "run_command(README_DEMO.split(\" && \")[-1]" in source
 
 
 def test_the_docs_have_the_blocks_this_test_expects():
@@ -56,14 +65,17 @@ def test_block_runs_as_written(block, tmp_path):
         proc = run_python(block, cwd)
         assert proc.returncode == 0, f"{block.id}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         return
-    ran = 0
+    ran = held = 0
     for cmd, want in commands(block):
         if cmd == ci_test_command():
             continue  # CI runs exactly this line (test_the_readme_test_command_is_what_ci_runs)
+        if cmd == README_DEMO:
+            held += 1  # run as written, and held to what it prints, by tests/apps/test_demo.py
+            continue
         for part in cmd.split(" && "):
             if part.startswith("pip install") or part.startswith("tools/vllm-env"):
                 continue  # what the test command installs and runs, in CI
             proc = run_command(part, cwd)
             assert proc.returncode == want, f"{block.id}: {part}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
             ran += 1
-    assert ran, f"{block.id}: nothing of this block ran"
+    assert ran or held, f"{block.id}: nothing of this block ran"
