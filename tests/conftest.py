@@ -56,12 +56,23 @@ def _mark_what_this_process_held():
     yield
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
-    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them)."""
+    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them).
+
+    Under ``--dist loadgroup`` (tools/test), a test file is one unit of work: its
+    module-scoped fixtures (a two-rank run, a Ray cluster) are made once, on one worker, and
+    its tests keep their order. A file marked ``xdist_group("...")`` joins the other files
+    of that name on one worker, one after the other. First of the hooks: xdist's own reads
+    the marks."""
     import os
 
     import torch
+
+    for item in items:
+        if not any(True for _ in item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
     if os.environ.get("COLO_SOAK") != "1":
         skip_soak = pytest.mark.skip(reason="a long soak: COLO_SOAK=1 runs it")

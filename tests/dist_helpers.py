@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 #: a guard against a hang, not a measurement: a healthy run takes seconds
-HANG_GUARD_S = 120
+HANG_GUARD_S = 240
 _GRACE_S = 2.0  # after one worker fails, time for the others to write their own tracebacks
 
 
@@ -34,7 +34,7 @@ def _entry(fn: Callable, rank: int, world_size: int, tmp: str, args: tuple) -> N
 
         torch.set_num_threads(1)  # two workers share two cores
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=60))
+                                world_size=world_size, timeout=timedelta(seconds=HANG_GUARD_S / 2))
         try:
             result = fn(rank, world_size, tmp_path, *args)
         finally:

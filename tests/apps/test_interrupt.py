@@ -136,7 +136,7 @@ def test_a_signal_during_a_packed_sync_cancels_the_run_and_leaves_nothing(signal
     proc, trace, children = _start_demo_mid_sync(short_tmp)
     for sig in signals:  # back to back: the second lands while the first is being cleaned up
         os.kill(proc.pid, sig)
-    code = proc.wait(60)
+    code = proc.wait(CEILING_S)
     err = (short_tmp / "stderr").read_text(errors="replace")
     assert code == 130, (code, err[-3000:])
     assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
@@ -149,7 +149,7 @@ def test_a_signal_during_a_packed_sync_cancels_the_run_and_leaves_nothing(signal
 def test_sigterm_in_rollout_or_train_cancels_that_phase_and_leaves_nothing(phase, short_tmp):
     proc, trace, children = _start_demo_mid_sync(short_tmp, phase)
     os.kill(proc.pid, signal.SIGTERM)
-    code = proc.wait(60)
+    code = proc.wait(CEILING_S)
     err = (short_tmp / "stderr").read_text(errors="replace")
     assert code == 130 and "Traceback" not in err, (code, err[-3000:])
     # a train step of the demo model takes a fraction of a second: the signal may

@@ -30,6 +30,7 @@ from colo.transports.base import TensorMeta
 from colo.transports.pack import pack_into
 from colo.transports.packed import PackedRequest
 from tests.conftest import SMALL_CFG
+from tests.waits import CEILING_S
 from tests.leaks import new_segments
 
 TP = 2
@@ -183,7 +184,7 @@ async def test_a_rank_that_fails_to_start_takes_every_rank_down(short_tmp):
     before = engines_now()
     with pytest.raises(EngineDied, match="exited"):
         await EngineClient.spawn_tp(build, TP, envs=[None, {"PYTHONHOME": "/nonexistent-colo"}],
-                                    start_timeout_s=60)
+                                    start_timeout_s=CEILING_S)
     assert engine_children(before) == []
     assert socket_dirs(short_tmp) == []
 
@@ -196,6 +197,6 @@ async def test_a_tp_size_the_model_cannot_split_is_refused_on_every_rank(short_t
     # a build the engine refuses is bad input, said in the engine's own words (issue 32, item 5)
     before = engines_now()
     with pytest.raises(EngineRefused, match="tensor-parallel size 3 does not divide num_attention_heads 4"):
-        await EngineClient.spawn_tp(build, 3, start_timeout_s=60)
+        await EngineClient.spawn_tp(build, 3, start_timeout_s=CEILING_S)
     assert engine_children(before) == []
     assert socket_dirs(short_tmp) == []

@@ -15,14 +15,15 @@ from colo.proc.lifecycle import process_state
 from colo.core.errors import EngineDied
 
 from tests.proc.test_lifecycle import _build
+from tests.waits import CEILING_S
 
 
 async def test_a_stopped_engine_is_engine_died_within_seconds_and_killed(tmp_path):
-    client = await EngineClient.spawn(_build(tmp_path), start_timeout_s=60)
+    client = await EngineClient.spawn(_build(tmp_path), start_timeout_s=CEILING_S)
     try:
         assert (await client.call("hello"))["ok"]
         os.kill(client.process.pid, signal.SIGSTOP)
-        with anyio.fail_after(60):  # a hang guard: the phase deadline would be 600 s
+        with anyio.fail_after(CEILING_S):  # a hang guard: the phase deadline would be 600 s
             with pytest.raises(EngineDied, match=rf"process {client.process.pid} was stopped"):
                 await client.call("digest")
         assert not client.process.is_alive()
@@ -31,7 +32,7 @@ async def test_a_stopped_engine_is_engine_died_within_seconds_and_killed(tmp_pat
 
 
 async def test_a_busy_engine_is_not_a_stopped_one(tmp_path):
-    client = await EngineClient.spawn(_build(tmp_path), start_timeout_s=60)
+    client = await EngineClient.spawn(_build(tmp_path), start_timeout_s=CEILING_S)
     try:
         assert process_state(client.process.pid) in ("R", "S", "D")
         assert process_state(2**22 + 12345) is None  # no such process

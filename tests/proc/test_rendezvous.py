@@ -27,7 +27,7 @@ def _join_and_reduce(init_method: str, rank: int, world_size: int, out: str) -> 
 
     torch.set_num_threads(1)
     init_default_group("gloo", init_method, rank=rank, world_size=world_size,
-                       timeout=datetime.timedelta(seconds=60))
+                       timeout=datetime.timedelta(seconds=HANG_GUARD_S / 2))
     try:
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)

@@ -13,6 +13,12 @@ import pytest
 from tests.waits import CEILING_S
 from tests.apps.test_interrupt import _demo, _gone, _ours, _segments, _start_demo_mid_sync
 
+#: alone, after every other test (tools/test): these tests leave a dead run's dirs and segments
+#: for the next demo to sweep (any colo run on the machine sweeps them too), and one rewinds the
+#: kernel's pid counter (/proc/sys/kernel/ns_last_pid), which would hand a running test's
+#: recently dead pids out again
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def short_tmp():

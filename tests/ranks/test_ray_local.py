@@ -25,6 +25,10 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
+#: one worker runs the modules that start a Ray cluster, one after the other (tests/conftest.py):
+#: two clusters starting at once on two busy cores outwait Ray's own start limits
+pytestmark = pytest.mark.xdist_group("ray")
+
 REPO = Path(__file__).resolve().parents[2]
 #: Ray and two ranks start in ~15 s on an idle 2-core machine; a loaded one takes longer
 RUN_TIMEOUT_S = 300

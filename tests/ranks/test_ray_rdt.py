@@ -27,6 +27,10 @@ from tests.multirank import two_rank_run  # noqa: E402
 from tests.ranks.test_ray import (_actor, _assert_each_rank_shares_its_bundle, _assert_nothing_left,  # noqa: E402
                                   _by_rank, _live_actors, _placements, _segments)
 
+#: one worker runs the modules that start a Ray cluster, one after the other (tests/conftest.py):
+#: two clusters starting at once on two busy cores outwait Ray's own start limits
+pytestmark = pytest.mark.xdist_group("ray")
+
 #: the demo's own rollouts (the shared 2-rank runs' are smaller): enough signal that the
 #: REINFORCE task's reward rises within STEPS
 LEARN = dict(batch=32, new_tokens=24, prompt_len=8)
