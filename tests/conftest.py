@@ -56,6 +56,18 @@ def _mark_what_this_process_held():
     yield
 
 
+#: units of work (xdist groups) that took minutes in the last fresh-clone run under load,
+#: longest first: tools/test hands these out before the rest
+LONGEST_FIRST = ("ray", "tests/docs/test_code_blocks.py", "tests/apps/test_interrupt.py",
+                 "tests/apps/test_demo_multi.py", "tests/proc/test_shm_room.py", "tests/test_examples.py",
+                 "tests/apps/test_bench_trainers.py", "tests/bench/test_multi_gpu.py", "tests/apps/test_demo.py")
+
+
+def _group_of(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    return (mark.args[0] if mark.args else mark.kwargs.get("name", "default")) if mark else ""
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
@@ -73,6 +85,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not any(True for _ in item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # the longest units first (tools/test passes --no-loadscope-reorder): one that starts
+        # last keeps the other worker idle to the end. Only an order: every file still runs.
+        first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: first.get(_group_of(item), len(first)))
 
     if os.environ.get("COLO_SOAK") != "1":
         skip_soak = pytest.mark.skip(reason="a long soak: COLO_SOAK=1 runs it")
