@@ -118,11 +118,41 @@ class _Clock:
         return time.perf_counter() - t0, out
 
 
+#: a directory: each trainer's child profiles one more plain sync per plan there (torch.profiler:
+#: the trainer process's operators and kernels, the engine's load is in its own process), to
+#: find where a sync's time goes before changing it (issue 44: sync-first at ten device copies)
+PROFILE_ENV = "COLO_BENCH_PROFILE"
+
+
+async def _profiled(where: str, clock: _Clock, step: Callable[[], Any]) -> tuple[float, Any]:
+    """``clock.time(step)`` under torch.profiler; its tables (by self device time and by self
+    CPU time) and its Chrome trace written to ``where`` + ``.txt`` / ``.json``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if clock.cuda else [])
+    try:  # the transports pack and copy on threads of their own: their operators too
+        extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        extra = {}
+    with profile(activities=activities, **extra) as prof:
+        took, out = await clock.time(step)
+    table = prof.key_averages()
+    with open(where + ".txt", "w") as f:
+        f.write(f"one sync, {took * 1e3:.1f} ms (torch {torch.__version__})\n\n")
+        for key in (["self_device_time_total"] if clock.cuda else []) + ["self_cpu_time_total"]:
+            f.write(f"== by {key}\n{table.table(sort_by=key, row_limit=30, max_name_column_width=90)}\n")
+    prof.export_chrome_trace(where + ".json")
+    return took, out
+
+
 async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: list[str], clock: _Clock, step: int,
-                 bucket_bytes: int, verifier: tuple[Callable, Callable] | None, probe_now: bool = True) -> dict:
+                 bucket_bytes: int, verifier: tuple[Callable, Callable] | None, probe_now: bool = True,
+                 profile_to: str | None = None) -> dict:
     """One cycle of ``plan``, each transition timed; with ``verifier`` the demo's verification
     (the probe only where ``probe_now``: the scheduler probes an engine whose digest is of its
-    live weights on its first verified sync only)."""
+    live weights on its first verified sync only); with ``profile_to`` its sync profiled there
+    (:func:`_profiled`)."""
     from colo.core.interfaces import SyncContext
     from colo.core.memory import StagingBudget
 
@@ -145,7 +175,10 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     source = "host" if backend is not None and not backend.resident("weights") else "device"
     ctx = SyncContext(step=step, weight_version=step, bucket_bytes=bucket_bytes, source=source,
                       staging=StagingBudget(None), flush_cache=True)
-    out["sync_s"], result = await clock.time(lambda: transport.sync(trainer, engine, ctx))
+    if profile_to is None:
+        out["sync_s"], result = await clock.time(lambda: transport.sync(trainer, engine, ctx))
+    else:
+        out["sync_s"], result = await _profiled(profile_to, clock, lambda: transport.sync(trainer, engine, ctx))
     out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
                peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages))
     if verifier is not None:
@@ -267,6 +300,12 @@ async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, see
                                          probe_now=i == 0 or not live)
                             for i in range(reps)]
                 rows.append(_summary(plan, plain, verified))
+                if os.environ.get(PROFILE_ENV):  # after the rows: the profiler's own cost is in no figure
+                    where = os.path.join(os.environ[PROFILE_ENV], f"sync-{kind}-{name}-{plan}")
+                    os.makedirs(os.environ[PROFILE_ENV], exist_ok=True)
+                    await _cycle(plan, trainer, engine, transport, tags, clock, 1 + reps, bucket_bytes, None,
+                                 profile_to=where)
+                    say(f"{kind} at {name}: {plan}: one sync profiled in {where}.txt")
         finally:
             await transport.aclose()
         return {"trainer": kind, "model": name, "params": params, "param_dtype": param_dtype,
