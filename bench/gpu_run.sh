@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -91,11 +91,11 @@ case "${1:-tests}" in
       --trainers "$2" --reps 3 --out "$OUT/colo-bench-trainers-7b-$2.json" 2>&1 | tee "$OUT/trainers-7b-$2.log" | tail -24
     ;;
   profile44)  # issue 44 item 3's first step: where a sync's time goes. Every real trainer's rows at one model
-    # (arg 2, default qwen2-1.5b; --reps 1), then one more plain sync per plan under torch.profiler
+    # (arg 2, default qwen2-1.5b; --reps 1; the trainers: arg 4, default all three), then one more plain sync per plan under torch.profiler
     # (colo/apps/bench_trainers.py PROFILE_ENV): the trainer process's kernels and operators. Limit: arg 3
     rm -rf /tmp/prof
     COLO_BENCH_PROFILE=/tmp/prof timeout "${3:-500}" python3 -m colo.cli bench --device cuda --model "${2:-qwen2-1.5b}" \
-      --transports packed --trainers hf,fsdp,megatron --reps 1 --out "$OUT/colo-bench-trainers-profiled.json" 2>&1 \
+      --transports packed --trainers "${4:-hf,fsdp,megatron}" --reps 1 --out "$OUT/colo-bench-trainers-profiled.json" 2>&1 \
       | tee "$OUT/trainers-profiled.log" | tail -10
     for f in /tmp/prof/*sync-first.txt /tmp/prof/*offload-first.txt; do
       [ -f "$f" ] && { echo "== $f"; sed -n 1,24p "$f" | cut -c1-230; }

@@ -24,6 +24,10 @@ def fsdp_worker(rank: int, world: int, tmp_path) -> dict:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     local_rows = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if world == 1:  # one rank's shard is the whole tensor: read as it is, never redistributed
+        def no_gather(self, *a, **kw):
+            raise AssertionError("full_tensor() on a mesh of one rank")
+        DTensor.full_tensor = no_gather
 
     ex = FSDPExtractor(model, dtype=torch.bfloat16)
     specs = [(s.name, list(s.shape), s.dtype, s.nbytes) for s in ex.specs()]
@@ -43,6 +47,25 @@ def fsdp_worker(rank: int, world: int, tmp_path) -> dict:
         plain_error = str(e)
     return {"specs": specs, "local_rows": local_rows, "by_bucket": by_bucket, "reversed": reversed_order,
             "reversed_names": list(reversed_order), "fp8": fp8, "plain_error": plain_error}
+
+
+def _reference() -> dict:
+    ref_model = TinyLlama(SEED)
+    ref_model.register_buffer("steps", torch.tensor([3, 4]))
+    return ref_model.state_dict()
+
+
+def test_one_rank_fsdp2_is_read_without_a_gather_and_bit_exact(tmp_path):
+    (res,) = run_workers(fsdp_worker, tmp_path, world_size=1)
+    ref = _reference()
+    assert res["local_rows"]["model.embed_tokens.weight"] == (37, 8)  # one rank holds every row
+    assert list(res["by_bucket"]) == list(ref) and res["reversed_names"] == list(ref)[::-1]
+    for n, t in ref.items():
+        want = t if n == "steps" else t.to(torch.bfloat16)
+        assert type(res["by_bucket"][n]) is torch.Tensor, type(res["by_bucket"][n])  # a plain tensor, not a DTensor
+        assert_bit_equal(res["by_bucket"][n], want, n)
+        assert_bit_equal(res["reversed"][n], want, f"{n} (reversed)")
+        assert_bit_equal(res["fp8"][n], t if n == "steps" else t.to(torch.float8_e4m3fn), f"{n} fp8")
 
 
 def test_fsdp2_shards_gathered_with_full_tensor_are_bit_exact(tmp_path):
