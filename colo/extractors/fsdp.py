@@ -46,9 +46,9 @@ class FSDPExtractor(PlainExtractor):
         local = t.to_local()
         if t.device_mesh.size() == 1 and local.shape == t.shape:
             # One rank: its shard is the whole tensor, and full_tensor() would only add
-            # DTensor's redistribution, host work per tensor (a third of a one-GPU
-            # sync-first sync's gather time at Qwen2-1.5B on an H200, issue 44). The
-            # same bits, converted and moved as any plain tensor.
+            # DTensor's redistribution, host work per tensor in every one-GPU sync (the
+            # profile of a sync-first sync at Qwen2-1.5B on an H200, issue 44). The same
+            # bits, converted and moved as any plain tensor.
             return to_engine(local, self.dtype, self.device)
         if self.device is not None:
             t = t.to(self.device)
