@@ -19,11 +19,13 @@ plain ``pip install ray`` does not have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -50,16 +52,44 @@ def _events(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _segments() -> set[str]:
+def _segments(also: set[int] = frozenset()) -> set[str]:
     """/dev/shm segments made by this cluster's actor processes (``colo-<pid>-...``; Ray's GCS
-    keeps a dead actor's pid) whose maker is gone: leaked ones. Only this cluster's: other
-    colo runs on this machine (another pytest worker's) make and leave their own meanwhile."""
+    keeps a dead actor's pid) or by the pids in ``also``, whose maker is gone: leaked ones.
+    Only those: other colo runs on this machine (another pytest worker's) make and leave
+    their own meanwhile."""
     from ray._private import state
 
-    pids = {str(a["Pid"]) for a in state.actors().values() if a.get("Pid")}
+    pids = {str(a["Pid"]) for a in state.actors().values() if a.get("Pid")} | {str(p) for p in also}
     names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
     return {n for n in names if n.startswith("colo-") and n.split("-")[1] in pids
             and not os.path.exists(f"/proc/{n.split('-')[1]}")}
+
+
+@contextlib.contextmanager
+def _descendants_seen(poll_s: float = 0.05):
+    """The pids of every process below this one while the block runs (sampled: a rank worker
+    or an engine lives for seconds), for :func:`_segments` to count what they leave."""
+    import psutil
+
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process()
+        while not stop.is_set():
+            try:
+                seen.update(c.pid for c in me.children(recursive=True))
+            except psutil.Error:
+                pass
+            stop.wait(poll_s)
+
+    t = threading.Thread(target=sample, name="descendants-seen", daemon=True)
+    t.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        t.join()
 
 
 def _live_actors(prefix: str = "colo-") -> list[str]:
@@ -73,13 +103,13 @@ def _live_groups() -> list[str]:
             if pg["state"] != "REMOVED" and str(pg.get("name", "")).startswith("colo-")]
 
 
-def _assert_nothing_left(segments_before: set[str]) -> None:
+def _assert_nothing_left(segments_before: set[str], also: set[int] = frozenset()) -> None:
     deadline = time.monotonic() + CEILING_S  # ray.kill is asynchronous: the actor is dead a moment later
     while (_live_actors() or _live_groups()) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _live_actors() == []
     assert _live_groups() == []
-    assert _segments() - segments_before == set()
+    assert _segments(also) - segments_before == set()
 
 
 def _actor(name: str):
@@ -140,11 +170,13 @@ def runs(cluster, tmp_path_factory):
             ray.kill(trainers[1])
 
     # the process launcher's run is the one tests/apps/test_demo_multi.py checks too: run once
-    out = {"process": shared_run(tmp_path_factory, trainer="hf"),
-           "ray": _run(tmp, "ray", on_cycle=look, launcher="ray"),
-           "ray-faults": _run(tmp, "ray-faults", on_cycle=faults, launcher="ray", steps=4,
-                              fault="kill-engine@sync", fault_step=1)}
-    _assert_nothing_left(before)  # after a clean run, an engine actor's death and a trainer actor's
+    # (its rank workers and engines are this process's children: their leftovers count too)
+    with _descendants_seen() as children:
+        out = {"process": shared_run(tmp_path_factory, trainer="hf"),
+               "ray": _run(tmp, "ray", on_cycle=look, launcher="ray"),
+               "ray-faults": _run(tmp, "ray-faults", on_cycle=faults, launcher="ray", steps=4,
+                                  fault="kill-engine@sync", fault_step=1)}
+    _assert_nothing_left(before, children)  # after a clean run, an engine actor's death and a trainer actor's
     out["seen"] = seen
     return out
 
