@@ -38,7 +38,9 @@ from tests.multirank import shared_run, two_rank_run  # noqa: E402
 from tests.waits import CEILING_S  # noqa: E402
 from colo.core.errors import RankDied, RankFailed  # noqa: E402
 from colo.offline.replay import replay  # noqa: E402
+from colo.proc.handles import leftover_segments  # noqa: E402
 from colo.ranks.ray_launcher import WORKER_NICENESS  # noqa: E402
+from tests.soak_probe import descendants  # noqa: E402
 
 #: one worker runs the modules that start a Ray cluster, one after the other (tests/conftest.py):
 #: two clusters starting at once on two busy cores outwait Ray's own start limits
@@ -53,34 +55,26 @@ def _events(path) -> list[dict]:
 
 
 def _segments(also: set[int] = frozenset()) -> set[str]:
-    """/dev/shm segments made by this cluster's actor processes (``colo-<pid>-...``; Ray's GCS
-    keeps a dead actor's pid) or by the pids in ``also``, whose maker is gone: leaked ones.
-    Only those: other colo runs on this machine (another pytest worker's) make and leave
-    their own meanwhile."""
+    """/dev/shm segments made by this cluster's actor processes (Ray's GCS keeps a dead
+    actor's pid) or by the pids in ``also``, whose maker is gone: leaked ones. Only those:
+    other colo runs on this machine (another pytest worker's) make and leave their own
+    meanwhile."""
     from ray._private import state
 
-    pids = {str(a["Pid"]) for a in state.actors().values() if a.get("Pid")} | {str(p) for p in also}
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    return {n for n in names if n.startswith("colo-") and n.split("-")[1] in pids
-            and not os.path.exists(f"/proc/{n.split('-')[1]}")}
+    pids = {int(a["Pid"]) for a in state.actors().values() if a.get("Pid")} | set(also)
+    return {n for pid in pids if not os.path.exists(f"/proc/{pid}") for n in leftover_segments(pid)}
 
 
 @contextlib.contextmanager
 def _descendants_seen(poll_s: float = 0.05):
     """The pids of every process below this one while the block runs (sampled: a rank worker
     or an engine lives for seconds), for :func:`_segments` to count what they leave."""
-    import psutil
-
     seen: set[int] = set()
     stop = threading.Event()
 
     def sample() -> None:
-        me = psutil.Process()
         while not stop.is_set():
-            try:
-                seen.update(c.pid for c in me.children(recursive=True))
-            except psutil.Error:
-                pass
+            seen.update(descendants(os.getpid()))
             stop.wait(poll_s)
 
     t = threading.Thread(target=sample, name="descendants-seen", daemon=True)
@@ -286,11 +280,6 @@ def _actor_pids(prefix: str) -> dict[str, int]:
             if str(a.get("Name", "")).startswith(prefix) and a.get("State") == "ALIVE" and a.get("Pid")}
 
 
-def _made_by(pid: int) -> list[str]:
-    """/dev/shm segments process ``pid`` made (colo names them ``colo-<pid>-<uuid>``)."""
-    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"colo-{pid}-"))
-
-
 def test_a_rank_actor_sigkilled_mid_sync_fails_the_run_naming_it_and_leaves_nothing(cluster, tmp_path):
     """SIGKILL of rank 1's trainer actor's worker process while it holds its staging
     segments in a sync: the run fails naming rank 1 (exit 1, one FAILED line, no
@@ -314,12 +303,12 @@ def test_a_rank_actor_sigkilled_mid_sync_fails_the_run_naming_it_and_leaves_noth
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
             pids = pids if len(pids) == 4 else _actor_pids("colo-")  # 2 rank actors, 2 engine actors
             victim = next((pid for name, pid in pids.items() if name.startswith("colo-rank1-")), None)
-            held = _made_by(victim) if victim and len(pids) == 4 else []
+            held = leftover_segments(victim) if victim and len(pids) == 4 else []
             time.sleep(0.005)
         os.kill(victim, signal.SIGKILL)
         code = proc.wait(120)
         # at the driver's exit: any colo run's start-up on this machine sweeps them too, later
-        at_exit = _made_by(victim)
+        at_exit = leftover_segments(victim)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -339,7 +328,7 @@ def test_a_rank_actor_sigkilled_mid_sync_fails_the_run_naming_it_and_leaves_noth
     assert replay([str(t) for t in traces]).valid
     deadline = time.monotonic() + CEILING_S
     while time.monotonic() < deadline:
-        left = ([n for pid in pids.values() for n in _made_by(pid)], _live_actors(), _live_groups(),
+        left = ([n for pid in pids.values() for n in leftover_segments(pid)], _live_actors(), _live_groups(),
                 [pid for pid in pids.values() if psutil.pid_exists(pid)
                  and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE],
                 sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("colo-")))
