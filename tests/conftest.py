@@ -58,9 +58,10 @@ def _mark_what_this_process_held():
 
 #: units of work (xdist groups) that took minutes in the last fresh-clone run under load,
 #: longest first: tools/test hands these out before the rest
-LONGEST_FIRST = ("ray", "tests/docs/test_code_blocks.py", "tests/apps/test_interrupt.py",
-                 "tests/apps/test_demo_multi.py", "tests/proc/test_shm_room.py", "tests/test_examples.py",
-                 "tests/apps/test_bench_trainers.py", "tests/bench/test_multi_gpu.py", "tests/apps/test_demo.py")
+LONGEST_FIRST = ("tests/vllm/test_ranks.py", "tests/vllm/test_demo.py", "ray", "tests/docs/test_code_blocks.py",
+                 "tests/apps/test_interrupt.py", "tests/apps/test_demo_multi.py", "tests/proc/test_shm_room.py",
+                 "tests/test_examples.py", "tests/apps/test_bench_trainers.py", "tests/bench/test_multi_gpu.py",
+                 "tests/apps/test_demo.py")
 
 
 def _group_of(item) -> str:
@@ -68,23 +69,43 @@ def _group_of(item) -> str:
     return (mark.args[0] if mark.args else mark.kwargs.get("name", "default")) if mark else ""
 
 
+def pytest_itemcollected(item):
+    """Under ``--dist loadgroup`` (tools/test), a test file is one unit of work: its
+    module-scoped fixtures (a two-rank run, a Ray cluster) are made once, on one worker, and
+    its tests keep their order. A file marked ``xdist_group("...")`` joins the other files
+    of that name on one worker, one after the other.
+
+    Marked as each item is collected: xdist's ``pytest_collection_modifyitems`` reads the
+    marks, and this way they are there whichever hook of that name runs first."""
+    if not any(True for _ in item.iter_markers("xdist_group")):
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup`` every test must carry its group into the id xdist schedules
+    by (xdist appends ``@group`` to ``item._nodeid`` on the worker). pytest 9.2 computes
+    ``nodeid`` from another field and pytest-xdist 3.8's suffix is lost without a word: each
+    test of a file is then its own unit, and two workers each build one module's fixtures
+    (two two-rank vLLM runs at once, seen in vLLM's environment). Stopped here, on the
+    controller, before a test runs."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [nodeid for nodeid in ids if "@" not in nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist's groups did not reach the test ids ({lost[0]} has none): pytest "
+            f"{pytest.__version__} and this pytest-xdist do not work together under --dist loadgroup; "
+            f"install the pytest that pyproject.toml's dev extra asks for")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
-    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them).
-
-    Under ``--dist loadgroup`` (tools/test), a test file is one unit of work: its
-    module-scoped fixtures (a two-rank run, a Ray cluster) are made once, on one worker, and
-    its tests keep their order. A file marked ``xdist_group("...")`` joins the other files
-    of that name on one worker, one after the other. First of the hooks: xdist's own reads
-    the marks."""
+    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them)."""
     import os
 
     import torch
 
-    for item in items:
-        if not any(True for _ in item.iter_markers("xdist_group")):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # the longest units first (tools/test passes --no-loadscope-reorder): one that starts
         # last keeps the other worker idle to the end. Only an order: every file still runs.

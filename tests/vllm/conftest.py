@@ -20,6 +20,25 @@ import anyio  # noqa: E402
 from tests.vllm.parts import LLM_ARGS, save_model  # noqa: E402
 
 
+#: what VllmEngine.start and colo.engine.vllm.start set in os.environ for vLLM to read (one
+#: process or vLLM's own processes, how they start, whose log handler) and leave set
+_VLLM_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CONFIGURE_LOGGING")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_env_per_module():
+    """Each test module starts from the environment the run started with, not from what the
+    previous module's engines left set: tools/test hands modules to two pytest workers in an
+    order of its own, and a module must behave the same whichever ran before it."""
+    before = {k: os.environ.get(k) for k in _VLLM_ENV}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2-untied")

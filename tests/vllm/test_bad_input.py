@@ -10,11 +10,13 @@ from colo.core.buckets import spec
 from tests.vllm.parts import LLM_ARGS
 
 
-def test_a_vllm_started_without_colos_extension_is_refused(model_dir):
+def test_a_vllm_started_without_colos_extension_is_refused(model_dir, monkeypatch):
     from vllm import LLM
 
     from colo.engine.vllm import VllmEngine
 
+    # one process, as VllmEngine.start makes it (this LLM is built by hand, not by colo)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     llm = LLM(model=model_dir, distributed_executor_backend="uni", **LLM_ARGS)
     try:
         with pytest.raises(BadInput, match="without colo's worker extension.*worker_extension_cls="):
