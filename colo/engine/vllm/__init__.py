@@ -128,7 +128,7 @@ class _LLM:
         if verb == "generate":
             return _generate(self.llm, *args, **kwargs)
         if verb == "prompt_logprobs":
-            return _prompt_logprobs(self.llm, *args)
+            return _prompt_logprobs(self.llm, *args, **kwargs)
         if verb == "update_weights":
             return self.llm.update_weights({"update_info": args[0]})
         if verb == "init_weight_transfer_engine":
@@ -156,22 +156,38 @@ class _LLM:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def _generate(llm: Any, prompts: list[list[int]], *, max_tokens: int, temperature: float, seed: int) -> list:
+def _lora_request(adapter: int | None) -> Any:
+    """vLLM's request for adapter version ``adapter`` (None: the base model). Registered in the
+    worker's cache by colo (:mod:`colo.engine.vllm.adapters`): the worker finds its id there and
+    never reads the path, which only has to be non-empty."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    # LoRARequest compares by name: one name per version
+    return LoRARequest(lora_name=f"colo-adapter-v{adapter}", lora_int_id=int(adapter),
+                       lora_path=f"colo-in-memory:adapter-v{adapter}")
+
+
+def _generate(llm: Any, prompts: list[list[int]], *, max_tokens: int, temperature: float, seed: int,
+              adapter: int | None = None) -> list:
     from vllm import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i, detokenize=False,
                              ignore_eos=True) for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=_lora_request(adapter))
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _prompt_logprobs(llm: Any, tokens: list[list[int]]) -> list[list[float]]:
+def _prompt_logprobs(llm: Any, tokens: list[list[int]], *, adapter: int | None = None) -> list[list[float]]:
     """log p(token i | tokens before it) for i >= 1, per sequence (prompt logprobs never
     read the prefix cache: a probe cannot be answered from stale blocks)."""
     from vllm import SamplingParams
 
     params = SamplingParams(prompt_logprobs=0, max_tokens=1, detokenize=False, temperature=0.0)
-    outs = llm.generate([{"prompt_token_ids": t} for t in tokens], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": t} for t in tokens], params, use_tqdm=False,
+                        lora_request=_lora_request(adapter))
     return [[lp[tok].logprob for lp, tok in zip(o.prompt_logprobs[1:], seq[1:])] for o, seq in zip(outs, tokens)]
 
 
@@ -223,6 +239,9 @@ class _Http:
             return self._req("POST", "/update_weight_version", {"new_version": args[0]})
         if verb == "get_weight_version":
             return self._req("GET", "/weight_info")["weight_version"]
+        if verb in ("generate", "prompt_logprobs") and kwargs.get("adapter") is not None:
+            raise EngineStateError("vLLM over HTTP: colo's in-memory adapters are not served there (the server's "
+                                   "model list does not hold them); use an LLM in this process")
         if verb == "generate":
             prompts = args[0]
             out = []
@@ -273,6 +292,13 @@ class VllmEngine:
         self.closed = False
         #: seconds spent in each of vLLM's calls (a benchmark reads and clears it)
         self.call_s: dict[str, float] = {}
+        #: the LoRA adapter version requests use (None: the base model alone)
+        self.active_adapter: int | None = None
+        #: adapter versions vLLM's worker holds (oldest first) and the digest each was built from
+        self.adapter_digests: dict[int, str] = {}
+        #: adapter versions kept loaded, the active one included: a version activated drops
+        #: the ones older than the newest ``keep_adapters`` (requests still in flight may use them)
+        self.keep_adapters = 2
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -442,21 +468,25 @@ class VllmEngine:
         return await roll_out(self.task, self.tokens, step, "vLLM")
 
     async def tokens(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float = 0.0,
-                     seed: int = 0) -> list[list[int]]:
+                     seed: int = 0, adapter: int | str | None = "active") -> list[list[int]]:
         """Completions of token-id prompts (no tokenizer): request i samples with ``seed + i``,
-        and every completion is ``max_new_tokens`` long (no end-of-sequence stop)."""
+        and every completion is ``max_new_tokens`` long (no end-of-sequence stop). ``adapter``:
+        the LoRA adapter version they run with: ``"active"`` (:attr:`active_adapter`), a loaded
+        version, or None for the base model."""
         self._refuse_unless_current("generate")
-        return await self._call("generate", prompts, max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return await self._call("generate", prompts, max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                adapter=self._adapter_for(adapter))
 
     async def worker_timings(self) -> dict[str, float]:
         """Seconds the worker spent per part of the loads since the last call (begin, check,
         hash, copy, vLLM's load_weights, its finalize)."""
         return dict(await self._rpc("colo_timings"))
 
-    async def logprobs(self, tokens: list[list[int]]) -> list[list[float]]:
-        """The verification probe: log p(token i | the tokens before it), i >= 1."""
+    async def logprobs(self, tokens: list[list[int]], *, adapter: int | str | None = "active") -> list[list[float]]:
+        """The verification probe: log p(token i | the tokens before it), i >= 1 (``adapter``
+        as for :meth:`tokens`)."""
         self._refuse_unless_current("answer the probe", stale_ok=True)
-        return await self._call("prompt_logprobs", tokens)
+        return await self._call("prompt_logprobs", tokens, adapter=self._adapter_for(adapter))
 
     def _refuse_unless_current(self, what: str, *, stale_ok: bool = False) -> None:
         # what colo's own engine refuses, refused here before vLLM (which would run anyway, on
@@ -528,6 +558,88 @@ class VllmEngine:
         except EngineError:
             pass
 
+    # -- LoRA adapters, in memory ------------------------------------------------------------
+    def adapter_target(self, version: int, config: Any) -> AdapterTarget:
+        """The receiving side a colo transport sends adapter ``version`` (of ``config``, a
+        :class:`colo.models.lora.AdapterConfig`) to, as it sends weights to this engine."""
+        if not isinstance(self._api, _LLM):
+            raise EngineStateError("vLLM over HTTP: colo's in-memory adapters are not served there; use an LLM in "
+                                   "this process (VllmEngine.start)")
+        return AdapterTarget(self, version, config)
+
+    async def stage_adapter(self, source: Any, version: int, config: Any, *, transport: str = "packed",
+                            bucket_bytes: int = 1 << 20) -> str:
+        """Send adapter ``version`` to vLLM's worker through colo's ``transport`` and register
+        it there, inactive: ``source`` is a trainer (``extractor()``) whose tensors are the
+        adapter's, PEFT-named. Returns the digest of what the worker received. Nothing is
+        written to disk. A failed stage registers nothing: the active version serves on.
+
+        Room first: versions beyond :attr:`keep_adapters` that are not active are dropped."""
+        from colo.core.interfaces import SyncContext
+        from colo.core.memory import StagingBudget
+        from colo.transports import make_transport
+
+        target = self.adapter_target(version, config)
+        keep = set(sorted(self.adapter_digests)[-self.keep_adapters:]) | {self.active_adapter}
+        for old in sorted(self.adapter_digests):
+            if old not in keep and old != version:
+                await self.drop_adapter(old)
+        sender = make_transport(transport)
+        ctx = SyncContext(step=version, weight_version=version, bucket_bytes=bucket_bytes, source="host",
+                          staging=StagingBudget(None), flush_cache=False)
+        try:
+            await sender.sync(source, target, ctx)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await target.drop_handles()
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sender.aclose()
+        if target.digest is None:
+            raise EngineStateError(f"adapter v{version}: the transport ended without ending the stage")
+        return target.digest
+
+    async def activate_adapter(self, version: int | None, *, digest: str | None = None) -> None:
+        """Requests use adapter ``version`` from now on (None: the base model). ``digest``: what
+        the trainer sent (:func:`colo.digest.expected_weights_digest` of its adapter tensors);
+        refused, the active version unchanged, unless the worker received exactly that. Then
+        versions older than the newest :attr:`keep_adapters` are dropped."""
+        if version is not None:
+            got = self.adapter_digests.get(version)
+            if got is None:
+                raise EngineStateError(f"adapter v{version} is not loaded in vLLM "
+                                       f"(loaded: {sorted(self.adapter_digests) or 'none'}): stage it first")
+            if digest is not None and got != digest:
+                raise EngineError("activate_adapter", "DigestMismatch",
+                                  f"adapter v{version}: vLLM received {got}, the trainer sent {digest}; "
+                                  f"v{self.active_adapter} stays active")
+        self.active_adapter = version
+        newest = sorted(self.adapter_digests)[-self.keep_adapters:]
+        for old in sorted(self.adapter_digests):
+            if old not in newest and old != version:
+                await self.drop_adapter(old)
+
+    async def adapters(self) -> dict[int, str | None]:
+        """The adapter versions vLLM's worker holds, with the digest each was built from."""
+        reply = await self._rpc("colo_adapters")
+        return {int(v): d for v, d in reply["digests"].items()}
+
+    async def drop_adapter(self, version: int) -> None:
+        """Unload adapter ``version`` (not the active one: activate another first)."""
+        if version == self.active_adapter:
+            raise EngineStateError(f"adapter v{version} is active: activate another (or None) before dropping it")
+        await self._rpc("colo_adapter_drop", version)
+        self.adapter_digests.pop(version, None)
+
+    def _adapter_for(self, adapter: int | str | None) -> int | None:
+        if adapter == "active":
+            return self.active_adapter
+        if adapter is not None and adapter not in self.adapter_digests:
+            raise EngineStateError(f"adapter v{adapter} is not loaded in vLLM "
+                                   f"(loaded: {sorted(self.adapter_digests) or 'none'})")
+        return adapter
+
     # -- lifetime --------------------------------------------------------------------------
     @property
     def pid(self) -> int | None:
@@ -554,6 +666,56 @@ class VllmEngine:
         self.closed = True
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._api.shutdown)
+
+
+class AdapterTarget:
+    """Adapter version ``version`` of ``engine`` as a colo transport's receiving side: the
+    engine protocol's load verbs (``EngineReceiver``), each one of the worker's
+    ``colo_adapter_*`` calls, so any transport that sends weights sends an adapter, with its
+    own session beside the weights' (:meth:`VllmEngine.adapter_target`)."""
+
+    def __init__(self, engine: VllmEngine, version: int, config: Any):
+        from colo.models.lora import AdapterConfig
+
+        if not isinstance(config, AdapterConfig):
+            raise TypeError(f"an adapter's config is a colo.models.lora.AdapterConfig, got {type(config).__name__}")
+        self.engine, self.version, self.config = engine, version, config
+        #: the digest the worker answered at the end of the stage
+        self.digest: str | None = None
+
+    async def preflight(self, specs: Sequence[TensorSpec]) -> None:
+        wire = [[s.name, list(s.shape), s.dtype] for s in specs]
+        await self.engine._rpc("colo_adapter_preflight", self.version, self.config.to_json(), wire)
+
+    async def begin_load(self) -> None:
+        await self.engine._rpc("colo_adapter_begin")
+
+    async def transport_init(self, transport: str, init_info: dict) -> None:
+        await self.engine._rpc("colo_adapter_transport_init", transport, init_info)
+
+    async def transport_load(self, transport: str, request: dict, on_sent: Any = None, *, end: bool = False,
+                             flush_cache: bool = False) -> dict:
+        if on_sent is not None:
+            on_sent()
+        await self.engine._rpc("colo_adapter_load", transport, request)
+        reply: dict = {}
+        if end:
+            await self.end_load()
+            reply.update(ended=True, flushed=False)
+        return reply
+
+    async def transport_close(self, transport: str) -> None:
+        await self.engine._rpc("colo_adapter_transport_close", transport)
+
+    async def end_load(self, flush_cache: bool = False) -> None:
+        # an adapter's stage changes no weights: the prefix cache stays (vLLM keys its
+        # blocks by adapter too)
+        reply = await self.engine._rpc("colo_adapter_end")
+        self.digest = str(reply["digest"])
+        self.engine.adapter_digests[int(reply["version"])] = self.digest
+
+    async def drop_handles(self) -> None:
+        await self.engine._rpc("colo_adapter_abort")
 
 
 def _check_layout(hello: dict) -> None:
@@ -591,5 +753,5 @@ def _worker_message(e: BaseException) -> str:
     return text
 
 
-__all__ = ["BACKEND", "EXTENSION", "EXTENSIONS", "SUPPORTED", "VllmEngine", "check_version", "installed_version",
-           "server_command"]
+__all__ = ["AdapterTarget", "BACKEND", "EXTENSION", "EXTENSIONS", "SUPPORTED", "VllmEngine", "check_version",
+           "installed_version", "server_command"]
