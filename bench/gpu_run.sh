@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|pack44 [REPS] [S] [ROUNDS] [tests|no]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -101,40 +101,6 @@ case "${1:-tests}" in
       [ -f "$f" ] && { echo "== $f"; sed -n 1,24p "$f" | cut -c1-230; }
     done
     tar czf "$OUT/profiles.tgz" -C /tmp prof
-    ;;
-  pack44)  # issue 44 item 3: the pack's small copies in one foreach call (commit 652cd35), against the pack
-    # before it, alternating in one call on one host (syncs vary by a third from host to host): "before"
-    # runs every process of the run with a sitecustomize that puts the old per-copy pack_into back.
-    # fsdp and Megatron at Qwen2-1.5B (arg 2: reps, default 3; arg 4: rounds, default 1), then the GPU tests of
-    # the pack (arg 5: "tests", the default, or "no"). Limit per run: arg 3
-    mkdir -p /tmp/before
-    cat > /tmp/before/sitecustomize.py <<'PY'
-import colo.transports.pack as _p
-
-
-def _pack_into(flat, bucket, tensors):  # the pack before 652cd35: one copy_ per run
-    _p.check_bucket_tensors(bucket, tensors, flat.device)
-    for start, end, src in _p.source_runs(bucket, tensors):
-        dst = flat[start:end]
-        if src.device == dst.device and src.data_ptr() == dst.data_ptr():
-            continue
-        dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
-    return bucket.payload_bytes
-
-
-_p.pack_into = _pack_into
-PY
-    for i in $(seq "${4:-1}"); do
-      for mode in before after; do
-        path=$PYTHONPATH; [ "$mode" = before ] && path=/tmp/before:$PYTHONPATH
-        echo "== $mode $i"
-        PYTHONPATH=$path timeout "${3:-240}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
-          --trainers fsdp,megatron --reps "${2:-3}" --out "$OUT/pack44-$mode-$i.json" > "$OUT/pack44-$mode-$i.log" 2>&1
-        echo "exit $?"; grep -E "sync-first|offload-first" "$OUT/pack44-$mode-$i.log" | cut -c1-200 | head -8
-      done
-    done
-    [ "${5:-tests}" = tests ] && python3 -m pytest -q -p no:cacheprovider -m gpu tests/transports \
-      tests/gpu/test_real_trainers.py 2>&1 | tail -4
     ;;
   verify31)  # issue 31 item 2 after colo's engine began to sum a verified load as it writes it and to be probed
     # once per engine: the device digest's GPU tests (the summed load from pinned memory among them), then the
