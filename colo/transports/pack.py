@@ -17,37 +17,18 @@ from colo.core.buckets import Bucket
 from colo.transports.base import check_bucket_tensors, is_piece
 
 
-#: copies of fewer bytes than this, on one device, go together in one ``torch._foreach_copy_``
-#: (torch's multi-tensor copy, what its optimizers use): one host call and one launch for all
-#: of a bucket's small tensors instead of one each, whose host cost (about 10 us a copy) is
-#: above their device time. Larger ones keep their own copy_ (the copy engine). colo's engine
-#: loads with the same split (issue 18: 4.8 ms of host time for 1.5 ms of copies on an H200).
-FOREACH_BYTES = 16 << 20
-
-
 def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> int:
     """Copy ``tensors`` into ``flat`` at the bucket's offsets (a piece: its byte range of
     the tensor); check names and sizes first. Tensors that lie back to back in one
-    source buffer, at the same distances as in the bucket, go as one copy; small copies
-    on the buffer's device go as one (:data:`FOREACH_BYTES`)."""
+    source buffer, at the same distances as in the bucket, go as one copy."""
     check_bucket_tensors(bucket, tensors, flat.device)
-    small_dst: list[Any] = []
-    small_src: list[Any] = []
     for start, end, src in source_runs(bucket, tensors):
         dst = flat[start:end]
-        if src.device == dst.device:
-            if src.data_ptr() == dst.data_ptr():
-                continue  # the extractor wrote it in place (PackedTransport._destinations)
-            if end - start < FOREACH_BYTES:
-                small_dst.append(dst)
-                small_src.append(src)
-                continue
+        if src.device == dst.device and src.data_ptr() == dst.data_ptr():
+            continue  # the extractor wrote it in place (PackedTransport._destinations)
         # Straight from a pinned host copy into the device buffer: one upload,
         # no intermediate device tensor; queued, and settled once per bucket.
         dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
-    if small_dst:
-        # distinct byte ranges of the buffer: the order of the copies does not matter
-        torch._foreach_copy_(small_dst, small_src)
     return bucket.payload_bytes
 
 

@@ -410,32 +410,3 @@ async def test_the_last_load_ends_the_load_and_flushes_the_prefix_cache_in_the_e
             del held
     finally:
         await transport.aclose()
-
-
-def test_pack_puts_every_tensor_at_its_offset_small_large_run_and_in_place_alike():
-    """pack_into's copies below FOREACH_BYTES go in one multi-tensor copy, larger ones on
-    their own, a tensor already at its entry is skipped: each entry's bytes must be its
-    tensor's, whichever way it went, and no byte outside the entries is written."""
-    from colo.transports.pack import FOREACH_BYTES
-
-    big_rows = FOREACH_BYTES // 1024 + 1  # one float32 tensor just above the threshold
-    g = torch.Generator().manual_seed(5)
-    state = {"small.a": torch.randn(3, 5, generator=g), "big": torch.randn(big_rows, 256, generator=g),
-             "small.b": torch.randn(7, generator=g).to(torch.bfloat16), "placed": torch.randn(4, 4, generator=g)}
-    # two tensors back to back in one storage: one run
-    storage = torch.randn(2 * 33, generator=g)
-    state["run.0"], state["run.1"] = storage[:33].view(3, 11), storage[33:].view(3, 11)
-    specs = [spec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in state.items()]
-    (bucket,) = plan_buckets(specs, 1 << 30)
-    flat = torch.full((bucket.payload_bytes + 64,), 0xAB, dtype=torch.uint8)
-    placed = [e for e in bucket.entries if e.spec.name == "placed"][0]
-    view = flat[placed.start:placed.end].view(torch.float32).view(4, 4)
-    view.copy_(state["placed"])
-    tensors = [(e.spec.name, view if e.spec.name == "placed" else state[e.spec.name]) for e in bucket.entries]
-    assert pack_into(flat, bucket, tensors) == bucket.payload_bytes
-    written = torch.zeros(flat.numel(), dtype=torch.bool)
-    for e in bucket.entries:
-        want = state[e.spec.name].contiguous().view(-1).view(torch.uint8)
-        assert torch.equal(flat[e.start:e.end], want), e.spec.name
-        written[e.start:e.end] = True
-    assert bool((flat[~written] == 0xAB).all())  # padding and the tail untouched

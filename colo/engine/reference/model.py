@@ -37,7 +37,6 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.pack import FOREACH_BYTES  # whole tensors below it: one foreach copy
 from colo.transports.wire import Piece
 
 
@@ -46,6 +45,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+#: whole tensors below this many bytes are loaded together by one ``torch._foreach_copy_``
+#: (torch's multi-tensor copy, what its optimizers use); larger ones by their own copy_
+FOREACH_BYTES = 16 << 20
 
 
 class _BatchMemo:
