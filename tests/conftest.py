@@ -81,6 +81,7 @@ def pytest_itemcollected(item):
         item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is off (tools/test's serial pass)
 def pytest_xdist_node_collection_finished(node, ids):
     """Under ``--dist loadgroup`` every test must carry its group into the id xdist schedules
     by (xdist appends ``@group`` to ``item._nodeid`` on the worker). pytest 9.2 computes
