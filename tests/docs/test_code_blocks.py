@@ -27,8 +27,8 @@ def test_the_readme_test_command_is_what_ci_runs():
     assert "\ncolo_suite=(python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm)\n" in script
     assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm)\n" in script
     assert '\n  "${vllm_suite[@]}" "${spread[@]}"\n  vllm_status=$?\n' in script
-    # colo's suite on two pytest workers by default, then the tests marked serial alone
-    assert "\nworkers=${COLO_TEST_WORKERS:-2}\n" in script and "spread=(-n \"$workers\" --dist loadgroup --no-loadscope-reorder)" in script
+    # colo's suite on three pytest workers by default, then the tests marked serial alone
+    assert "\nworkers=${COLO_TEST_WORKERS:-3}\n" in script and "spread=(-n \"$workers\" --dist loadgroup --no-loadscope-reorder)" in script
     assert '\n"${colo_suite[@]}" "${spread[@]}" -m "not serial"\ncolo_status=$?\n' in script
     assert '\n"${colo_suite[@]}" -p no:xdist -m serial\nserial_status=$?\n' in script
 

@@ -161,6 +161,23 @@ async def test_what_vllm_cannot_take_is_refused_and_the_active_adapter_serves_on
         await engine.activate_adapter(version + 50)
 
 
+async def test_an_adapter_in_another_dtype_is_refused_or_converted_once_on_purpose(served):
+    """vLLM keeps adapters in its lora_dtype (the model's, float32 here): a float64 adapter
+    sent as it is is refused at preflight naming both dtypes (OpenRLHF#1349's fp32 adapter
+    into a bf16 engine, in the CPU's terms); the sender's extractor converting it to the
+    engine's dtype is the one conversion, and what arrives is its converted bytes."""
+    engine, base = served
+    state, config, merged = adapter(base, seed=95)
+    wide = {n: t.double() for n, t in state.items()}
+    version = max(await engine.adapters(), default=0) + 1
+    with pytest.raises(EngineError, match="float64 \\(expected float32\\)"):
+        await stage(engine, wide, version, config, dtype=None)  # sent as it is
+    digest = await stage(engine, wide, version, config)  # StateTrainer's extractor converts to float32
+    assert digest == expected_weights_digest(wide, list(wide), torch.float32)
+    await engine.activate_adapter(version, digest=digest)
+    assert await engine.tokens(PROMPTS, max_new_tokens=8) == greedy(merged, PROMPTS, 8)
+
+
 def test_an_adapter_config_colo_cannot_sync_is_refused_naming_the_setting():
     with pytest.raises(ValueError, match="use_dora=True"):
         AdapterConfig.from_peft(LoraConfig(r=8, target_modules=["q_proj"], use_dora=True))
