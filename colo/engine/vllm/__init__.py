@@ -558,6 +558,13 @@ class VllmEngine:
         except EngineError:
             pass
 
+    @property
+    def llm(self) -> Any:
+        """vLLM's own ``LLM`` where it runs in this process (None over HTTP), for a loop that
+        calls its ``generate`` itself. Its calls are not this engine's: make them when none of
+        this engine's is running (this engine takes one call at a time, from any thread)."""
+        return self._api.llm if isinstance(self._api, _LLM) else None
+
     # -- LoRA adapters, in memory ------------------------------------------------------------
     def adapter_target(self, version: int, config: Any) -> AdapterTarget:
         """The receiving side a colo transport sends adapter ``version`` (of ``config``, a
@@ -570,15 +577,21 @@ class VllmEngine:
     async def stage_adapter(self, source: Any, version: int, config: Any, *, transport: str = "packed",
                             bucket_bytes: int = 1 << 20) -> str:
         """Send adapter ``version`` to vLLM's worker through colo's ``transport`` and register
-        it there, inactive: ``source`` is a trainer (``extractor()``) whose tensors are the
-        adapter's, PEFT-named. Returns the digest of what the worker received. Nothing is
-        written to disk. A failed stage registers nothing: the active version serves on.
+        it there, inactive. ``source``: the adapter's tensors, PEFT-named (a mapping, as
+        ``peft.get_peft_model_state_dict`` gives them, sent in its order and dtype: convert
+        on purpose to the engine's, :meth:`adapter_dtype`), or a trainer whose extractor
+        yields them. Returns the digest of what the worker received. Nothing is written to
+        disk. A failed stage registers nothing: the active version serves on.
 
         Room first: versions beyond :attr:`keep_adapters` that are not active are dropped."""
+        from collections.abc import Mapping
+
         from colo.core.interfaces import SyncContext
         from colo.core.memory import StagingBudget
         from colo.transports import make_transport
 
+        if isinstance(source, Mapping):
+            source = _Tensors(source)
         target = self.adapter_target(version, config)
         keep = set(sorted(self.adapter_digests)[-self.keep_adapters:]) | {self.active_adapter}
         for old in sorted(self.adapter_digests):
@@ -620,10 +633,20 @@ class VllmEngine:
             if old not in newest and old != version:
                 await self.drop_adapter(old)
 
+    def lora_request(self, adapter: int | str | None = "active") -> Any:
+        """vLLM's ``LoRARequest`` for an adapter version colo staged (``"active"``: the active
+        one; None when that is the base model), for a caller of vLLM's own ``generate``."""
+        return _lora_request(self._adapter_for(adapter))
+
     async def adapters(self) -> dict[int, str | None]:
         """The adapter versions vLLM's worker holds, with the digest each was built from."""
         reply = await self._rpc("colo_adapters")
         return {int(v): d for v, d in reply["digests"].items()}
+
+    async def adapter_dtype(self) -> str:
+        """The dtype vLLM keeps adapters in (its ``lora_dtype``; the model's unless set): what a
+        stage must send."""
+        return str((await self._rpc("colo_adapters"))["dtype"])
 
     async def drop_adapter(self, version: int) -> None:
         """Unload adapter ``version`` (not the active one: activate another first)."""
@@ -666,6 +689,19 @@ class VllmEngine:
         self.closed = True
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._api.shutdown)
+
+
+class _Tensors:
+    """A mapping of tensors as a sync's source (what a transport asks of a trainer): sent as
+    they are, in the mapping's order and dtypes."""
+
+    def __init__(self, tensors: Any):
+        from colo.extractors.plain import PlainExtractor
+
+        self._extractor = PlainExtractor(dict(tensors))
+
+    def extractor(self) -> Any:
+        return self._extractor
 
 
 class AdapterTarget:

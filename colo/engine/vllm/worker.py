@@ -442,7 +442,7 @@ class ColoWorkerExtension:
         """The adapter versions vLLM holds, and the digest each was built from."""
         sink = self._adapters()[0]
         loaded = sink.loaded()
-        return {"loaded": loaded, "digests": {str(v): sink.digests.get(v) for v in loaded}}
+        return {"loaded": loaded, "digests": {str(v): sink.digests.get(v) for v in loaded}, "dtype": sink.dtype}
 
     def colo_adapter_drop(self, version: Any) -> dict:
         sink = self._adapters()[0]
