@@ -593,10 +593,7 @@ class VllmEngine:
         if isinstance(source, Mapping):
             source = _Tensors(source)
         target = self.adapter_target(version, config)
-        keep = set(sorted(self.adapter_digests)[-self.keep_adapters:]) | {self.active_adapter}
-        for old in sorted(self.adapter_digests):
-            if old not in keep and old != version:
-                await self.drop_adapter(old)
+        await self._drop_adapters_but(self.active_adapter, version)
         sender = make_transport(transport)
         ctx = SyncContext(step=version, weight_version=version, bucket_bytes=bucket_bytes, source="host",
                           staging=StagingBudget(None), flush_cache=False)
@@ -628,9 +625,13 @@ class VllmEngine:
                                   f"adapter v{version}: vLLM received {got}, the trainer sent {digest}; "
                                   f"v{self.active_adapter} stays active")
         self.active_adapter = version
-        newest = sorted(self.adapter_digests)[-self.keep_adapters:]
+        await self._drop_adapters_but(version)
+
+    async def _drop_adapters_but(self, *also: int | None) -> None:
+        """Drop every loaded version but the newest :attr:`keep_adapters` and ``also``."""
+        keep = set(sorted(self.adapter_digests)[-self.keep_adapters:]) | set(also)
         for old in sorted(self.adapter_digests):
-            if old not in newest and old != version:
+            if old not in keep:
                 await self.drop_adapter(old)
 
     def lora_request(self, adapter: int | str | None = "active") -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from colo.core.buckets import numel
 from colo.core.errors import EngineStateError
 from colo.core.interfaces import TensorSpec
 from colo.digest import ReceivedDigest
@@ -33,13 +34,6 @@ from colo.engine.kit import LoadSession, PieceAssembler
 from colo.models.lora import AdapterConfig, adapter_shapes
 from colo.models.specs import check_specs
 from colo.transports.wire import Piece
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 class AdapterSink:
@@ -106,7 +100,7 @@ class AdapterSink:
 
     def expected_specs(self) -> list[TensorSpec]:
         size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return [TensorSpec(name=n, shape=s, dtype=self.dtype, nbytes=size * _numel(s)) for n, s in self.shapes.items()]
+        return [TensorSpec(name=n, shape=s, dtype=self.dtype, nbytes=size * numel(s)) for n, s in self.shapes.items()]
 
     # -- WeightSink ----------------------------------------------------------------------
     def preflight(self, specs: list[TensorSpec]) -> None:
