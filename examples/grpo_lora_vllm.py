@@ -32,9 +32,10 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
     return ids[0, len(prompt):].tolist()
 
 
-async def main(checkpoint: str, steps: int, rank: int) -> None:
+async def main(checkpoint: str, steps: int, rank: int, seed: int) -> None:
     base = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
     vocab, lora = base.config.vocab_size, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS)
+    torch.manual_seed(seed)  # PEFT draws A from torch's global generator
     policy = get_peft_model(base, lora)
     config = AdapterConfig.from_peft(policy.peft_config["default"])  # what colo syncs: plain LoRA
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=LR)
@@ -49,7 +50,7 @@ async def main(checkpoint: str, steps: int, rank: int) -> None:
         await engine.stage_adapter(adapter, version, config)  # served below only if vLLM got exactly these bytes
         await engine.activate_adapter(version, digest=expected_weights_digest(adapter, list(adapter), dtype))
 
-    g, means = torch.Generator().manual_seed(0), []
+    g, means = torch.Generator().manual_seed(seed), []
     try:
         await sync(1)  # the adapter as PEFT made it (B = 0: the base model's outputs)
         for step in range(steps):
@@ -82,7 +83,8 @@ async def main(checkpoint: str, steps: int, rank: int) -> None:
 if __name__ == "__main__":  # vLLM's engine process imports this file again
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    anyio.run(main, a.checkpoint, a.steps, a.rank)
+    anyio.run(main, a.checkpoint, a.steps, a.rank, a.seed)
