@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB, MIN_PHASE_DEADLINE_S
 from colo.core.phases import PLANS
 from colo.core.errors import EXIT_BAD_INPUT, EXIT_FAILED, ColoError
-from colo.engine import ENGINES
+from colo.engine import ENGINES, LAYOUTS
 from colo.transports import REGISTRY as TRANSPORTS
 
 #: choices the parser lists without importing what they name (torch, transformers); the
@@ -195,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gpus", type=_positive(int, 8), default=1, metavar="N",
                    help="ranks, one process per GPU: trainer rank r and engine rank r (TP=N) on GPU r "
                         "(with --device cpu: gloo and simulated devices)")
+    d.add_argument("--engine-layout", choices=list(LAYOUTS), default=None,
+                   help="with --gpus N: " + "; ".join(f"{k}, {v}" for k, v in LAYOUTS.items())
+                        + " (default: the engine's first: tp for colo, replicas for vllm)")
     d.add_argument("--launcher", choices=("process", "ray"), default="process",
                    help="who starts the --gpus N ranks: worker processes here, or Ray actors (colo-rl[ray])")
     d.add_argument("--address", default=None, metavar="HOST:PORT",

@@ -474,7 +474,8 @@ def config_from_args(args: Any) -> DemoConfig:
                           gpus=getattr(args, "gpus", 1), launcher=getattr(args, "launcher", "process"),
                           address=getattr(args, "address", None), verify=getattr(args, "verify", "every"),
                           engine_log=getattr(args, "engine_log", None), engine=getattr(args, "engine", "colo"),
-                          vllm_processes=getattr(args, "vllm_processes", False))
+                          vllm_processes=getattr(args, "vllm_processes", False),
+                          engine_layout=getattr(args, "engine_layout", None))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

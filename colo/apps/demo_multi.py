@@ -116,7 +116,7 @@ class MultiDemoRun:
         # refused before any process starts: an engine without a layout of N ranks, a TP size
         # that does not divide the heads (the engine's entry: DemoConfig checked it already)
         engine_entry(self.engine_name).check(device=cfg.device, gpus=self.n, launcher=cfg.launcher,
-                                             model_config=self.model_config)
+                                             model_config=self.model_config, layout=self._layout())
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
         self.budgets = [self._budget(r) for r in range(self.n)]
         # the two groups meet at stores this process serves (a Ray launcher moves them to
@@ -168,7 +168,7 @@ class MultiDemoRun:
     def _layout(self) -> str:
         from colo.engine import engine_entry
 
-        return engine_entry(self.engine_name).layouts[0]
+        return engine_entry(self.engine_name).layout(getattr(self.cfg, "engine_layout", None))
 
     async def _spawn_workers(self, specs: list[Any]) -> None:
         """Every worker at once (each imports torch before it listens); all or none."""

@@ -127,6 +127,9 @@ class DemoConfig:
     #: vLLM in its own engine-core and worker processes (else all in this process): the engine
     #: option ``processes``
     vllm_processes: bool = False
+    #: with ``gpus`` N: how the engine spans the ranks (:data:`colo.engine.LAYOUTS`): ``replicas``
+    #: (a whole engine per rank) or ``tp`` (one engine of TP=N); None: the engine's default
+    engine_layout: str | None = None
     batch: int = 32
     prompt_len: int = 8
     new_tokens: int = 24
@@ -295,7 +298,7 @@ class DemoConfig:
                                 gpus=self.gpus, launcher=self.launcher, options=self.engine_options,
                                 model_config=self.model_config() if self.gpus > 1 else None,
                                 kill=kills_engine(self.parsed_fault()),
-                                visible_devices=self.engine_visible_devices is not None)
+                                visible_devices=self.engine_visible_devices is not None, layout=self.engine_layout)
 
     def _check_gpus(self) -> None:
         g = self.gpus
@@ -311,6 +314,8 @@ class DemoConfig:
             from colo.ranks.address import parse_address
 
             parse_address(self.address)  # the form only: whether it answers is known at start
+        if g == 1 and self.engine_layout is not None:
+            raise ValueError(f"--engine-layout says how an engine spans --gpus N ranks (N >= 2), got --gpus {g}")
         if g > 1 and self.engine_visible_devices is not None:
             raise ValueError("--engine-visible-devices is for one GPU; with --gpus N rank r runs on GPU r")
         if g > 1 and self.fault is not None and self.fault not in MULTI_FAULTS:

@@ -116,9 +116,9 @@ class EngineEntry:
     fits: str | None = None
     #: options a run passes through to :attr:`start` (name -> the command line's flag for it)
     options: Mapping[str, str] = field(default_factory=dict)
-    #: the options every engine rank of N has, whatever the command line said (its rank start
-    #: sets them; :meth:`check` counts them)
-    rank_options: Mapping[str, Any] = field(default_factory=dict)
+    #: per layout, the options every engine rank of N has in it, whatever the command line said
+    #: (its rank start sets them; :meth:`check` counts them)
+    rank_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: it runs in a process of its own whose environment (CUDA_VISIBLE_DEVICES) a run may set
     own_process: bool = False
     #: the simulated CPU device's default size in GiB, where the demo's default is too small for it
@@ -155,10 +155,15 @@ class EngineEntry:
             raise ValueError(f"{where}: unknown launcher(s) {', '.join(bad)}; expected some of {', '.join(LAUNCHERS)}")
         if self.kill_needs is not None and self.kill_needs not in self.options:
             raise ValueError(f"{where}: kill_needs {self.kill_needs!r} is not one of its options")
-        bad = [v for v in self.rank_options if v not in self.options]
+        bad = [v for v in self.rank_options if v not in self.layouts]
+        if bad:
+            raise ValueError(f"{where}: rank_options name layout(s) {', '.join(bad)} it does not take")
+        bad = sorted({v for opts in self.rank_options.values() for v in opts if v not in self.options})
         if bad:
             raise ValueError(f"{where}: rank_options {', '.join(bad)} are not among its options")
-        for name in ("dtypes", "rank_start", "options", "rank_options", "notes"):
+        pinned = {layout: _frozen(options) for layout, options in self.rank_options.items()}
+        object.__setattr__(self, "rank_options", _frozen(pinned))
+        for name in ("dtypes", "rank_start", "options", "notes"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     # -- what it is ------------------------------------------------------------------------
@@ -179,6 +184,19 @@ class EngineEntry:
 
         return tuple(STRATEGIES)
 
+    def layout(self, asked: str | None = None) -> str:
+        """The layout of N ranks a run takes: the one ``asked`` (``--engine-layout``), or the
+        entry's default; one it does not take is refused, naming the ones it does."""
+        if asked is None:
+            if not self.layouts:
+                raise ValueError(f"--engine {self.name} has no layout of N ranks{self._note('layouts')}")
+            return self.layouts[0]
+        if asked not in self.layouts:
+            what = f"the layout(s) {', '.join(self.layouts)}" if self.layouts else "no layout of N ranks"
+            raise ValueError(f"--engine {self.name} takes {what}{self._note('layouts')}, "
+                             f"got --engine-layout {asked}")
+        return asked
+
     def default_dtype(self, device: str) -> str | None:
         dtypes = self.dtypes.get(device)
         return dtypes[0] if dtypes else None
@@ -190,15 +208,19 @@ class EngineEntry:
     # -- its limits, checked once --------------------------------------------------------
     def check(self, *, device: str, dtype: str | None = None, transport: str | None = None, gpus: int = 1,
               launcher: str = "process", model_config: Any = None, options: Mapping[str, Any] | None = None,
-              kill: bool = False, visible_devices: bool = False) -> None:
+              kill: bool = False, visible_devices: bool = False, layout: str | None = None) -> None:
         """Refuse (``ValueError``, one line naming the engine, the limit and what is allowed) a
         run this engine cannot be: a device it does not run on, a dtype it does not run there,
         a transport it does not take, ``gpus`` ranks it has no layout for (or a model it cannot
-        split that way, or a launcher that cannot start its ranks), an option it does not take,
-        a kill it cannot survive, an environment of its own it does not have."""
+        split that way, or a launcher that cannot start its ranks; ``layout``: the one asked, else
+        its default), an option it does not take, a kill it cannot survive, an environment of its
+        own it does not have."""
         flag = f"--engine {self.name}"
-        if gpus > 1:
-            options = {**(options or {}), **self.rank_options}
+        pinned: Mapping[str, Any] = {}
+        if gpus > 1 and self.layouts:
+            layout = self.layout(layout)
+            pinned = self.rank_options.get(layout, {})
+            options = {**(options or {}), **pinned}
         if device not in self.dtypes:
             raise ValueError(f"{flag} runs on {' or '.join(self.dtypes)}{self._note('devices')}, got --device {device}")
         if dtype is not None and dtype not in self.dtypes[device]:
@@ -216,6 +238,9 @@ class EngineEntry:
             if "kill" not in self.lifecycle:
                 raise ValueError(f"{flag} cannot be killed on its own{self._note('kill')}: a fault kill-engine@... "
                                  f"needs an engine whose lifecycle has kill")
+            if self.kill_needs and self.kill_needs in pinned and not pinned[self.kill_needs]:
+                raise ValueError(f"{flag} in the {layout} layout cannot be killed on its own{self._note('kill')}: "
+                                 f"a fault kill-engine@... needs another layout")
             if self.kill_needs and not (options or {}).get(self.kill_needs):
                 raise ValueError(f"a fault kill-engine@... with {flag} needs {self.options[self.kill_needs]}"
                                  f"{self._note('kill')}")
@@ -230,7 +255,7 @@ class EngineEntry:
             if launcher not in self.rank_start:
                 raise ValueError(f"{flag} starts its ranks under --launcher {' or '.join(self.rank_start)}, "
                                  f"got --launcher {launcher}")
-            if self.tp_check is not None and "tp" == self.layouts[0] and model_config is not None:
+            if self.tp_check is not None and layout == "tp" and model_config is not None:
                 load(self.tp_check)(model_config, gpus)
 
     def missing(self) -> str | None:
@@ -272,14 +297,16 @@ ENGINES: dict[str, EngineEntry] = {
         kill_needs="processes", probe="logprobs",
         dtypes={"cpu": ("float32",), "cuda": ("bfloat16", "float16", "float32")},
         transports=("packed", "ipc"), options={"processes": "--vllm-processes"},
-        # a rank's worker holds the trainer's process group: its vLLM runs in processes of its own
-        layouts=("replicas",), rank_options={"processes": True},
+        # replicas: a rank's worker holds the trainer's process group, so its vLLM runs in processes
+        # of its own; tp: vLLM's TP=N ranks run in the rank workers, the trainer's group their world
+        layouts=("replicas", "tp"), rank_options={"replicas": {"processes": True}, "tp": {"processes": False}},
         rank_start={"process": "colo.engine.vllm.start:start_rank"},
+        tp_check="colo.engine.vllm.start:check_tp", shard_digest="colo.engine.vllm.start:rank_digest",
         cpu_device_gib=2.0, timings=True,
         notes={"dtypes": "vLLM's bfloat16 CPU kernels hit an illegal instruction on short prompts",
                "transports": "handles vLLM's worker maps",
                "kill": "an in-process vLLM cannot be killed without the trainer",
-               "layouts": "one vLLM per rank, TP=1"}),
+               "layouts": "one vLLM per rank, or one vLLM of TP=N across the ranks' workers"}),
     "sglang": EngineEntry(
         name="sglang", title="SGLang 0.5.23",
         summary="sglang (SGLang 0.5.23 in this process, colo-rl[sglang]; a CUDA GPU)",

