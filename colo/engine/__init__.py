@@ -107,6 +107,8 @@ class EngineEntry:
     #: per launcher (:data:`LAUNCHERS`), ``"module:function"``: ``await start(host, init_method,
     #: checkpoint)`` starts engine rank ``host.spec.rank`` beside its trainer rank
     rank_start: Mapping[str, str] = field(default_factory=dict)
+    #: per launcher, the layouts its rank start starts (a launcher absent here: all of them)
+    launcher_layouts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: ``"module:function"`` ``(hf_state, config, dtype, rank, size)`` -> the digest engine rank r
     #: reports after a sync in the ``tp`` layout (its shard); a replica's is the whole model's
     shard_digest: str | None = None
@@ -163,7 +165,12 @@ class EngineEntry:
             raise ValueError(f"{where}: rank_options {', '.join(bad)} are not among its options")
         pinned = {layout: _frozen(options) for layout, options in self.rank_options.items()}
         object.__setattr__(self, "rank_options", _frozen(pinned))
-        for name in ("dtypes", "rank_start", "options", "notes"):
+        bad = [f"{k}: {v}" for k, layouts in self.launcher_layouts.items() for v in layouts
+               if k not in self.rank_start or v not in self.layouts]
+        if bad:
+            raise ValueError(f"{where}: launcher_layouts name a launcher without a rank_start or a layout it does "
+                             f"not take: {', '.join(bad)}")
+        for name in ("dtypes", "rank_start", "launcher_layouts", "options", "notes"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     # -- what it is ------------------------------------------------------------------------
@@ -255,6 +262,10 @@ class EngineEntry:
             if launcher not in self.rank_start:
                 raise ValueError(f"{flag} starts its ranks under --launcher {' or '.join(self.rank_start)}, "
                                  f"got --launcher {launcher}")
+            if layout not in self.launcher_layouts.get(launcher, self.layouts):
+                starts = [k for k in self.rank_start if layout in self.launcher_layouts.get(k, self.layouts)]
+                raise ValueError(f"{flag} starts the {layout} layout under --launcher {' or '.join(starts)}, "
+                                 f"got --launcher {launcher}")
             if self.tp_check is not None and layout == "tp" and model_config is not None:
                 load(self.tp_check)(model_config, gpus)
 
@@ -300,7 +311,8 @@ ENGINES: dict[str, EngineEntry] = {
         # replicas: a rank's worker holds the trainer's process group, so its vLLM runs in processes
         # of its own; tp: vLLM's TP=N ranks run in the rank workers, the trainer's group their world
         layouts=("replicas", "tp"), rank_options={"replicas": {"processes": True}, "tp": {"processes": False}},
-        rank_start={"process": "colo.engine.vllm.start:start_rank"},
+        rank_start={"process": "colo.engine.vllm.start:start_rank", "ray": "colo.ranks.ray_vllm:start_rank"},
+        launcher_layouts={"ray": ("replicas",)},  # a Ray engine rank is an actor of its own: no trainer group
         tp_check="colo.engine.vllm.start:check_tp", shard_digest="colo.engine.vllm.start:rank_digest",
         cpu_device_gib=2.0, timings=True,
         notes={"dtypes": "vLLM's bfloat16 CPU kernels hit an illegal instruction on short prompts",

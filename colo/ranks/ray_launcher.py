@@ -218,6 +218,9 @@ class TensorEngineActor(EngineActor):
 # on the class (Ray reads ``enable_tensor_transport`` and the concurrency groups when it
 # decorates, never from ``.options()``), and it runs every task of the actor off its main
 # thread: only a run whose transport moves tensors through Ray gets the tensor classes.
+#: the engine actor's plain class, for an engine whose actor is this one with another server
+#: (:class:`colo.ranks.ray_vllm.VllmEngineActor`)
+EngineActorBody = EngineActor
 EngineActor = ray.remote(max_concurrency=1)(EngineActor)
 TensorEngineActor = ray.remote(max_concurrency=1, enable_tensor_transport=True)(TensorEngineActor)
 
@@ -362,18 +365,19 @@ class ActorEngineClient(EngineClient):
 
 async def spawn_engine_actor(build: dict, *, state: Any, pg: Any, bundle: int, name: str, gpu: bool,
                              cpus: float, task: Any = None, tensors: bool = False,
-                             start_timeout_s: float = START_TIMEOUT_S) -> Any:
+                             start_timeout_s: float = START_TIMEOUT_S, actor_class: Any = None) -> Any:
     """Engine rank ``build["tp"]["rank"]`` as an :class:`EngineActor` on bundle ``bundle`` of ``pg``
     (half its CPUs and GPU), started from ``state`` (an object ref of safetensors bytes, or
     None: empty and stale); its client. ``tensors``: a :class:`TensorEngineActor`, for a
-    transport through Ray Direct Transport. A failed start kills the actor."""
+    transport through Ray Direct Transport; ``actor_class``: another engine's actor class
+    (an ``EngineActorBody`` with its own ``start``). A failed start kills the actor."""
     options: dict[str, Any] = {
         "name": name, "num_cpus": cpus, "max_restarts": 0,
         "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                 placement_group_bundle_index=bundle)}
     if gpu:
         options["num_gpus"] = 1 / ACTORS_PER_BUNDLE
-    actor = (TensorEngineActor if tensors else EngineActor).options(**options).remote()
+    actor = (actor_class or (TensorEngineActor if tensors else EngineActor)).options(**options).remote()
     try:
         with anyio.fail_after(start_timeout_s):
             hello = await actor.start.remote(build, state)
@@ -951,5 +955,5 @@ async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
     return [dataclasses.replace(s, trainer_init=trainer_init, engine_init=engine_init) for s in specs]
 
 
-__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "RankActor", "RayWorker", "TensorEngineActor", "TensorRankActor",
+__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "EngineActorBody", "RankActor", "RayWorker", "TensorEngineActor", "TensorRankActor",
            "bundles_for", "placement", "reserve", "spawn_engine_actor", "spawn_workers"]

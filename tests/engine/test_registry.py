@@ -41,7 +41,8 @@ def test_the_registry_says_what_each_engine_is():
     assert colo.spans_ranks and colo.layouts == ("tp",) and set(colo.rank_start) == {"process", "ray"}
     # vLLM: a whole vLLM per rank in processes of its own (the default), or one vLLM of TP=N in
     # the ranks' workers; started by the process launcher
-    assert vllm.layouts == ("replicas", "tp") and vllm.spans_ranks and set(vllm.rank_start) == {"process"}
+    assert vllm.layouts == ("replicas", "tp") and vllm.spans_ranks and set(vllm.rank_start) == {"process", "ray"}
+    assert dict(vllm.launcher_layouts) == {"ray": ("replicas",)}
     assert {k: dict(v) for k, v in vllm.rank_options.items()} == {"replicas": {"processes": True},
                                                                    "tp": {"processes": False}}
     assert not sglang.layouts  # one rank, for now
@@ -67,6 +68,8 @@ def test_an_entry_that_is_not_whole_is_refused_naming_the_field():
                                                                   "not take"),
                         (dict(layouts=("tp",), rank_start={"process": "m:f"}, rank_options={"tp": {"processes": True}}),
                          "rank_options processes are not among its options"),
+                        (dict(layouts=("tp",), rank_start={"process": "m:f"}, launcher_layouts={"ray": ("tp",)}),
+                         "launcher_layouts name a launcher without a rank_start or a layout it does not take: ray: tp"),
                         (dict(starts_from="s3"), "starts_from must be one of state, hf_dir")]:
         with pytest.raises(ValueError, match=why):
             EngineEntry(**{**base, **change})
@@ -88,8 +91,12 @@ def test_the_limits_are_checked_once_naming_engine_limit_and_what_is_allowed():
         ENGINES["sglang"].check(device="cuda", kill=True)
     with pytest.raises(ValueError, match="--engine sglang runs on one rank: it has no layout of N ranks"):
         ENGINES["sglang"].check(device="cuda", gpus=2)
-    with pytest.raises(ValueError, match="--engine vllm starts its ranks under --launcher process, got --launcher ray"):
-        ENGINES["vllm"].check(device="cpu", gpus=2, launcher="ray")
+    # vLLM under Ray: replicas as actors of their own; its tp layout lives in the rank workers
+    ENGINES["vllm"].check(device="cpu", gpus=2, launcher="ray")
+    with pytest.raises(ValueError, match="--engine vllm starts the tp layout under --launcher process, got --launcher ray"):
+        ENGINES["vllm"].check(device="cpu", gpus=2, launcher="ray", layout="tp")
+    with pytest.raises(ValueError, match="--engine sglang runs on one rank"):
+        ENGINES["sglang"].check(device="cuda", gpus=2, launcher="ray")
     # a kill needs vLLM in processes of its own: on N ranks it always is (its rank_options),
     # on one rank only where --vllm-processes says so
     ENGINES["vllm"].check(device="cpu", gpus=2, kill=True, options={"processes": False})

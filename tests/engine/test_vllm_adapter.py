@@ -34,7 +34,8 @@ def test_the_server_command_carries_colos_extension_and_backend():
 @pytest.mark.parametrize("kw, why", [
     (dict(engine_dtype="bfloat16"), "--engine vllm on cpu runs float32 .vLLM's bfloat16 CPU kernels hit an illegal "
                                     "instruction on short prompts., got engine dtype bfloat16"),
-    (dict(gpus=2, launcher="ray"), "--engine vllm starts its ranks under --launcher process, got --launcher ray"),
+    (dict(gpus=2, launcher="ray", engine_layout="tp"), "--engine vllm starts the tp layout under --launcher "
+                                                       "process, got --launcher ray"),
     (dict(transport="disk"), "--engine vllm takes its weights through packed or ipc .handles vLLM's worker maps., "
                              "got --transport disk"),
     (dict(fault="kill-engine@sync"), "a fault kill-engine@... with --engine vllm needs --vllm-processes .an "
