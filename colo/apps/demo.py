@@ -319,6 +319,9 @@ class DemoRun:
         return self.injector is not None and self.injector.fired and not self.recoveries
 
     def check_fault_fired(self) -> None:
+        if self.injector is not None and self.injector.missed is not None:
+            raise RuntimeError(f"fault {self.fault} failed nothing: {self.injector.missed} (the engine takes no "
+                               f"memory back in it: {self.engines[-1].capabilities.note or 'it frees none'})")
         if self.injector is not None and not self.injector.fired:
             f = self.fault
             raise RuntimeError(f"fault {f} was never injected: no {f.phase} at step >= {f.step} in "

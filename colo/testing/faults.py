@@ -130,6 +130,10 @@ class FaultInjector:
         self._on_fire = on_fire
         self._sync_loads = 0
         self._squat = 0
+        self._squat_step: int | None = None
+        #: why an ``oom`` fault failed nothing: its phase ran with every free byte taken and
+        #: allocated none (an engine that takes no memory back there, as vLLM on a CPU)
+        self.missed: str | None = None
         self._engine: Any = None
         #: the scheduler's config before a ``deadline`` fault shortened the faulted phase's
         self._config: Any = None
@@ -148,11 +152,18 @@ class FaultInjector:
 
     def _armed(self) -> bool:
         s = self._sched
-        return (not self.fired and s is not None and s.phase is not None
+        return (not self.fired and self.missed is None and s is not None and s.phase is not None
                 and s.phase.value == self.fault.phase and s.step >= self.fault.step)
 
     # -- PhaseHooks: called by the scheduler, outside the trace writer -------------
     def entered(self, phase: Phase, step: int) -> None:
+        if self._squat:
+            # the phase an oom fault squatted ended without failing: it allocated nothing, so
+            # no OOM can be injected there; said at the end of the run (check_fault_fired),
+            # and the neighbour's bytes go back now, not at some later failure
+            self._sched.memory.reserved_bytes -= self._squat
+            self._squat = 0
+            self.missed = f"{self.fault.phase} at step {self._squat_step} allocated nothing on the device"
         if phase.value != self.fault.phase:
             return
         self._sync_loads = 0
@@ -168,8 +179,9 @@ class FaultInjector:
             mem = self._sched.memory
             # a neighbour takes every free byte: the phase's first allocation fails
             self._squat = mem.free_bytes
+            self._squat_step = self._sched.step
             mem.reserved_bytes += self._squat
-            self._fire()
+            # fired once the phase fails on it (failed); one that allocates nothing is missed
 
     def failed(self, phase: Phase, step: int) -> None:
         if self._config is not None:
@@ -177,6 +189,7 @@ class FaultInjector:
         if self._squat:
             self._sched.memory.reserved_bytes -= self._squat
             self._squat = 0
+            self._fire()
 
     def _fire(self) -> None:
         self.fired = True

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -59,3 +61,51 @@ def test_a_vllm_killed_mid_sync_is_replaced_and_recovered_to_the_trainers_digest
     rollouts = [e for e in events if e["event"] == "rollout.finished"]
     assert len(rollouts) == 3
     assert replay(tmp_path / "run.jsonl")["valid"] is True
+
+
+def _sync_digests(events: list[dict]) -> dict[int, str]:
+    return {e["weight_version"]: e["digest"] for e in events if e["event"] == "sync.finished"}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-fault-free")
+    proc, events = run_demo(tmp, "--steps", "3", "--bucket-mib", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _sync_digests(events)
+
+
+@pytest.mark.parametrize("fault", ["raise@sync", "cancel@sync", "oom@trainer_onload"])
+def test_each_fault_kind_on_a_real_vllm_recovers_to_the_fault_free_digests(tmp_path, fault_free, fault):
+    """Issue 45, item 5: the fault kinds against a real vLLM (a kill is the test above): the
+    phase fails once, the run recovers to the trainer's digest and goes on. A sync that failed
+    after its cycle trained is redone with the same weights, so every weight version vLLM then
+    holds is the fault-free run's, digest for digest; a failure before train (the trainer's
+    onload) redoes the cycle with a new rollout, one more than the steps."""
+    proc, events = run_demo(tmp_path, "--steps", "3", "--fault", fault, "--bucket-mib", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"fault {fault} injected" in proc.stdout
+    assert "recovered: engine digest" in proc.stdout and "equals the trainer's" in proc.stdout
+    phase = fault.split("@")[1]
+    assert [e["phase"] for e in events if e["event"] == "phase.failed"] == [phase]
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    assert syncs and all(s["verify_s"] is not None and s["digest"] for s in syncs)
+    rollouts = len([e for e in events if e["event"] == "rollout.finished"])
+    if phase == "sync":
+        assert rollouts == 3
+        got = _sync_digests(events)
+        assert len(fault_free) == 3 and {v: got.get(v) for v in fault_free} == fault_free
+    else:
+        assert rollouts == 4
+    assert replay(tmp_path / "run.jsonl")["valid"] is True
+
+
+def test_an_oom_where_vllm_takes_no_memory_back_is_said_not_passed_over(tmp_path):
+    """On a CPU vLLM's sleep mode moves no memory, so its engine_wake_kv allocates nothing: an
+    oom fault there can fail nothing. The run says so and exits 1, instead of passing as if the
+    fault had been injected and recovered from."""
+    proc, _ = run_demo(tmp_path, "--steps", "2", "--fault", "oom@engine_wake_kv")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "fault oom@engine_wake_kv failed nothing: engine_wake_kv at step 0 allocated nothing" in out, out[-3000:]
+    assert "is_sleep_mode_available() is False" in out
