@@ -201,18 +201,12 @@ class _LLM:
                 future.set_exception(EngineDeadError())
 
     def shutdown(self) -> None:
-        if not _in_process_core(self.llm) or getattr(self.llm, "_colo_found_default_group", None) is not True:
+        if getattr(self.llm, "_colo_found_default_group", None) is not True:
             self.llm.llm_engine.engine_core.shutdown()
             return
+        # an engine core in processes of its own tears down there: this only matters in-process
         with _default_group_kept():
             self.llm.llm_engine.engine_core.shutdown()
-
-
-def _in_process_core(llm: Any) -> bool:
-    """vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    from vllm.v1.engine.core_client import InprocClient
-
-    return isinstance(getattr(llm.llm_engine, "engine_core", None), InprocClient)
 
 
 @contextlib.contextmanager
