@@ -110,7 +110,8 @@ class EngineEntry:
     #: per launcher, the layouts its rank start starts (a launcher absent here: all of them)
     launcher_layouts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     #: ``"module:function"`` ``(hf_state, config, dtype, rank, size)`` -> the digest engine rank r
-    #: reports after a sync in the ``tp`` layout (its shard); a replica's is the whole model's
+    #: reports after a sync in the ``tp`` layout (its shard); None: the whole model's, as a
+    #: replica's (a rank that receives the whole tensors and cuts its shard itself, as vLLM's)
     shard_digest: str | None = None
     #: ``"module:function"`` ``(model_config, *, dtype, total_bytes, mem_fraction_static)``:
     #: refuses (ValueError) a device the engine cannot fit on before anything starts; None:
@@ -313,7 +314,7 @@ ENGINES: dict[str, EngineEntry] = {
         layouts=("replicas", "tp"), rank_options={"replicas": {"processes": True}, "tp": {"processes": False}},
         rank_start={"process": "colo.engine.vllm.start:start_rank", "ray": "colo.ranks.ray_vllm:start_rank"},
         launcher_layouts={"ray": ("replicas",)},  # a Ray engine rank is an actor of its own: no trainer group
-        tp_check="colo.engine.vllm.start:check_tp", shard_digest="colo.engine.vllm.start:rank_digest",
+        tp_check="colo.engine.vllm.start:check_tp",
         cpu_device_gib=2.0, timings=True,
         notes={"dtypes": "vLLM's bfloat16 CPU kernels hit an illegal instruction on short prompts",
                "transports": "handles vLLM's worker maps",

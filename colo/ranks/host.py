@@ -356,13 +356,15 @@ class RankHost:
     async def op_expected_digest(self) -> dict:
         """The digest this rank's engine must report after a sync of the trainer's weights (a
         collective): in the ``tp`` layout its shard's (the engine entry's ``shard_digest``), a
-        replica's the whole model's."""
+        replica's, or a TP rank's that receives the whole tensors (no ``shard_digest``), the whole
+        model's."""
         from colo.engine import engine_entry, load
 
         s = self.spec
-        if s.layout != "tp" or s.world_size == 1:
+        entry = engine_entry(s.engine)
+        if s.layout != "tp" or s.world_size == 1 or entry.shard_digest is None:
             return await self.op_full_digest()
-        shard_digest = load(engine_entry(s.engine).shard_digest)
+        shard_digest = load(entry.shard_digest)
 
         def compute() -> str:
             return shard_digest(self.trainer.hf_state(), self.model_config, getattr(torch, s.engine_dtype),

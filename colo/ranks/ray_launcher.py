@@ -955,5 +955,6 @@ async def _meet_at_rank0(actor0: Any, specs: Sequence[Any]) -> list[Any]:
     return [dataclasses.replace(s, trainer_init=trainer_init, engine_init=engine_init) for s in specs]
 
 
-__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "EngineActorBody", "RankActor", "RayWorker", "TensorEngineActor", "TensorRankActor",
+__all__ = ["PLACEMENT_TIMEOUT_S", "EngineActor", "EngineActorBody", "RankActor", "RayWorker", "TensorEngineActor",
+           "TensorRankActor",
            "bundles_for", "placement", "reserve", "spawn_engine_actor", "spawn_workers"]

@@ -7,8 +7,9 @@ and worker with it: the actor holds no trainer group, so nothing there is vLLM's
 own, and killing the actor ends all of vLLM).
 
 Beside colo's own engine actor (:mod:`colo.ranks.ray_launcher`), in the ranks' layer: it is a
-rank's engine under Ray, not a part of vLLM's adapter. It speaks the frames colo's engine speaks: :class:`VllmServer` answers the engine channel's
-ops (``hello``, the verbs, the receiving half) from a :class:`~colo.engine.vllm.VllmEngine`,
+rank's engine under Ray, not a part of vLLM's adapter. It speaks the frames colo's engine
+speaks: :class:`VllmServer` answers the engine channel's ops (``hello``, the verbs, the
+receiving half) from a :class:`~colo.engine.vllm.VllmEngine`,
 and :class:`VllmEngineActor` is :class:`~colo.ranks.ray_launcher.EngineActor` with that
 server. So the trainer rank's side is the same :class:`~colo.ranks.ray_launcher.ActorEngineClient`
 (a dead actor is ``EngineDied``, a kill is ``ray.kill``), and every sync goes through the

@@ -103,14 +103,6 @@ def check_tp(model_config: Any, n: int) -> None:
                          f"neither a multiple nor a divisor of {n}")
 
 
-def rank_digest(hf_state: Any, model_config: Any, dtype: Any, rank: int, size: int) -> str:
-    """What engine rank r of a TP=N vLLM reports after a sync: the digest of what it received,
-    the trainer's whole tensors (vLLM's loaders cut its shard from them), as a replica's."""
-    from colo.digest import expected_weights_digest
-
-    return expected_weights_digest(hf_state, list(hf_state), dtype)
-
-
 def logs_to(path: str | None) -> None:
     """vLLM's log lines into the engine log (the console keeps the report)."""
     import logging
@@ -125,4 +117,4 @@ def logs_to(path: str | None) -> None:
     logger.propagate = False
 
 
-__all__ = ["check_tp", "logs_to", "rank_digest", "start", "start_rank"]
+__all__ = ["check_tp", "logs_to", "start", "start_rank"]
