@@ -42,7 +42,7 @@ from colo.core.config import SchedulerConfig
 from colo.core.interfaces import PhaseHooks, RolloutResult, SyncContext, SyncResult
 from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-exported)
 from colo.core.memory import MemoryLedger
-from colo.core.phases import (CALLER_PHASES, EFFECTS, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers,
+from colo.core.phases import (CALLER_PHASES, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, effects_for,
                               handoff_path, next_phase, trigger_for, validate_plan)
 from colo.core.schema import RUN_ID_MAX
 from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline
@@ -109,6 +109,13 @@ class Scheduler:
         if self.engines.size != n:
             raise ValueError(f"the trainer has {n} ranks but the engine has {self.engines.size}; "
                              "expected one engine rank per trainer rank (one of each per GPU)")
+        #: what each phase does to memory, for what this run's syncs move (the phase table's)
+        self.effects = effects_for(config.sync_target)
+        adapters = (config.sync_target == "adapter")
+        if self.engines.capabilities.adapters != adapters:
+            raise ValueError(f"sync_target {config.sync_target!r} needs an engine that "
+                             f"{'stages adapters (colo.engine.adapters.AdapterEngine)' if adapters else 'loads weights'}"
+                             f"; this engine {'stages adapters' if not adapters else 'loads weights'}")
         self.memories: list[MemoryLedger] = _per_rank(memory, n, "memory ledgers")
         self.transports = _per_rank(transport, n, "transports")
         traces = trace if trace is not None else [TraceWriter(None, rank=r, world_size=n) for r in range(n)]
@@ -334,7 +341,7 @@ class Scheduler:
         old, new = self.engines[rank].tag_bytes(), engine.tag_bytes()
         if old != new:
             raise ValueError(f"the new engine's memory tags {new} differ from the old engine's {old}")
-        release = EFFECTS[Phase.ENGINE_RELEASE]
+        release = self.effects[Phase.ENGINE_RELEASE]
         paused = [t for t in release.pause if not self.memories[rank].is_resident(f"engine.{t}")
                   and f"engine.{t}" in self.memories[rank].regions]
         await engine.set_weight_version(None)
@@ -397,7 +404,7 @@ class Scheduler:
         return self._clock()
 
     def _finish(self, target: Phase, t0: float) -> None:
-        if EFFECTS[target].new_version:
+        if self.effects[target].new_version:
             self.trainer_version += 1  # a train that completed: the weights changed
         for ledger in self.memories:
             ledger.observe()
@@ -429,7 +436,7 @@ class Scheduler:
             await self._fail(phase, exc, t0)
 
     async def _memory_effects(self, phase: Phase) -> None:
-        effect = EFFECTS[phase]
+        effect = self.effects[phase]
         if effect.pause:
             await self._pause(phase, effect)
         if effect.resume:
@@ -576,6 +583,10 @@ class Scheduler:
             ctx.on_stage = lambda rec, r=r: self._write_stage(r, rec, live=True)
             # the engine's own sub-state inside the sync (its weight-update session)
             ctx.on_mark = lambda event, r=r: self._emit(r, event, step=step)
+        adapters = self.engines.capabilities.adapters
+        if adapters:
+            # the new version is staged beside the one serving, which serves on if this fails
+            self._emit_all("adapter.staging", mem=None, step=step, weight_version=version)
         t0 = self._clock()
         with collector_paused():
             results = await self._transfer(ctxs)
@@ -614,13 +625,17 @@ class Scheduler:
             verify_parts = {"engine_digest_s": round(digest_s, 6), "trainer_check_s": round(t2 - t1 - digest_s, 6),
                             "probe_s": round(self._clock() - t2, 6) if probing else None}
             self._verified += 1
+        # an adapter engine activates the staged version here: every rank has it, verified
         await self.engines.each("set_weight_version", version)
         self.engine_version = version
+        if adapters:
+            self._emit_all("adapter.activated", mem=None, step=step, weight_version=version)
         params = len(self.trainers.first("param_specs"))
         events = [self._emit(r, "sync.finished", step=step, bytes=res.bytes, buckets=res.buckets,
                              tensors=res.tensors, params=params, duration_s=round(self._clock() - t0, 6),
                              transfer_s=round(transfer_s, 6), verify_s=verify_s, verify_parts=verify_parts,
-                             weight_version=version, digest=digests[r], cache_flushed=True, source=source)
+                             weight_version=version, digest=digests[r], cache_flushed=True, source=source,
+                             **({"target": "adapter"} if adapters else {}))
                   for r, res in enumerate(results)]
         self.last_sync = events[0]
         return self.last_sync

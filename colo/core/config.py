@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from colo.core.phases import PLANS, Phase, parse_phase
+from colo.core.phases import PLANS, SYNC_TARGETS, Phase, parse_phase
 
 from colo.core.units import MiB
 
@@ -44,8 +44,13 @@ class SchedulerConfig:
     #: digest and run the verifier; a digest is a pass over every engine weight, the
     #: largest fixed cost of a small model's sync
     verify: str = "every"
+    #: what a sync moves (:data:`~colo.core.phases.SYNC_TARGETS`): the model's ``weights``, or a
+    #: LoRA ``adapter`` beside base weights the engine keeps through the cycle
+    sync_target: str = "weights"
 
     def __post_init__(self) -> None:
+        if self.sync_target not in SYNC_TARGETS:
+            raise ValueError(f"sync_target must be one of {', '.join(SYNC_TARGETS)}, got {self.sync_target!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.verify not in VERIFY:
@@ -70,4 +75,5 @@ class SchedulerConfig:
     def as_dict(self) -> dict:
         return {"plan": self.plan, "bucket_bytes": self.bucket_bytes,
                 "phase_deadline_s": self.phase_deadline_s, "deadlines": dict(self.deadlines),
-                "cleanup_deadline_s": self.cleanup_deadline_s, "verify": self.verify}
+                "cleanup_deadline_s": self.cleanup_deadline_s, "verify": self.verify,
+                **({"sync_target": self.sync_target} if self.sync_target != "weights" else {})}

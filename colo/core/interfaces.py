@@ -193,6 +193,10 @@ class EngineCapabilities:
     #: which checks the engine's layout and math, runs on the first verified sync of each
     #: engine (again after a replacement or a failure), not on every one
     digest_live: bool = False
+    #: what a sync loads is a LoRA adapter, staged beside the version serving and activated once
+    #: verified (:class:`colo.engine.adapters.AdapterEngine`): the scheduler marks the stage in the
+    #: trace (``adapter.staging``/``adapter.activated``) and replay refuses a load outside one
+    adapters: bool = False
     #: the engine's own words on what it can do (why ``frees_memory`` is False, say)
     note: str = ""
 
@@ -205,7 +209,7 @@ class EngineCapabilities:
             raise ValueError(f"engine capabilities: probe must be one of {', '.join(PROBES)}, got {self.probe!r}")
         if not isinstance(self.probe_needs_kv, bool):
             raise ValueError(f"engine capabilities: probe_needs_kv must be a bool, got {self.probe_needs_kv!r}")
-        for flag in ("sessions", "pauses_generation", "digest_live"):
+        for flag in ("sessions", "pauses_generation", "digest_live", "adapters"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"engine capabilities: {flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.note, str):
@@ -217,6 +221,7 @@ class EngineCapabilities:
                 **({"sessions": True} if self.sessions else {}),
                 **({"pauses_generation": True} if self.pauses_generation else {}),
                 **({"digest_live": True} if self.digest_live else {}),
+                **({"adapters": True} if self.adapters else {}),
                 **({"note": self.note} if self.note else {})}
 
     @classmethod
@@ -226,7 +231,8 @@ class EngineCapabilities:
         return cls(tags=tuple(d.get("tags", cls.tags)), frees_memory=d.get("frees_memory", True),
                    probe=d.get("probe", "logits"), probe_needs_kv=d.get("probe_needs_kv", False),
                    sessions=d.get("sessions", False), pauses_generation=d.get("pauses_generation", False),
-                   digest_live=d.get("digest_live", False), note=d.get("note", ""))
+                   digest_live=d.get("digest_live", False), adapters=d.get("adapters", False),
+                   note=d.get("note", ""))
 
 
 @runtime_checkable

@@ -123,6 +123,28 @@ EFFECTS: dict[Phase, Effect] = {
     P.FAILED: Effect(),
 }
 
+#: What a sync moves: the model's ``weights``, or a LoRA ``adapter`` beside base weights the
+#: engine keeps (:mod:`colo.models.lora`). The order of the phases is the plan's either way;
+#: what differs is written here, as overrides of ``EFFECTS``.
+SYNC_TARGETS: dict[str, dict[Phase, Effect]] = {
+    "weights": {},
+    # The base weights are frozen and the engine already holds them: releasing them would
+    # throw away what no sync brings back (vLLM's sleep level 2 discards them), and an
+    # adapter's sync loads only the adapter. The engine releases its KV cache and graphs
+    # only, so engine_wake_weights finds its weights resident and resumes nothing.
+    "adapter": {P.ENGINE_RELEASE: Effect(owner="engine", verb="release", pause=("kv_cache", "cuda_graph"),
+                                         flush_first=True)},
+}
+
+
+def effects_for(target: str) -> dict[Phase, Effect]:
+    """``EFFECTS`` for a sync of ``target`` (one of :data:`SYNC_TARGETS`)."""
+    try:
+        return {**EFFECTS, **SYNC_TARGETS[target]}
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown sync target {target!r}; expected one of {', '.join(SYNC_TARGETS)}") from None
+
+
 # Plans: the order of one cycle, starting at rollout. Each must walk only
 # edges of TRANSITIONS and close back onto its first phase.
 PLANS: dict[str, tuple[Phase, ...]] = {
@@ -230,6 +252,12 @@ SUBSTATES: dict[str, SubState] = {
                         outside=("sync.finished", "phase.finished:sync"), ends_on_failure=True),
     # SGLang's server releases memory only when idle: it pauses generation first and continues
     # at the next rollout
+    # an adapter sync stages a new version beside the one serving, and activates it only once
+    # every rank holds it and its digest checked: a load outside the stage, or a sync that ends
+    # with its stage still open (neither activated nor failed), is refused
+    "adapter_stage": SubState(opened="adapter.staging", closed="adapter.activated", opens_in=(P.SYNC,),
+                              closes_in=(P.SYNC,), capability="adapters", inside=("bucket.finished:load",),
+                              outside=("sync.finished", "phase.finished:sync"), ends_on_failure=True),
     "generation_paused": SubState(opened="generation.paused", closed="generation.continued",
                                   opens_in=(P.ENGINE_RELEASE,), closes_in=(P.ROLLOUT,),
                                   capability="pauses_generation", inside=("memory.paused:engine",),

@@ -10,6 +10,9 @@ EVENTS = frozenset({
     # an engine's own sub-states (colo.core.phases.SUBSTATES): its weight-update session
     # and its paused generation, written only for engines whose capabilities declare them
     "session.opened", "session.closed", "generation.paused", "generation.continued",
+    # an adapter sync's stage: opened before its first byte, closed once every rank's
+    # digest checked and the new version serves
+    "adapter.staging", "adapter.activated",
 })
 #: ``trace.started`` carries ``run_id``: one id for every rank's trace of one run, new for each
 #: run (a second run with the same seed and config is another run). Replay and tune take
