@@ -87,6 +87,11 @@ class PolicyTrainer:
     def param_specs(self) -> Sequence[TensorSpec]:
         return self._extractor.specs()
 
+    def start_state(self) -> dict[str, torch.Tensor]:
+        """The HF-named tensors an engine starts from: the weights a sync moves (a LoRA
+        trainer's: the base model's, beside the adapter it syncs)."""
+        return self.hf_state()
+
     def init_optimizer_state(self) -> None:
         """Allocate AdamW's state now (it is lazy), so that it lands in the caller's
         memory region (``trainer.optimizer``) rather than wherever the first step runs."""
