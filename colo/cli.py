@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --engine vllm: vLLM's own engine-core and worker processes (else one process)")
     d.add_argument("--trainer", choices=TRAINERS, default="hf",
                    help="hf (transformers), megatron (megatron-core: colo-rl[megatron]), fsdp (FSDP2)")
+    d.add_argument("--lora-rank", type=_positive(int, 512), default=None, metavar="R",
+                   help="train only a LoRA adapter of rank R (PEFT: colo-rl[lora]) on the frozen model, and sync "
+                        "the adapter: staged beside the version serving, activated once verified (--engine vllm)")
+    d.add_argument("--keep-adapters", type=_positive(int, 64), default=2, metavar="K",
+                   help="with --lora-rank: adapter versions the engine keeps loaded, the serving one included "
+                        "(requests still in flight may use the older ones)")
     d.add_argument("--trainer-dtype", choices=("float32", "bfloat16"), default=None,
                    help="the trainer's parameters (bfloat16: fp32 master weights in the optimizer; default: "
                         "the engine's dtype on a GPU, float32 on a CPU)")

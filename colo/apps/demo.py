@@ -51,6 +51,12 @@ MAX_ENGINE_DEATHS = 3
 def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
     from colo.trainers import build
 
+    if cfg.lora_rank is not None:  # the base frozen, an adapter trained and synced
+        from colo.trainers.lora import build as build_lora
+
+        source = {"checkpoint": cfg.checkpoint, "model_config": model_config if cfg.checkpoint is None else None}
+        return build_lora(**source, seed=cfg.seed, engine_dtype=cfg.engine_dtype, device=cfg.device,
+                          rank=cfg.lora_rank, param_dtype=cfg.trainer_dtype)
     if cfg.checkpoint is not None:  # the model is the checkpoint's (model_config was read from it)
         return build(cfg.trainer, checkpoint=cfg.checkpoint, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
                      device=cfg.device, param_dtype=cfg.trainer_dtype)
@@ -212,7 +218,7 @@ class DemoRun:
         # a model directory as vLLM and SGLang load one (the weights in the engine's dtype), or
         # the trainer's tensors as they are for colo's engine
         dtype = getattr(torch, self.cfg.engine_dtype) if entry.starts_from == "hf_dir" else None
-        ckpt = save_start(entry.starts_from, self.model_config, self.trainer.hf_state(), self.workdir, dtype=dtype)
+        ckpt = save_start(entry.starts_from, self.model_config, self.trainer.start_state(), self.workdir, dtype=dtype)
         if self.saver is not None:
             # Colocated start: the trainer offloads before the engine starts, as
             # slime does, so the engine's KV pool can take its fraction.
@@ -222,7 +228,8 @@ class DemoRun:
                 "total_bytes": self.total, "mem_fraction_static": cfg.mem_fraction_static, "checkpoint": ckpt,
                 "memory": "saver" if self.saver is not None else "free",
                 # if this process is killed outright, the engine removes the work dir as it goes
-                "run_dir": self.workdir, "log_path": cfg.engine_log_path()}
+                "run_dir": self.workdir, "log_path": cfg.engine_log_path(),
+                **({"lora": {"rank": cfg.lora_rank, "keep": cfg.keep_adapters}} if cfg.lora_rank else {})}
 
     async def _spawn_engine(self, build: dict) -> Any:
         from colo.engine import start_engine
@@ -249,6 +256,11 @@ class DemoRun:
                                leftover=lambda: leftover if self.trainer.steps else 0)
 
     def _wrap_engine(self, engine: Any) -> Any:
+        if self.cfg.lora_rank is not None:
+            # its syncs stage adapter versions; a new engine's base weights are checked once
+            from colo.engine.adapters import AdapterEngine
+
+            engine = AdapterEngine(engine, self.trainer.adapter, base_digest=self._base_digest(engine))
         engine = CycleSeeded(engine, lambda: len(self.rewards))
         return self.injector.wrap_engine(engine) if self.injector else engine
 
@@ -263,15 +275,34 @@ class DemoRun:
             trainer, self._wrap_engine(self.engines[0]), memory, self.transport,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
                                    phase_deadline_s=cfg.phase_deadline_s,
-                                   verify=cfg.verify),
+                                   verify=cfg.verify, sync_target=cfg.sync_target),
             trace=trace, verify=verify, probe=probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"},
                         "mem_fraction_static": cfg.mem_fraction_static,
                         "model": {"params": self.trainer.num_params(), "engine_dtype": cfg.engine_dtype,
-                                  "model_type": getattr(self.model_config, "model_type", None)}})
+                                  "model_type": getattr(self.model_config, "model_type", None)},
+                        **self._lora_config()})
         if self.injector:
             self.injector.attach(sched)
         return sched
+
+    def _lora_config(self) -> dict:
+        """The adapter a LoRA run syncs, for the trace: its settings and its size beside the base's."""
+        if self.cfg.lora_rank is None:
+            return {}
+        a = self.trainer.adapter
+        return {"lora": {"rank": a.r, "alpha": a.alpha, "targets": list(a.targets),
+                         "adapter_params": self.trainer.num_params(), "base_params": self.trainer.base_params(),
+                         "keep_adapters": self.cfg.keep_adapters}}
+
+    def _base_digest(self, engine: Any) -> str | None:
+        """The trainer's base weights' digest, where ``engine``'s digest reads its live weights."""
+        if not engine.capabilities.digest_live:
+            return None
+        from colo.digest import expected_weights_digest
+
+        state = self.trainer.start_state()
+        return expected_weights_digest(state, list(state), getattr(torch, self.cfg.engine_dtype))
 
     def trainer_digest(self) -> str:
         return trainer_digest(self.trainer, self.cfg.engine_dtype)
@@ -378,7 +409,8 @@ class DemoRun:
         # The trainer's copy is the truth: a new engine starts stale (colo's empty; vLLM
         # cannot start without a model, so from the first checkpoint, then marked stale by
         # replace_engine) and the recovery sync fills it.
-        empty = self.cfg.engine_entry.starts_empty
+        # a LoRA run's sync brings only the adapter: its new engine starts from the base weights
+        empty = self.cfg.engine_entry.starts_empty and self.cfg.lora_rank is None
         new = await self._spawn_engine({**self.build, "checkpoint": None} if empty else self.build)
         await self.sched.replace_engine(self._wrap_engine(new))
         rec.engine_replaced = True
@@ -478,7 +510,8 @@ def config_from_args(args: Any) -> DemoConfig:
                           address=getattr(args, "address", None), verify=getattr(args, "verify", "every"),
                           engine_log=getattr(args, "engine_log", None), engine=getattr(args, "engine", "colo"),
                           vllm_processes=getattr(args, "vllm_processes", False),
-                          engine_layout=getattr(args, "engine_layout", None))
+                          engine_layout=getattr(args, "engine_layout", None),
+                          lora_rank=getattr(args, "lora_rank", None), keep_adapters=getattr(args, "keep_adapters", 2))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -154,6 +154,16 @@ class DemoConfig:
     #: where the engine processes write their own log lines (JSON): ``None`` beside the trace
     #: (``<trace>.engine.log``, a rank's ``<trace>.rank<r>.engine.log``), ``"-"`` the console
     engine_log: str | None = None
+    #: train only a LoRA adapter of this rank (:mod:`colo.trainers.lora`) and sync the adapter
+    #: (``SchedulerConfig.sync_target == "adapter"``); None: the whole model
+    lora_rank: int | None = None
+    #: adapter versions the engine keeps loaded, the serving one included
+    keep_adapters: int = 2
+
+    @property
+    def sync_target(self) -> str:
+        """What a sync moves (:data:`colo.core.phases.SYNC_TARGETS`)."""
+        return "weights" if self.lora_rank is None else "adapter"
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or self.engine not in ENGINES:
@@ -222,8 +232,26 @@ class DemoConfig:
             raise ValueError(f"--fault needs --verify every (a recovery is judged by the engine's digest "
                              f"after it), got --verify {self.verify}")
         self._check_gpus()
+        self._check_lora()
         self._check_engine()
         self._check_paths()
+
+    def _check_lora(self) -> None:
+        from colo.models.lora import MAX_RANK
+
+        for name, most in (("keep_adapters", 64), ("lora_rank", MAX_RANK)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer in [1, {most}], got {v!r}")
+        if self.lora_rank is None:
+            return
+        if self.trainer != "hf":
+            raise ValueError(f"--lora-rank trains a PEFT adapter on the hf trainer, got --trainer {self.trainer}")
+        if self.device != "cpu":
+            raise ValueError(f"--lora-rank runs on the CPU so far (its trainer's GPU regions are not built), "
+                             f"got --device {self.device}")
+        if self.trainer_dtype not in (None, "float32"):
+            raise ValueError(f"--lora-rank trains in float32 on the CPU, got --trainer-dtype {self.trainer_dtype}")
 
     def _check_paths(self) -> None:
         """The trace, and every file colo derives from it (a rank's trace, the engine's log beside
@@ -298,7 +326,8 @@ class DemoConfig:
                                 gpus=self.gpus, launcher=self.launcher, options=self.engine_options,
                                 model_config=self.model_config() if self.gpus > 1 else None,
                                 kill=kills_engine(self.parsed_fault()),
-                                visible_devices=self.engine_visible_devices is not None, layout=self.engine_layout)
+                                visible_devices=self.engine_visible_devices is not None, layout=self.engine_layout,
+                                lora=self.lora_rank is not None)
 
     def _check_gpus(self) -> None:
         g = self.gpus

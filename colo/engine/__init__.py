@@ -126,6 +126,11 @@ class EngineEntry:
     own_process: bool = False
     #: the simulated CPU device's default size in GiB, where the demo's default is too small for it
     cpu_device_gib: float | None = None
+    #: it stages LoRA adapters in memory beside its weights (``adapter_target``,
+    #: ``activate_adapter``, ``drop_adapter``), so a run may sync an adapter to it
+    #: (:class:`colo.engine.adapters.AdapterEngine`, ``colo demo --lora-rank``); its start takes
+    #: ``build["lora"]`` = ``{"rank": R, "keep": K}``
+    adapters: bool = False
     #: it reports where its sync time goes (``call_s``, ``await worker_timings()``): the
     #: benchmark adds them to each row
     timings: bool = False
@@ -216,7 +221,8 @@ class EngineEntry:
     # -- its limits, checked once --------------------------------------------------------
     def check(self, *, device: str, dtype: str | None = None, transport: str | None = None, gpus: int = 1,
               launcher: str = "process", model_config: Any = None, options: Mapping[str, Any] | None = None,
-              kill: bool = False, visible_devices: bool = False, layout: str | None = None) -> None:
+              kill: bool = False, visible_devices: bool = False, layout: str | None = None,
+              lora: bool = False) -> None:
         """Refuse (``ValueError``, one line naming the engine, the limit and what is allowed) a
         run this engine cannot be: a device it does not run on, a dtype it does not run there,
         a transport it does not take, ``gpus`` ranks it has no layout for (or a model it cannot
@@ -252,6 +258,12 @@ class EngineEntry:
             if self.kill_needs and not (options or {}).get(self.kill_needs):
                 raise ValueError(f"a fault kill-engine@... with {flag} needs {self.options[self.kill_needs]}"
                                  f"{self._note('kill')}")
+        if lora and not self.adapters:
+            staging = [e.name for e in ENGINES.values() if e.adapters]
+            raise ValueError(f"--lora-rank syncs a LoRA adapter into an engine that stages adapters in memory "
+                             f"(--engine {' or '.join(staging) or 'none'}){self._note('adapters')}, got {flag}")
+        if lora and gpus > 1:
+            raise ValueError(f"--lora-rank drives one rank so far, got --gpus {gpus}")
         if visible_devices and not self.own_process:
             raise ValueError(f"--engine-visible-devices sets the environment of an engine in a process of its own; "
                              f"{flag} has none")
@@ -315,7 +327,7 @@ ENGINES: dict[str, EngineEntry] = {
         rank_start={"process": "colo.engine.vllm.start:start_rank", "ray": "colo.ranks.ray_vllm:start_rank"},
         launcher_layouts={"ray": ("replicas",)},  # a Ray engine rank is an actor of its own: no trainer group
         tp_check="colo.engine.vllm.start:check_tp",
-        cpu_device_gib=2.0, timings=True,
+        cpu_device_gib=2.0, timings=True, adapters=True,
         notes={"dtypes": "vLLM's bfloat16 CPU kernels hit an illegal instruction on short prompts",
                "transports": "handles vLLM's worker maps",
                "kill": "an in-process vLLM cannot be killed without the trainer",

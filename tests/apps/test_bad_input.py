@@ -36,6 +36,11 @@ KEEP = '{"keep": "me"}\n'
     (["--fault", "explode@sync"], "unknown fault kind 'explode'; expected one of kill-engine, raise"),
     (["--fault", "raise@synk"], "unknown fault phase 'synk'; expected one of rollout"),
     (["--fault", "oom@train"], "fault oom cannot happen at train; oom is possible at trainer_onload"),
+    (["--lora-rank", "0"], "argument --lora-rank: expected a positive int"),
+    (["--lora-rank", "513"], "argument --lora-rank: expected a positive int of at most 512, got 513"),
+    (["--lora-rank", "8"], "--lora-rank syncs a LoRA adapter into an engine that stages adapters in memory "
+                           "(--engine vllm), got --engine colo"),
+    (["--keep-adapters", "0"], "argument --keep-adapters: expected a positive int"),
 ])
 def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, tmp_path, capsys):
     trace = tmp_path / "t.jsonl"
@@ -63,6 +68,12 @@ def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, 
     (dict(transport="pigeon"), "transport must be one of packed, ipc, broadcast, disk, rdt, sglang, got 'pigeon'"),
     (dict(fault="raise"), "fault must be KIND@PHASE"),
     (dict(fault="deadline@sync", fault_deadline_s=0), "fault deadline must be > 0 seconds, got 0"),
+    (dict(lora_rank=8, engine="vllm", trainer="megatron"), "--lora-rank trains a PEFT adapter on the hf trainer, "
+                                                           "got --trainer megatron"),
+    (dict(lora_rank=8, engine="vllm", gpus=2), "--lora-rank drives one rank so far, got --gpus 2"),
+    (dict(lora_rank=8, engine="vllm", trainer_dtype="bfloat16"), "--lora-rank trains in float32 on the CPU"),
+    (dict(lora_rank=True, engine="vllm"), "--lora-rank must be an integer in [1, 512], got True"),
+    (dict(lora_rank=8, engine="vllm", keep_adapters=0), "--keep-adapters must be an integer in [1, 64], got 0"),
 ])
 def test_demo_config_refuses_bad_values(kw, msg):
     with pytest.raises(ValueError) as ei:

@@ -159,6 +159,13 @@ async def test_what_vllm_cannot_take_is_refused_and_the_active_adapter_serves_on
     # a version no stage made
     with pytest.raises(EngineStateError, match="not loaded"):
         await engine.activate_adapter(version + 50)
+    # a version staged before, staged again (the active one, or an older one): refused before a
+    # byte moves, the active version serving on
+    for reused in (version, version - 1 if version > 1 else version):
+        with pytest.raises(EngineStateError, match=f"adapter v{reused} was staged already.*a version is staged once"):
+            await stage(engine, partial, reused, partial_config)
+    assert engine.active_adapter == version and (await engine.adapters())[version] == digest
+    assert await engine.tokens(PROMPTS, max_new_tokens=8) == serving
 
 
 async def test_an_adapter_in_another_dtype_is_refused_or_converted_once_on_purpose(served):

@@ -386,6 +386,8 @@ class VllmEngine:
         #: adapter versions kept loaded, the active one included: a version activated drops
         #: the ones older than the newest ``keep_adapters`` (requests still in flight may use them)
         self.keep_adapters = 2
+        #: the newest adapter version staged so far: versions only grow (:meth:`adapter_target`)
+        self.newest_adapter = 0
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -677,6 +679,12 @@ class VllmEngine:
         if not isinstance(self._api, _LLM):
             raise EngineStateError("vLLM over HTTP: colo's in-memory adapters are not served there; use an LLM in "
                                    "this process (VllmEngine.start)")
+        if isinstance(version, int) and not isinstance(version, bool) and version <= self.newest_adapter:
+            # a version names one set of bytes: staged again, a request or a kept digest naming it
+            # would no longer know which (a stage that failed registered nothing and may be retried)
+            raise EngineStateError(f"adapter v{version} was staged already (the newest staged is "
+                                   f"v{self.newest_adapter}): a version is staged once; stage "
+                                   f"v{self.newest_adapter + 1} (v{self.active_adapter} stays active)")
         return AdapterTarget(self, version, config)
 
     async def stage_adapter(self, source: Any, version: int, config: Any, *, transport: str = "packed",
@@ -854,7 +862,9 @@ class AdapterTarget:
         # blocks by adapter too)
         reply = await self.engine._rpc("colo_adapter_end")
         self.digest = str(reply["digest"])
-        self.engine.adapter_digests[int(reply["version"])] = self.digest
+        version = int(reply["version"])
+        self.engine.adapter_digests[version] = self.digest
+        self.engine.newest_adapter = max(self.engine.newest_adapter, version)
 
     async def drop_handles(self) -> None:
         await self.engine._rpc("colo_adapter_abort")

@@ -29,11 +29,26 @@ async def start(build: dict, *, task: Any = None, env: Mapping[str, str] | None 
 
         tp = {"tensor_parallel_size": int(build["tp"]["size"]), "distributed_executor_backend": RankExecutor}
         os.environ[RANK_IDENT_ENV] = str(build["tp"]["ident"])
-    return await VllmEngine.start(
+    lora: dict[str, Any] = {}
+    if build.get("lora"):
+        # a run that syncs a LoRA adapter (colo.engine.adapters): vLLM's LoRA manager, one adapter a
+        # batch, the kept versions and the one being staged in its CPU cache
+        rank, keep = int(build["lora"]["rank"]), int(build["lora"]["keep"])
+        lora = {"enable_lora": True, "max_lora_rank": next(r for r in LORA_RANKS if r >= rank), "max_loras": 1,
+                "max_cpu_loras": keep + 1}
+    engine = await VllmEngine.start(
         build["checkpoint"], task=task, processes=bool((options or {}).get("processes")), skip_tokenizer_init=True,
         dtype=build["dtype"], max_model_len=256, max_num_seqs=max(8, batch), seed=seed,
         enforce_eager=not gpu, enable_sleep_mode=gpu, block_size=None if gpu else 32,
-        gpu_memory_utilization=build["mem_fraction_static"] if gpu else 0.2, **tp)
+        gpu_memory_utilization=build["mem_fraction_static"] if gpu else 0.2, **tp, **lora)
+    if lora:
+        engine.keep_adapters = int(build["lora"]["keep"])
+    return engine
+
+
+#: the ranks vLLM 0.32 takes as max_lora_rank (``vllm.config.lora.MaxLoRARanks``): an adapter's
+#: rank is served by the least of them at or above it
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 
@@ -117,4 +132,4 @@ def logs_to(path: str | None) -> None:
     logger.propagate = False
 
 
-__all__ = ["check_tp", "logs_to", "start", "start_rank"]
+__all__ = ["LORA_RANKS", "check_tp", "logs_to", "start", "start_rank"]
