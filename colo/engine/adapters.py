@@ -1,4 +1,13 @@
-"""An engine whose syncs load a LoRA adapter, not weights: :class:`AdapterEngine`.
+"""LoRA adapters on the driver's side: the versions an engine holds (:class:`AdapterVersions`),
+one version's stage as a transport's receiving side (:class:`AdapterTarget`), and an engine whose
+syncs load an adapter, not weights (:class:`AdapterEngine`). The engine's side of all three is
+:class:`colo.engine.adapter_host.AdapterHost`.
+
+:class:`AdapterVersions` is mixed into an engine's driver (``VllmEngine``, colo's ``EngineClient``)
+that sends the host's requests (``_adapter_op``): stage a version (``stage_adapter``, or
+``adapter_target`` for a sender of one's own), activate it once its digest is the trainer's
+(``activate_adapter``: requests use it from then on), keep the newest ``keep_adapters`` loaded for
+requests still in flight, drop the rest. Versions only grow: one names one set of bytes.
 
 Around any engine that stages adapters in memory (``adapter_target``, ``activate_adapter``,
 ``drop_adapter``: :class:`colo.engine.vllm.VllmEngine`), this is the engine protocol the
@@ -24,10 +33,197 @@ and adapter together.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from colo.core.errors import EngineStateError, VerificationError
+import anyio
+
+from colo.core.errors import EngineError, EngineStateError, VerificationError
+from colo.core.interfaces import TensorSpec
+
+
+class AdapterVersions:
+    """The adapter versions of one engine, on the driver's side. The engine supplies
+    ``_adapter_op(op, *args)`` (one request of its :class:`~colo.engine.adapter_host.AdapterHost`)
+    and ``_check_adapters()`` (refuses where it serves none), and calls :meth:`init_adapters`."""
+
+    def init_adapters(self) -> None:
+        #: the LoRA adapter version requests use (None: the base model alone)
+        self.active_adapter: int | None = None
+        #: adapter versions the engine holds (oldest first) and the digest each was built from
+        self.adapter_digests: dict[int, str] = {}
+        #: adapter versions kept loaded, the active one included: a version activated drops
+        #: the ones older than the newest ``keep_adapters`` (requests still in flight may use them)
+        self.keep_adapters = 2
+        #: the newest adapter version staged so far: versions only grow (:meth:`adapter_target`)
+        self.newest_adapter = 0
+
+    async def _adapter_op(self, op: str, *args: Any) -> dict:
+        raise NotImplementedError
+
+    def _check_adapters(self) -> None:
+        """Refuse (EngineStateError) where this engine stages no adapters."""
+
+    def adapter_target(self, version: int, config: Any) -> AdapterTarget:
+        """The receiving side a colo transport sends adapter ``version`` (of ``config``, a
+        :class:`colo.models.lora.AdapterConfig`) to, as it sends weights to this engine."""
+        self._check_adapters()
+        if isinstance(version, int) and not isinstance(version, bool) and version <= self.newest_adapter:
+            # a version names one set of bytes: staged again, a request or a kept digest naming it
+            # would no longer know which (a stage that failed registered nothing and may be retried)
+            raise EngineStateError(f"adapter v{version} was staged already (the newest staged is "
+                                   f"v{self.newest_adapter}): a version is staged once; stage "
+                                   f"v{self.newest_adapter + 1} (v{self.active_adapter} stays active)")
+        return AdapterTarget(self, version, config)
+
+    async def stage_adapter(self, source: Any, version: int, config: Any, *, transport: str = "packed",
+                            bucket_bytes: int = 1 << 20) -> str:
+        """Send adapter ``version`` to the engine through colo's ``transport`` and register it
+        there, inactive. ``source``: the adapter's tensors, PEFT-named (a mapping, as
+        ``peft.get_peft_model_state_dict`` gives them, sent in its order and dtype: convert
+        on purpose to the engine's, :meth:`adapter_dtype`), or a trainer whose extractor
+        yields them. Returns the digest of what the engine received. Nothing is written to
+        disk. A failed stage registers nothing: the active version serves on.
+
+        Room first: versions beyond :attr:`keep_adapters` that are not active are dropped."""
+        from colo.core.interfaces import SyncContext
+        from colo.core.memory import StagingBudget
+        from colo.transports import make_transport
+
+        if isinstance(source, Mapping):
+            source = _Tensors(source)
+        target = self.adapter_target(version, config)
+        await self._drop_adapters_but(self.active_adapter, version)
+        sender = make_transport(transport)
+        ctx = SyncContext(step=version, weight_version=version, bucket_bytes=bucket_bytes, source="host",
+                          staging=StagingBudget(None), flush_cache=False)
+        try:
+            await sender.sync(source, target, ctx)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await target.drop_handles()
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sender.aclose()
+        if target.digest is None:
+            raise EngineStateError(f"adapter v{version}: the transport ended without ending the stage")
+        return target.digest
+
+    async def activate_adapter(self, version: int | None, *, digest: str | None = None) -> None:
+        """Requests use adapter ``version`` from now on (None: the base model). ``digest``: what
+        the trainer sent (:func:`colo.digest.expected_weights_digest` of its adapter tensors);
+        refused, the active version unchanged, unless the engine received exactly that. Then
+        versions older than the newest :attr:`keep_adapters` are dropped."""
+        if version is not None:
+            got = self.adapter_digests.get(version)
+            if got is None:
+                raise EngineStateError(f"adapter v{version} is not loaded in the engine "
+                                       f"(loaded: {sorted(self.adapter_digests) or 'none'}): stage it first")
+            if digest is not None and got != digest:
+                raise EngineError("activate_adapter", "DigestMismatch",
+                                  f"adapter v{version}: the engine received {got}, the trainer sent {digest}; "
+                                  f"v{self.active_adapter} stays active")
+        self.active_adapter = version
+        await self._drop_adapters_but(version)
+
+    async def _drop_adapters_but(self, *also: int | None) -> None:
+        """Drop every loaded version but the newest :attr:`keep_adapters` and ``also``."""
+        keep = set(sorted(self.adapter_digests)[-self.keep_adapters:]) | set(also)
+        for old in sorted(self.adapter_digests):
+            if old not in keep:
+                await self.drop_adapter(old)
+
+    async def adapters(self) -> dict[int, str | None]:
+        """The adapter versions the engine holds, with the digest each was built from."""
+        reply = await self._adapter_op("list")
+        return {int(v): d for v, d in reply["digests"].items()}
+
+    async def adapter_dtype(self) -> str:
+        """The dtype the engine keeps adapters in (vLLM's ``lora_dtype``; colo's engine: its
+        weights'): what a stage must send."""
+        return str((await self._adapter_op("list"))["dtype"])
+
+    async def drop_adapter(self, version: int) -> None:
+        """Unload adapter ``version`` (not the active one: activate another first)."""
+        if version == self.active_adapter:
+            raise EngineStateError(f"adapter v{version} is active: activate another (or None) before dropping it")
+        await self._adapter_op("drop", version)
+        self.adapter_digests.pop(version, None)
+
+    def _adapter_for(self, adapter: int | str | None) -> int | None:
+        if adapter == "active":
+            return self.active_adapter
+        if adapter is not None and adapter not in self.adapter_digests:
+            raise EngineStateError(f"adapter v{adapter} is not loaded in the engine "
+                                   f"(loaded: {sorted(self.adapter_digests) or 'none'})")
+        return adapter
+
+
+class _Tensors:
+    """A mapping of tensors as a sync's source (what a transport asks of a trainer): sent as
+    they are, in the mapping's order and dtypes."""
+
+    def __init__(self, tensors: Any):
+        from colo.extractors.plain import PlainExtractor
+
+        self._extractor = PlainExtractor(dict(tensors))
+
+    def extractor(self) -> Any:
+        return self._extractor
+
+
+class AdapterTarget:
+    """Adapter version ``version`` of ``engine`` as a colo transport's receiving side: the
+    engine protocol's load verbs (``EngineReceiver``), each one of the engine's adapter
+    requests, so any transport that sends weights sends an adapter, with its own session beside
+    the weights' (:meth:`AdapterVersions.adapter_target`)."""
+
+    def __init__(self, engine: AdapterVersions, version: int, config: Any):
+        from colo.models.lora import AdapterConfig
+
+        if not isinstance(config, AdapterConfig):
+            raise TypeError(f"an adapter's config is a colo.models.lora.AdapterConfig, got {type(config).__name__}")
+        self.engine, self.version, self.config = engine, version, config
+        #: the digest the engine answered at the end of the stage
+        self.digest: str | None = None
+
+    async def preflight(self, specs: Sequence[TensorSpec]) -> None:
+        wire = [[s.name, list(s.shape), s.dtype] for s in specs]
+        await self.engine._adapter_op("preflight", self.version, self.config.to_json(), wire)
+
+    async def begin_load(self) -> None:
+        await self.engine._adapter_op("begin")
+
+    async def transport_init(self, transport: str, init_info: dict) -> None:
+        await self.engine._adapter_op("transport_init", transport, init_info)
+
+    async def transport_load(self, transport: str, request: dict, on_sent: Any = None, *, end: bool = False,
+                             flush_cache: bool = False) -> dict:
+        if on_sent is not None:
+            on_sent()
+        await self.engine._adapter_op("load", transport, request)
+        reply: dict = {}
+        if end:
+            await self.end_load()
+            reply.update(ended=True, flushed=False)
+        return reply
+
+    async def transport_close(self, transport: str) -> None:
+        await self.engine._adapter_op("transport_close", transport)
+
+    async def end_load(self, flush_cache: bool = False) -> None:
+        # an adapter's stage changes no weights: the prefix cache stays (engines key their
+        # cached blocks by adapter too)
+        reply = await self.engine._adapter_op("end")
+        self.digest = str(reply["digest"])
+        version = int(reply["version"])
+        self.engine.adapter_digests[version] = self.digest
+        self.engine.newest_adapter = max(self.engine.newest_adapter, version)
+
+    async def drop_handles(self) -> None:
+        await self.engine._adapter_op("abort")
 
 
 class AdapterEngine:
@@ -145,4 +341,4 @@ class AdapterEngine:
             await stage.drop_handles()
 
 
-__all__ = ["AdapterEngine"]
+__all__ = ["AdapterEngine", "AdapterTarget", "AdapterVersions"]

@@ -293,8 +293,8 @@ class ColoWeightTransfer(WeightTransferEngine[ColoInitInfo, ColoUpdateInfo]):
         self.sink = VllmSink(model, vllm_config.model_config, device)
         self.kit = EngineKit(self.sink, log=_log_line)
         #: LoRA adapters' own sink and kit, made on the first adapter request
-        self.adapter_sink: Any = None
-        self.adapter_kit: EngineKit | None = None
+        #: the LoRA adapters' receiving half (colo.engine.adapter_host), made at the first stage
+        self.adapters: Any = None
 
     def init_transfer_engine(self, init_info: ColoInitInfo) -> None:
         if not isinstance(init_info.transports, dict):
@@ -329,8 +329,8 @@ class ColoWeightTransfer(WeightTransferEngine[ColoInitInfo, ColoUpdateInfo]):
 
     def shutdown(self) -> None:
         self.kit.close()
-        if self.adapter_kit is not None:
-            self.adapter_kit.close()
+        if self.adapters is not None:
+            self.adapters.close()
 
 
 class ColoWorkerExtension:
@@ -386,67 +386,29 @@ class ColoWorkerExtension:
         return engine.kit.drop_handles()
 
     # -- LoRA adapters, in memory (colo.engine.vllm.adapters) ---------------------------------
-    def _adapters(self) -> tuple[Any, EngineKit]:
-        """The adapter sink and the engine kit around it: a second kit beside the weights',
+    def _adapters(self) -> Any:
+        """The adapter host (colo.engine.adapter_host): a second engine kit beside the weights',
         with receivers of its own, so an adapter's stage never touches the weights' session."""
         engine = self._colo()
-        if engine.adapter_kit is None:
+        if engine.adapters is None:
+            from colo.engine.adapter_host import AdapterHost
             from colo.engine.vllm.adapters import AdapterSink
 
-            engine.adapter_sink = AdapterSink(self.model_runner, engine.sink.model_config, engine.sink.device)
-            engine.adapter_kit = EngineKit(engine.adapter_sink, log=_log_line)
-        return engine.adapter_sink, engine.adapter_kit
+            engine.adapters = AdapterHost(AdapterSink(self.model_runner, engine.sink.model_config,
+                                                      engine.sink.device), log=_log_line)
+        return engine.adapters
 
-    def colo_adapter_preflight(self, version: Any, config: Any, specs: Any) -> dict:
-        """Name the next stage (its version and config) and check its spec list."""
-        sink, kit = self._adapters()
-        sink.prepare(_json(version), _json(config))
-        kit.preflight(_json(specs))
-        return {"dtype": sink.dtype}
+    def colo_adapter(self, op: str, args: Any = ()) -> dict:
+        """One adapter request of the host's (``preflight``, ``begin``, ``load``, ``end``,
+        ``transport_init``, ``transport_close``, ``abort``, ``list``, ``drop``)."""
+        if op not in ADAPTER_OPS:
+            raise ValueError(f"unknown adapter request {op!r}; expected one of {', '.join(ADAPTER_OPS)}")
+        # in this process only (the driver refuses adapters over HTTP): its arguments as sent
+        return getattr(self._adapters(), op)(*args)
 
-    def colo_adapter_begin(self) -> dict:
-        return self._adapters()[1].begin_load()
 
-    def colo_adapter_load(self, transport: str, request: Any) -> dict:
-        sink, kit = self._adapters()
-        try:
-            return kit.transport_load(transport, _json(request))
-        except BaseException:
-            sink.abort()
-            kit.release(kept=True)
-            raise
-
-    def colo_adapter_end(self) -> dict:
-        """End the stage: the adapter is registered with vLLM under its version; its digest
-        (of the tensors received, in the accepted order) answers."""
-        sink, kit = self._adapters()
-        version = sink.version
-        kit.end_load()
-        digest = sink.received.digest([s.name for s in kit.accepted])
-        sink.digests[version] = digest
-        return {"version": version, "digest": digest, "loaded": sink.loaded()}
-
-    def colo_adapter_transport_init(self, transport: str, init_info: Any) -> dict:
-        return self._adapters()[1].transport_init(transport, _json(init_info))
-
-    def colo_adapter_transport_close(self, transport: str) -> dict:
-        return self._adapters()[1].transport_close(transport)
-
-    def colo_adapter_abort(self) -> dict:
-        """After a failed stage: nothing of it registered, every mapped buffer let go."""
-        sink, kit = self._adapters()
-        sink.abort()
-        return kit.drop_handles()
-
-    def colo_adapters(self) -> dict:
-        """The adapter versions vLLM holds, and the digest each was built from."""
-        sink = self._adapters()[0]
-        loaded = sink.loaded()
-        return {"loaded": loaded, "digests": {str(v): sink.digests.get(v) for v in loaded}, "dtype": sink.dtype}
-
-    def colo_adapter_drop(self, version: Any) -> dict:
-        sink = self._adapters()[0]
-        return {"dropped": sink.drop(_json(version)), "loaded": sink.loaded()}
+#: the adapter requests a worker answers (colo.engine.adapter_host.AdapterHost's)
+ADAPTER_OPS = ("preflight", "begin", "load", "end", "transport_init", "transport_close", "abort", "list", "drop")
 
 
 def _json(value: Any) -> Any:

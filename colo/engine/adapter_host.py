@@ -1,0 +1,212 @@
+"""The receiving half of LoRA adapters, inside any engine's process: :class:`AdapterHost`.
+
+An adapter's tensors arrive through colo's transports like weights: the same receivers, a
+second :class:`~colo.engine.kit.EngineKit` beside the weights' (so a stage never touches the
+weights' session), around an :class:`AdapterStage`, the kit's :class:`~colo.engine.kit.WeightSink`
+for one adapter version at a time. The stage checks, copies and digests what arrives; at its end
+the engine's own subclass registers the version (vLLM: a ``LoRAModel`` in its LoRA manager,
+:mod:`colo.engine.vllm.adapters`; colo's engine: its model's adapter table,
+:mod:`colo.engine.reference.adapters`). A failed or abandoned stage registers nothing.
+
+The host answers the engine protocol's adapter requests as plain data, whatever carries them
+(colo's socket, vLLM's ``collective_rpc``): ``preflight(version, config, specs)``, ``begin()``,
+``load(transport, request)``, ``end()``, ``transport_init``, ``transport_close``, ``abort()``,
+``list()``, ``drop(version)``. The driver's half is :class:`colo.engine.adapters.AdapterVersions`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from colo.core.buckets import numel
+from colo.core.errors import EngineStateError
+from colo.core.interfaces import TensorSpec
+from colo.digest import ReceivedDigest
+from colo.engine.kit import EngineKit, LoadSession, PieceAssembler
+from colo.models.lora import AdapterConfig, adapter_shapes
+from colo.models.specs import check_specs
+from colo.transports.wire import Piece
+
+
+class AdapterStage:
+    """One adapter version at a time as the engine kit's sink: :meth:`prepare` names the
+    version and its config, the kit's preflight, begin, loads and end do the rest, and the end
+    calls :meth:`register`. A subclass says what the engine takes (:meth:`check`), the dtype it
+    keeps adapters in (:attr:`dtype`), and how it registers, lists and drops a version."""
+
+    def __init__(self, hf_config: Any, device: Any):
+        self.hf_config, self.device = hf_config, torch.device(device)
+        self.config: AdapterConfig | None = None
+        self.version: int | None = None
+        #: PEFT name -> shape of the prepared version's tensors
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.session: LoadSession | None = None
+        self.received = ReceivedDigest()
+        self._pieces = PieceAssembler()
+        #: the stage's tensors, copies of our own (the sender reuses its staging buffer)
+        self._staged: dict[str, torch.Tensor] = {}
+        #: version -> the digest of the tensors it was built from, in the accepted order
+        self.digests: dict[int, str] = {}
+
+    # -- what the engine says ---------------------------------------------------------------
+    @property
+    def dtype(self) -> str:
+        """The dtype the engine keeps adapters in: what a stage must send."""
+        raise NotImplementedError
+
+    def check(self, version: int, config: AdapterConfig) -> None:
+        """Refuse (before any byte moves) an adapter the engine cannot take."""
+
+    def register(self, version: int, config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def loaded(self) -> list[int]:
+        raise NotImplementedError
+
+    def unregister(self, version: int) -> bool:
+        raise NotImplementedError
+
+    def drop(self, version: int) -> bool:
+        self.digests.pop(int(version), None)
+        return self.unregister(int(version))
+
+    # -- the stage -----------------------------------------------------------------------
+    def prepare(self, version: Any, config: Any) -> None:
+        """The next stage is ``version`` (an id > 0) of an adapter of ``config`` (its JSON);
+        refused before any byte moves when the engine cannot take it."""
+        if self.session is not None:
+            raise EngineStateError(f"adapter v{self.version} is being staged: end or abort it first")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"an adapter version is an integer of at least 1, got {version!r}")
+        cfg = AdapterConfig.from_json(config)
+        self.check(version, cfg)
+        self.shapes = adapter_shapes(self.hf_config, cfg)
+        self.config, self.version = cfg, version
+
+    def expected_specs(self) -> list[TensorSpec]:
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return [TensorSpec(name=n, shape=s, dtype=self.dtype, nbytes=size * numel(s)) for n, s in self.shapes.items()]
+
+    # -- WeightSink ----------------------------------------------------------------------
+    def preflight(self, specs: list[TensorSpec]) -> None:
+        self._require_prepared()
+        check_specs(self.shapes, ((s.name, s.shape, s.dtype) for s in specs), self.dtype,
+                    f"adapter v{self.version} does not match its config on the model this engine serves "
+                    f"(r={self.config.r}, targets {', '.join(self.config.targets)}; the engine keeps adapters "
+                    f"in {self.dtype})")
+
+    def begin_load(self) -> None:
+        self._require_prepared()
+        if self.session is not None:
+            raise EngineStateError("an adapter stage is already in progress (begin_load twice without end_load)")
+        self.session = LoadSession(self.shapes)
+        self.received.clear()
+        self._pieces.clear()
+        self._staged = {}
+
+    def load_weights(self, named: Any) -> int:
+        session = self._require_session()
+        items = list(named)
+        session.check(items)  # the whole request, before any of it is kept
+        self.received.add_many(items)
+        for name, tensor in items:
+            if isinstance(tensor, Piece):
+                self._staged.update(self._pieces.feed([(name, tensor)]))
+            else:
+                self._staged[name] = tensor.clone()
+        return sum(session.advance(name, tensor) for name, tensor in items)
+
+    def end_load(self) -> int:
+        session = self._require_session()
+        try:
+            n = session.finish()
+            self.register(self.version, self.config, self._staged)
+        except BaseException:
+            self.abort()
+            raise
+        self.session = None
+        self._staged = {}
+        return n
+
+    def flush_cache(self) -> None:
+        raise EngineStateError("an adapter stage flushes no cache: the driver resets the engine's prefix cache")
+
+    def abort(self) -> None:
+        """End a failed stage: nothing of it is registered; what was registered stays."""
+        self.session = None
+        self._staged = {}
+        self._pieces.clear()
+
+    def _require_prepared(self) -> None:
+        if self.version is None:
+            raise EngineStateError("no adapter stage is prepared (the adapter preflight names its version first)")
+
+    def _require_session(self) -> LoadSession:
+        if self.session is None:
+            raise EngineStateError("no adapter stage is active (begin_load first)")
+        return self.session
+
+
+class AdapterHost:
+    """An :class:`AdapterStage` and the engine kit around it: the adapter requests an engine
+    serves, each answering plain data."""
+
+    def __init__(self, stage: AdapterStage, **kit: Any):
+        self.stage = stage
+        self.kit = EngineKit(stage, **kit)
+
+    def preflight(self, version: Any, config: Any, specs: Any) -> dict:
+        """Name the next stage (its version and config) and check its spec list."""
+        self.stage.prepare(version, config)
+        self.kit.preflight(specs)
+        return {"dtype": self.stage.dtype}
+
+    def begin(self) -> dict:
+        return self.kit.begin_load()
+
+    def load(self, transport: str, request: Any) -> dict:
+        try:
+            return self.kit.transport_load(transport, request)
+        except BaseException:
+            self.stage.abort()
+            self.kit.release(kept=True)
+            raise
+
+    def end(self) -> dict:
+        """End the stage: the version is registered; the digest of the tensors received (in
+        the accepted order) answers."""
+        stage = self.stage
+        version = stage.version
+        self.kit.end_load()
+        digest = stage.received.digest([s.name for s in self.kit.accepted])
+        stage.digests[version] = digest
+        return {"version": version, "digest": digest}
+
+    def transport_init(self, transport: str, init_info: Any) -> dict:
+        return self.kit.transport_init(transport, init_info)
+
+    def transport_close(self, transport: str) -> dict:
+        return self.kit.transport_close(transport)
+
+    def abort(self) -> dict:
+        """After a failed stage: nothing of it registered, every mapped buffer let go."""
+        self.stage.abort()
+        return self.kit.drop_handles()
+
+    def list(self) -> dict:
+        """The versions the engine holds, the digest each was built from, and the dtype it keeps
+        adapters in."""
+        loaded = self.stage.loaded()
+        return {"loaded": loaded, "digests": {str(v): self.stage.digests.get(v) for v in loaded},
+                "dtype": self.stage.dtype}
+
+    def drop(self, version: Any) -> dict:
+        return {"dropped": self.stage.drop(version), "loaded": self.stage.loaded()}
+
+    def close(self) -> None:
+        self.kit.close()
+
+
+__all__ = ["AdapterHost", "AdapterStage"]
