@@ -260,7 +260,9 @@ class DemoRun:
             # its syncs stage adapter versions; a new engine's base weights are checked once
             from colo.engine.adapters import AdapterEngine
 
-            engine = AdapterEngine(engine, self.trainer.adapter, base_digest=self._base_digest(engine))
+            order = list(self.trainer.start_state())
+            engine = AdapterEngine(engine, self.trainer.adapter, base_digest=self._base_digest(engine, order),
+                                   base_order=order)
         engine = CycleSeeded(engine, lambda: len(self.rewards))
         return self.injector.wrap_engine(engine) if self.injector else engine
 
@@ -295,14 +297,14 @@ class DemoRun:
                          "adapter_params": self.trainer.num_params(), "base_params": self.trainer.base_params(),
                          "keep_adapters": self.cfg.keep_adapters}}
 
-    def _base_digest(self, engine: Any) -> str | None:
-        """The trainer's base weights' digest, where ``engine``'s digest reads its live weights."""
+    def _base_digest(self, engine: Any, order: list[str]) -> str | None:
+        """The trainer's base weights' digest (HF names in ``order``), where ``engine``'s digest
+        reads its live weights."""
         if not engine.capabilities.digest_live:
             return None
         from colo.digest import expected_weights_digest
 
-        state = self.trainer.start_state()
-        return expected_weights_digest(state, list(state), getattr(torch, self.cfg.engine_dtype))
+        return expected_weights_digest(self.trainer.start_state(), order, getattr(torch, self.cfg.engine_dtype))
 
     def trainer_digest(self) -> str:
         return trainer_digest(self.trainer, self.cfg.engine_dtype)

@@ -312,7 +312,7 @@ ENGINES: dict[str, EngineEntry] = {
         rank_start={"process": "colo.engine.reference.start:start_rank",
                     "ray": "colo.ranks.ray_launcher:start_engine_actor"},
         shard_digest="colo.engine.reference.tp:expected_shard_digest",
-        fits="colo.engine.reference.start:check_fits", own_process=True),
+        fits="colo.engine.reference.start:check_fits", own_process=True, adapters=True),
     "vllm": EngineEntry(
         name="vllm", title="vLLM",
         summary="vllm (a real vLLM, colo-rl[vllm]; float32 on a CPU)",

@@ -149,6 +149,10 @@ class AdapterStage:
         return self.session
 
 
+#: the requests an adapter host answers (its methods of these names)
+ADAPTER_OPS = ("preflight", "begin", "load", "end", "transport_init", "transport_close", "abort", "list", "drop")
+
+
 class AdapterHost:
     """An :class:`AdapterStage` and the engine kit around it: the adapter requests an engine
     serves, each answering plain data."""
@@ -209,4 +213,4 @@ class AdapterHost:
         self.kit.close()
 
 
-__all__ = ["AdapterHost", "AdapterStage"]
+__all__ = ["ADAPTER_OPS", "AdapterHost", "AdapterStage"]

@@ -229,15 +229,18 @@ class AdapterTarget:
 class AdapterEngine:
     """``engine``'s adapter stages as the engine protocol's loads. ``config``: the adapter's
     :class:`~colo.models.lora.AdapterConfig`; ``base_digest``: the trainer's base weights'
-    digest (:func:`colo.digest.expected_weights_digest`), checked once where the engine's
-    digest is of its live weights."""
+    digest (:func:`colo.digest.expected_weights_digest`, of the HF names in ``base_order``),
+    checked once where the engine's digest is of its live weights."""
 
-    def __init__(self, engine: Any, config: Any, *, base_digest: str | None = None):
+    def __init__(self, engine: Any, config: Any, *, base_digest: str | None = None,
+                 base_order: Sequence[str] | None = None):
         for verb in ("adapter_target", "activate_adapter", "drop_adapter"):
             if not callable(getattr(engine, verb, None)):
                 raise TypeError(f"{type(engine).__name__} stages no LoRA adapters (it has no {verb}); expected an "
                                 f"engine such as colo.engine.vllm.VllmEngine")
         self._engine, self.config, self._base_digest = engine, config, base_digest
+        #: the HF names in the order ``base_digest`` took them (None: the engine's own)
+        self._base_order = None if base_order is None else list(base_order)
         # the digest vouches for the adapter as received, not for the weights the forward reads
         self.capabilities = replace(engine.capabilities, adapters=True, digest_live=False)
         self._base_checked = base_digest is None or not engine.capabilities.digest_live
@@ -303,7 +306,8 @@ class AdapterEngine:
     # -- verification and activation ------------------------------------------------------------
     async def digest(self) -> str:
         if not self._base_checked:
-            got = await self._engine.digest()
+            got = await (self._engine.digest() if self._base_order is None
+                         else self._engine.digest(order=self._base_order))
             if got != self._base_digest:
                 raise VerificationError(f"the engine's base weights digest {got[:16]} != the trainer's base "
                                         f"{self._base_digest[:16]}: an adapter over other base weights is not "

@@ -38,8 +38,8 @@ KEEP = '{"keep": "me"}\n'
     (["--fault", "oom@train"], "fault oom cannot happen at train; oom is possible at trainer_onload"),
     (["--lora-rank", "0"], "argument --lora-rank: expected a positive int"),
     (["--lora-rank", "513"], "argument --lora-rank: expected a positive int of at most 512, got 513"),
-    (["--lora-rank", "8"], "--lora-rank syncs a LoRA adapter into an engine that stages adapters in memory "
-                           "(--engine vllm), got --engine colo"),
+    (["--lora-rank", "8", "--trainer", "fsdp"], "--lora-rank trains a PEFT adapter on the hf trainer, got "
+                                                "--trainer fsdp"),
     (["--keep-adapters", "0"], "argument --keep-adapters: expected a positive int"),
 ])
 def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, tmp_path, capsys):

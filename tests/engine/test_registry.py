@@ -120,6 +120,14 @@ def test_the_limits_are_checked_once_naming_engine_limit_and_what_is_allowed():
                               model_config=demo_config(num_attention_heads=8, num_key_value_heads=3))
     # the replicas layout splits nothing: any number of ranks
     ENGINES["vllm"].check(device="cpu", gpus=3, model_config=demo_config())
+    # a LoRA adapter goes only to an engine that stages adapters in memory, on one rank so far
+    ENGINES["vllm"].check(device="cpu", lora=True)
+    colo.check(device="cpu", lora=True)
+    with pytest.raises(ValueError, match="--lora-rank syncs a LoRA adapter into an engine that stages adapters in "
+                                         "memory \(--engine colo or vllm\), got --engine sglang"):
+        ENGINES["sglang"].check(device="cuda", lora=True)
+    with pytest.raises(ValueError, match="--lora-rank drives one rank so far, got --gpus 2"):
+        colo.check(device="cpu", gpus=2, lora=True)
 
 
 def test_a_missing_engine_is_one_line_with_its_install_line(monkeypatch):

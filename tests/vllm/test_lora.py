@@ -11,45 +11,19 @@ ones are dropped; what vLLM cannot take is refused before a byte moves.
 
 from __future__ import annotations
 
-import copy
-
 import anyio
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig
 
 from colo.core.errors import EngineError, EngineStateError
 from colo.digest import expected_weights_digest
 from colo.models.lora import AdapterConfig, adapter_shapes
-from colo.testing.trainers import StateTrainer
 from tests.archs import VLLM, save_checkpoint, tiny_config
+from tests.lora_parts import BUCKET, PROMPTS, adapter, stage
 from tests.vllm.parts import LLM_ARGS, greedy
 
-PROMPTS = [[1, 2, 3, 4], [5, 17, 300, 9, 11], [900, 4, 33]]
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-#: small buckets: an adapter (the tiny model's, r=8 on every linear: 0.6 MB) in several requests
-BUCKET = 64 << 10
 LORA = dict(enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=3)
-
-
-def adapter(base, *, seed: int, r: int = 8, targets=TARGETS):
-    """A PEFT adapter on a copy of ``base`` with random A and B (B is zero when PEFT makes it:
-    the adapter would change nothing); its tensors as PEFT saves them, and the merged model."""
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets),
-                                                                  lora_dropout=0.0))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    state = {n: t.detach().clone().contiguous() for n, t in get_peft_model_state_dict(peft_model).items()}
-    config = AdapterConfig.from_peft(peft_model.peft_config["default"])
-    merged = copy.deepcopy(peft_model).merge_and_unload().eval()
-    return state, config, merged
-
-
-def digest_of(state, config, model_config) -> str:
-    return expected_weights_digest(state, list(adapter_shapes(model_config, config)), torch.float32)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
@@ -62,11 +36,6 @@ def served(request, tmp_path_factory):
     engine = anyio.run(lambda: VllmEngine.start(str(path), **LLM_ARGS, **LORA))
     yield engine, base
     anyio.run(engine.aclose)
-
-
-async def stage(engine, state, version, config, **kw):
-    # the order the trainer sends in: the adapter's own (PEFT's state dict order)
-    return await engine.stage_adapter(StateTrainer(state, **kw), version, config, bucket_bytes=BUCKET)
 
 
 async def test_each_adapter_sync_serves_what_transformers_serves_on_the_merged_model(served):

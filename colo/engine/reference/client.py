@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from colo.engine.adapters import AdapterVersions
 from colo.engine.forward import ForwardedEngine, decode_f32  # noqa: F401 (decode_f32 re-exported)
 from colo.proc.channel import AsyncChannel, ChannelError, new_key
 from colo.core.interfaces import EngineCapabilities, RolloutResult, TensorSpec
@@ -111,7 +112,7 @@ def start_error(reply: dict) -> Exception:
 _OPS = {"reported_version": "hello"}
 
 
-class EngineClient(ForwardedEngine):
+class EngineClient(ForwardedEngine, AdapterVersions):
     def __init__(self, channel: AsyncChannel, process: Any, sockdir: str, key: bytes, hello: dict,
                  task: RolloutTask | None):
         self._ch, self.process, self._sockdir, self._key, self.task = channel, process, sockdir, key, task
@@ -132,6 +133,7 @@ class EngineClient(ForwardedEngine):
         #: the TP group's store when spawn_tp served it (colo.proc.rendezvous): kept while
         #: any rank's client lives, since NCCL meets there again to make its communicators
         self._rendezvous: Any = None
+        self.init_adapters()
 
     @staticmethod
     def begin(env: dict[str, str] | None = None) -> Begun:
@@ -355,13 +357,36 @@ class EngineClient(ForwardedEngine):
             raise RuntimeError("engine client has no rollout task: pass task= to spawn()")
         t = self.task
         prompts = t.prompts(step)
+        adapter = {} if self.active_adapter is None else {"adapter": self.active_adapter}
         reply = await self.call("generate", prompts=prompts, max_new_tokens=t.max_new_tokens,
-                                temperature=t.temperature, seed=t.seed(step))
+                                temperature=t.temperature, seed=t.seed(step), **adapter)
         completions = reply["completions"]
         rewards = t.rewards(prompts, completions)
         tokens = sum(len(c) for c in completions)
         return RolloutResult(reward=sum(rewards) / len(rewards), tokens=tokens,
                              data=RolloutData(prompts, completions, rewards))
+
+    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None, *,
+                     adapter: int | str | None = "active") -> list:
+        """``[batch, seq, vocab]`` logits (or their vocabulary ``columns``) with LoRA adapter
+        ``adapter``: ``"active"`` (:attr:`active_adapter`), a loaded version, or None (the base)."""
+        version = self._adapter_for(adapter)
+        if version is None:
+            return await super().logits(tokens, columns)
+        fields = {} if columns is None else {"columns": [int(c) for c in columns]}
+        return await self._ask("logits", tokens=tokens, adapter=version, **fields)
+
+    async def digest(self, order: Sequence[str] | None = None) -> str:
+        """The digest of the weights this engine holds, in ``order`` (HF names), else in the order
+        of the spec list it last accepted (the trainer's)."""
+        if order is None:
+            return await super().digest()
+        return str((await self.call("digest", order=list(order)))["digest"])
+
+    # -- LoRA adapters (colo.engine.adapters.AdapterVersions; the engine's half:
+    # colo.engine.reference.adapters) --------------------------------------------------------
+    async def _adapter_op(self, op: str, *args: Any) -> dict:
+        return await self._call("adapter", verb=op, args=list(args))
 
     # -- sync ------------------------------------------------------------------
     async def preflight(self, specs: Sequence[TensorSpec]) -> None:

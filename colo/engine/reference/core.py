@@ -42,6 +42,8 @@ class EngineCore:
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float,
                  init_state: Mapping[str, torch.Tensor] | None = None, saver: Any = None) -> None:
+        #: the model's config (a LoRA adapter's shapes are read from it)
+        self.config = config
         self._start(EngineModel(config, dtype=dtype, device=device, total_bytes=total_bytes,
                                 mem_fraction_static=mem_fraction_static, saver=saver), init_state)
 
@@ -194,19 +196,22 @@ class EngineCore:
     # -- inference -------------------------------------------------------------
 
     def generate(self, prompts: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
-                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """See ``EngineModel.generate``; refused unless KV is resident and the weights are current."""
+                 generator: torch.Generator, adapter: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """See ``EngineModel.generate``; refused unless KV is resident and the weights are current.
+        ``adapter``: the LoRA adapter version it runs with (None: the base model)."""
         if "kv_cache" in self._paused:
             raise EngineStateError("cannot generate: the KV cache is released (resume 'kv_cache' first)")
         self._refuse_if_weights_released("generate")
         if self._version is None:
             raise EngineStateError("cannot generate: engine weights are stale (no complete sync "
                                    "has been recorded with set_weight_version)")
-        return self.model.generate(prompts, max_new_tokens, temperature=temperature, generator=generator)
+        with self.model.adapter(adapter):
+            return self.model.generate(prompts, max_new_tokens, temperature=temperature, generator=generator)
 
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: torch.Tensor, adapter: int | None = None) -> torch.Tensor:
         self._refuse_if_weights_released("compute logits")
-        return self.model.logits(tokens)
+        with self.model.adapter(adapter):
+            return self.model.logits(tokens)
 
     def describe(self) -> dict[str, Any]:
         """A plain-data summary for traces and the control channel."""

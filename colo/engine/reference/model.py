@@ -200,6 +200,12 @@ class EngineModel:
         self._digest_asked = False
         self._load_digest: _LoadDigest | None = None
         self._digested: _LoadDigest | None = None
+        #: LoRA adapters this engine holds: version -> {HF module name: (A, B scaled by alpha / r)}
+        #: in the engine's dtype on its device (:mod:`colo.engine.reference.adapters` registers
+        #: them); a call's forward applies the version it names, ``W x + B (A x)``
+        self.adapters: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: the adapter of the call in progress (None: the base model)
+        self._lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self.allocate_weights()
         self.allocate_kv()
 
@@ -534,7 +540,10 @@ class EngineModel:
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d.head_dim ** -0.5,
                                                   enable_gqa=groups > 1)
             attn = attn.transpose(1, 2).reshape(b, t, d.q_rows)
-            h = h + self._reduce(F.linear(attn, p[pre + "self_attn.o_proj.weight"]))
+            o = F.linear(attn, p[pre + "self_attn.o_proj.weight"])
+            if self._lora is not None:
+                self._add_delta(o, pre + "self_attn.o_proj", attn)
+            h = h + self._reduce(o)
             x = self._rmsnorm(h, p[pre + "post_attention_layernorm.weight"])
             h = h + self._reduce(self._mlp(pre, x))
         return self._rmsnorm(h, p["model.norm.weight"])
@@ -549,6 +558,9 @@ class EngineModel:
         bias = p[pre + "self_attn.qkv_proj.bias"] if self._qkv_bias else None
         q, k, v = F.linear(x, p[pre + "self_attn.qkv_proj.weight"], bias).split((d.q_rows, d.kv_rows, d.kv_rows),
                                                                                  dim=-1)
+        if self._lora is not None:  # each of the fused projection's parts, in place (split gives views)
+            for part, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+                self._add_delta(part, pre + "self_attn." + name, x)
         q = q.view(b, t, d.num_heads, d.head_dim)
         k = k.view(b, t, d.num_kv_heads, d.head_dim)
         if self._qk_norm:
@@ -560,7 +572,32 @@ class EngineModel:
         """One layer's MLP on ``[B, T, H]``: this rank's partial sum (the whole at TP=1)."""
         p = self._params
         gate, up = F.linear(x, p[pre + "mlp.gate_up_proj.weight"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        if self._lora is None:
+            return F.linear(F.silu(gate) * up, p[pre + "mlp.down_proj.weight"])
+        self._add_delta(gate, pre + "mlp.gate_proj", x)
+        self._add_delta(up, pre + "mlp.up_proj", x)
+        act = F.silu(gate) * up
+        out = F.linear(act, p[pre + "mlp.down_proj.weight"])
+        self._add_delta(out, pre + "mlp.down_proj", act)
+        return out
+
+    def _add_delta(self, out: torch.Tensor, module: str, x: torch.Tensor) -> None:
+        """``out += B (A x)`` for the call's adapter on ``module`` (HF name), where it has one."""
+        ab = self._lora.get(module)
+        if ab is not None:
+            out.add_(F.linear(F.linear(x, ab[0]), ab[1]))
+
+    @contextlib.contextmanager
+    def adapter(self, version: int | None) -> Iterator[None]:
+        """The forwards inside apply adapter ``version`` (None: the base model alone)."""
+        if version is not None and version not in self.adapters:
+            raise EngineStateError(f"adapter v{version} is not loaded in this engine "
+                                   f"(loaded: {sorted(self.adapters) or 'none'})")
+        self._lora = None if version is None else self.adapters[version]
+        try:
+            yield
+        finally:
+            self._lora = None
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self._params["model.embed_tokens.weight"])

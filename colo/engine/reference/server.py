@@ -41,6 +41,8 @@ class EngineServer:
     def __init__(self, core: Any):
         self.core = core
         self.kit = EngineKit(core)
+        #: the LoRA adapters' receiving half, made at the first adapter request
+        self.adapters: Any = None
         self.running = True
         self._recording: Any = None  # a diagnostic profile in progress (profile_start)
 
@@ -67,15 +69,16 @@ class EngineServer:
         return {}
 
     def op_generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                    seed: int) -> dict:
+                    seed: int, adapter: int | None = None) -> dict:
         g = torch.Generator().manual_seed(int(seed))
         tokens = torch.tensor(prompts, dtype=torch.long)
         completions, _ = self.core.generate(tokens, int(max_new_tokens), temperature=float(temperature),
-                                            generator=g)
+                                            generator=g, adapter=adapter)
         return {"completions": completions.tolist()}
 
-    def op_logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> dict:
-        out = self.core.logits(torch.tensor(tokens, dtype=torch.long))
+    def op_logits(self, tokens: list[list[int]], columns: list[int] | None = None,
+                  adapter: int | None = None) -> dict:
+        out = self.core.logits(torch.tensor(tokens, dtype=torch.long), adapter=adapter)
         if columns is not None:
             vocab = out.shape[-1]
             bad = [c for c in columns if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < vocab]
@@ -88,9 +91,10 @@ class EngineServer:
         # bytes, and the verifier's comparison fails on them
         return encode_f32(out)  # the answer colo.engine.forward decodes
 
-    def op_digest(self) -> dict:
-        # in the order of the spec list the last preflight accepted: the trainer's
-        return {"digest": self.core.digest([s.name for s in self.kit.accepted] or None)}
+    def op_digest(self, order: list[str] | None = None) -> dict:
+        # in the order asked (an adapter run's check of the base), else of the spec list the
+        # last preflight accepted: the trainer's
+        return {"digest": self.core.digest(order or [s.name for s in self.kit.accepted] or None)}
 
     def op_param_entries(self) -> dict:
         # a diagnostic: each parameter's digest entry, naming those a mismatch is in
@@ -137,9 +141,27 @@ class EngineServer:
     def op_drop_handles(self) -> dict:
         return self.kit.drop_handles()
 
+    # -- LoRA adapters: a second kit, beside the weights' (colo.engine.adapter_host) ----------
+    def op_adapter(self, verb: str, args: list) -> dict:
+        """One adapter request (``preflight``, ``begin``, ``load``, ``end``, ``transport_init``,
+        ``transport_close``, ``abort``, ``list``, ``drop``) of the engine's adapter host."""
+        from colo.engine.adapter_host import ADAPTER_OPS
+
+        if verb not in ADAPTER_OPS or not isinstance(args, list):
+            raise ValueError(f"adapter: expected one of {', '.join(ADAPTER_OPS)} and a list of arguments, "
+                             f"got {verb!r}")
+        if self.adapters is None:
+            from colo.engine.adapter_host import AdapterHost
+            from colo.engine.reference.adapters import EngineAdapters
+
+            self.adapters = AdapterHost(EngineAdapters(self.core))
+        return getattr(self.adapters, verb)(*args)
+
     def op_shutdown(self) -> dict:
         self.running = False
         self.kit.close()
+        if self.adapters is not None:
+            self.adapters.close()
         return {}
 
     # -- loop ------------------------------------------------------------------

@@ -401,14 +401,12 @@ class ColoWorkerExtension:
     def colo_adapter(self, op: str, args: Any = ()) -> dict:
         """One adapter request of the host's (``preflight``, ``begin``, ``load``, ``end``,
         ``transport_init``, ``transport_close``, ``abort``, ``list``, ``drop``)."""
+        from colo.engine.adapter_host import ADAPTER_OPS
+
         if op not in ADAPTER_OPS:
             raise ValueError(f"unknown adapter request {op!r}; expected one of {', '.join(ADAPTER_OPS)}")
         # in this process only (the driver refuses adapters over HTTP): its arguments as sent
         return getattr(self._adapters(), op)(*args)
-
-
-#: the adapter requests a worker answers (colo.engine.adapter_host.AdapterHost's)
-ADAPTER_OPS = ("preflight", "begin", "load", "end", "transport_init", "transport_close", "abort", "list", "drop")
 
 
 def _json(value: Any) -> Any:
