@@ -241,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--bucket-mib", type=_positive(float, MAX_MIB, MIN_BUCKET_MIB), default=None, metavar="MIB",
                    help=f"what-if: the sync bucket size (at least {MIN_BUCKET_MIB:g})")
     t.add_argument("--plan", choices=PLANS, default=None, help="what-if: the plan")
+    t.add_argument("--adapter-mib", type=_positive(float, MAX_MIB), default=None, metavar="MIB",
+                   help="what-if: a LoRA run (colo demo --lora-rank) whose adapter is this size: a sync moves it "
+                        "alone, the engine keeps its base weights, the optimizer holds the adapter's moments")
     t.set_defaults(module="colo.offline.tune", func="run_tune")
 
     b = command("bench", "time the sync, transport against transport, on this machine",

@@ -203,3 +203,35 @@ async def test_the_base_weights_are_checked_once_where_the_engines_digest_reads_
     assert await a_sync(unread, 1) == "d1"
     with pytest.raises(TypeError, match="stages no LoRA adapters"):
         AdapterEngine(FakeEngine(), config=None)
+
+
+def test_perfetto_shows_each_adapter_stage_as_a_slice_around_its_loads_and_a_failed_one_ends_at_the_failure():
+    from colo.offline.export import SUBSTATE_TID, chrome_events
+    from colo.offline.replay import LoadedTrace
+
+    _, _, events = run("offload-first", cycles=2)
+    out = chrome_events(LoadedTrace("t.jsonl", events, list(range(1, len(events) + 1))))
+    stages = [e for e in out if e.get("tid") == SUBSTATE_TID and e["ph"] == "X"]
+    assert [(s["name"], s["args"]["weight_version"], s["args"]["ended_by"]) for s in stages] == \
+        [("adapter_stage", 1, "adapter.activated"), ("adapter_stage", 2, "adapter.activated")]
+    loads = [e for e in out if e.get("cat") == "stage" and e["name"] == "load"]
+    assert len(loads) >= 2
+    for load in loads:  # every load slice lies inside a stage slice
+        assert any(s["ts"] <= load["ts"] and load["ts"] + load["dur"] <= s["ts"] + s["dur"] + 1 for s in stages)
+    # a sync that failed mid-stage: its slice ends with the failure
+    engine = StagingFake()
+    trace = TraceWriter(None, keep_events=True)
+    sched = Scheduler(FakeTrainer(), engine, MemoryLedger(total_bytes=10_000), FakeTransport(fail_at_bucket=1),
+                      trace=trace, config=SchedulerConfig(bucket_bytes=50, sync_target="adapter"))
+
+    async def go():
+        async with sched:
+            with pytest.raises(RuntimeError, match="receiver failed in bucket 1"):
+                await sched.cycle()
+
+    anyio.run(go)
+    out = chrome_events(LoadedTrace("f.jsonl", trace.events, list(range(1, len(trace.events) + 1))))
+    [stage] = [e for e in out if e.get("tid") == SUBSTATE_TID and e["ph"] == "X"]
+    assert stage["args"]["ended_by"] == "phase.failed"
+    checker = InvariantChecker()
+    assert [v for ev in trace.events for v in checker.feed(ev)] == []

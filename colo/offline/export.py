@@ -25,10 +25,14 @@ import sys
 import tempfile
 
 from colo.core.errors import UsageError
+from colo.core.phases import SUBSTATES
 from colo.offline.replay import BadTrace, LoadedTrace, first_violation, load_trace, require_valid
 from colo.trace.outputs import output_path, replace_into
 
 PHASE_TID = 1
+#: the engine's own sub-states (colo.core.phases.SUBSTATES: SGLang's weight-update session, its
+#: paused generation, an adapter's stage) as slices on a track of their own, beneath the phases
+SUBSTATE_TID = 2
 LANE_TID0 = 10  # sync lane k is thread LANE_TID0 + k
 US = 1e6
 
@@ -113,6 +117,8 @@ class _Chrome:
         self.stages: list[dict] = []
         self.last_counters: tuple | None = None
         self.lanes_seen = 0
+        #: sub-state name -> (when it opened, the opening event)
+        self.substates: dict[str, tuple[float, dict]] = {}
 
     def flush_stages(self) -> None:
         if self.stages:
@@ -162,14 +168,32 @@ class _Chrome:
             self.sync_finished(ev, ts)
         elif name == "rollout.finished":
             self.marker("rollout.finished", ts, {k: ev[k] for k in ("step", "reward", "tokens") if k in ev})
+        self.substate(name, ts, ev)
         if ev.get("mem") is not None:
             self.counters(ev["mem"], ts)
+
+    def substate(self, name: str, ts: float, ev: dict) -> None:
+        """An engine sub-state's slice, from its opening event to its closing one (or to the
+        failure that ends it)."""
+        for sub_name, sub in SUBSTATES.items():
+            if name == sub.opened:
+                self.substates[sub_name] = (ts, ev)
+            elif sub_name in self.substates and (name == sub.closed or (name == "phase.failed"
+                                                                        and sub.ends_on_failure)):
+                self.close_substate(sub_name, ts, ended_by=name)
+
+    def close_substate(self, sub_name: str, ts: float, ended_by: str) -> None:
+        start, opened = self.substates.pop(sub_name)
+        args = {k: opened[k] for k in ("step", "weight_version") if k in opened}
+        self.out.append({"ph": "X", "pid": self.pid, "tid": SUBSTATE_TID, "cat": "engine", "name": sub_name,
+                         "ts": _us(start), "dur": _us(max(0.0, ts - start)),
+                         "args": {**args, "opened_by": SUBSTATES[sub_name].opened, "ended_by": ended_by}})
 
     def sync_finished(self, ev: dict, ts: float) -> None:
         d = ev.get("duration_s")
         rate = ev["bytes"] / d / 1e9 if isinstance(d, (int, float)) and d > 0 and isinstance(ev.get("bytes"), int) \
             else None
-        keys = ("step", "bytes", "buckets", "tensors", "duration_s", "weight_version", "digest", "source")
+        keys = ("step", "bytes", "buckets", "tensors", "duration_s", "weight_version", "digest", "source", "target")
         self.marker("sync.finished", ts, {**{k: ev[k] for k in keys if k in ev}, "gb_per_s": rate})
 
     def counters(self, mem: dict, ts: float) -> None:
@@ -188,6 +212,11 @@ class _Chrome:
         self.flush_stages()
         if self.open_phase is not None:
             self.close_phase(last_ts, None, False)
+        for sub_name in list(self.substates):
+            self.close_substate(sub_name, last_ts, ended_by="the end of the trace")
+        if any(e.get("tid") == SUBSTATE_TID for e in self.out):
+            self.out.append(_meta(self.pid, SUBSTATE_TID, "thread_name", "engine sub-states"))
+            self.out.append(_meta(self.pid, SUBSTATE_TID, "thread_sort_index", 0))
         for lane in range(self.lanes_seen):
             self.out.append(_meta(self.pid, LANE_TID0 + lane, "thread_name", f"sync lane {lane}"))
             self.out.append(_meta(self.pid, LANE_TID0 + lane, "thread_sort_index", 1 + lane))

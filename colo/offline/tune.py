@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 from colo.core.config import MIN_BUCKET_MIB, MIN_MODEL_GIB
 from colo.core.memory import GiB, MiB, fmt_bytes
-from colo.core.phases import EFFECTS, PLANS, Effect, Phase
+from colo.core.phases import PLANS, Effect, Phase, effects_for
 from colo.offline.replay import BadTrace, LoadedTrace, check_one_run, load_trace, require_valid
 from colo.core.schema import BUCKET_STAGES, SCHEMA
 from colo.offline.summary import START
@@ -121,6 +121,15 @@ class Device:
     rank: int = 0
     world_size: int = 1
     gpu: str = "?"
+    #: the bytes one sync moves, where that is not the engine's weights: an adapter run's
+    #: (``sync_target`` adapter: its largest sync.finished bytes); None: a sync moves Wr
+    sync_bytes: int | None = None
+
+    @property
+    def moved(self) -> int:
+        """What one sync moves: the bucket's cap is this rounded up (a bigger bucket only holds
+        memory): the engine's weights, or an adapter's bytes."""
+        return self.sync_bytes if self.sync_bytes is not None else self.engine_weights
 
     def names(self) -> str:
         """The device as a user finds it: rank and GPU when there are several."""
@@ -142,6 +151,7 @@ def _points(trace: LoadedTrace) -> Device:
     phase, step = START, None
     points: list[Point] = []
     max_bucket = 0
+    synced = 0  # the largest sync.finished bytes
     admission: Point | None = None  # where the KV pool resident now was admitted
     after_sync = False
     sync_growth: list[tuple[int, int]] = []
@@ -159,6 +169,8 @@ def _points(trace: LoadedTrace) -> Device:
             admitted = kv_res
         elif name == "bucket.finished" and isinstance(ev.get("bytes"), int):
             max_bucket = max(max_bucket, ev["bytes"])
+        elif name == "sync.finished" and isinstance(ev.get("bytes"), int):
+            synced = max(synced, ev["bytes"])
         admitted = admitted or (n == trace.lines[0] and kv_res)
         mem = ev.get("mem")
         if mem is None:
@@ -195,7 +207,8 @@ def _points(trace: LoadedTrace) -> Device:
     bucket = config.get("bucket_bytes")
     return Device(trace.path, total, int(weights), bucket if isinstance(bucket, int) and bucket > 0 else None,
                   config.get("plan"), points, mfs if isinstance(mfs, (int, float)) else None, max_bucket,
-                  sync_growth, **_which_gpu(head, config))
+                  sync_growth, **_which_gpu(head, config),
+                  sync_bytes=synced if config.get("sync_target") == "adapter" and synced else None)
 
 
 def _which_gpu(head: dict, config: dict) -> dict:
@@ -353,7 +366,7 @@ def _bucket(dev: Device, mfs: float | None, limit: int, margin: int, infeasible:
             worst, bucket_point = base, p
     if worst is not None:
         bucket_limit = (limit - worst) / live
-        cap = min(BUCKET_CAP, _pow2_ceil(max(1, Wr)))
+        cap = min(BUCKET_CAP, _pow2_ceil(max(1, dev.moved)))
         bucket = _pow2_floor(min(bucket_limit, cap))
         if bucket < MIN_BUCKET_BYTES <= bucket_limit:
             bucket = MIN_BUCKET_BYTES  # a model under the least bucket: one bucket holds all of it
@@ -445,6 +458,10 @@ def analyse_device(dev: Device, margin: int | None = None) -> DeviceResult:
     return res
 
 
+def _what_moves(d: Device) -> str:
+    return "Wr" if d.sync_bytes is None else f"the adapter a sync moves ({fmt_bytes(d.sync_bytes)})"
+
+
 def _breakdown(p: Point, Wr: int) -> str:
     parts = [f"{k} {fmt_bytes(v)}" for k, v in sorted(p.by_tag.items()) if v and k not in (KV, WEIGHTS)]
     parts.append(f"reserved R {fmt_bytes(p.reserved)}")
@@ -522,11 +539,11 @@ def _arithmetic(r: DeviceResult, sync_base: int | None, peak_staging: int, budge
                                                  if r.bucket_point.kv_resident else ""))
         L.append(f"    staging peaked at {fmt_bytes(peak_staging)} = {live}")
         L.append(f"    bucket ≤ (T − margin − sync) / {r.live_buckets:.2f} = {fmt_bytes(max(0, r.bucket_limit))}; "
-                 f"cap min(512 MiB, Wr rounded up to a power of two) = "
-                 f"{fmt_bytes(min(BUCKET_CAP, _pow2_ceil(max(1, Wr))))}")
+                 f"cap min(512 MiB, {_what_moves(d)} rounded up to a power of two) = "
+                 f"{fmt_bytes(min(BUCKET_CAP, _pow2_ceil(max(1, d.moved))))}")
         if r.bucket_bytes:
             least = r.bucket_bytes == MIN_BUCKET_BYTES and _pow2_floor(
-                min(r.bucket_limit, BUCKET_CAP, _pow2_ceil(max(1, Wr)))) < MIN_BUCKET_BYTES
+                min(r.bucket_limit, BUCKET_CAP, _pow2_ceil(max(1, d.moved)))) < MIN_BUCKET_BYTES
             L.append(f"    → bucket = {fmt_bytes(r.bucket_bytes)} (a power of two"
                      + (", the least bucket colo takes" if least else "") + ")")
     return L
@@ -648,6 +665,10 @@ class WhatIf:
     #: the trainer's weights and optimizer, by default the weights' size and twice it
     trainer_weights_gib: float | None = None
     optimizer_gib: float | None = None
+    #: a LoRA run (``colo demo --lora-rank``): the adapter's size. A sync moves it alone, the
+    #: engine keeps its base weights through the cycle (the phase table's adapter effects), the
+    #: trainer holds the base and the adapter, its optimizer two moments of the adapter only
+    adapter_mib: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("gpu_gib", "model_gib", "bucket_mib"):
@@ -658,6 +679,9 @@ class WhatIf:
         for name, least in (("model_gib", MIN_MODEL_GIB), ("bucket_mib", MIN_BUCKET_MIB)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be at least {least:g}, got {getattr(self, name)!r}")
+        a = self.adapter_mib
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 < a <= self.model_gib * 1024):
+            raise ValueError(f"adapter_mib must be > 0 and at most the model's {self.model_gib * 1024:g} MiB, got {a!r}")
         for name in ("reserved_gib", "cuda_graph_gib", "trainer_weights_gib", "optimizer_gib"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
@@ -668,12 +692,21 @@ class WhatIf:
             raise ValueError(f"reserved_gib {self.reserved_gib} leaves nothing of a {self.gpu_gib} GiB device")
 
     @property
+    def adapter_gib(self) -> float:
+        return 0.0 if self.adapter_mib is None else self.adapter_mib / 1024
+
+    @property
     def trainer_weights(self) -> float:
-        return self.model_gib if self.trainer_weights_gib is None else self.trainer_weights_gib
+        return self.model_gib + self.adapter_gib if self.trainer_weights_gib is None else self.trainer_weights_gib
 
     @property
     def optimizer(self) -> float:
-        return 2 * self.model_gib if self.optimizer_gib is None else self.optimizer_gib
+        trained = self.model_gib if self.adapter_mib is None else self.adapter_gib
+        return 2 * trained if self.optimizer_gib is None else self.optimizer_gib
+
+    @property
+    def sync_target(self) -> str:
+        return "weights" if self.adapter_mib is None else "adapter"
 
     def assumptions(self) -> dict:
         return {"reserved_gib": self.reserved_gib, "cuda_graph_gib": self.cuda_graph_gib,
@@ -682,7 +715,7 @@ class WhatIf:
 
 class _Synth:
     """One cycle of a plan written as the scheduler would record it, from sizes
-    alone: the phase table's own ``EFFECTS`` decide what each phase pauses and
+    alone: the phase table's own effects (``effects_for``) decide what each phase pauses and
     resumes, so the what-if cannot drift from the scheduler."""
 
     def __init__(self, w: WhatIf):
@@ -718,8 +751,12 @@ class _Synth:
                           host_copy=eff.host_copy, mem=self.mem())
 
     def sync(self) -> None:
-        # two buckets in flight at the peak, as the pipelined transports do
-        n, B = 2, self.B
+        # two buckets in flight at the peak, as the pipelined transports do; an adapter smaller
+        # than two buckets goes in what it fills
+        moved = int(self.w.adapter_gib * GiB) if self.w.adapter_mib is not None else None
+        n, B = 2, self.B if moved is None else min(self.B, max(1, moved))
+        if moved is not None:
+            n = min(2, -(-moved // B))
         for b in range(n):
             self.staging += B
             stages = BUCKET_STAGES if not self.resident["trainer.weights"] else BUCKET_STAGES[1:]
@@ -727,14 +764,16 @@ class _Synth:
                 self.emit("bucket.finished", step=0, bucket=b, stage=s, bytes=B, tensors=1, duration_s=0.0,
                           mem=self.mem())
         self.staging = 0
-        self.emit("sync.finished", step=0, bytes=n * B, buckets=n, tensors=n, params=n, duration_s=0.0,
-                  weight_version=1, digest="what-if", cache_flushed=True,
-                  source="device" if self.resident["trainer.weights"] else "host", mem=self.mem())
+        adapter = {} if moved is None else {"target": "adapter"}
+        self.emit("sync.finished", step=0, bytes=n * B if moved is None else moved, buckets=n, tensors=n, params=n,
+                  duration_s=0.0, weight_version=1, digest="what-if", cache_flushed=True,
+                  source="device" if self.resident["trainer.weights"] else "host", mem=self.mem(), **adapter)
 
     def header(self) -> dict:
         return {"event": "trace.started", "ts": 0.0, "rank": 0, "schema": SCHEMA, "world_size": 1,
                 "device": {"kind": "what-if", "name": f"{self.w.gpu_gib:g} GiB", "total_bytes": self.T},
-                "config": {"plan": self.w.plan, "bucket_bytes": self.B, "transport": "what-if"},
+                "config": {"plan": self.w.plan, "bucket_bytes": self.B, "transport": "what-if",
+                           **({"sync_target": "adapter"} if self.w.adapter_mib is not None else {})},
                 "tags": {k: {"bytes": v, "resident": self.resident[k], "host_copy": self.host[k]}
                          for k, v in self.size.items()},
                 "mem": self.mem(), "engine_weight_version": 0, "trainer_weight_version": 0}
@@ -742,8 +781,9 @@ class _Synth:
     def cycle(self) -> list[dict]:
         self.out = [self.header()]
         prev = None
+        effects = effects_for(self.w.sync_target)
         for phase in PLANS[self.w.plan]:
-            eff = EFFECTS[phase]
+            eff = effects[phase]
             self.emit("phase.entered", step=0, from_phase=prev, to_phase=phase.value, mem=self.mem())
             self.flip(eff, eff.pause, False)
             self.flip(eff, eff.resume, True)
@@ -783,7 +823,7 @@ def run_tune(args) -> int:
         if not args.margin_gib >= 0:
             raise UsageError(f"--margin-gib must be >= 0, got {args.margin_gib}")
         margin = int(args.margin_gib * GiB)
-    whatif_flags = {k: getattr(args, k) for k in ("gpu_gib", "model_gib", "bucket_mib", "plan")
+    whatif_flags = {k: getattr(args, k) for k in ("gpu_gib", "model_gib", "bucket_mib", "plan", "adapter_mib")
                     if getattr(args, k) is not None}
     try:
         if args.traces:

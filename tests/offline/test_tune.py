@@ -319,3 +319,33 @@ async def test_a_model_under_the_least_bucket_gets_the_least_bucket(tmp_path):
     rec = tune([load_trace(tmp_path / "t.jsonl")])
     assert rec.feasible and rec.bucket_bytes == 16 * 1024
     assert rec.results[0].arithmetic[-1].endswith("(a power of two, the least bucket colo takes)")
+
+
+def test_an_adapter_what_if_moves_the_adapter_keeps_the_engines_weights_and_caps_the_bucket_at_it():
+    w = WhatIf(gpu_gib=80, model_gib=15, adapter_mib=80)
+    events = synthesize(w)
+    paused = [f"{e['owner']}.{e['tag']}" for e in events if e["event"] == "memory.paused"]
+    assert "engine.weights" not in paused and "engine.kv_cache" in paused
+    [sync] = [e for e in events if e["event"] == "sync.finished"]
+    assert sync["bytes"] == 80 * MiB and sync["target"] == "adapter"
+    tags = events[0]["tags"]
+    assert tags["trainer.optimizer"]["bytes"] == 160 * MiB  # two moments of the adapter, not of the model
+    assert tags["trainer.weights"]["bytes"] == 15 * GiB + 80 * MiB
+    rec = what_if(w)
+    assert rec.results[0].bucket_bytes == 128 * MiB  # 80 MiB rounded up: a bigger bucket only holds memory
+    assert what_if(WhatIf(gpu_gib=80, model_gib=15)).results[0].bucket_bytes == 512 * MiB
+    with pytest.raises(ValueError, match="adapter_mib must be > 0 and at most the model's"):
+        WhatIf(gpu_gib=80, model_gib=0.01, adapter_mib=100)
+
+
+async def test_a_lora_runs_trace_tunes_its_bucket_to_the_adapter_it_moves(tmp_path, capsys):
+    pytest.importorskip("peft")
+    from colo.apps.demo import DemoConfig, run
+
+    out = await run(DemoConfig(lora_rank=8, steps=2, bucket_mib=4.0, trace=str(tmp_path / "t.jsonl")), progress=False)
+    assert out.error is None, out.error
+    adapter = next(e for e in load_trace(out.trace_path).events if e["event"] == "sync.finished")["bytes"]
+    rec = tune([load_trace(out.trace_path)])
+    assert rec.results[0].bucket_bytes == 1 << (adapter - 1).bit_length()  # the adapter's bytes rounded up
+    code, text, _ = cli(capsys, out.trace_path)
+    assert code == 0 and f"the adapter a sync moves ({adapter // 1024}.00 KiB)" in text
