@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -124,6 +124,15 @@ case "${1:-tests}" in
     ;;
   trainer-syncs)  # issue 31 items 3 and 4: each real trainer's syncs and transitions at 1.5B (further args: bench.trainer_syncs)
     python3 -m bench.trainer_syncs "$OUT/trainer-syncs.json" --trace-dir /tmp/ts "${@:2}" 2>&1 | tee "$OUT/trainer-syncs.log" | tail -20
+    ;;
+  lora43)  # issue 43 on one GPU: LoRA adapters into colo's engine through CUDA IPC (its GPU test: never run on a
+    # GPU before), then the adapter sync's rows beside the full sync of the same model at Qwen2-1.5B and
+    # Qwen2-7B (packed, rank 8), each against 1.2 x its bytes / pinned host->device + 5 ms measured in the same
+    # run. Limits: arg 2 the tests, arg 3 the bench
+    timeout "${2:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_adapters_cuda.py \
+      2>&1 | tee "$OUT/gpu-adapters.log" | tail -8
+    timeout "${3:-330}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --transports packed \
+      --trainers none --lora-rank 8 --reps 5 --out "$OUT/colo-bench-lora-cuda.json" 2>&1 | tee "$OUT/colo-bench-lora.log" | tail -14
     ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_one_gpu.py tests/device/test_cuda_memory.py tests/transports/test_staging_pipeline.py tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15

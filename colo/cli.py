@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the real trainers' rows too (hf, megatron, fsdp, a comma-separated list, all or none; "
                         "default: all on cuda, none on cpu): each trainer's sync under every plan and every "
                         "transition of the cycle, in a process of its own")
+    b.add_argument("--lora-rank", type=_positive(int, 512), default=None, metavar="R",
+                   help="also time adapter syncs of rank R on every dense linear (each a new version, staged "
+                        "and activated as colo demo --lora-rank does) beside the full sync of the same model")
     b.add_argument("--out", default=None, metavar="PATH",
                    help="result JSON (default: bench/results/<device>-sync-<date>.json, never replacing one)")
     b.set_defaults(module="colo.apps.bench", func="run_bench")

@@ -228,7 +228,9 @@ def measure_limits(nbytes: int = 512 * MiB, reps: int = 3, directory: str | None
 # -- the benchmark -----------------------------------------------------------------
 
 async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int, repeat: int,
-                    warmup: int = 1) -> dict:
+                    warmup: int = 1, after_each: Any = None) -> dict:
+    """``warmup`` syncs, then ``repeat`` timed ones, through ``case``'s transport;
+    ``after_each(i)`` (awaited, untimed) after sync ``i``: an adapter's activation."""
     from colo.transports import make_transport
 
     transport = make_transport(case.transport, **case.options)
@@ -248,6 +250,8 @@ async def time_case(case: Case, trainer: Any, engine: Any, *, bucket_bytes: int,
             result = await transport.sync(trainer, counting, ctx)
             elapsed = time.perf_counter() - t0
             syncs += 1
+            if after_each is not None:
+                await after_each(i)
             if pool.held_bytes:
                 raise RuntimeError(f"{case.label}: {pool.held_bytes} staging bytes left after a sync")
             stages: dict[str, float] = {}
@@ -275,7 +279,8 @@ def _engine_build(config: Any, model: BenchModel, device: str) -> dict:
     return engine_build(config, model.engine_dtype, device)
 
 
-async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, state: dict, workdir: str) -> Any:
+async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, state: dict, workdir: str,
+                        lora_rank: int | None = None) -> Any:
     """Engine ``kind`` (:data:`colo.engine.ENGINES`) started as its entry says: empty where it
     can start so (the syncs fill it), else from ``state`` in the form it reads (a model
     directory, or a safetensors file) with half the device for itself (the benchmark's
@@ -288,11 +293,81 @@ async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, 
     if not entry.starts_empty:
         path = save_start(entry.starts_from, config, state, workdir, dtype=getattr(torch, model.engine_dtype))
         build.update(checkpoint=path, mem_fraction_static=0.5)
+    if lora_rank is not None:
+        build["lora"] = {"rank": lora_rank, "keep": 2}
     return await start_engine(kind, build)
 
 
+class AdapterSource:
+    """A LoRA adapter of rank ``rank`` on every dense linear of ``config``'s model, in the
+    engine's dtype (pinned on a GPU machine): the trainer side of an adapter sync."""
+
+    def __init__(self, config: Any, rank: int, *, dtype: str, upload_to: str | None = None, seed: int = 1):
+        from colo.models.lora import TARGETS, AdapterConfig, adapter_shapes
+
+        self.config = AdapterConfig(r=rank, alpha=2 * rank, targets=TARGETS)
+        g = torch.Generator().manual_seed(seed)
+        pin = upload_to is not None and torch.device(upload_to).type == "cuda"
+        self.state = {}
+        for name, shape in adapter_shapes(config, self.config).items():
+            t = torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=g).to(getattr(torch, dtype))
+            self.state[name] = t.pin_memory() if pin else t
+        self.upload_to = upload_to
+
+    def extractor(self) -> Any:
+        from colo.extractors.plain import PlainExtractor
+
+        return PlainExtractor(self.state, upload_to=self.upload_to)
+
+
+async def adapter_rows(cases: Sequence[Case], engine: Any, config: Any, model: BenchModel, rank: int, *,
+                       device: str, full: Sequence[dict], limits: dict, say: Any) -> list[dict]:
+    """Per case, adapter syncs of rank ``rank`` into ``engine`` as a LoRA run makes them (each a new
+    version staged through the case's transport, activated after it, untimed), beside the full
+    sync of the same model through the same transport (``full``: its row): the time, the bytes
+    and both ratios. On a GPU, against the floor of its bytes over pinned host->device
+    (:data:`ADAPTER_FLOOR`). Every stage's digest must be the adapter's."""
+    from colo.digest import expected_weights_digest
+    from colo.engine.adapters import AdapterEngine
+
+    source = AdapterSource(config, rank, dtype=model.engine_dtype, upload_to="cuda" if device == "cuda" else None)
+    want = expected_weights_digest(source.state, list(source.state), getattr(torch, model.engine_dtype))
+    by_case = {r["transport"]: r for r in full}
+    rows = []
+    for case in cases:
+        staged = AdapterEngine(engine, source.config)
+        digests: list[bool] = []
+
+        async def activate(i: int, staged: Any = staged, digests: list = digests) -> None:
+            digests.append(await staged.digest() == want)
+            await staged.set_weight_version(i + 1)
+
+        bucket = int(model.bucket_mib * MiB)
+        row = await time_case(case, source, staged, bucket_bytes=bucket, repeat=model.repeat, after_each=activate)
+        whole = by_case.get(case.label)
+        row.update(rank=rank, digest_ok=all(digests) and len(digests) == row["syncs"],
+                   versions=await engine.adapters())
+        if whole is not None:
+            row.update(full_sync_s=whole["sync_s"], of_full_sync=row["sync_s"] / whole["sync_s"],
+                       full_bytes=whole["bytes"], bytes_of_full=row["bytes"] / whole["bytes"])
+        if device == "cuda":
+            floor = ADAPTER_FLOOR[0] * row["bytes"] / (limits["pinned_h2d_GBps"] * 1e9) + ADAPTER_FLOOR[1]
+            row.update(floor_s=floor, within_floor=row["sync_s"] <= floor)
+        rows.append(row)
+        say(f"{model.name} adapter r={rank}: {case.label:10s} {row['sync_s'] * 1e3:8.2f} ms  "
+            f"{row['bytes'] / MiB:8.2f} MiB" + (f"  {row['of_full_sync']:.3f} of the full sync's time, "
+                                                f"{row['bytes_of_full']:.4f} of its bytes" if whole else "")
+            + f"  digest ok {row['digest_ok']}")
+    return rows
+
+
+#: the adapter sync's bound on one GPU (issue 43): 1.2 x its bytes over pinned host->device + 5 ms
+ADAPTER_FLOOR = (1.2, 0.005)
+
+
 async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str = "cpu",
-                      progress: Any = None, limit_GBps: float | None = None, engine_kind: str = REFERENCE) -> dict:
+                      progress: Any = None, limit_GBps: float | None = None, engine_kind: str = REFERENCE,
+                      lora_rank: int | None = None, limits: dict | None = None) -> dict:
     from colo.engine import engine_entry
     from colo.trainers.models import demo_config
 
@@ -304,7 +379,8 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
     want, trainer_digest_s = _trainer_digest(trainer, config, model, device)
     rows = []
     with tempfile.TemporaryDirectory(prefix="colo-bench-") as workdir:
-        engine = await _start_engine(engine_kind, config, model, device, trainer.state, workdir)
+        engine = await _start_engine(engine_kind, config, model, device, trainer.state, workdir, lora_rank)
+        adapters: list[dict] = []
         try:
             for case in cases:
                 say(f"{model.name} into {engine_kind}: {case.label} ...")
@@ -333,6 +409,9 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                 say(f"{model.name} into {engine_kind}: {case.label:10s} {row['sync_s']:8.3f} s  "
                     f"{row['GBps']:6.3f} GB/s  peak staging {row['peak_staging_bytes'] / MiB:8.1f} MiB  "
                     f"digest ok {row['digest_ok']}")
+            if lora_rank is not None:
+                adapters = await adapter_rows(cases, engine, config, model, lora_rank, device=device, full=rows,
+                                              limits=limits or {}, say=say)
         finally:
             await engine.aclose()
     return {"model": model.name, "engine": engine_kind, "description": model.description, "params": params,
@@ -341,7 +420,8 @@ async def bench_model(model: BenchModel, cases: Sequence[Case], *, device: str =
                        if k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                 "num_key_value_heads", "intermediate_size")},
             "bucket_mib": model.bucket_mib, "warmup": 1, "repeat": model.repeat, "digest": want,
-            "trainer_digest_s": trainer_digest_s, "rows": rows}
+            "trainer_digest_s": trainer_digest_s, "rows": rows,
+            **({"adapter_rows": adapters} if lora_rank is not None else {})}
 
 
 def _trainer_digest(trainer: SourceTrainer, config: Any, model: BenchModel, device: str) -> tuple[str, float]:
@@ -392,7 +472,7 @@ def machine_info() -> dict:
 
 async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: str = "cpu",
                 progress: Any = None, engine: str = REFERENCE, trainers: Sequence[str] = (),
-                trainer_reps: int | None = None, partial: Any = None) -> dict:
+                trainer_reps: int | None = None, partial: Any = None, lora_rank: int | None = None) -> dict:
     """Every model through every case on ``device``, beside the limits measured first.
     ``engine``: another engine than colo's (its name in :data:`colo.engine.ENGINES`): each model
     into colo's engine and into it, same transport and bucket, and their ratio (``comparison``). ``trainers``: the real trainers' rows at every
@@ -408,7 +488,8 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
         limits = measure_limits()
         limit, link = limits["memcpy_GBps"], "host memcpy"
     kinds = (REFERENCE,) if engine == REFERENCE else (REFERENCE, engine)
-    results = [await bench_model(m, cases, device=device, progress=progress, limit_GBps=limit, engine_kind=k)
+    results = [await bench_model(m, cases, device=device, progress=progress, limit_GBps=limit, engine_kind=k,
+                                 lora_rank=lora_rank, limits=limits)
                for m in models for k in kinds]
     out = {"kind": f"colo.apps.bench/{device}-sync",
            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -496,6 +577,18 @@ def table(result: dict) -> str:
                          f"| {r['peak_staging_bytes'] / MiB:,.1f} MiB | {r['requests_per_sync']:,} "
                          f"| {r['verify_s']:.4f} ({r['verify_of_sync']:.2f}) "
                          f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
+    adapters = [(m, r) for m in result["models"] for r in m.get("adapter_rows", ())]
+    if adapters:
+        lines += ["", "| model | adapter | transport | sync ms | bytes | of the full sync's time | of its bytes "
+                      "| floor ms | digest |", "|---|---|---|---:|---:|---:|---:|---:|---|"]
+        for m, r in adapters:
+            engine = f" into {m['engine']}" if m.get("engine", REFERENCE) != REFERENCE else ""
+            lines.append(f"| {m['model']}{engine} | r={r['rank']} | {r['transport']} | {r['sync_s'] * 1e3:.2f} "
+                         f"| {r['bytes']:,} | {r.get('of_full_sync', float('nan')):.3f} "
+                         f"| {r.get('bytes_of_full', float('nan')):.4f} "
+                         + (f"| {r['floor_s'] * 1e3:.2f} ({'within' if r['within_floor'] else 'ABOVE'}) "
+                            if "floor_s" in r else "| - ")
+                         + f"| {'ok' if r['digest_ok'] else 'MISMATCH'} |")
     for c in result.get("comparison", []):
         kind = c["engine"]
         title = ENGINES[kind].title if kind in ENGINES else kind
@@ -629,8 +722,13 @@ def run_bench(args: Any) -> int:
             write_result(json.dumps({**result, "partial": True}, indent=2) + "\n", out=args.out,
                          directory=RESULTS_DIR, stem="")
 
+    lora_rank = getattr(args, "lora_rank", None)
+    if lora_rank is not None and not ENGINES[engine].adapters:
+        raise UsageError(f"--lora-rank times adapter syncs into an engine that stages adapters "
+                         f"(--engine {' or '.join(e.name for e in ENGINES.values() if e.adapters)}), got --engine {engine}")
     result = anyio.run(lambda: bench(models, cases, device=args.device, progress=say, engine=engine,
-                                     trainers=trainers, trainer_reps=args.reps, partial=partial))
+                                     trainers=trainers, trainer_reps=args.reps, partial=partial,
+                                     lora_rank=lora_rank))
     print(table(result))
     if trainers:
         from colo.apps.bench_trainers import table as trainer_table
@@ -645,7 +743,7 @@ def run_bench(args: Any) -> int:
               file=sys.stderr)
         return EXIT_FAILED
     print(f"results: {out}")
-    ok = all(r["digest_ok"] for m in result["models"] for r in m["rows"])
+    ok = all(r["digest_ok"] for m in result["models"] for r in m["rows"] + m.get("adapter_rows", []))
     # a trainer row that failed (its digest or probe did not match, or its child died) fails the run
     ok = ok and not any("error" in e for e in result.get("trainers", []) + result.get("saver_backup", []))
     return EXIT_OK if ok else EXIT_FAILED

@@ -70,3 +70,31 @@ def test_bench_bad_input_exits_two_naming_the_choice(argv, msg, capsys, tmp_path
     assert main(["bench", "--out", str(tmp_path / "x.json"), *argv]) == 2
     assert msg in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+
+
+async def test_adapter_rows_time_each_new_version_beside_the_full_sync_and_check_its_digest():
+    """``colo bench --lora-rank R``: each adapter sync is a new version staged into the same engine
+    and activated after it; its bytes are the adapter's (rank R on every dense linear, the
+    engine's dtype), compared with the full sync of the same model through the same transport."""
+    import dataclasses
+
+    from colo.models.lora import TARGETS, AdapterConfig, adapter_bytes, adapter_shapes
+
+    model = dataclasses.replace(bench.MODELS["demo"], repeat=2)
+    cases = [c for c in bench.CASES if c.label in ("packed", "ipc")]
+    result = await bench.bench([model], cases, device="cpu", lora_rank=4)
+    [m] = result["models"]
+    config = demo_config(**model.config)
+    want = adapter_bytes(adapter_shapes(config, AdapterConfig(r=4, alpha=8, targets=TARGETS)).values(), 2)
+    rows = m["adapter_rows"]
+    assert [r["transport"] for r in rows] == ["ipc", "packed"]
+    full = {r["transport"]: r for r in m["rows"]}
+    for r in rows:
+        assert r["bytes"] == want and r["digest_ok"] and r["syncs"] == 3 and r["rank"] == 4
+        assert r["bytes_of_full"] == want / full[r["transport"]]["bytes"] < 0.05
+        assert r["of_full_sync"] == r["sync_s"] / full[r["transport"]]["sync_s"]
+        assert "floor_s" not in r  # the floor is a GPU's (pinned host->device)
+    # every sync a new version; the engine keeps the newest two: the last case's last two
+    assert sorted(rows[-1]["versions"]) == [5, 6]
+    assert "| demo | r=4 | packed |" in bench.table(result)
+    assert new_segments() == []
