@@ -45,8 +45,10 @@ class AdapterStage:
         self.session: LoadSession | None = None
         self.received = ReceivedDigest()
         self._pieces = PieceAssembler()
-        #: the stage's tensors, copies of our own (the sender reuses its staging buffer)
+        #: the stage's tensors, copies of our own (the sender reuses its staging buffer): views of
+        #: one buffer of the whole adapter, made at the stage's begin (:meth:`_new_storage`)
         self._staged: dict[str, torch.Tensor] = {}
+        self._views: dict[str, torch.Tensor] = {}
         #: version -> the digest of the tensors it was built from, in the accepted order
         self.digests: dict[int, str] = {}
 
@@ -105,17 +107,36 @@ class AdapterStage:
         self.received.clear()
         self._pieces.clear()
         self._staged = {}
+        self._views = self._new_storage()
+
+    def _new_storage(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the stage as a view of one buffer on the engine's device: a request's
+        tensors go in with one batched copy, not one copy (and one allocation) each (a rank-8
+        adapter of a 1.5B model is 392 tensors)."""
+        dtype = getattr(torch, self.dtype)
+        total = sum(numel(s) for s in self.shapes.values())
+        flat = torch.empty(total, dtype=dtype, device=self.device)
+        views, at = {}, 0
+        for name, shape in self.shapes.items():
+            n = numel(shape)
+            views[name] = flat[at:at + n].view(shape)
+            at += n
+        return views
 
     def load_weights(self, named: Any) -> int:
         session = self._require_session()
         items = list(named)
         session.check(items)  # the whole request, before any of it is kept
         self.received.add_many(items)
+        whole = [(name, t) for name, t in items if not isinstance(t, Piece)]
+        if whole:
+            dests = [self._views[name] for name, _ in whole]
+            torch._foreach_copy_(dests, [t for _, t in whole])
+            self._staged.update(zip((name for name, _ in whole), dests))
         for name, tensor in items:
             if isinstance(tensor, Piece):
-                self._staged.update(self._pieces.feed([(name, tensor)]))
-            else:
-                self._staged[name] = tensor.clone()
+                for done, full in self._pieces.feed([(name, tensor)]):
+                    self._staged[done] = self._views[done].copy_(full)
         return sum(session.advance(name, tensor) for name, tensor in items)
 
     def end_load(self) -> int:
@@ -127,7 +148,7 @@ class AdapterStage:
             self.abort()
             raise
         self.session = None
-        self._staged = {}
+        self._staged, self._views = {}, {}
         return n
 
     def flush_cache(self) -> None:
@@ -137,6 +158,7 @@ class AdapterStage:
         """End a failed stage: nothing of it is registered; what was registered stays."""
         self.session = None
         self._staged = {}
+        self._views = {}
         self._pieces.clear()
 
     def _require_prepared(self) -> None:

@@ -4,8 +4,8 @@ table (``EngineModel.adapters``), which a generate or logits call names; its for
 gate/up projections part by part.
 
 The stage (checks, copies, digest) is :class:`colo.engine.adapter_host.AdapterStage`'s. Here:
-the engine keeps adapters in its weights' dtype on its device, with B scaled by ``alpha / r``
-once, at registration; a dense model at TP=1 only (a TP rank would need each adapter's shard,
+the engine keeps adapters in its weights' dtype on its device, as the stage received them (one
+buffer a version), and scales ``B (A x)`` by ``alpha / r`` in the forward; a dense model at TP=1 only (a TP rank would need each adapter's shard,
 a MoE model's experts an adapter layout of their own: refused by name).
 """
 
@@ -46,18 +46,14 @@ class EngineAdapters(AdapterStage):
                                    f"model's experts an adapter layout of their own)")
 
     def register(self, version: int, config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> None:
+        # the stage's own tensors (views of its one buffer, on the engine's device, in its dtype:
+        # preflight checked it) as they are: no copy; the forward scales B (A x) by alpha / r
+        table: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         scale = config.alpha / config.r
-        table: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        dtype, device = self.model.dtype, self.model.device
         for name, a in tensors.items():
-            if not name.endswith(".lora_A.weight"):
-                continue
-            module = name[len(PEFT_PREFIX):-len(".lora_A.weight")]
-            b = tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"]
-            # B scaled once here, in float32, then in the engine's dtype: the forward's B (A x) is
-            # PEFT's (alpha / r) B (A x)
-            table[module] = (a.to(device=device, dtype=dtype),
-                             (b.to(device=device, dtype=torch.float32) * scale).to(dtype))
+            if name.endswith(".lora_A.weight"):
+                module = name[len(PEFT_PREFIX):-len(".lora_A.weight")]
+                table[module] = (a, tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"], scale)
         self.model.adapters[version] = table
 
     def loaded(self) -> list[int]:

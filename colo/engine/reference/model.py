@@ -200,12 +200,12 @@ class EngineModel:
         self._digest_asked = False
         self._load_digest: _LoadDigest | None = None
         self._digested: _LoadDigest | None = None
-        #: LoRA adapters this engine holds: version -> {HF module name: (A, B scaled by alpha / r)}
-        #: in the engine's dtype on its device (:mod:`colo.engine.reference.adapters` registers
-        #: them); a call's forward applies the version it names, ``W x + B (A x)``
-        self.adapters: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: LoRA adapters this engine holds: version -> {HF module name: (A, B, alpha / r)} in the
+        #: engine's dtype on its device (:mod:`colo.engine.reference.adapters` registers them); a
+        #: call's forward applies the version it names, ``W x + (alpha / r) B (A x)``
+        self.adapters: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
         #: the adapter of the call in progress (None: the base model)
-        self._lora: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._lora: dict[str, tuple[torch.Tensor, torch.Tensor, float]] | None = None
         self.allocate_weights()
         self.allocate_kv()
 
@@ -582,10 +582,11 @@ class EngineModel:
         return out
 
     def _add_delta(self, out: torch.Tensor, module: str, x: torch.Tensor) -> None:
-        """``out += B (A x)`` for the call's adapter on ``module`` (HF name), where it has one."""
-        ab = self._lora.get(module)
-        if ab is not None:
-            out.add_(F.linear(F.linear(x, ab[0]), ab[1]))
+        """``out += (alpha / r) B (A x)`` for the call's adapter on ``module`` (HF name), where it has one."""
+        lora = self._lora.get(module)
+        if lora is not None:
+            a, b, scale = lora
+            out.add_(F.linear(F.linear(x, a), b), alpha=scale)
 
     @contextlib.contextmanager
     def adapter(self, version: int | None) -> Iterator[None]:
