@@ -129,7 +129,7 @@ class Scripted:
     def __init__(self, digest_live=False, base="base"):
         self.capabilities = dataclasses.replace(FakeEngine.capabilities, digest_live=digest_live)
         self.loaded: dict[int, str] = {}
-        self.active = None
+        self.active_adapter = None
         self.version = 0
         self.log: list = []
         self.base = base
@@ -138,7 +138,7 @@ class Scripted:
         return Stage(self, version)
 
     async def activate_adapter(self, version, digest=None):
-        self.active = version
+        self.active_adapter = version
         self.log.append(("activate", version))
 
     async def drop_adapter(self, version):
@@ -151,7 +151,7 @@ class Scripted:
     async def digest(self):
         return self.base
 
-    async def logprobs(self, tokens, adapter="active"):
+    async def logprobs(self, tokens, adapter=None):
         return adapter
 
 
@@ -169,22 +169,22 @@ async def test_each_stage_is_a_new_version_activated_only_by_set_weight_version_
     engine = AdapterEngine(inner, config=None)
     assert engine.capabilities.adapters and not engine.capabilities.digest_live
     assert await a_sync(engine, 1) == "d1"
-    assert inner.active is None and await engine.logprobs([[1]]) == 1  # the probe asks the staged version
+    assert inner.active_adapter is None and await engine.logprobs([[1]]) == 1  # the probe asks the staged version
     await engine.set_weight_version(1)
-    assert inner.active == 1 and inner.version == 1 and await engine.logprobs([[1]]) == "active"
+    assert inner.active_adapter == 1 and inner.version == 1 and await engine.logprobs([[1]]) == 1  # then the active
     # a sync that failed after its stage ended (a digest mismatch, say): dropped, v1 serves on
     assert await a_sync(engine, 2) == "d2"
     await engine.set_weight_version(None)
-    assert inner.active == 1 and 2 not in inner.loaded and ("drop", 2) in inner.log
+    assert inner.active_adapter == 1 and 2 not in inner.loaded and ("drop", 2) in inner.log
     # the re-sync is a new version, never the failed one's
     assert await a_sync(engine, 2) == "d3"
     await engine.set_weight_version(2)
-    assert inner.active == 3
+    assert inner.active_adapter == 3
     # a stage abandoned mid-transfer: its handles go, nothing registered
     await engine.set_weight_version(None)
     await engine.preflight([])
     await engine.set_weight_version(None)
-    assert inner.log[-1] == ("abort", 4) and 4 not in inner.loaded and inner.active == 3
+    assert inner.log[-1] == ("abort", 4) and 4 not in inner.loaded and inner.active_adapter == 3
     with pytest.raises(EngineStateError, match="no adapter was staged"):
         await engine.digest()
 

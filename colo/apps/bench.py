@@ -300,24 +300,32 @@ async def _start_engine(kind: str, config: Any, model: BenchModel, device: str, 
 
 class AdapterSource:
     """A LoRA adapter of rank ``rank`` on every dense linear of ``config``'s model, in the
-    engine's dtype (pinned on a GPU machine): the trainer side of an adapter sync."""
+    engine's dtype: the trainer side of an adapter sync, as colo's LoRA trainer holds it, in
+    one buffer the engine reads straight from (``flat_weights``: the packed transport's one-copy
+    sync). On a GPU the buffer is paused into its shared pinned host backup, as an
+    ``offload-first`` trainer's between train and sync: the engine's one copy is host->device."""
 
-    def __init__(self, config: Any, rank: int, *, dtype: str, upload_to: str | None = None, seed: int = 1):
+    def __init__(self, config: Any, rank: int, *, dtype: str, device: str = "cpu", seed: int = 1):
+        from colo.device.flat_weights import FlatWeights
         from colo.models.lora import TARGETS, AdapterConfig, adapter_shapes
 
         self.config = AdapterConfig(r=rank, alpha=2 * rank, targets=TARGETS)
         g = torch.Generator().manual_seed(seed)
-        pin = upload_to is not None and torch.device(upload_to).type == "cuda"
-        self.state = {}
-        for name, shape in adapter_shapes(config, self.config).items():
-            t = torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=g).to(getattr(torch, dtype))
-            self.state[name] = t.pin_memory() if pin else t
-        self.upload_to = upload_to
+        state = {name: torch.empty(shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=g).to(getattr(torch, dtype))
+                 for name, shape in adapter_shapes(config, self.config).items()}
+        self.flat_weights = FlatWeights.from_tensors(state, device=device)
+        if device == "cuda":
+            self.flat_weights.pause()
+        self.state = self.flat_weights.host_tensors()
+        self.upload_to = device if device == "cuda" else None
 
     def extractor(self) -> Any:
         from colo.extractors.plain import PlainExtractor
 
         return PlainExtractor(self.state, upload_to=self.upload_to)
+
+    def close(self) -> None:
+        self.flat_weights.close()
 
 
 async def adapter_rows(cases: Sequence[Case], engine: Any, config: Any, model: BenchModel, rank: int, *,
@@ -327,10 +335,19 @@ async def adapter_rows(cases: Sequence[Case], engine: Any, config: Any, model: B
     sync of the same model through the same transport (``full``: its row): the time, the bytes
     and both ratios. On a GPU, against the floor of its bytes over pinned host->device
     (:data:`ADAPTER_FLOOR`). Every stage's digest must be the adapter's."""
+    source = AdapterSource(config, rank, dtype=model.engine_dtype, device=device)
+    try:
+        return await _adapter_rows(source, cases, engine, model, rank, device=device, full=full, limits=limits,
+                                   say=say)
+    finally:
+        source.close()
+
+
+async def _adapter_rows(source: AdapterSource, cases: Sequence[Case], engine: Any, model: BenchModel, rank: int, *,
+                        device: str, full: Sequence[dict], limits: dict, say: Any) -> list[dict]:
     from colo.digest import expected_weights_digest
     from colo.engine.adapters import AdapterEngine
 
-    source = AdapterSource(config, rank, dtype=model.engine_dtype, upload_to="cuda" if device == "cuda" else None)
     want = expected_weights_digest(source.state, list(source.state), getattr(torch, model.engine_dtype))
     by_case = {r["transport"]: r for r in full}
     rows = []

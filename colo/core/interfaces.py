@@ -300,10 +300,12 @@ ENGINE_VERBS: Mapping[str, EngineVerb] = MappingProxyType({
     "resume": EngineVerb(("tags",)),
     "flush_cache": EngineVerb(),
     "set_weight_version": EngineVerb(("version",)),
-    "digest": EngineVerb(reply="digest"),
+    # order: HF names (an adapter run's check of the base weights); else the accepted spec list's
+    "digest": EngineVerb(("order",), reply="digest"),
     "generate": EngineVerb(("step",), reply="rollout", codec="rollout"),
     "drop_handles": EngineVerb(),
-    "logits": EngineVerb(("tokens", "columns"), reply="f32le", codec="f32"),
+    # adapter: the LoRA adapter version the forward applies (None: the base model)
+    "logits": EngineVerb(("tokens", "columns", "adapter"), reply="f32le", codec="f32"),
     "logprobs": EngineVerb(("tokens",), reply="logprobs"),
     "reported_version": EngineVerb(reply="weight_version"),
 })

@@ -131,7 +131,14 @@ class FlatWeights:
         ``param.data`` becomes its view, so the optimizer, the forward and the
         extractor all read and write the flat buffer from now on. The old
         storage is freed when nothing else holds it."""
-        params = dict(module.named_parameters())
+        return cls.adopt_params(dict(module.named_parameters()), device=device, align=align, share_host=share_host)
+
+    @classmethod
+    def adopt_params(cls, params: Mapping[str, torch.nn.Parameter], *, device: torch.device | str | None = None,
+                     align: int = ALIGN, share_host: bool = True) -> FlatWeights:
+        """:meth:`adopt` for some parameters only, under the names given (a LoRA trainer's
+        adapter: what its syncs move, beside a frozen model that stays where it is)."""
+        params = dict(params)
         flat = cls.from_tensors({n: p.detach() for n, p in params.items()}, device=device, align=align,
                                 share_host=share_host)
         for n, p in params.items():

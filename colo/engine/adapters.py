@@ -299,9 +299,13 @@ class AdapterEngine:
         self.staged, self._staged_digest = stage.version, stage.digest
 
     async def drop_handles(self) -> None:
-        """After a failed sync: the stage in progress ends, nothing of it registered."""
+        """After a failed sync: the stage in progress ends, nothing of it registered; with no
+        stage (a transport's close) the engine lets go of what its adapter receivers keep mapped
+        (a trainer's flat adapter buffer)."""
         if self._stage is not None:
             await self._stage.drop_handles()
+        else:
+            await self._engine._adapter_op("abort")
 
     # -- verification and activation ------------------------------------------------------------
     async def digest(self) -> str:
@@ -323,9 +327,9 @@ class AdapterEngine:
     async def logits(self, tokens: list[list[int]], **kw: Any) -> Any:
         return await self._engine.logits(tokens, adapter=self._probed(), **kw)
 
-    def _probed(self) -> int | str | None:
-        """The version a probe asks: the staged one until it is activated."""
-        return self.staged if self.staged is not None else "active"
+    def _probed(self) -> int | None:
+        """The version a probe asks: the staged one until it is activated, then the active one."""
+        return self.staged if self.staged is not None else self._engine.active_adapter
 
     async def set_weight_version(self, version: int | None) -> None:
         if version is None:

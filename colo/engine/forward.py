@@ -133,8 +133,10 @@ class ForwardedEngine:
         await self._ask("set_weight_version", version=version)
         self.weight_version = version
 
-    async def digest(self) -> str:
-        return str(await self._ask("digest"))
+    async def digest(self, order: Sequence[str] | None = None) -> str:
+        """The digest of the weights the engine holds, in ``order`` (HF names) where given, else
+        in the order of the spec list it last accepted (the trainer's)."""
+        return str(await self._ask("digest", **({} if order is None else {"order": list(order)})))
 
     async def generate(self, step: int) -> RolloutResult:
         return await self._ask("generate", step=step)
@@ -143,12 +145,15 @@ class ForwardedEngine:
         await self._ask("drop_handles")
 
     # -- the verification probes (as ``capabilities.probe`` says) --------------------------
-    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None) -> list:
+    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None, *,
+                     adapter: int | None = None) -> list:
         """``[batch, seq, vocab]`` logits, or only the vocabulary ``columns`` of them (the probe's
-        sample: a Qwen2's whole vocabulary is 4.9 M numbers for the probe batch)."""
-        if columns is None:
-            return await self._ask("logits", tokens=tokens)
-        return await self._ask("logits", tokens=tokens, columns=[int(c) for c in columns])
+        sample: a Qwen2's whole vocabulary is 4.9 M numbers for the probe batch), with LoRA
+        adapter version ``adapter`` (None: the base model)."""
+        args: dict[str, Any] = {} if columns is None else {"columns": [int(c) for c in columns]}
+        if adapter is not None:
+            args["adapter"] = int(adapter)
+        return await self._ask("logits", tokens=tokens, **args)
 
     async def logprobs(self, tokens: list[list[int]]) -> list:
         """log p(token i | the tokens before it), i >= 1, per sequence."""

@@ -48,7 +48,7 @@ class LoraTrainer(ReferenceTrainer):
     sync moves. ``adapter``: its :class:`~colo.models.lora.AdapterConfig`."""
 
     def __init__(self, model: torch.nn.Module, adapter: Any, *, engine_dtype: str,
-                 config: ReinforceConfig | None = None, memory_backend: Any = None):
+                 config: ReinforceConfig | None = None, memory_backend: Any = None, one_copy: bool = True):
         #: PEFT's name -> the adapter's parameter, in the model's order (lora_A before lora_B)
         self.adapter_params = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         if not self.adapter_params:
@@ -56,8 +56,16 @@ class LoraTrainer(ReferenceTrainer):
                              "(get_peft_model) whose adapter is trainable")
         self.adapter = adapter
         self._memory_backend = memory_backend  # read by hf_state, which the base class's __init__ calls
+        flat = None
+        if one_copy and all(p.dtype == getattr(torch, engine_dtype) for p in self.adapter_params.values()):
+            # the adapter in one buffer the engine reads straight from (the packed transport's one-copy
+            # sync: no staging, one request): on the CPU a /dev/shm segment the engine process maps
+            from colo.device.flat_weights import FlatWeights
+
+            device = next(iter(self.adapter_params.values())).device
+            flat = FlatWeights.adopt_params(self.adapter_params, device=device)
         super().__init__(model, engine_dtype=engine_dtype, config=config or ReinforceConfig(lr=LORA_LR),
-                         memory_backend=memory_backend)
+                         memory_backend=memory_backend, flat_weights=flat)
         # the base stays frozen: AdamW over the adapter alone (its moments are the adapter's size)
         self.opt = new_optimizer(self.adapter_params.values(), self.config)
 

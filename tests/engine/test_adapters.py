@@ -63,8 +63,8 @@ async def test_each_adapter_serves_what_transformers_serves_on_the_merged_model(
         assert got == expected_weights_digest(state, list(adapter_shapes(base.config, config)), torch.float32)
         assert engine.active_adapter == (version - 1 or None)  # staged, not active
         await engine.activate_adapter(version, digest=got)
-        assert_close(await engine.logits(probe), hf_logits(merged, probe))
-        assert not torch.allclose(torch.tensor(await engine.logits(probe)), base_logits, atol=1e-2)
+        assert_close(await engine.logits(probe, adapter=engine.active_adapter), hf_logits(merged, probe))
+        assert not torch.allclose(torch.tensor(await engine.logits(probe, adapter=engine.active_adapter)), base_logits, atol=1e-2)
         assert sorted(await engine.adapters()) == list(range(max(1, version - 1), version + 1))
     # the rollout runs with the active adapter: greedy, the merged model's tokens
     engine.task = make_task("reinforce", vocab_size=base.config.vocab_size, batch=2, prompt_len=4, new_tokens=6,
@@ -83,20 +83,20 @@ async def test_a_failed_stage_leaves_the_active_adapter_serving_and_a_version_is
     digest = await stage(engine, state, 1, config)
     await engine.activate_adapter(1, digest=digest)
     probe = [PROMPTS[1]]
-    serving = await engine.logits(probe)
+    serving = await engine.logits(probe, adapter=engine.active_adapter)
     bad, _, bad_merged = adapter(base, seed=42)
     with pytest.raises(RuntimeError, match="simulated trainer crash"):
         await stage(engine, bad, 2, config, fail_at=2)  # after two buckets arrived
     assert engine.active_adapter == 1 and sorted(await engine.adapters()) == [1]
-    assert await engine.logits(probe) == serving
+    assert await engine.logits(probe, adapter=engine.active_adapter) == serving
     with pytest.raises(EngineStateError, match="adapter v1 was staged already.*a version is staged once"):
         await stage(engine, bad, 1, config)
     again = await stage(engine, bad, 2, config)  # the failed version registered nothing: it may be staged
     with pytest.raises(EngineError, match="stays active"):
         await engine.activate_adapter(2, digest=digest)  # not what the engine received
-    assert engine.active_adapter == 1 and await engine.logits(probe) == serving
+    assert engine.active_adapter == 1 and await engine.logits(probe, adapter=engine.active_adapter) == serving
     await engine.activate_adapter(2, digest=again)
-    assert_close(await engine.logits(probe), hf_logits(bad_merged, probe))
+    assert_close(await engine.logits(probe, adapter=engine.active_adapter), hf_logits(bad_merged, probe))
     # the version before the active one stays for requests in flight, and can be asked by name
     torch.testing.assert_close(torch.tensor(await engine.logits(probe, adapter=1)), torch.tensor(serving),
                                rtol=0, atol=0)
@@ -118,6 +118,6 @@ async def test_what_the_engine_cannot_take_is_refused_before_a_byte_moves(served
     # a version no stage made
     with pytest.raises(EngineStateError, match="not loaded"):
         await engine.activate_adapter(7)
-    with pytest.raises(EngineStateError, match="adapter v7 is not loaded"):
+    with pytest.raises(EngineError, match="adapter v7 is not loaded in this engine"):
         await engine.logits([PROMPTS[0]], adapter=7)
     assert await engine.adapters() == {} and engine.active_adapter is None

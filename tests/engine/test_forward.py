@@ -95,7 +95,7 @@ def test_the_serving_side_takes_only_declared_verbs_and_arguments():
     served = Served()
     with pytest.raises(ValueError, match="unknown engine verb 'kill'; expected one of release, resume"):
         anyio.run(lambda: answer(served, "kill", {}))
-    with pytest.raises(ValueError, match="engine verb digest takes no arguments, not path"):
+    with pytest.raises(ValueError, match="engine verb digest takes order, not path"):
         anyio.run(lambda: answer(served, "digest", {"path": "/etc/passwd"}))
     with pytest.raises(ValueError, match="engine verb release takes tags, not force"):
         anyio.run(lambda: answer(served, "release", {"tags": [], "force": True}))

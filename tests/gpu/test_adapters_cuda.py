@@ -42,12 +42,12 @@ async def test_adapters_through_cuda_ipc_serve_what_transformers_serves_on_the_m
             got = await stage(engine, state, version, cfg)
             assert got == expected_weights_digest(state, list(state), torch.float32)
             await engine.activate_adapter(version, digest=got)
-            assert_close(await engine.logits(probe), hf_logits(merged, probe))
-        serving = await engine.logits(probe)
+            assert_close(await engine.logits(probe, adapter=engine.active_adapter), hf_logits(merged, probe))
+        serving = await engine.logits(probe, adapter=engine.active_adapter)
         bad, cfg, _ = adapter(base, seed=42)
         with pytest.raises(RuntimeError, match="simulated trainer crash"):
             await stage(engine, bad, 3, cfg, fail_at=2)
-        assert engine.active_adapter == 2 and await engine.logits(probe) == serving
+        assert engine.active_adapter == 2 and await engine.logits(probe, adapter=engine.active_adapter) == serving
         with pytest.raises(EngineStateError, match="a version is staged once"):
             await stage(engine, bad, 2, cfg)
     finally:

@@ -366,23 +366,6 @@ class EngineClient(ForwardedEngine, AdapterVersions):
         return RolloutResult(reward=sum(rewards) / len(rewards), tokens=tokens,
                              data=RolloutData(prompts, completions, rewards))
 
-    async def logits(self, tokens: list[list[int]], columns: list[int] | None = None, *,
-                     adapter: int | str | None = "active") -> list:
-        """``[batch, seq, vocab]`` logits (or their vocabulary ``columns``) with LoRA adapter
-        ``adapter``: ``"active"`` (:attr:`active_adapter`), a loaded version, or None (the base)."""
-        version = self._adapter_for(adapter)
-        if version is None:
-            return await super().logits(tokens, columns)
-        fields = {} if columns is None else {"columns": [int(c) for c in columns]}
-        return await self._ask("logits", tokens=tokens, adapter=version, **fields)
-
-    async def digest(self, order: Sequence[str] | None = None) -> str:
-        """The digest of the weights this engine holds, in ``order`` (HF names), else in the order
-        of the spec list it last accepted (the trainer's)."""
-        if order is None:
-            return await super().digest()
-        return str((await self.call("digest", order=list(order)))["digest"])
-
     # -- LoRA adapters (colo.engine.adapters.AdapterVersions; the engine's half:
     # colo.engine.reference.adapters) --------------------------------------------------------
     async def _adapter_op(self, op: str, *args: Any) -> dict:
