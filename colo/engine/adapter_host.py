@@ -45,10 +45,9 @@ class AdapterStage:
         self.session: LoadSession | None = None
         self.received = ReceivedDigest()
         self._pieces = PieceAssembler()
-        #: the stage's tensors, copies of our own (the sender reuses its staging buffer): views of
-        #: one buffer of the whole adapter, made at the stage's begin (:meth:`_new_storage`)
+        #: the stage's tensors, copies of our own on the engine's device (the sender reuses its
+        #: buffer): views of one copy of each request's bytes (:func:`copy_in`)
         self._staged: dict[str, torch.Tensor] = {}
-        self._views: dict[str, torch.Tensor] = {}
         #: version -> the digest of the tensors it was built from, in the accepted order
         self.digests: dict[int, str] = {}
 
@@ -107,36 +106,19 @@ class AdapterStage:
         self.received.clear()
         self._pieces.clear()
         self._staged = {}
-        self._views = self._new_storage()
-
-    def _new_storage(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the stage as a view of one buffer on the engine's device: a request's
-        tensors go in with one batched copy, not one copy (and one allocation) each (a rank-8
-        adapter of a 1.5B model is 392 tensors)."""
-        dtype = getattr(torch, self.dtype)
-        total = sum(numel(s) for s in self.shapes.values())
-        flat = torch.empty(total, dtype=dtype, device=self.device)
-        views, at = {}, 0
-        for name, shape in self.shapes.items():
-            n = numel(shape)
-            views[name] = flat[at:at + n].view(shape)
-            at += n
-        return views
 
     def load_weights(self, named: Any) -> int:
         session = self._require_session()
         items = list(named)
         session.check(items)  # the whole request, before any of it is kept
-        self.received.add_many(items)
-        whole = [(name, t) for name, t in items if not isinstance(t, Piece)]
-        if whole:
-            dests = [self._views[name] for name, _ in whole]
-            torch._foreach_copy_(dests, [t for _, t in whole])
-            self._staged.update(zip((name for name, _ in whole), dests))
+        copies = copy_in([(n, t) for n, t in items if not isinstance(t, Piece)], self.device)
+        # the digest of what arrived, read from our copies on the engine's device (one launch on a
+        # GPU), not from the sender's buffer, which may be host memory
+        self.received.add_many([(n, copies[n]) if n in copies else (n, t) for n, t in items])
+        self._staged.update(copies)
         for name, tensor in items:
-            if isinstance(tensor, Piece):
-                for done, full in self._pieces.feed([(name, tensor)]):
-                    self._staged[done] = self._views[done].copy_(full)
+            if isinstance(tensor, Piece):  # the assembler's whole tensor is its own buffer already
+                self._staged.update((n, t.to(self.device)) for n, t in self._pieces.feed([(name, tensor)]))
         return sum(session.advance(name, tensor) for name, tensor in items)
 
     def end_load(self) -> int:
@@ -148,7 +130,7 @@ class AdapterStage:
             self.abort()
             raise
         self.session = None
-        self._staged, self._views = {}, {}
+        self._staged = {}
         return n
 
     def flush_cache(self) -> None:
@@ -158,7 +140,6 @@ class AdapterStage:
         """End a failed stage: nothing of it is registered; what was registered stays."""
         self.session = None
         self._staged = {}
-        self._views = {}
         self._pieces.clear()
 
     def _require_prepared(self) -> None:
@@ -169,6 +150,34 @@ class AdapterStage:
         if self.session is None:
             raise EngineStateError("no adapter stage is active (begin_load first)")
         return self.session
+
+
+def copy_in(items: list[tuple[str, torch.Tensor]], device: torch.device) -> dict[str, torch.Tensor]:
+    """Copies of ``items`` on ``device``, made with ONE copy per buffer they lie in: the bytes
+    from the first tensor's start to the last one's end, then each tensor a view of that copy.
+
+    A request's tensors are views of one buffer (a packed bucket's staging, or a trainer's whole
+    flat adapter in the one-copy sync), and an adapter is hundreds of small tensors (392 at rank
+    8 on a 1.5B model): one copy each was most of an adapter sync on a GPU. A tensor that is not
+    a contiguous view is copied on its own."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in items:
+        if t.is_contiguous():
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append((name, t))
+        else:
+            out[name] = t.to(device, copy=True).contiguous()
+    for group in groups.values():
+        first = group[0][1]
+        spans = [(t.storage_offset() * t.element_size(), t.numel() * t.element_size()) for _, t in group]
+        lo = min(a for a, _ in spans)
+        hi = max(a + n for a, n in spans)
+        raw = torch.empty(0, dtype=torch.uint8, device=first.device)
+        raw.set_(first.untyped_storage(), 0, (first.untyped_storage().nbytes(),))
+        copy = raw[lo:hi].to(device, copy=True)
+        for (name, t), (a, n) in zip(group, spans):
+            out[name] = copy[a - lo:a - lo + n].view(t.dtype).view(t.shape)
+    return out
 
 
 #: the requests an adapter host answers (its methods of these names)

@@ -121,3 +121,23 @@ async def test_what_the_engine_cannot_take_is_refused_before_a_byte_moves(served
     with pytest.raises(EngineError, match="adapter v7 is not loaded in this engine"):
         await engine.logits([PROMPTS[0]], adapter=7)
     assert await engine.adapters() == {} and engine.active_adapter is None
+
+
+def test_a_requests_tensors_are_copied_in_one_copy_per_buffer_they_lie_in():
+    from colo.engine.adapter_host import copy_in
+
+    buf = torch.arange(64, dtype=torch.float32)
+    other = torch.arange(100, 112, dtype=torch.float32)
+    items = [("a", buf[4:12].view(2, 4)), ("b", buf[20:26].view(3, 2)), ("c", other[2:8].view(6)),
+             ("t", buf[32:48].view(4, 4).t())]  # not contiguous: copied on its own
+    out = copy_in(items, torch.device("cpu"))
+    assert set(out) == {"a", "b", "c", "t"}
+    for name, t in items:
+        assert torch.equal(out[name], t) and out[name].shape == t.shape
+    # a and b share one copy (of bytes 16..104 of buf), c another; none of them is the sender's buffer
+    assert out["a"].untyped_storage().data_ptr() == out["b"].untyped_storage().data_ptr()
+    assert out["a"].untyped_storage().nbytes() == (26 - 4) * 4
+    assert out["c"].untyped_storage().data_ptr() != out["a"].untyped_storage().data_ptr()
+    buf.zero_()
+    other.zero_()
+    assert out["a"][0, 0] == 4 and out["c"][0] == 102 and out["t"][0, 1] == 36
