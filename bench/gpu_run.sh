@@ -131,6 +131,8 @@ case "${1:-tests}" in
     # run. Limits: arg 2 the tests, arg 3 the bench
     timeout "${2:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_adapters_cuda.py \
       2>&1 | tee "$OUT/gpu-adapters.log" | tail -8
+    # the engine verbs' new arguments (digest order=, logits adapter=) under a plain verified demo
+    demo plain3 --steps 3
     timeout "${3:-330}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --transports packed \
       --trainers none --lora-rank 8 --reps 5 --out "$OUT/colo-bench-lora-cuda.json" 2>&1 | tee "$OUT/colo-bench-lora.log" | tail -14
     ;;
