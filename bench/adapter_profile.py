@@ -31,7 +31,8 @@ async def main(out: str, model: str, rank: int, device: str, reps: int) -> None:
     from colo.core.interfaces import SyncContext
     from colo.core.memory import StagingBudget
     from colo.engine.adapter_host import AdapterHost
-    from colo.engine.adapters import AdapterVersions
+    from colo.core.interfaces import EngineCapabilities
+    from colo.engine.adapters import AdapterEngine, AdapterVersions
     from colo.engine.reference.adapters import EngineAdapters
     from colo.engine.reference.core import EngineCore
     from colo.trainers.models import demo_config
@@ -47,26 +48,34 @@ async def main(out: str, model: str, rank: int, device: str, reps: int) -> None:
         async def _adapter_op(self, op: str, *args: Any) -> dict:
             return getattr(host, op)(*args)
 
-    engine = InProcess()
-    engine.init_adapters()
+        async def set_weight_version(self, version: int | None) -> None:
+            pass  # the core holds no base weights here: only its adapters are profiled
+
+    inner = InProcess()
+    inner.init_adapters()
+    inner.capabilities = EngineCapabilities()
+    # as colo demo and colo bench drive it: one object across stages, so the sender's layout memo
+    # sends a layout the engine holds by its key
+    engine = AdapterEngine(inner, None)
     source = AdapterSource(config, rank, dtype=bench_model.engine_dtype, device=device)
     transport = make_transport("packed")
     times: list[float] = []
     profile = cProfile.Profile()
     try:
         for i in range(reps + 1):
-            target = engine.adapter_target(i + 1, source.config)
+            engine.config = source.config
             ctx = SyncContext(step=i, weight_version=i, bucket_bytes=512 << 20, source="host",
                               staging=StagingBudget(None), flush_cache=False)
             if i:
                 profile.enable()
             t0 = time.perf_counter()
-            result = await transport.sync(source, target, ctx)
+            result = await transport.sync(source, engine, ctx)
             if device == "cuda":
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - t0
             profile.disable()
-            await engine.activate_adapter(i + 1, digest=target.digest)
+            digest = await engine.digest()
+            await engine.set_weight_version(i + 1)
             if i:
                 times.append(elapsed)
     finally:
@@ -76,7 +85,7 @@ async def main(out: str, model: str, rank: int, device: str, reps: int) -> None:
     text = io.StringIO()
     text.write(f"{model} rank {rank} on {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), "
                f"torch {torch.__version__}: {result.bytes} bytes, {result.tensors} tensors, {result.buckets} "
-               f"request(s); sync ms {[round(t * 1e3, 2) for t in times]}, median {statistics.median(times) * 1e3:.2f}\n")
+               f"request(s), digest {digest[:16]}; sync ms {[round(t * 1e3, 2) for t in times]}, median {statistics.median(times) * 1e3:.2f}\n")
     for key in ("tottime", "cumulative"):
         text.write(f"\n== by {key}, {reps} syncs\n")
         pstats.Stats(profile, stream=text).sort_stats(key).print_stats(25)

@@ -46,6 +46,7 @@ Device work is queued on the current stream and read back once per digest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
@@ -69,7 +70,14 @@ _WORD_VIEW = {1: torch.uint8, 2: torch.int16}
 
 
 def _header(name: str, dtype: str, shape: Sequence[int]) -> bytes:
-    header = json.dumps([name, dtype, [int(s) for s in shape]]).encode()
+    return _header_of(name, dtype, tuple(int(s) for s in shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _header_of(name: str, dtype: str, shape: tuple[int, ...]) -> bytes:
+    # the same tensors are digested every sync: their headers are made once (a rank-8 adapter of
+    # a 1.5B model is 392 of them per sync)
+    header = json.dumps([name, dtype, list(shape)]).encode()
     return len(header).to_bytes(8, "little") + header
 
 
