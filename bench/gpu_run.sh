@@ -137,9 +137,11 @@ case "${1:-tests}" in
       --trainers none --lora-rank 8 --reps 5 --out "$OUT/colo-bench-lora-cuda.json" 2>&1 | tee "$OUT/colo-bench-lora.log" | tail -14
     ;;
   lora43b)  # issue 43, where the adapter sync's time goes on one GPU: the sender and colo's engine's adapter host in
-    # one process under cProfile (bench/adapter_profile.py, Qwen2-1.5B rank 8), then colo bench's adapter rows at
-    # Qwen2-1.5B again. Limits: arg 2 the profile, arg 3 the bench
-    timeout "${2:-150}" python3 -m bench.adapter_profile "$OUT/adapter-profile-1.5b.txt" --model qwen2-1.5b 2>&1 | head -40
+    # one process under cProfile (bench/adapter_profile.py, Qwen2-1.5B rank 8), after the adapters' GPU test, then
+    # colo bench's adapter rows at Qwen2-1.5B and 7B again. Limits: arg 2 the test and the profile, arg 3 the bench
+    timeout "${2:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_adapters_cuda.py \
+      2>&1 | tee "$OUT/gpu-adapters.log" | tail -3
+    timeout "${2:-150}" python3 -m bench.adapter_profile "$OUT/adapter-profile-1.5b.txt" --model qwen2-1.5b 2>&1 | head -30
     timeout "${3:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --transports packed \
       --trainers none --lora-rank 8 --reps 5 --out "$OUT/colo-bench-lora-cuda.json" 2>&1 | tee "$OUT/colo-bench-lora.log" | tail -5
     ;;
