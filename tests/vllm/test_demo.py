@@ -75,7 +75,7 @@ def fault_free(tmp_path_factory):
     return _sync_digests(events)
 
 
-@pytest.mark.parametrize("fault", ["raise@sync", "cancel@sync", "oom@trainer_onload"])
+@pytest.mark.parametrize("fault", ["raise@sync", "cancel@sync", "deadline@sync", "oom@trainer_onload"])
 def test_each_fault_kind_on_a_real_vllm_recovers_to_the_fault_free_digests(tmp_path, fault_free, fault):
     """Issue 45, item 5: the fault kinds against a real vLLM (a kill is the test above): the
     phase fails once, the run recovers to the trainer's digest and goes on. A sync that failed
