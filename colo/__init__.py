@@ -51,6 +51,10 @@ _API = {
     "InProcessEngine": "colo.engine.local:InProcessEngine",
     "VllmEngine": "colo.engine.vllm:VllmEngine",
     "SglangEngine": "colo.engine.sglang:SglangEngine",
+    # LoRA: an engine whose syncs stage adapter versions (SchedulerConfig(sync_target="adapter")), and
+    # what an adapter is (PEFT's layout)
+    "AdapterEngine": "colo.engine.adapters:AdapterEngine",
+    "AdapterConfig": "colo.models.lora:AdapterConfig",
     "EngineCapabilities": "colo.core.interfaces:EngineCapabilities",
     "EngineLifecycle": "colo.core.interfaces:EngineLifecycle",
     "EngineProbe": "colo.core.interfaces:EngineProbe",
