@@ -386,7 +386,18 @@ def _exit(code: int) -> int:
 def run() -> None:
     """The ``colo`` command (main() is what tests call in-process, and it returns)."""
     _console()
-    sys.exit(_exit(main()))
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader of stdout went away (`colo replay T | head -1`): what it wanted it read. No
+        # traceback; stdout goes to /dev/null so that the interpreter's own flush at exit is quiet,
+        # and the status is 1, as Python's own for EPIPE
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    sys.exit(_exit(code))
 
 
 if __name__ == "__main__":

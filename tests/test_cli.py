@@ -210,3 +210,24 @@ def test_a_file_name_the_console_cannot_encode_is_written_as_it_is_on_disk_not_a
                          timeout=120)
     assert bad.returncode == 2 and bad.stdout == b""
     assert bad.stderr == b"colo export: " + shown[:-6] + b".missing.jsonl: cannot read (No such file or directory)\n"
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly_with_status_one(tmp_path):
+    """``colo replay T | head -1``: stdout's reader is gone (here before the command starts: a
+    pipe with no reader end left), so the first write fails with EPIPE. No traceback: status 1,
+    Python's own for EPIPE, and nothing on stderr but what the command itself says."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(repo / "traces" / "cpu-demo.jsonl")],
+                              stdout=w, stderr=subprocess.PIPE, text=True, cwd=tmp_path, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(repo)})
+    finally:
+        os.close(w)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
