@@ -95,7 +95,7 @@ async def main(out: str, model: str, rank: int, device: str, reps: int) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("out")
     ap.add_argument("--model", default="qwen2-1.5b")
     ap.add_argument("--rank", type=int, default=8)
