@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 import torch
 
-from colo.core.errors import (EXIT_BAD_INPUT, EXIT_OK, ColoError, SharedMemoryFull, TraceUnwritable, UsageError,
-                              exit_code)
+from colo.core.errors import (EXIT_BAD_INPUT, EXIT_OK, ColoError, FaultMissed, SharedMemoryFull, TraceUnwritable,
+                              UsageError, exit_code)
 from colo.core.config import SchedulerConfig
 from colo.core.errors import EngineDied, EngineError
 from colo.proc.handles import leftover_segments
@@ -353,12 +353,13 @@ class DemoRun:
 
     def check_fault_fired(self) -> None:
         if self.injector is not None and self.injector.missed is not None:
-            raise RuntimeError(f"fault {self.fault} failed nothing: {self.injector.missed} (the engine takes no "
-                               f"memory back in it: {self.engines[-1].capabilities.note or 'it frees none'})")
+            raise FaultMissed(f"fault {self.fault} failed nothing: {self.injector.missed} (the engine takes no "
+                              f"memory back in it: {self.engines[-1].capabilities.note or 'it frees none'})",
+                              steps=len(self.rewards))
         if self.injector is not None and not self.injector.fired:
             f = self.fault
-            raise RuntimeError(f"fault {f} was never injected: no {f.phase} at step >= {f.step} in "
-                               f"{self.cfg.steps} steps")
+            raise FaultMissed(f"fault {f} was never injected: no {f.phase} at step >= {f.step} in "
+                              f"{self.cfg.steps} steps", steps=len(self.rewards))
 
     # -- recovery and its audit ------------------------------------------------------
     async def recover(self) -> Recovery:
@@ -485,7 +486,10 @@ def report(cfg: DemoConfig, out: DemoOutcome) -> str:
         lines.append(f"engine log: {log}" + (f" (one per rank: .rank0 ... .rank{cfg.gpus - 1})" if cfg.gpus > 1 else ""))
     for rec in out.recoveries:
         lines.extend(rec.lines())
-    if out.error is not None:
+    if isinstance(out.error, FaultMissed):
+        # every step ran and no phase failed: there is no phase to name
+        lines.append(f"FAILED after the last of {out.error.steps} steps: FaultMissed: {out.error}")
+    elif out.error is not None:
         lines.append(f"FAILED in phase {_failed_phase(out)}: {type(out.error).__name__}: {out.error}")
     return "\n".join(lines)
 

@@ -301,7 +301,10 @@ class MultiDemoRun:
 
     def check_fault_fired(self) -> None:
         if self.cfg.fault is not None and not self.fault_fired:
-            raise RuntimeError(f"fault {self.cfg.fault} was never injected in {self.cfg.steps} steps")
+            from colo.core.errors import FaultMissed
+
+            raise FaultMissed(f"fault {self.cfg.fault} was never injected in {self.cfg.steps} steps",
+                              steps=len(self.rewards))
 
     async def recover(self) -> dict:
         """Fail safe, then back to a synced engine: every engine rank stale (rollout

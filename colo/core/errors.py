@@ -73,6 +73,15 @@ class SharedMemoryFull(ColoError, MemoryError):
         super().__init__(f"{where} has {fmt_bytes(room)} free, and {fmt_bytes(need)} is needed for {what}: {remedy}")
 
 
+class FaultMissed(ColoError):
+    """An injected fault (``colo demo --fault``) that failed no phase: every step ran, so the run
+    proved nothing about recovery from it (exit 1). ``steps``: the steps that ran."""
+
+    def __init__(self, message: str, *, steps: int):
+        super().__init__(message)
+        self.steps = steps
+
+
 class IncompleteCheckpoint(ColoError, ValueError):
     """A directory that is not a complete, committed checkpoint."""
 

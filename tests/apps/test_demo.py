@@ -131,3 +131,18 @@ def test_cli_demo_bad_input_exits_two(argv, msg):
     proc = subprocess.run([sys.executable, "-m", "colo.cli", "demo", *argv], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and msg in proc.stderr
+
+
+async def test_a_fault_that_never_fired_fails_the_run_after_its_last_step_naming_no_phase(tmp_path):
+    """Every step ran and no phase failed: the report names no phase ("FAILED in phase start" was
+    what it said), and the run's status is a failure, since it proved nothing about the fault."""
+    from colo.core.errors import FaultMissed, exit_code
+
+    cfg = DemoConfig(fault="raise@sync", fault_step=5, trace=str(tmp_path / "t.jsonl"), **SMALL)
+    out = await run(cfg, progress=False)
+    assert isinstance(out.error, FaultMissed) and exit_code(out.error) == 1 and len(out.rewards) == 2
+    text = report(cfg, out)
+    assert "FAILED after the last of 2 steps: FaultMissed: fault raise@sync was never injected: no sync at " \
+           "step >= 5 in 2 steps" in text, text[-600:]
+    assert "FAILED in phase" not in text
+    replay_clean(out.trace_path)
