@@ -52,11 +52,11 @@ def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
     from colo.trainers import build
 
     if cfg.lora_rank is not None:  # the base frozen, an adapter trained and synced
-        from colo.trainers.lora import build as build_lora
+        from colo.trainers import LORA_BUILDERS
 
         source = {"checkpoint": cfg.checkpoint, "model_config": model_config if cfg.checkpoint is None else None}
-        return build_lora(**source, seed=cfg.seed, engine_dtype=cfg.engine_dtype, device=cfg.device,
-                          rank=cfg.lora_rank, param_dtype=cfg.trainer_dtype)
+        return load(LORA_BUILDERS[cfg.trainer])(**source, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
+                                                device=cfg.device, rank=cfg.lora_rank, param_dtype=cfg.trainer_dtype)
     if cfg.checkpoint is not None:  # the model is the checkpoint's (model_config was read from it)
         return build(cfg.trainer, checkpoint=cfg.checkpoint, seed=cfg.seed, engine_dtype=cfg.engine_dtype,
                      device=cfg.device, param_dtype=cfg.trainer_dtype)

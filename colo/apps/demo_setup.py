@@ -245,8 +245,11 @@ class DemoConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer in [1, {most}], got {v!r}")
         if self.lora_rank is None:
             return
-        if self.trainer != "hf":
-            raise ValueError(f"--lora-rank trains a PEFT adapter on the hf trainer, got --trainer {self.trainer}")
+        from colo.trainers import LORA_BUILDERS
+
+        if self.trainer not in LORA_BUILDERS:
+            raise ValueError(f"--lora-rank trains a PEFT adapter on the {' or '.join(LORA_BUILDERS)} trainer, got "
+                             f"--trainer {self.trainer}")
         if self.device != "cpu":
             raise ValueError(f"--lora-rank runs on the CPU so far (its trainer's GPU regions are not built), "
                              f"got --device {self.device}")

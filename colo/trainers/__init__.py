@@ -27,6 +27,11 @@ BUILDERS = {
     "megatron": "colo.trainers.megatron:build",
     "fsdp": "colo.trainers.fsdp:build",
 }
+#: the trainers that train a LoRA adapter (``colo demo --lora-rank``): name -> "module:function",
+#: called as ``build(..., rank=R)``; the others are refused by name
+LORA_BUILDERS = {
+    "hf": "colo.trainers.lora:build",
+}
 
 
 def build(kind: str, *, model_config: Any = None, seed: int = 0, engine_dtype: str, device: str,
