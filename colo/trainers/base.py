@@ -242,8 +242,12 @@ class PolicyTrainer:
                 self.dirty = True
             raise
 
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """The parameters a step changes: every one of the model's (a LoRA trainer's: its adapter's)."""
+        return list(self.model.parameters())
+
     def _snapshot(self) -> tuple[list[torch.Tensor], Any]:
-        params = [p.detach().clone() for p in self.model.parameters()]
+        params = [p.detach().clone() for p in self._trained()]
         snapshot = getattr(self.opt, "snapshot", None)
         if snapshot is not None:  # MasterAdamW: its masters and their moments
             return params, snapshot()
@@ -254,7 +258,7 @@ class PolicyTrainer:
     @torch.no_grad()
     def _restore(self, saved: tuple[list[torch.Tensor], Any]) -> None:
         params, state = saved
-        for p, old in zip(self.model.parameters(), params):
+        for p, old in zip(self._trained(), params):
             p.copy_(old)
         restore = getattr(self.opt, "restore", None)
         if restore is not None:
@@ -323,7 +327,7 @@ class PolicyTrainer:
             dist.all_reduce(param.grad, group=self._dp_group)
 
     def _clip_grads(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        torch.nn.utils.clip_grad_norm_(self._trained(), self.config.grad_clip)
 
 
 def new_optimizer(params: Any, config: ReinforceConfig) -> Any:

@@ -102,26 +102,10 @@ class LoraTrainer(ReferenceTrainer):
     def _new_cpu_twin(self) -> torch.nn.Module:
         raise NotImplementedError("the LoRA trainer answers the probe while resident only")
 
-    # -- a failed step puts back what it changed: the adapter and its moments --------------
-    def _snapshot(self) -> tuple[list[torch.Tensor], Any]:
-        params = [p.detach().clone() for p in self.adapter_params.values()]
-        state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
-                 for p, st in self.opt.state.items()}
-        return params, state
-
-    @torch.no_grad()
-    def _restore(self, saved: tuple[list[torch.Tensor], Any]) -> None:
-        params, state = saved
-        for p, old in zip(self.adapter_params.values(), params):
-            p.copy_(old)
-        for p in list(self.opt.state):
-            if p not in state:
-                del self.opt.state[p]
-        for p, old in state.items():
-            self.opt.state[p] = old
-
-    def _clip_grads(self) -> None:
-        torch.nn.utils.clip_grad_norm_(list(self.adapter_params.values()), self.config.grad_clip)
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """A step changes the adapter only: a failed one puts it and its moments back, the
+        gradient is clipped over it."""
+        return list(self.adapter_params.values())
 
 
 def build(*, model_config: Any, seed: int, engine_dtype: str, device: str, rank: int, alpha: float | None = None,
