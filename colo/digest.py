@@ -126,7 +126,11 @@ def _host_lanes(words: torch.Tensor, first: int) -> list[int]:
     """On the host, numpy: per block of the multiplier, one ``dot`` of the words with the
     table per lane (its uint32 accumulator wraps mod 2**32, as wanted) times the block's factor."""
     raw = words.numpy()
-    unsigned = raw.view({1: np.uint8, 2: np.uint16}[raw.itemsize])
+    return _host_lanes_np(raw.view({1: np.uint8, 2: np.uint16}[raw.itemsize]), first)
+
+
+def _host_lanes_np(unsigned: np.ndarray, first: int) -> list[int]:
+    """:func:`_host_lanes` of words already a uint8 or uint16 numpy array."""
     tables = _host_tables()
     lanes = [0, 0]
     start = 0
@@ -331,31 +335,107 @@ def _batch_kernel() -> Any:
     return _BATCH_KERNEL or None
 
 
-def _cuda_batch(words: Sequence[torch.Tensor], firsts: Sequence[int]) -> torch.Tensor:
-    """``[len(words), 2]`` lanes of CUDA word tensors of one device and one word size, one launch."""
-    kernel = _batch_kernel()
-    device = words[0].device
+def _program_table(ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The batched kernel's programs for tensors of ``ns`` words: per program, its tensor's
+    index and its first word (each tensor one program at least)."""
     span = _BATCH_BLOCK * _BATCH_ITERS
-    ns = np.array([w.numel() for w in words], dtype=np.int64)
     counts = np.maximum((ns + span - 1) // span, 1)
-    item = np.repeat(np.arange(len(words), dtype=np.int64), counts)
+    item = np.repeat(np.arange(len(ns), dtype=np.int64), counts)
     starts = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * span
-    meta = np.concatenate([np.array([w.data_ptr() for w in words], dtype=np.int64), ns,
-                           np.array(firsts, dtype=np.int64), item, starts])
+    return item, starts
+
+
+def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int, device: torch.device) -> torch.Tensor:
+    """``[tensors, 2]`` lanes from a meta table ``[addresses, words, firsts, item, starts]``
+    (the first three ``tensors`` long, the last two ``programs`` long), one launch."""
+    kernel = _batch_kernel()
     # From pinned memory, queued: a pageable upload waits for everything before it on the
     # stream, and an engine summing a load queues this behind copies still running (the
     # host would stall until they finish instead of queueing the next ones)
     meta_dev = torch.from_numpy(meta).pin_memory().to(device, non_blocking=True)
-    programs = len(item)
     partial = torch.empty(programs, 2, dtype=torch.int64, device=device)
     (s1, k1), (s2, k2) = LANE_SEEDS
-    kernel[(programs,)](meta_dev, len(words), programs, partial, S1=s1, K1=k1, S2=s2, K2=k2,
-                        BITS=words[0].element_size() * 8, LOW_BITS=BLOCK_BITS, BLOCK=_BATCH_BLOCK,
+    kernel[(programs,)](meta_dev, tensors, programs, partial, S1=s1, K1=k1, S2=s2, K2=k2,
+                        BITS=word_bytes * 8, LOW_BITS=BLOCK_BITS, BLOCK=_BATCH_BLOCK,
                         ITERS=_BATCH_ITERS, num_warps=8)
-    out = torch.zeros(len(words), 2, dtype=torch.int64, device=device)
+    out = torch.zeros(tensors, 2, dtype=torch.int64, device=device)
     # exact integer sums of each program's lane mod 2**32 (< 2**32 each; < 2**31 programs), in any order
-    out.index_add_(0, meta_dev[3 * len(words):3 * len(words) + programs], partial)
+    out.index_add_(0, meta_dev[3 * tensors:3 * tensors + programs], partial)
     return out & _MASK
+
+
+def _cuda_batch(words: Sequence[torch.Tensor], firsts: Sequence[int]) -> torch.Tensor:
+    """``[len(words), 2]`` lanes of CUDA word tensors of one device and one word size, one launch."""
+    ns = np.array([w.numel() for w in words], dtype=np.int64)
+    item, starts = _program_table(ns)
+    meta = np.concatenate([np.array([w.data_ptr() for w in words], dtype=np.int64), ns,
+                           np.array(firsts, dtype=np.int64), item, starts])
+    return _launch_batch(meta, len(words), len(item), words[0].element_size(), words[0].device)
+
+
+class Spans:
+    """Whole tensors at fixed byte offsets of one contiguous buffer, as a digest reads them:
+    derived once per layout, so that the lanes of all of them are one launch on a GPU with no
+    torch object per tensor (:meth:`ReceivedDigest.add_spans`). ``entries``: ``(name, dtype,
+    shape, start, nbytes)``, ``start`` in bytes from the buffer's first, a multiple of the
+    dtype's size."""
+
+    def __init__(self, entries: Sequence[tuple[str, str, Sequence[int], int, int]]):
+        self.names = [e[0] for e in entries]
+        #: each tensor's header (name, dtype, shape): its entry is sha256(header + lanes)
+        self.headers = [_header(n, d, s) for n, d, s, _, _ in entries]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        if len(self.index) != len(self.names):
+            raise ValueError("spans: a name appears twice")
+        self.starts = np.array([e[3] for e in entries], dtype=np.int64)
+        self.nbytes = np.array([e[4] for e in entries], dtype=np.int64)
+        self.end = int((self.starts + self.nbytes).max(initial=0))
+        #: per word size, the tensors' indices, their words and the kernel's program table
+        self.groups: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        sizes = np.array([word_size(torch.empty((), dtype=getattr(torch, e[1])).element_size()) for e in entries],
+                         dtype=np.int64)
+        for word in (1, 2):
+            idx = np.flatnonzero((sizes == word) & (self.nbytes > 0))
+            if idx.size:
+                if (self.starts[idx] % word).any() or (self.nbytes[idx] % word).any():
+                    raise ValueError("spans: a tensor does not start at a multiple of its word")
+                ns = self.nbytes[idx] // word
+                self.groups.append((word, idx, ns, *_program_table(ns)))
+
+    def lanes(self, buffer: torch.Tensor) -> torch.Tensor | list[list[int]]:
+        """``[len(names), 2]`` lanes of the tensors in ``buffer`` (contiguous, at least
+        :attr:`end` bytes): on a GPU with Triton one launch per word size, queued on the
+        current stream; elsewhere tensor by tensor (a list of ``[lane_1, lane_2]``)."""
+        if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() * buffer.element_size() < self.end:
+            raise ValueError(f"spans: a contiguous 1-D buffer of at least {self.end} bytes is needed")
+        raw = buffer.view(torch.uint8)
+        if raw.device.type == "cuda" and _batch_kernel() is not None:
+            out = torch.zeros(len(self.names), 2, dtype=torch.int64, device=raw.device)
+            base = raw.data_ptr()
+            with torch.cuda.device(raw.device):
+                for word, idx, ns, item, starts in self.groups:
+                    meta = np.concatenate([base + self.starts[idx], ns, np.zeros(len(idx), dtype=np.int64),
+                                           item, starts])
+                    got = _launch_batch(meta, len(idx), len(item), word, raw.device)
+                    if len(idx) == len(self.names):  # one dtype's size, the usual case: these are the lanes
+                        return got
+                    out[torch.from_numpy(idx).pin_memory().to(raw.device, non_blocking=True)] = got
+            return out
+        rows: list[list[int]] = [[0, 0] for _ in self.names]
+        if raw.device.type == "cpu":
+            host = raw.numpy()
+            for word, idx, ns, _, _ in self.groups:
+                view = host.view(np.uint8) if word == 1 else host[:host.size // 2 * 2].view(np.uint16)
+                for i, n in zip(idx.tolist(), ns.tolist()):
+                    a = int(self.starts[i]) // word
+                    rows[i] = _host_lanes_np(view[a:a + n], 0)
+            return rows
+        for word, idx, ns, _, _ in self.groups:
+            words = raw.view(_WORD_VIEW[word]) if word == 1 else raw[:raw.numel() // 2 * 2].view(_WORD_VIEW[word])
+            for i, n in zip(idx.tolist(), ns.tolist()):
+                a = int(self.starts[i]) // word
+                rows[i] = [int(v) for v in _torch_lanes(words[a:a + n], 0).tolist()]
+        return rows
 
 
 def lanes_many(items: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor | list[int]]:
@@ -533,10 +613,25 @@ class ReceivedDigest:
     def __init__(self) -> None:
         self._open: dict[str, TensorHash] = {}
         self._done: dict[str, TensorHash] = {}
+        #: whole tensors recorded a layout at a time (:meth:`add_spans`): the spans and their lanes
+        self._spans: list[tuple[Spans, Any]] = []
+        #: name -> its batch in ``_spans``
+        self._in_spans: dict[str, int] = {}
 
     def clear(self) -> None:
         self._open.clear()
         self._done.clear()
+        self._spans.clear()
+        self._in_spans.clear()
+
+    def add_spans(self, buffer: torch.Tensor, spans: Spans) -> None:
+        """Record the whole tensors ``spans`` places in ``buffer`` (a copy of what arrived, the
+        layout derived once): one launch on a GPU, whatever their number."""
+        taken = [n for n in spans.names if n in self._in_spans or n in self._done or n in self._open]
+        if taken:
+            raise ValueError(f"received twice: {', '.join(taken[:5])}")
+        self._spans.append((spans, spans.lanes(buffer)))
+        self._in_spans.update(dict.fromkeys(spans.names, len(self._spans) - 1))
 
     def add(self, name: str, tensor: Any) -> None:
         self.add_many([(name, tensor)])
@@ -562,17 +657,35 @@ class ReceivedDigest:
 
     @property
     def names(self) -> list[str]:
-        return list(self._done)
+        return list(self._done) + list(self._in_spans)
 
     def digest(self, order: Sequence[str]) -> str:
-        missing = [n for n in order if n not in self._done]
+        missing = [n for n in order if n not in self._done and n not in self._in_spans]
         if missing:
             partial = [n for n in missing if n in self._open]
             raise ValueError(f"no complete tensor received under {len(missing)} name(s) of the spec list: "
                              f"{', '.join(missing[:5])}" + (f" ({', '.join(partial[:5])} only in part)" if partial else ""))
-        return combine(entries_of([self._done[n] for n in order]))
+        whole = iter(entries_of([self._done[n] for n in order if n in self._done]))
+        # each batch's lanes read back once, as 8 little-endian bytes a tensor
+        blobs = [(spans, _lane_bytes(got)) for spans, got in self._spans]
+        out = []
+        for n in order:
+            b = self._in_spans.get(n)
+            if b is None:
+                out.append(next(whole))
+                continue
+            spans, blob = blobs[b]
+            i = spans.index[n]
+            out.append(hashlib.sha256(spans.headers[i] + blob[8 * i:8 * i + 8]).digest())
+        return combine(out)
+
+
+def _lane_bytes(got: torch.Tensor | list[list[int]]) -> bytes:
+    """Lanes ``[n, 2]`` (a device tensor or rows of ints) as each tensor's 8 bytes of its entry."""
+    rows = got.cpu().numpy() if isinstance(got, torch.Tensor) else np.array(got, dtype=np.int64).reshape(-1, 2)
+    return (rows & _MASK).astype("<u4").tobytes()
 
 
 __all__ = ["BLOCK_BITS", "combine", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
-           "LANE_SEEDS", "lanes", "lanes_many", "multiplier", "ReceivedDigest", "tensor_entry", "TensorHash",
+           "LANE_SEEDS", "lanes", "lanes_many", "multiplier", "ReceivedDigest", "Spans", "tensor_entry", "TensorHash",
            "weights_digest", "word_size"]

@@ -149,3 +149,50 @@ def test_a_batch_of_pieces_and_whole_tensors_records_what_one_by_one_does():
                   ("x", Piece(data=t[:400], offset=0, shape=(1000,)))])
     assert got.names == ["w", "x"]
     assert got.digest(["x", "w"]) == weights_digest([("x", t), ("w", w)])
+
+
+def _packed(named):
+    """``named`` laid one after another in one uint8 buffer at their dtype's alignment, with
+    each tensor's ``(name, dtype, shape, start, nbytes)``."""
+    entries, at = [], 0
+    for name, t in named:
+        size = t.element_size()
+        at = -(-at // 8) * 8 + (3 if size == 1 else 0)  # an odd start for the 1-byte dtype
+        entries.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), at, t.numel() * size))
+        at += t.numel() * size
+    buf = torch.zeros(at + 5, dtype=torch.uint8)
+    for (_, t), (_, _, _, start, n) in zip(named, entries):
+        buf[start:start + n] = t.contiguous().view(-1).view(torch.uint8)
+    return buf, entries
+
+
+def test_spans_of_one_buffer_digest_as_the_tensors_one_by_one():
+    from colo.digest import Spans
+
+    state = _state()
+    named = [*state.items(), ("c.int8", torch.arange(-50, 49, dtype=torch.int8)), ("empty", torch.empty(0, 4)),
+             ("d.weight", torch.randn(3, 5).to(torch.float16))]
+    buf, entries = _packed(named)
+    spans = Spans(entries)
+    got = ReceivedDigest()
+    got.add_spans(buf, spans)
+    assert got.names == [n for n, _ in named]
+    order = [n for n, _ in reversed(named)]  # the digest takes the spec list's order, not the buffer's
+    assert got.digest(order) == weights_digest([(n, dict(named)[n]) for n in order])
+    # beside whole tensors and pieces recorded one by one
+    more = torch.randn(40)
+    got.add_many([("more", Piece(data=more[:10], offset=0, shape=(40,))),
+                   ("more", Piece(data=more[10:], offset=10, shape=(40,)))])
+    assert got.digest(["more", *order]) == weights_digest([("more", more)] + [(n, dict(named)[n]) for n in order])
+    # one flipped bit in the buffer: that tensor's entry changes
+    buf[entries[1][3] + 1] ^= 0x10
+    again = ReceivedDigest()
+    again.add_spans(buf, spans)
+    assert again.digest(order) != weights_digest([(n, dict(named)[n]) for n in order])
+    # a name received twice, a buffer too short, a start off its word: refused
+    with pytest.raises(ValueError, match="received twice: a.weight"):
+        again.add_spans(buf, spans)
+    with pytest.raises(ValueError, match="at least"):
+        ReceivedDigest().add_spans(buf[:10], spans)
+    with pytest.raises(ValueError, match="multiple of its word"):
+        Spans([("x", "bfloat16", (2,), 1, 4)])

@@ -17,6 +17,8 @@ the next bucket when the current one has no room for it.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,7 +96,9 @@ class Bucket:
     entries: tuple[Entry, ...]
     nbytes: int  # the flat buffer's size, padding included
 
-    @property
+    # computed once: a sync asks several times (its records, its result), over hundreds of
+    # entries, and a frozen bucket's entries never change
+    @functools.cached_property
     def payload_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
@@ -106,7 +110,7 @@ class Bucket:
         bucket by bucket, so their collectives line up."""
         return [e.spec.name for e in self.entries if e.first]
 
-    @property
+    @functools.cached_property
     def completed(self) -> int:
         """Tensors whose last bytes are in this bucket: how many a load of it completes."""
         return sum(1 for e in self.entries if e.last)

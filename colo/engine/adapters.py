@@ -41,6 +41,7 @@ import anyio
 
 from colo.core.errors import EngineError, EngineStateError, VerificationError
 from colo.core.interfaces import TensorSpec
+from colo.transports.wire import NOT_CACHED
 
 
 class AdapterVersions:
@@ -58,6 +59,10 @@ class AdapterVersions:
         self.keep_adapters = 2
         #: the newest adapter version staged so far: versions only grow (:meth:`adapter_target`)
         self.newest_adapter = 0
+        #: the last spec list sent (the specs, as they travel, their key) and the key and config
+        #: the engine accepted last: a stage of the same names them by key (:class:`AdapterTarget`)
+        self._adapter_layout: tuple[list, list, str] | None = None
+        self._adapter_accepted: tuple[str, dict] | None = None
 
     async def _adapter_op(self, op: str, *args: Any) -> dict:
         raise NotImplementedError
@@ -188,13 +193,61 @@ class AdapterTarget:
         self.engine, self.version, self.config = engine, version, config
         #: the digest the engine answered at the end of the stage
         self.digest: str | None = None
+        #: what the stage's begin names (version, config, spec list key; ``[]`` once the list
+        #: went whole), and whether the begin is still to be sent (with the first request)
+        self._begin_args: list | None = None
+        self._begin_due = False
+        self._layout: tuple[list, list, str] | None = None
 
     async def preflight(self, specs: Sequence[TensorSpec]) -> None:
-        wire = [[s.name, list(s.shape), s.dtype] for s in specs]
-        await self.engine._adapter_op("preflight", self.version, self.config.to_json(), wire)
+        """The engine checks the spec list (every name, shape and dtype against the config on
+        its model) before any byte moves. The list a stage of the same config sent before (the
+        same spec objects, sync after sync) is named by its key alone, with the begin, on the
+        stage's first request: a one-request stage is then one round trip."""
+        from colo.transports.wire import layout_key
+
+        engine = self.engine
+        specs = list(specs)
+        held = engine._adapter_layout
+        if held is None or len(held[0]) != len(specs) or any(a is not b for a, b in zip(specs, held[0])):
+            wire = [[s.name, list(s.shape), s.dtype] for s in specs]
+            held = engine._adapter_layout = (specs, wire, layout_key(wire))
+        self._layout = held
+        self._begin_args = [self.version, self.config.to_json(), held[2]]
+        if engine._adapter_accepted != (held[2], self._begin_args[1]):
+            await self._preflight_whole()
+
+    async def _preflight_whole(self) -> None:
+        engine, (_, wire, key), config = self.engine, self._layout, self._begin_args[1]
+        engine._adapter_accepted = None
+        await engine._adapter_op("preflight", self.version, config, wire, key)
+        engine._adapter_accepted = (key, config)
+        self._begin_args = []  # named and checked: the begin is a plain one
 
     async def begin_load(self) -> None:
-        await self.engine._adapter_op("begin")
+        self._begin_due = True  # sent with the stage's first request
+
+    def _begin(self) -> list | None:
+        if not self._begin_due:
+            return None
+        self._begin_due = False
+        args = self._begin_args
+        if args is None:
+            raise EngineStateError(f"adapter v{self.version}: begin_load before preflight")
+        return args
+
+    async def _op_begun(self, op: str, *args: Any, tail: tuple = ()) -> dict:
+        """``op`` with the due begin (None: none due) after ``args``, then ``tail``; an engine
+        that no longer holds the spec list (restarted, or another list replaced it) began
+        nothing: the list goes whole, then the same request again."""
+        begin = self._begin()
+        try:
+            return await self.engine._adapter_op(op, *args, begin, *tail)
+        except Exception as e:
+            if not begin or NOT_CACHED not in str(e):
+                raise
+        await self._preflight_whole()
+        return await self.engine._adapter_op(op, *args, [], *tail)
 
     async def transport_init(self, transport: str, init_info: dict) -> None:
         await self.engine._adapter_op("transport_init", transport, init_info)
@@ -203,12 +256,11 @@ class AdapterTarget:
                              flush_cache: bool = False) -> dict:
         if on_sent is not None:
             on_sent()
-        await self.engine._adapter_op("load", transport, request)
-        reply: dict = {}
-        if end:
-            await self.end_load()
-            reply.update(ended=True, flushed=False)
-        return reply
+        reply = await self._op_begun("load", transport, request, tail=(bool(end),))
+        if not end:
+            return {}
+        self._ended(reply)  # the stage's last request ended it: one round trip less
+        return {"ended": True, "flushed": False}
 
     async def transport_close(self, transport: str) -> None:
         await self.engine._adapter_op("transport_close", transport)
@@ -216,7 +268,9 @@ class AdapterTarget:
     async def end_load(self, flush_cache: bool = False) -> None:
         # an adapter's stage changes no weights: the prefix cache stays (engines key their
         # cached blocks by adapter too)
-        reply = await self.engine._adapter_op("end")
+        self._ended(await self._op_begun("end"))
+
+    def _ended(self, reply: dict) -> None:
         self.digest = str(reply["digest"])
         version = int(reply["version"])
         self.engine.adapter_digests[version] = self.digest

@@ -95,6 +95,18 @@ class LoadSession:
         self.order.append(name)
         return True
 
+    def advance_whole(self, names: Sequence[str]) -> int:
+        """Count whole tensors of a batch :meth:`check` accepted (or one known to be the same as
+        an accepted one, into a session that holds nothing yet) as written."""
+        self.loaded.update(names)
+        self.order.extend(names)
+        return len(names)
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing loaded yet, nothing in part, nothing refused."""
+        return not (self.loaded or self.partial or self.duplicate or self.unexpected or self.wrong_shape)
+
     def finish(self) -> int:
         """The number of names loaded; one ``WeightMismatch`` unless every expected name came
         exactly once and nothing was refused on the way."""

@@ -234,7 +234,17 @@ class BucketRequest:
         return cls(nbytes, parse_tensors(d, "tensors", cls.what, buffer_nbytes=nbytes))
 
 
-def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
+class Views(list):
+    """:func:`views`' answer: the ``(name, tensor)`` pairs, and what they were made of, ``flat``
+    (the uint8 buffer) and ``layout`` (the ``TensorMeta`` tuple). A receiver that caches a
+    layout hands the same tuple back sync after sync, so a sink can derive what it needs from
+    a layout once, keyed by the tuple itself (:class:`colo.engine.adapter_host.AdapterStage`:
+    one copy and one checksum launch for hundreds of small tensors, no work per tensor)."""
+
+    __slots__ = ("flat", "layout")
+
+
+def views(flat: Any, tensors: Sequence[TensorMeta]) -> Views:
     """``(name, tensor)`` views into a flat uint8 buffer, ``(name, Piece)`` for a
     piece: no copy; valid while ``flat`` is.
 
@@ -247,7 +257,8 @@ def views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
     in the engine's load, before its first copy (issue 18)."""
     import torch
 
-    out: list[tuple[str, Any]] = []
+    out = Views()
+    out.flat, out.layout = flat, tensors
     typed: dict[str, Any] = {}
     total = flat.numel()
     for m in tensors:
@@ -314,6 +325,12 @@ class LayoutNotCached(RequestError):
 class PreflightNotCached(LayoutNotCached):
     """A sync named its spec list by key alone, and the engine does not hold that list
     (it began nothing): the client sends the list whole, then begins."""
+
+
+#: in the message of a begin that named a spec list by a key the engine does not hold: the
+#: driver sends the list whole then. A marker in the text, because an engine's channel may
+#: carry only that (vLLM's ``collective_rpc`` from a worker process)
+NOT_CACHED = "spec list not cached"
 
 
 class LayoutCache:

@@ -115,3 +115,34 @@ def test_an_engine_load_summed_as_it_writes_from_pinned_memory_equals_the_traine
     finally:
         model_mod.weights_digest = real
     assert len(fresh) == 1  # the first sync's digest only: the others were summed as they loaded
+
+
+def test_spans_of_one_device_buffer_are_one_launch_per_word_size_and_equal_the_hosts(monkeypatch):
+    """An adapter stage's copy: hundreds of small tensors and a few large ones, mixed word
+    sizes, at fixed offsets of one buffer; its lanes on the device equal the host's."""
+    from colo.digest import Spans
+
+    g = torch.Generator().manual_seed(3)
+    named, entries, at = [], [], 0
+    for i, (shape, dt) in enumerate([((8, 1536), torch.bfloat16), ((1536, 8), torch.bfloat16), ((0,), torch.float32),
+                                     ((2048 * 128 + 5,), torch.bfloat16), ((33,), torch.uint8),
+                                     ((3, 1_000_003), torch.float32)] * 40):
+        t = (torch.randn(shape, generator=g) * 100).to(dt)
+        at = -(-at // 4) * 4 + (1 if dt == torch.uint8 else 0)
+        named.append((f"t{i}", t))
+        entries.append((f"t{i}", str(dt).removeprefix("torch."), shape, at, t.numel() * t.element_size()))
+        at += t.numel() * t.element_size()
+    buf = torch.zeros(at, dtype=torch.uint8)
+    for (_, t), e in zip(named, entries):
+        buf[e[3]:e[3] + e[4]] = t.view(-1).view(torch.uint8)
+    spans = Spans(entries)
+    launches = []
+    real = D._launch_batch
+    monkeypatch.setattr(D, "_launch_batch", lambda *a: launches.append(a[1]) or real(*a))
+    dev = spans.lanes(buf.cuda())
+    assert len(launches) == 2  # one per word size (the uint8 tensors, the rest)
+    assert dev.cpu().tolist() == spans.lanes(buf)
+    received = ReceivedDigest()
+    received.add_spans(buf.cuda(), spans)
+    order = [n for n, _ in named][::-1]
+    assert received.digest(order) == weights_digest([(n, dict(named)[n]) for n in order])
