@@ -116,7 +116,8 @@ class MultiDemoRun:
         # refused before any process starts: an engine without a layout of N ranks, a TP size
         # that does not divide the heads (the engine's entry: DemoConfig checked it already)
         engine_entry(self.engine_name).check(device=cfg.device, gpus=self.n, launcher=cfg.launcher,
-                                             model_config=self.model_config, layout=self._layout())
+                                             model_config=self.model_config, layout=self._layout(),
+                                             lora=getattr(cfg, "lora_rank", None) is not None)
         self.uuids = visible_gpus(self.n) if cfg.device == "cuda" else [None] * self.n
         self.budgets = [self._budget(r) for r in range(self.n)]
         # the two groups meet at stores this process serves (a Ray launcher moves them to
@@ -154,16 +155,19 @@ class MultiDemoRun:
         from colo.ranks.host import RankSpec
 
         cfg = self.cfg
+        rank = getattr(cfg, "lora_rank", None)
+        # a LoRA run: every rank's trainer trains the adapter, its engine stages each sync's version
+        lora = {"lora": {"rank": rank, "keep": cfg.keep_adapters}} if rank is not None else {}
         return RankSpec(
             rank=r, world_size=self.n, device=cfg.device, trainer=cfg.trainer,
             model_config=self.model_config.to_dict(), seed=cfg.seed, engine_dtype=cfg.engine_dtype,
             transport=cfg.transport, trainer_init=trainer_init, engine_init=engine_init,
             engine_build={"total_bytes": self.budgets[r][0], "mem_fraction_static": cfg.mem_fraction_static,
-                          "memory": "saver" if cfg.device == "cuda" else "free"},
+                          "memory": "saver" if cfg.device == "cuda" else "free", **lora},
             task={"name": "reinforce", "vocab_size": self.model_config.vocab_size, "batch": cfg.batch,
                   "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "seed": cfg.seed},
             engine_log=cfg.engine_log_path(r), param_dtype=cfg.trainer_dtype,
-            workdir=self.workdir, engine=self.engine_name, layout=self._layout())
+            workdir=self.workdir, engine=self.engine_name, layout=self._layout(), lora=lora.get("lora"))
 
     def _layout(self) -> str:
         from colo.engine import engine_entry
@@ -232,7 +236,8 @@ class MultiDemoRun:
         return Scheduler(
             self.trainers, self._seeded, [self._ledger(r) for r in range(self.n)], self.transports,
             config=SchedulerConfig(plan=cfg.plan, bucket_bytes=cfg.bucket_bytes,
-                                   phase_deadline_s=cfg.phase_deadline_s, verify=cfg.verify),
+                                   phase_deadline_s=cfg.phase_deadline_s, verify=cfg.verify,
+                                   sync_target=getattr(cfg, "sync_target", "weights")),
             trace=traces, verify=self.verify, probe=self.probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"}, "gpus": self.n,
                         "gpu_uuids": self.uuids, "mem_fraction_static": cfg.mem_fraction_static,

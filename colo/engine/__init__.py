@@ -263,7 +263,13 @@ class EngineEntry:
             raise ValueError(f"--lora-rank syncs a LoRA adapter into an engine that stages adapters in memory "
                              f"(--engine {' or '.join(staging) or 'none'}){self._note('adapters')}, got {flag}")
         if lora and gpus > 1:
-            raise ValueError(f"--lora-rank drives one rank so far, got --gpus {gpus}")
+            if layout != "replicas":
+                raise ValueError(f"--lora-rank on N ranks stages the whole adapter into a whole engine per rank "
+                                 f"(--engine-layout replicas); {flag} in the {layout} layout would need each "
+                                 f"adapter's shard, got --gpus {gpus}")
+            if launcher != "process":
+                raise ValueError(f"--lora-rank on N ranks starts its ranks under --launcher process so far, got "
+                                 f"--launcher {launcher}")
         if visible_devices and not self.own_process:
             raise ValueError(f"--engine-visible-devices sets the environment of an engine in a process of its own; "
                              f"{flag} has none")

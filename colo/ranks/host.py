@@ -77,6 +77,10 @@ class RankSpec:
     #: how the engine spans the ranks (:data:`colo.engine.LAYOUTS`): ``tp``, one engine of TP=N
     #: whose rank r holds its shard, or ``replicas``, a whole engine per rank
     layout: str = "tp"
+    #: train and sync a LoRA adapter (``{"rank": R, "keep": K}``): the trainer is the trainer's
+    #: entry of :data:`colo.trainers.LORA_BUILDERS`, the engine rank stages each sync as a new
+    #: adapter version (:class:`colo.engine.adapters.AdapterEngine`), K of them kept loaded
+    lora: dict | None = None
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "seed"):
@@ -87,6 +91,12 @@ class RankSpec:
             raise ValueError(f"rank {self.rank} is not in [0, {self.world_size})")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"rank spec device must be cpu or cuda, got {self.device!r}")
+        if self.lora is not None:
+            ok = isinstance(self.lora, dict) and set(self.lora) == {"rank", "keep"} and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in self.lora.values())
+            if not ok:
+                raise ValueError(f"rank spec lora must be {{'rank': R, 'keep': K}} of positive integers, got "
+                                 f"{self.lora!r}")
         from colo.engine import engine_entry
 
         entry = engine_entry(self.engine)
@@ -207,9 +217,27 @@ class RankHost:
             await self.trainer.offload(["weights", "optimizer"])
         self._build = {**s.engine_build, "config": s.model_config, "dtype": s.engine_dtype,
                        "device": s.device, "checkpoint": ckpt}
-        self.engine = await self._spawn_engine(s.engine_init, ckpt)
+        self.engine = self._adapters(await self._spawn_engine(s.engine_init, ckpt))
         self.transport = make_transport(s.transport)
         return self.hello()
+
+    def _adapters(self, engine: Any) -> Any:
+        """A LoRA run's engine rank: its syncs stage adapter versions (activated when the driver
+        sets the version, after every rank's digest checked: on every rank at once). Its base
+        weights are what the trainer's base is: checked once per engine where the engine's digest
+        reads its live weights, else answered for by the probe with the adapter
+        (:class:`colo.engine.adapters.AdapterEngine`)."""
+        if self.spec.lora is None:
+            return engine
+        from colo.digest import expected_weights_digest
+        from colo.engine.adapters import AdapterEngine
+
+        engine.keep_adapters = int(self.spec.lora["keep"])
+        base = self.trainer.start_state()
+        digest = None
+        if engine.capabilities.digest_live:
+            digest = expected_weights_digest(base, list(base), getattr(torch, self.spec.engine_dtype))
+        return AdapterEngine(engine, self.trainer.adapter, base_digest=digest, base_order=list(base))
 
     def _begin_engine(self) -> None:
         """Engine rank r's process, started before the trainer rank is built where the
@@ -247,6 +275,10 @@ class RankHost:
             kw["param_dtype"] = s.param_dtype
         if s.trainer_builder:
             return load_object(s.trainer_builder)(**kw)
+        if s.lora is not None:  # the base frozen, an adapter trained and synced
+            from colo.trainers import LORA_BUILDERS
+
+            return load_object(LORA_BUILDERS[s.trainer])(**kw, rank=int(s.lora["rank"]))
         return build(s.trainer, **kw)
 
     def _initial_checkpoint(self) -> str:
@@ -260,7 +292,8 @@ class RankHost:
 
         s = self.spec
         starts_from = engine_entry(s.engine).starts_from
-        state = self.trainer.hf_state()  # a collective: every rank calls it
+        # a collective: every rank calls it (a LoRA trainer's engine starts from its base model)
+        state = self.trainer.start_state() if s.lora is not None else self.trainer.hf_state()
         # a model directory in the engine's dtype (vLLM), or the trainer's tensors as they are
         dtype = getattr(torch, s.engine_dtype) if starts_from == "hf_dir" else None
         if s.rank == 0:
@@ -392,7 +425,7 @@ class RankHost:
         every rank restarts together), empty and stale until the recovery sync."""
         old, self.engine = self.engine, None
         await old.aclose()
-        self.engine = await self._spawn_engine(init_method, None)
+        self.engine = self._adapters(await self._spawn_engine(init_method, None))
         return {"engine_pid": self.engine.pid, "old_engine_pid": old.pid}
 
     async def op_kill_engine(self) -> dict:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from colo.trainers.base import ReinforceConfig, new_optimizer
-from colo.trainers.hf import ReferenceTrainer
+from colo.trainers.hf import ReferenceTrainer, _data_parallel_world
 
 #: the adapter's step: a rank-8 update of a frozen model needs a larger one than a whole model's
 #: (the demo's 2e-3 moved a LoRA policy's reward by 0.05 in 30 steps)
@@ -48,7 +48,8 @@ class LoraTrainer(ReferenceTrainer):
     sync moves. ``adapter``: its :class:`~colo.models.lora.AdapterConfig`."""
 
     def __init__(self, model: torch.nn.Module, adapter: Any, *, engine_dtype: str,
-                 config: ReinforceConfig | None = None, memory_backend: Any = None, one_copy: bool = True):
+                 config: ReinforceConfig | None = None, memory_backend: Any = None, one_copy: bool = True,
+                 dp_group: Any = None):
         #: PEFT's name -> the adapter's parameter, in the model's order (lora_A before lora_B)
         self.adapter_params = {peft_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         if not self.adapter_params:
@@ -65,7 +66,7 @@ class LoraTrainer(ReferenceTrainer):
             device = next(iter(self.adapter_params.values())).device
             flat = FlatWeights.adopt_params(self.adapter_params, device=device)
         super().__init__(model, engine_dtype=engine_dtype, config=config or ReinforceConfig(lr=LORA_LR),
-                         memory_backend=memory_backend, flat_weights=flat)
+                         memory_backend=memory_backend, flat_weights=flat, dp_group=dp_group)
         # the base stays frozen: AdamW over the adapter alone (its moments are the adapter's size)
         self.opt = new_optimizer(self.adapter_params.values(), self.config)
 
@@ -144,7 +145,9 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str, rank:
                                                 bias="none"))
     # what colo syncs is what PEFT holds: checked against the adapter's layout by name and shape
     AdapterConfig.from_peft(model.peft_config[ADAPTER_NAME])
-    return LoraTrainer(model, adapter, engine_dtype=engine_dtype), None
+    # N ranks (colo demo --gpus N): data parallel, each rank's rows of the batch, the adapter's
+    # gradients summed over the ranks (the frozen base has none), so every rank's adapter is the same
+    return LoraTrainer(model, adapter, engine_dtype=engine_dtype, dp_group=_data_parallel_world()), None
 
 
 __all__ = ["LORA_LR", "LoraTrainer", "base_name", "build", "peft_name"]

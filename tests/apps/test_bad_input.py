@@ -70,7 +70,9 @@ def test_cli_demo_bad_input_exits_two_and_leaves_the_trace_untouched(argv, msg, 
     (dict(fault="deadline@sync", fault_deadline_s=0), "fault deadline must be > 0 seconds, got 0"),
     (dict(lora_rank=8, engine="vllm", trainer="megatron"), "--lora-rank trains a PEFT adapter on the hf trainer, "
                                                            "got --trainer megatron"),
-    (dict(lora_rank=8, engine="vllm", gpus=2), "--lora-rank drives one rank so far, got --gpus 2"),
+    (dict(lora_rank=8, gpus=2), "--lora-rank on N ranks stages the whole adapter into a whole engine per rank"),
+    (dict(lora_rank=8, engine="vllm", gpus=2, engine_layout="tp"), "--engine vllm in the tp layout would need each "
+                                                                  "adapter's shard"),
     (dict(lora_rank=8, engine="vllm", trainer_dtype="bfloat16"), "--lora-rank trains in float32 on the CPU"),
     (dict(lora_rank=True, engine="vllm"), "--lora-rank must be an integer in [1, 512], got True"),
     (dict(lora_rank=8, engine="vllm", keep_adapters=0), "--keep-adapters must be an integer in [1, 64], got 0"),

@@ -120,14 +120,23 @@ def test_the_limits_are_checked_once_naming_engine_limit_and_what_is_allowed():
                               model_config=demo_config(num_attention_heads=8, num_key_value_heads=3))
     # the replicas layout splits nothing: any number of ranks
     ENGINES["vllm"].check(device="cpu", gpus=3, model_config=demo_config())
-    # a LoRA adapter goes only to an engine that stages adapters in memory, on one rank so far
+    # a LoRA adapter goes only to an engine that stages adapters in memory; on N ranks a whole
+    # engine per rank (each stages the whole adapter), started by colo's process launcher
     ENGINES["vllm"].check(device="cpu", lora=True)
+    ENGINES["vllm"].check(device="cpu", gpus=2, lora=True)  # replicas, its default layout
     colo.check(device="cpu", lora=True)
     with pytest.raises(ValueError, match="--lora-rank syncs a LoRA adapter into an engine that stages adapters in "
                                          "memory \(--engine colo or vllm\), got --engine sglang"):
         ENGINES["sglang"].check(device="cuda", lora=True)
-    with pytest.raises(ValueError, match="--lora-rank drives one rank so far, got --gpus 2"):
+    with pytest.raises(ValueError, match="--lora-rank on N ranks stages the whole adapter into a whole engine per "
+                                         "rank \\(--engine-layout replicas\\); --engine colo in the tp layout would "
+                                         "need each adapter's shard, got --gpus 2"):
         colo.check(device="cpu", gpus=2, lora=True)
+    with pytest.raises(ValueError, match="--engine vllm in the tp layout would need each adapter's shard"):
+        ENGINES["vllm"].check(device="cpu", gpus=2, layout="tp", lora=True)
+    with pytest.raises(ValueError, match="--lora-rank on N ranks starts its ranks under --launcher process so far, "
+                                         "got --launcher ray"):
+        ENGINES["vllm"].check(device="cpu", gpus=2, launcher="ray", lora=True)
 
 
 def test_a_missing_engine_is_one_line_with_its_install_line(monkeypatch):

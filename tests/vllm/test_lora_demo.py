@@ -5,6 +5,10 @@ the trainer's PEFT model (the probe) every sync. The engine's base weights never
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from tests.vllm.test_demo import replay, run_demo
@@ -68,3 +72,36 @@ def test_a_failed_adapter_stage_recovers_to_the_fault_free_adapter(tmp_path, lea
     got = _digests(events)
     assert got and all(got[v] == want[v] for v in got), (got, want)
     assert replay(tmp_path / "run.jsonl")["valid"] is True
+
+
+def test_two_ranks_of_vllm_stage_each_adapter_on_both_and_a_killed_rank_is_restaged(tmp_path):
+    """``--gpus 2 --lora-rank 8``: two data-parallel LoRA trainer ranks (the adapter's gradients
+    summed over both), a whole vLLM per rank (``replicas``), each sync a new adapter version
+    staged on both and activated on both only after both digests checked. Rank 1's vLLM is
+    killed after the first request of a stage (``kill-engine@sync``): replaced from the base
+    weights, the recovery stages the adapter on both ranks again as a new version."""
+    from tests.vllm.test_ranks import _demo, _syncs
+
+    proc, traces = _demo(tmp_path, "--lora-rank", "8", "--steps", "4", "--bucket-mib", "0.1",
+                         "--fault", "kill-engine@sync")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fault kill-engine@sync injected" in proc.stdout and "engine rank(s) [1] replaced" in proc.stdout
+    digests = []
+    for rank, events in enumerate(traces):
+        syncs = _syncs(events)
+        assert len(syncs) == 4 and all(s["target"] == "adapter" and s["verify_s"] is not None for s in syncs), rank
+        # verified by vLLM's logprobs with the staged adapter on this rank, after every sync
+        probes = [e for e in events if e["event"] == "probe.finished"]
+        assert [p["weight_version"] for p in probes] == [s["weight_version"] for s in syncs], rank
+        names = [e["event"] for e in events]
+        # the failed stage opened and never activated, the recovery's did: on each rank's trace
+        assert names.count("adapter.staging") == names.count("adapter.activated") + 1 == 5, rank
+        assert [e["phase"] for e in events if e["event"] == "phase.failed"] == ["sync"], rank
+        paused = {(e["owner"], e["tag"]) for e in events if e["event"] == "memory.paused"}
+        assert ("engine", "weights") not in paused, rank  # the base never moves
+        digests.append([s["digest"] for s in syncs])
+        replayed = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(tmp_path / f"run.rank{rank}.jsonl"),
+                                   "--json"], capture_output=True, text=True)
+        assert replayed.returncode == 0 and json.loads(replayed.stdout)["valid"] is True, replayed.stdout
+    # one adapter: both ranks staged the same bytes each sync, a new adapter each step
+    assert digests[0] == digests[1] and len(set(digests[0])) == 4
