@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -144,6 +144,16 @@ case "${1:-tests}" in
     timeout "${2:-150}" python3 -m bench.adapter_profile "$OUT/adapter-profile-1.5b.txt" --model qwen2-1.5b 2>&1 | head -30
     timeout "${3:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --transports packed \
       --trainers none --lora-rank 8 --reps 5 --out "$OUT/colo-bench-lora-cuda.json" 2>&1 | tee "$OUT/colo-bench-lora.log" | tail -5
+    ;;
+  lora43c)  # issue 43 after the one-request stage (10522d7): the device digest's tests (the batched kernel now
+    # takes a meta table; Spans: one launch per word size) and the adapters' GPU test, where the time goes now
+    # (bench/adapter_profile.py, Qwen2-1.5B rank 8), then colo bench's adapter rows at Qwen2-1.5B and 7B against
+    # 1.2 x bytes / pinned host->device + 5 ms of the same run. Limits: arg 2 the tests and the profile, arg 3 the bench
+    timeout "${2:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+      tests/gpu/test_adapters_cuda.py 2>&1 | tee "$OUT/gpu-digest-adapters.log" | tail -4
+    timeout "${2:-200}" python3 -m bench.adapter_profile "$OUT/adapter-profile-1.5b.txt" --model qwen2-1.5b 2>&1 | head -3
+    timeout "${3:-240}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b,qwen2-7b --transports packed \
+      --trainers none --lora-rank 8 --reps 5 --out "$OUT/colo-bench-lora-cuda.json" 2>&1 | tee "$OUT/colo-bench-lora.log" | tail -6
     ;;
   tests)
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_one_gpu.py tests/device/test_cuda_memory.py tests/transports/test_staging_pipeline.py tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
