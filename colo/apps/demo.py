@@ -28,12 +28,13 @@ import torch
 from colo.core.errors import (EXIT_BAD_INPUT, EXIT_OK, ColoError, FaultMissed, SharedMemoryFull, TraceUnwritable,
                               UsageError, exit_code)
 from colo.core.config import SchedulerConfig
-from colo.core.errors import EngineDied, EngineError
+from colo.core.errors import EngineError
 from colo.proc.handles import leftover_segments
 from colo.proc.lifecycle import make_dir, release_dir, sweep
 from colo.core.invariants import InvariantViolation
-from colo.apps.demo_setup import (CycleSeeded, DemoConfig, DemoOutcome, Recovery, SimulatedDevice, check_fits,
-                                  check_shm_staging, device_budget, make_verifier, trainer_digest)
+from colo.apps.demo_setup import (MAX_ENGINE_DEATHS, CycleSeeded, DemoConfig, DemoOutcome, Recovery, SimulatedDevice,
+                                  check_fits, check_shm_staging, device_budget, engine_died, make_verifier,
+                                  trainer_digest)
 from colo.core.memory import OWNERS_TAGS, MiB, MemoryLedger
 from colo.engine import load
 from colo.core.phases import IllegalTransition, Phase
@@ -44,8 +45,6 @@ from colo.trace.writer import TraceWriter, rank_path
 from colo.core.errors import VerificationError
 
 
-#: engines that died on their own (not an injected fault) a run replaces before it gives up
-MAX_ENGINE_DEATHS = 3
 
 
 def build_trainer(cfg: DemoConfig, model_config: Any) -> tuple[Any, Any]:
@@ -347,7 +346,7 @@ class DemoRun:
         outside, stopped and killed by the heartbeat) up to ``MAX_ENGINE_DEATHS``
         times. Any other failure nobody injected (a plan that does not fit) would
         recur every cycle."""
-        if isinstance(err, EngineDied) or isinstance(getattr(err, "cause", None), EngineDied):
+        if engine_died(err):
             return sum(r.engine_replaced for r in self.recoveries) < MAX_ENGINE_DEATHS
         return self.injector is not None and self.injector.fired and not self.recoveries
 

@@ -52,7 +52,9 @@ class RankRecovery(dict):
     :meth:`MultiDemoRun.recover` records), as the report says it."""
 
     def lines(self) -> list[str]:
-        out = [f"fault {self['fault']} injected at step {self['step']}: {self['cause']}",
+        what = (f"an engine rank died at step {self['step']} (not injected)" if self["fault"] == "engine-died"
+                else f"fault {self['fault']} injected at step {self['step']}")
+        out = [f"{what}: {self['cause']}",
                f"  after the failure: engine ranks alive {self['engine_ranks_alive']}, weight versions "
                f"{self['versions_after_failure']}, rollout refused ({self.get('rollout_refused_by_scheduler', '-')})"]
         if self.get("replaced_ranks"):
@@ -241,6 +243,8 @@ class MultiDemoRun:
             trace=traces, verify=self.verify, probe=self.probe,
             run_config={"demo": {k: v for k, v in asdict(cfg).items() if k != "trace"}, "gpus": self.n,
                         "gpu_uuids": self.uuids, "mem_fraction_static": cfg.mem_fraction_static,
+                        # which process is which rank's: a signal from outside names one
+                        "pids": [{"worker": h["pid"], "engine": h["engine_pid"]} for h in self.hellos],
                         "model": {"params": self.trainers[0].num_params(), "engine_dtype": cfg.engine_dtype}})
 
     # -- verification ------------------------------------------------------------
@@ -279,19 +283,39 @@ class MultiDemoRun:
 
     # -- the cycle ---------------------------------------------------------------
     async def cycle(self) -> None:
-        """One cycle; an injected engine-rank death in sync is recovered from (the
-        cycle's train completed, so it counts as done once the engine is re-synced)."""
+        """One cycle. A failure an injected fault caused (once), or an engine rank that died on
+        its own (killed or stopped from outside; up to ``MAX_ENGINE_DEATHS``), is recovered from:
+        the cycle counts as done once every engine rank is re-synced if its train completed,
+        else it runs again from rollout with the same rollout seed (a train that failed half-way
+        left every trainer rank as it was before the step)."""
         self._arm_fault()
-        try:
-            await self.sched.cycle()
-        except Exception:
-            if self.sched.phase is not Phase.FAILED or not self.fault_fired or self.recoveries:
-                raise
-            reward = self.sched.last_rollout.reward
-            await self.recover()
-            self.rewards.append(reward)
+        while True:
+            version = self.sched.trainer_version
+            try:
+                await self.sched.cycle()
+            except Exception:
+                if self.sched.phase is not Phase.FAILED or not self._recoverable(self.sched.last_error):
+                    raise
+                trained = self.sched.trainer_version > version
+                reward = self.sched.last_rollout.reward if trained else None
+                await self.recover()
+                if not trained:
+                    continue
+                self.rewards.append(reward)
+                return
+            self.rewards.append(self.sched.last_rollout.reward)
             return
-        self.rewards.append(self.sched.last_rollout.reward)
+
+    def _injected(self) -> bool:
+        """The failure to recover from is the injected fault's (it fires once)."""
+        return self.fault_fired and not any(r["fault"] == self.cfg.fault for r in self.recoveries)
+
+    def _recoverable(self, err: BaseException | None) -> bool:
+        from colo.apps.demo_setup import MAX_ENGINE_DEATHS, engine_died
+
+        if self._injected():
+            return True
+        return engine_died(err) and sum(r["fault"] == "engine-died" for r in self.recoveries) < MAX_ENGINE_DEATHS
 
     def _arm_fault(self) -> None:
         if not self._fault_armed or len(self.rewards) < self.cfg.fault_step:
@@ -314,7 +338,8 @@ class MultiDemoRun:
     async def recover(self) -> dict:
         """Fail safe, then back to a synced engine: every engine rank stale (rollout
         refused), the whole TP group restarted when a rank died, re-synced."""
-        rec = RankRecovery(fault=self.cfg.fault, step=self.sched.step, cause=describe(self.sched.last_error))
+        rec = RankRecovery(fault=self.cfg.fault if self._injected() else "engine-died", step=self.sched.step,
+                           cause=describe(self.sched.last_error))
         self.recoveries.append(rec)
         try:
             await self.sched.run_phase(Phase.ROLLOUT)

@@ -33,6 +33,17 @@ from colo.verification import (LOGIT_TOLERANCE, LOGPROB_TOLERANCE, PROBE_COLUMNS
 MAX_GPUS = 8
 #: the one fault a multi-rank demo injects (more kinds need injection inside the workers)
 MULTI_FAULTS = ("kill-engine@sync",)
+#: engines that died on their own (not an injected fault: killed or stopped from outside) a run
+#: replaces before it gives up
+MAX_ENGINE_DEATHS = 3
+
+
+def engine_died(err: BaseException | None) -> bool:
+    """``err`` is an engine's death (an engine rank's too, as its worker reported it)."""
+    from colo.core.errors import EngineDied
+
+    return isinstance(err, EngineDied) or isinstance(getattr(err, "cause", None), EngineDied)
+
 #: who starts the ranks: local worker processes, or Ray actors (``colo.ranks.ray_launcher``)
 LAUNCHERS = ("process", "ray")
 #: Simulated always-resident device memory on the CPU (the CUDA context,

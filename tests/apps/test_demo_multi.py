@@ -92,6 +92,40 @@ def test_an_engine_rank_killed_mid_sync_is_failed_safe_recovered_and_ends_at_the
     assert replay([str(p) for p in paths]).valid
 
 
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_an_engine_rank_signalled_from_outside_is_replaced_and_the_run_ends_at_the_fault_free_weights(
+        runs, tmp_path, sig):
+    """Rank 1's engine process is killed, or stopped, from outside the run after its first cycle
+    (nobody injected it): the next call into it reports the engine dead (a stopped one is seen
+    stopped and killed), the run fails safe, the TP group is restarted, and the run goes on to the
+    fault-free run's rewards and weights."""
+    import os
+    import signal
+
+    from colo.proc.lifecycle import process_state
+
+    clean, _ = runs["hf"]
+    victim: list[int] = []
+
+    def on_cycle(n: int) -> None:
+        if n == 1:
+            # which process is which rank's engine: the run's first event says
+            pids = _events(tmp_path / "signalled.rank0.jsonl")[0]["config"]["pids"]
+            victim.append(pids[1]["engine"])
+            os.kill(victim[0], getattr(signal, sig))
+
+    out, paths = two_rank_run(tmp_path, "signalled", trainer="hf", on_cycle=on_cycle)
+    assert out.error is None, out.error
+    assert out.rewards == clean.rewards and out.trainer_digest == clean.trainer_digest is not None
+    assert [r["fault"] for r in out.recoveries] == ["engine-died"] and out.recoveries[0]["recovered"] is True
+    assert out.recoveries[0]["replaced_ranks"] == [0, 1]  # a TP group restarts whole
+    failed = [e for e in _events(paths[1]) if e["event"] == "phase.failed"]
+    assert len(failed) == 1 and "EngineDied" in failed[0]["error"], failed
+    assert replay([str(p) for p in paths]).valid
+    # the signalled process is gone, not left stopped or running
+    assert process_state(victim[0]) in (None, "Z", "X"), process_state(victim[0])
+
+
 def _cli(capsys, *args: str) -> tuple[int, str]:
     """``colo demo ARGS`` in this process (each is refused before anything starts)."""
     from colo.cli import main

@@ -131,3 +131,69 @@ def test_one_vllm_of_tp_2_across_the_ranks_serves_with_every_sync_verified_on_bo
         replayed = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(tmp / f"run.rank{r}.jsonl"),
                                    "--json"], capture_output=True, text=True, cwd=REPO)
         assert replayed.returncode == 0 and json.loads(replayed.stdout)["valid"] is True, replayed.stdout[-2000:]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, done, limit_s: float = 1200.0) -> list[dict]:
+    """The trace's events once ``done(events)`` holds (or the run ended first); the limit only
+    catches a hang, the verdict is what the run did."""
+    import time
+
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end and proc.poll() is None:
+        events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        if events and done(events):
+            return events
+        time.sleep(0.2)
+    raise AssertionError(f"the run ended (code {proc.poll()}) or hung before the trace showed what was waited for")
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_a_vllm_rank_signalled_from_outside_is_replaced_there_and_both_reach_the_fault_free_digests(
+        tmp_path, fault_free, sig):
+    """Issue 45 item 5: rank 1's vLLM worker is killed, or stopped, from outside the run once the
+    first sync finished (nobody injected it). The next call into it reports it dead (a stopped one
+    is seen stopped and killed, with its engine core), the run fails safe, only rank 1's vLLM is
+    replaced, and both ranks reach the fault-free run's digests; nothing of the signalled vLLM is
+    left running, nor named after it in /dev/shm or /tmp."""
+    import signal
+
+    from colo.proc.lifecycle import process_state
+
+    _, clean_proc, clean = fault_free
+    assert clean_proc.returncode == 0, clean_proc.stderr[-3000:]
+    trace = tmp_path / "run.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--gpus", "2", "--engine", "vllm", "--quiet",
+                             "--trace", str(trace), "--steps", "3", "--bucket-mib", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        events = _wait_for(tmp_path / "run.rank1.jsonl", proc,
+                           lambda ev: any(e["event"] == "sync.finished" for e in ev))
+        victim = events[0]["config"]["pids"][1]["engine"]  # vLLM's worker, which holds rank 1's model
+        with open(f"/proc/{victim}/stat") as f:
+            core = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent: vLLM's engine core
+        os.kill(victim, getattr(signal, sig))
+        out, err = proc.communicate(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert "an engine rank died at step" in out and "(not injected)" in out, out[-2000:]
+    assert re.search(r"engine rank\(s\) \[1\] replaced \(processes \d+ -> \d+\)\n", out), out[-2000:]
+    traces = [[json.loads(line) for line in (tmp_path / f"run.rank{r}.jsonl").read_text().splitlines()]
+              for r in range(2)]
+    failed = [e for e in traces[1] if e["event"] == "phase.failed"]
+    assert len(failed) == 1 and failed[0]["failed_rank"] == 1 and "EngineDied" in failed[0]["error"], failed
+    clean_digests = {s["weight_version"]: s["digest"] for s in _syncs(clean[0])}
+    for events in traces:
+        got = {s["weight_version"]: s["digest"] for s in _syncs(events)}
+        assert {v: got[v] for v in clean_digests} == clean_digests and len(got) == 3
+    for r in range(2):
+        replayed = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(tmp_path / f"run.rank{r}.jsonl"),
+                                   "--json"], capture_output=True, text=True, cwd=REPO)
+        assert replayed.returncode == 0 and json.loads(replayed.stdout)["valid"] is True, replayed.stdout[-2000:]
+    gone = [victim, core]
+    assert all(process_state(p) in (None, "Z", "X") for p in gone), [(p, process_state(p)) for p in gone]
+    named = [f"{d}/{n}" for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
+             if any(str(p) in n.split(".") + n.split("_") + n.split("-") for p in gone)]
+    assert named == [], named
