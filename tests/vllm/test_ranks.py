@@ -133,6 +133,25 @@ def test_one_vllm_of_tp_2_across_the_ranks_serves_with_every_sync_verified_on_bo
         assert replayed.returncode == 0 and json.loads(replayed.stdout)["valid"] is True, replayed.stdout[-2000:]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (read from /proc)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, done, limit_s: float = 1200.0) -> list[dict]:
     """The trace's events once ``done(events)`` holds (or the run ended first); the limit only
     catches a hang, the verdict is what the run did."""
@@ -147,15 +166,20 @@ def _wait_for(path: Path, proc: subprocess.Popen, done, limit_s: float = 1200.0)
     raise AssertionError(f"the run ended (code {proc.poll()}) or hung before the trace showed what was waited for")
 
 
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("launcher,sig", [("process", "SIGKILL"), ("process", "SIGSTOP"), ("ray", "SIGKILL"),
+                                          ("ray", "SIGSTOP")])
 def test_a_vllm_rank_signalled_from_outside_is_replaced_there_and_both_reach_the_fault_free_digests(
-        tmp_path, fault_free, sig):
+        tmp_path, fault_free, launcher, sig):
     """Issue 45 item 5: rank 1's vLLM worker is killed, or stopped, from outside the run once the
     first sync finished (nobody injected it). The next call into it reports it dead (a stopped one
     is seen stopped and killed, with its engine core), the run fails safe, only rank 1's vLLM is
     replaced, and both ranks reach the fault-free run's digests; nothing of the signalled vLLM is
-    left running, nor named after it in /dev/shm or /tmp."""
+    left running, nor named after it in /dev/shm or /tmp. Under ``--launcher ray`` rank 1's vLLM
+    is an actor of its own (its process is the one signalled)."""
     import signal
+
+    if launcher == "ray":
+        pytest.importorskip("ray", reason="Ray is not installed in vLLM's environment")
 
     from colo.proc.lifecycle import process_state
 
@@ -163,14 +187,18 @@ def test_a_vllm_rank_signalled_from_outside_is_replaced_there_and_both_reach_the
     assert clean_proc.returncode == 0, clean_proc.stderr[-3000:]
     trace = tmp_path / "run.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "colo.cli", "demo", "--gpus", "2", "--engine", "vllm", "--quiet",
-                             "--trace", str(trace), "--steps", "3", "--bucket-mib", "2"], stdout=subprocess.PIPE,
+                             "--trace", str(trace), "--steps", "3", "--bucket-mib", "2", "--launcher", launcher],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
         events = _wait_for(tmp_path / "run.rank1.jsonl", proc,
                            lambda ev: any(e["event"] == "sync.finished" for e in ev))
-        victim = events[0]["config"]["pids"][1]["engine"]  # vLLM's worker, which holds rank 1's model
+        # vLLM's worker, which holds rank 1's model (under Ray: the actor that runs it)
+        victim = events[0]["config"]["pids"][1]["engine"]
         with open(f"/proc/{victim}/stat") as f:
-            core = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent: vLLM's engine core
+            core = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent: vLLM's engine core (under Ray: the raylet)
+        # and what it started (an actor's vLLM processes, if it runs vLLM in processes of its own)
+        below = _descendants(victim)
         os.kill(victim, getattr(signal, sig))
         out, err = proc.communicate(timeout=1800)
     finally:
@@ -192,7 +220,7 @@ def test_a_vllm_rank_signalled_from_outside_is_replaced_there_and_both_reach_the
         replayed = subprocess.run([sys.executable, "-m", "colo.cli", "replay", str(tmp_path / f"run.rank{r}.jsonl"),
                                    "--json"], capture_output=True, text=True, cwd=REPO)
         assert replayed.returncode == 0 and json.loads(replayed.stdout)["valid"] is True, replayed.stdout[-2000:]
-    gone = [victim, core]
+    gone = [victim, *below, *([core] if launcher == "process" else [])]
     assert all(process_state(p) in (None, "Z", "X") for p in gone), [(p, process_state(p)) for p in gone]
     named = [f"{d}/{n}" for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
              if any(str(p) in n.split(".") + n.split("_") + n.split("-") for p in gone)]
