@@ -19,6 +19,16 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 BUCKET = 64 << 10
 
 
+def engine_build(config, base, tmp_path, *, device: str = "cpu", total_bytes: int = 64 << 20,
+                 mem_fraction_static: float = 0.5) -> dict:
+    """colo's engine of ``config`` started from ``base``'s weights (a checkpoint in ``tmp_path``), float32."""
+    from colo.models.save import save_start
+
+    ckpt = save_start("state", config, dict(base.named_parameters()), str(tmp_path))
+    return {"config": config.to_dict(), "dtype": "float32", "device": device, "total_bytes": total_bytes,
+            "mem_fraction_static": mem_fraction_static, "checkpoint": ckpt, "log_path": str(tmp_path / "engine.log")}
+
+
 def adapter(base, *, seed: int, r: int = 8, targets=TARGETS):
     """A PEFT adapter on a copy of ``base`` with random A and B (B is zero when PEFT makes it:
     the adapter would change nothing); its tensors as PEFT saves them, and the merged model."""

@@ -17,10 +17,9 @@ from colo.core.errors import EngineError, EngineStateError  # noqa: E402
 from colo.digest import expected_weights_digest  # noqa: E402
 from colo.engine.reference.client import EngineClient  # noqa: E402
 from colo.models.lora import adapter_shapes  # noqa: E402
-from colo.models.save import save_start  # noqa: E402
 from colo.tasks import make_task  # noqa: E402
 from tests.archs import VLLM, perturbed_model, tiny_config  # noqa: E402
-from tests.lora_parts import PROMPTS, adapter, stage  # noqa: E402
+from tests.lora_parts import PROMPTS, adapter, engine_build, stage  # noqa: E402
 from tests.vllm.parts import greedy  # noqa: E402
 
 
@@ -28,10 +27,7 @@ from tests.vllm.parts import greedy  # noqa: E402
 async def served(request, tmp_path):
     config = tiny_config(request.param, **VLLM)
     base = perturbed_model(config, seed=5)
-    ckpt = save_start("state", config, dict(base.named_parameters()), str(tmp_path))
-    build = {"config": config.to_dict(), "dtype": "float32", "device": "cpu", "total_bytes": 64 << 20,
-             "mem_fraction_static": 0.5, "checkpoint": ckpt, "log_path": str(tmp_path / "engine.log")}
-    engine = await EngineClient.spawn(build)
+    engine = await EngineClient.spawn(engine_build(config, base, tmp_path))
     try:
         yield engine, base
     finally:

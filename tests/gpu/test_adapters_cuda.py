@@ -15,11 +15,10 @@ peft = pytest.importorskip("peft")
 from colo.core.errors import EngineStateError  # noqa: E402
 from colo.digest import expected_weights_digest  # noqa: E402
 from colo.engine.reference.client import EngineClient  # noqa: E402
-from colo.models.save import save_start  # noqa: E402
 from colo.testing.trainers import StateTrainer  # noqa: E402
 from tests.archs import VLLM, perturbed_model, tiny_config  # noqa: E402
 from tests.engine.test_adapters import assert_close, hf_logits  # noqa: E402
-from tests.lora_parts import BUCKET, PROMPTS, adapter  # noqa: E402
+from tests.lora_parts import BUCKET, PROMPTS, adapter, engine_build  # noqa: E402
 
 
 async def stage(engine, state, version, config, **kw):
@@ -31,10 +30,8 @@ async def stage(engine, state, version, config, **kw):
 async def test_adapters_through_cuda_ipc_serve_what_transformers_serves_on_the_merged_model(tmp_path):
     config = tiny_config("qwen2", **VLLM)
     base = perturbed_model(config, seed=5)
-    ckpt = save_start("state", config, dict(base.named_parameters()), str(tmp_path))
-    build = {"config": config.to_dict(), "dtype": "float32", "device": "cuda", "total_bytes": 1 << 30,
-             "mem_fraction_static": 0.3, "checkpoint": ckpt, "log_path": str(tmp_path / "engine.log")}
-    engine = await EngineClient.spawn(build)
+    engine = await EngineClient.spawn(engine_build(config, base, tmp_path, device="cuda", total_bytes=1 << 30,
+                                                   mem_fraction_static=0.3))
     try:
         probe = [PROMPTS[0] * 2, PROMPTS[1] + PROMPTS[0][:3]]
         for version in (1, 2):
