@@ -46,6 +46,7 @@ Device work is queued on the current stream and read back once per digest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -364,15 +365,6 @@ def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int
     return out & _MASK
 
 
-def _cuda_batch(words: Sequence[torch.Tensor], firsts: Sequence[int]) -> torch.Tensor:
-    """``[len(words), 2]`` lanes of CUDA word tensors of one device and one word size, one launch."""
-    ns = np.array([w.numel() for w in words], dtype=np.int64)
-    item, starts = _program_table(ns)
-    meta = np.concatenate([np.array([w.data_ptr() for w in words], dtype=np.int64), ns,
-                           np.array(firsts, dtype=np.int64), item, starts])
-    return _launch_batch(meta, len(words), len(item), words[0].element_size(), words[0].device)
-
-
 class Spans:
     """Whole tensors at fixed byte offsets of one contiguous buffer, as a digest reads them:
     derived once per layout, so that the lanes of all of them are one launch on a GPU with no
@@ -409,17 +401,18 @@ class Spans:
         if buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() * buffer.element_size() < self.end:
             raise ValueError(f"spans: a contiguous 1-D buffer of at least {self.end} bytes is needed")
         raw = buffer.view(torch.uint8)
-        if raw.device.type == "cuda" and _batch_kernel() is not None:
+        if _batch_kernel() is not None and _batchable(raw):
             out = torch.zeros(len(self.names), 2, dtype=torch.int64, device=raw.device)
             base = raw.data_ptr()
-            with torch.cuda.device(raw.device):
+            with torch.cuda.device(raw.device) if raw.is_cuda else contextlib.nullcontext():
                 for word, idx, ns, item, starts in self.groups:
                     meta = np.concatenate([base + self.starts[idx], ns, np.zeros(len(idx), dtype=np.int64),
                                            item, starts])
                     got = _launch_batch(meta, len(idx), len(item), word, raw.device)
                     if len(idx) == len(self.names):  # one dtype's size, the usual case: these are the lanes
                         return got
-                    out[torch.from_numpy(idx).pin_memory().to(raw.device, non_blocking=True)] = got
+                    index = torch.from_numpy(idx)
+                    out[index.pin_memory().to(raw.device, non_blocking=True) if raw.is_cuda else index] = got
             return out
         rows: list[list[int]] = [[0, 0] for _ in self.names]
         if raw.device.type == "cpu":
@@ -438,34 +431,78 @@ class Spans:
         return rows
 
 
-def lanes_many(items: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor | list[int]]:
+def _batchable(t: torch.Tensor) -> bool:
+    """A tensor the batched kernel reads where it lies (the tests point this at host tensors,
+    with a host stand-in for the kernel, to check the tables the kernel is given)."""
+    return t.is_cuda
+
+
+class LaneRow:
+    """Row ``index`` of a batch's ``[n, 2]`` lanes on the device: read back with the rest of its
+    batch (:func:`_read`), not as a tensor of its own (one view per tensor was host time)."""
+
+    __slots__ = ("batch", "index")
+
+    def __init__(self, batch: torch.Tensor, index: int):
+        self.batch, self.index = batch, index
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch.device
+
+    def tolist(self) -> list[int]:
+        return self.batch[self.index].tolist()
+
+
+def lanes_many(items: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor | list[int] | LaneRow]:
     """:func:`lanes` of many ``(tensor, offset)``: the CUDA ones in one launch per device and
-    word size (the same values as one by one)."""
+    word size (the same values as one by one), read where they lie: no view per tensor (each
+    was a few microseconds of host time, hundreds of tensors a sync), a copy only of one that
+    is not contiguous."""
     out: list[Any] = [None] * len(items)
-    groups: dict[tuple[torch.device, int], list[tuple[int, torch.Tensor, int]]] = {}
+    #: (device, word size) -> (index in items, address, words, first word)
+    groups: dict[tuple[torch.device, int], list[tuple[int, int, int, int]]] = {}
+    held: list[torch.Tensor] = []  # contiguous copies, alive until their launch is queued
     batched = _batch_kernel() is not None
     for i, (t, offset) in enumerate(items):
-        if batched and t.device.type == "cuda" and t.numel() > 0:
-            w = _words(t)
-            groups.setdefault((w.device, w.element_size()), []).append(
-                (i, w, int(offset) * (t.element_size() // w.element_size())))
+        if batched and _batchable(t) and t.numel() > 0:
+            size = t.element_size()
+            word = 1 if size == 1 else 2
+            if not t.is_contiguous():
+                t = t.contiguous()
+                held.append(t)
+            groups.setdefault((t.device, word), []).append(
+                (i, t.data_ptr(), t.numel() * size // word, int(offset) * (size // word)))
         else:
             out[i] = lanes(t, offset)
-    for group in groups.values():
-        with torch.cuda.device(group[0][1].device):
-            got = _cuda_batch([w for _, w, _ in group], [f for _, _, f in group])
-        for k, (i, _, _) in enumerate(group):
-            out[i] = got[k]
+    for (device, word), group in groups.items():
+        table = np.array(group, dtype=np.int64)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            ns = table[:, 2]
+            item, starts = _program_table(ns)
+            meta = np.concatenate([table[:, 1], ns, table[:, 3], item, starts])
+            got = _launch_batch(meta, len(group), len(item), word, device)
+        for k, i in enumerate(table[:, 0].tolist()):
+            out[i] = LaneRow(got, k)
+    del held
     return out
 
 
-def _read(parts: Sequence[torch.Tensor | list[int]]) -> list[list[int]]:
-    """Lanes to ints, with one read-back per device."""
+def _read(parts: Sequence[torch.Tensor | list[int] | LaneRow]) -> list[list[int]]:
+    """Lanes to ints: a batch's rows with one read-back per batch, other device lanes with one
+    per device."""
     out: list[list[int] | None] = [p if isinstance(p, list) else None for p in parts]
     by_device: dict[torch.device, list[int]] = {}
+    by_batch: dict[int, tuple[torch.Tensor, list[int]]] = {}
     for i, p in enumerate(parts):
-        if not isinstance(p, list):
+        if isinstance(p, LaneRow):
+            by_batch.setdefault(id(p.batch), (p.batch, []))[1].append(i)
+        elif not isinstance(p, list):
             by_device.setdefault(p.device, []).append(i)
+    for batch, idx in by_batch.values():
+        values = (batch & _MASK).cpu().tolist()
+        for i in idx:
+            out[i] = values[parts[i].index]  # type: ignore[union-attr]
     for idx in by_device.values():
         values = torch.stack([parts[i] for i in idx]).cpu().tolist()
         for i, v in zip(idx, values):

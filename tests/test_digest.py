@@ -196,3 +196,52 @@ def test_spans_of_one_buffer_digest_as_the_tensors_one_by_one():
         ReceivedDigest().add_spans(buf[:10], spans)
     with pytest.raises(ValueError, match="multiple of its word"):
         Spans([("x", "bfloat16", (2,), 1, 4)])
+
+
+def test_the_batched_kernels_tables_read_every_tensor_where_it_lies(monkeypatch):
+    """The tables the CUDA kernel is given (each tensor's address, words and first word; each
+    program's tensor and start), checked on the host: a stand-in for the kernel reads exactly
+    those words at those addresses. Its lanes must be the host's of the same tensors: whole,
+    pieces (a first word past 0), not contiguous (copied first), every word size, and spans of
+    one buffer. (The kernel itself against the host: tests/gpu/test_digest_cuda.py.)"""
+    import ctypes
+
+    import numpy as np
+
+    import colo.digest as D
+
+    span = D._BATCH_BLOCK * D._BATCH_ITERS
+
+    def kernel_on_the_host(meta, n, programs, word_bytes, device):
+        addrs, ns, firsts = meta[:n], meta[n:2 * n], meta[2 * n:3 * n]
+        item, starts = meta[3 * n:3 * n + programs], meta[3 * n + programs:]
+        assert len(starts) == programs
+        out = []
+        for i, (a, count, first) in enumerate(zip(addrs.tolist(), ns.tolist(), firsts.tolist())):
+            # its programs start at 0, span, 2 span ... and cover its words once
+            assert sorted(starts[item == i].tolist()) == list(range(0, max(count, 1), span)), i
+            words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
+            out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
+        return torch.tensor(out, dtype=torch.int64)
+
+    monkeypatch.setattr(D, "_batch_kernel", lambda: kernel_on_the_host)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_batch", kernel_on_the_host)
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(span + 77, generator=g).to(torch.bfloat16)  # two programs
+    items = [(big, 0), (torch.randn(5, 3, generator=g), 0), (torch.randn(6, 4, generator=g).t(), 0),
+             (torch.arange(-9, 30, dtype=torch.int8), 0), (big[100:300], 100), (torch.randn(7, generator=g).double(), 3),
+             (torch.empty(0), 0), (torch.randint(0, 255, (64,), dtype=torch.uint8, generator=g)[1:], 11)]
+    got = D._read(D.lanes_many(items))
+    assert got == [D.lanes(t, o, "host") for t, o in items]
+    assert any(isinstance(p, D.LaneRow) for p in D.lanes_many(items))
+    named = [(f"t{i}", t) for i, (t, _) in enumerate(items)]
+    monkeypatch.undo()
+    want = weights_digest(named)
+    monkeypatch.setattr(D, "_batch_kernel", lambda: kernel_on_the_host)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_batch", kernel_on_the_host)
+    assert weights_digest(named) == want
+    buf, entries = _packed(named)
+    spans = D.Spans(entries)
+    assert spans.lanes(buf).tolist() == [D.lanes(t, 0, "host") for _, t in named]
