@@ -294,7 +294,7 @@ class MultiDemoRun:
             try:
                 await self.sched.cycle()
             except Exception:
-                if self.sched.phase is not Phase.FAILED or not self._recoverable(self.sched.last_error):
+                if self.sched.phase is not Phase.FAILED or not await self._recoverable(self.sched.last_error):
                     raise
                 trained = self.sched.trainer_version > version
                 reward = self.sched.last_rollout.reward if trained else None
@@ -310,12 +310,23 @@ class MultiDemoRun:
         """The failure to recover from is the injected fault's (it fires once)."""
         return self.fault_fired and not any(r["fault"] == self.cfg.fault for r in self.recoveries)
 
-    def _recoverable(self, err: BaseException | None) -> bool:
+    async def _recoverable(self, err: BaseException | None) -> bool:
+        """The injected fault, once; or an engine rank's death, up to ``MAX_ENGINE_DEATHS``: the
+        error says so, or another rank's failure came first (a TP peer's collective fails as its
+        peer dies or stops) and an engine rank is found dead (a stopped one is killed there)."""
         from colo.apps.demo_setup import MAX_ENGINE_DEATHS, engine_died
 
         if self._injected():
             return True
-        return engine_died(err) and sum(r["fault"] == "engine-died" for r in self.recoveries) < MAX_ENGINE_DEATHS
+        if sum(r["fault"] == "engine-died" for r in self.recoveries) >= MAX_ENGINE_DEATHS:
+            return False
+        if engine_died(err):
+            return True
+        try:
+            alive = [r["alive"] for r in await self._each_worker("engine_alive")]
+        except Exception:
+            return False  # a worker that cannot answer: not an engine's death this run recovers from
+        return not all(alive)
 
     def _arm_fault(self) -> None:
         if not self._fault_armed or len(self.rewards) < self.cfg.fault_step:

@@ -108,6 +108,8 @@ class FlatWeights:
         #: views of the host copy, made once: it is allocated once and kept
         self._host_views: dict[str, torch.Tensor] | None = None
         self.paused = False
+        #: the digest's spans of the last order and dtype asked (:meth:`digest`)
+        self._spans: tuple[tuple[tuple[str, ...], torch.dtype], Any] | None = None
 
     # -- building --------------------------------------------------------------
     @classmethod
@@ -167,6 +169,30 @@ class FlatWeights:
                     f"{dtype_name(t.dtype)}, built as {tuple(shape)} {dtype_name(dtype)} at bytes "
                     f"[{a}, {b})): it was replaced or resized after the buffer was built; build the flat "
                     f"weights again after changing the model")
+
+    def digest(self, order: Any, dtype: torch.dtype) -> str | None:
+        """The contract digest (:mod:`colo.digest`) of the tensors named ``order`` as the buffer
+        holds them now, if they all lie in it in ``dtype`` (None otherwise: a tensor the sender
+        converts or that is not here), read where they lie: on a GPU one launch for all of them
+        (:class:`colo.digest.Spans`, derived once per order), no work per tensor. Resident only
+        (paused, the weights' digest is taken as they go to the host); the parameters must
+        still be the buffer's views (:meth:`check`), or the buffer is not the weights."""
+        from colo.digest import ReceivedDigest, Spans
+
+        if self.paused and self.device.type == "cuda":
+            return None
+        self.check()
+        key = (tuple(order), dtype)
+        held = self._spans
+        if held is None or held[0] != key:
+            if any(n not in self.slots or self._layout[n][1] != dtype for n in key[0]):
+                return None
+            spans = Spans([(n, dtype_name(self._layout[n][1]), self._layout[n][0], self.slots[n][0],
+                            self.slots[n][1] - self.slots[n][0]) for n in key[0]])
+            held = self._spans = (key, spans)
+        got = ReceivedDigest()
+        got.add_spans(self._flat, held[1])
+        return got.digest(key[0])
 
     def readable(self) -> torch.Tensor | None:
         """The bytes an engine can read the weights from now: the buffer while it is

@@ -435,7 +435,18 @@ class RankHost:
         return {"engine_pid": pid}
 
     async def op_engine_alive(self) -> dict:
-        return {"alive": bool(self.engine is not None and self.engine.alive())}
+        """Whether the engine rank lives. A stopped one (SIGSTOP from outside: it answers
+        nothing and closes nothing) is killed here and counts as dead: a TP peer's collective
+        may have failed on it before this rank's own call saw it stopped."""
+        from colo.proc.lifecycle import process_state
+
+        engine = self.engine
+        if engine is None:
+            return {"alive": False}
+        pid = getattr(engine, "pid", None)
+        if engine.alive() and pid is not None and process_state(pid) in ("T", "t"):
+            engine.kill()
+        return {"alive": bool(engine.alive())}
 
     async def op_shutdown(self) -> dict:
         await self.aclose()

@@ -140,8 +140,14 @@ class PolicyTrainer:
             return self._offloaded_digest
         from colo.digest import expected_weights_digest
 
-        return expected_weights_digest(self.hf_state(), [s.name for s in self.param_specs()],
-                                       getattr(torch, self.engine_dtype))
+        names = [s.name for s in self.param_specs()]
+        flat = getattr(self, "flat_weights", None)
+        if flat is not None:
+            # weights in one buffer (the one-copy trainers): read where they lie, in one launch
+            got = flat.digest(names, getattr(torch, self.engine_dtype))
+            if got is not None:
+                return got
+        return expected_weights_digest(self.hf_state(), names, getattr(torch, self.engine_dtype))
 
     async def train_step(self, rollout: RolloutResult) -> dict[str, float]:
         if getattr(self, "dirty", False):

@@ -120,10 +120,43 @@ def test_an_engine_rank_signalled_from_outside_is_replaced_and_the_run_ends_at_t
     assert [r["fault"] for r in out.recoveries] == ["engine-died"] and out.recoveries[0]["recovered"] is True
     assert out.recoveries[0]["replaced_ranks"] == [0, 1]  # a TP group restarts whole
     failed = [e for e in _events(paths[1]) if e["event"] == "phase.failed"]
-    assert len(failed) == 1 and "EngineDied" in failed[0]["error"], failed
+    # the call failed on rank 1 (its engine dead) or first on rank 0 (its TP collective lost the
+    # peer): whichever the driver heard first, rank 1's engine was found dead and rank 0's alive
+    assert len(failed) == 1 and ("EngineDied" in failed[0]["error"] or failed[0]["failed_rank"] == 0), failed
+    assert out.recoveries[0]["engine_ranks_alive"] == [True, False]
     assert replay([str(p) for p in paths]).valid
     # the signalled process is gone, not left stopped or running
     assert process_state(victim[0]) in (None, "Z", "X"), process_state(victim[0])
+
+
+async def test_an_engine_death_is_recovered_from_whichever_ranks_error_arrived_first():
+    """Rank 1's engine dies (or is stopped, then killed), and rank 0's engine, whose TP
+    collective lost its peer, fails the same call: whichever error the driver sees first, the
+    run recovers when an engine rank is found dead; not when every engine rank lives (a failure
+    nobody injected that would recur), nor past MAX_ENGINE_DEATHS."""
+    from types import SimpleNamespace
+
+    from colo.apps.demo_multi import MultiDemoRun, RankRecovery
+    from colo.apps.demo_setup import MAX_ENGINE_DEATHS
+    from colo.core.errors import EngineDied, EngineError, RankFailed
+
+    run = MultiDemoRun.__new__(MultiDemoRun)
+    run.cfg, run.recoveries, run.transports = SimpleNamespace(fault=None), [], []
+    alive = [True, False]
+
+    async def each_worker(op: str, **_):
+        assert op == "engine_alive"
+        return [{"alive": a} for a in alive]
+
+    run._each_worker = each_worker
+    peer = RankFailed("engine", "generate", 0, EngineError("engine generate", "RuntimeError",
+                                                           "Connection closed by peer"), {})
+    assert await run._recoverable(peer) is True
+    assert await run._recoverable(RankFailed("engine", "generate", 1, EngineDied("rank 1: stopped"), {})) is True
+    alive[1] = True
+    assert await run._recoverable(peer) is False
+    run.recoveries = [RankRecovery(fault="engine-died")] * MAX_ENGINE_DEATHS
+    assert await run._recoverable(EngineDied("again")) is False
 
 
 def _cli(capsys, *args: str) -> tuple[int, str]:
