@@ -42,10 +42,10 @@ from colo.core.config import SchedulerConfig
 from colo.core.interfaces import PhaseHooks, RolloutResult, SyncContext, SyncResult
 from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-exported)
 from colo.core.memory import MemoryLedger
-from colo.core.phases import (CALLER_PHASES, RECOVERY, Effect, Phase, PhaseMachine, allowed_triggers, effects_for,
-                              handoff_path, next_phase, trigger_for, validate_plan)
+from colo.core.phases import (CALLER_PHASES, RECOVERY, UNDO, Effect, Phase, PhaseMachine, allowed_triggers,
+                              effects_for, handoff_path, next_phase, trigger_for, validate_plan)
 from colo.core.schema import RUN_ID_MAX
-from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline
+from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline, RankFailed
 from colo.groups import EngineGroup, TrainerGroup, together
 from colo.trace.writer import TraceWriter, new_run_id
 
@@ -506,7 +506,7 @@ class Scheduler:
             if effect.flush_first:
                 # Flush before the pages go: a flush afterwards would walk freed memory.
                 await side.each("flush_cache")
-            await side.each(effect.verb, todo)
+            await self._each_or_undo(side, effect.verb, todo)
             if effect.owner == "engine" and self.engines.capabilities.pauses_generation \
                     and not self._generation_paused:
                 # the engine paused its generation before it released (SGLang's server)
@@ -523,12 +523,30 @@ class Scheduler:
         for r in range(self.world_size):  # every GPU, before any side effect
             self._check_fits(r, effect.keys(todo), phase)
         if todo:
-            await self._side(effect.owner).each(effect.verb, todo)
+            await self._each_or_undo(self._side(effect.owner), effect.verb, todo)
         for r, ledger in enumerate(self.memories):
             for tag in todo:
                 nbytes = ledger.resume(f"{effect.owner}.{tag}")
                 self._emit(r, "memory.resumed", owner=effect.owner, tag=tag, bytes=nbytes,
                            **self._not_freed(effect.owner))
+
+    async def _each_or_undo(self, side: Any, verb: str, tags: list[str]) -> None:
+        """``verb(tags)`` on every rank of ``side``. Where some ranks failed it, the ranks that
+        did it are brought back (:data:`~colo.core.phases.UNDO`; shielded, each bounded by the
+        cleanup deadline, a rank that cannot be is left to the recovery's replacement): the
+        ledgers change only when every rank did it, so each live rank is what its ledger says."""
+        try:
+            await side.each(verb, tags)
+        except RankFailed as exc:
+            done = [r for r, outcome in exc.outcomes.items() if outcome == "ok"]
+            with anyio.CancelScope(shield=True):
+                for r in done:
+                    with anyio.move_on_after(self.config.cleanup_deadline_s):
+                        try:
+                            await getattr(side[r], UNDO[verb])(tags)
+                        except Exception:  # that rank's engine or trainer failed too: the recovery sees it
+                            pass
+            raise
 
     def _not_freed(self, owner: str) -> dict:
         """For an engine whose release frees nothing: say so on the event, in its own words."""

@@ -446,3 +446,57 @@ async def test_an_engine_without_sessions_is_never_held_to_them(tmp_path):
     names = [e["event"] for e in read_trace(path)]
     assert not {"session.opened", "generation.paused"} & set(names)
     assert replay([str(path)]).valid
+
+
+class StrictEngine(FakeEngine):
+    """A fake engine rank that refuses to release what it gave back or resume what it holds
+    (as colo's engine and vLLM do), and fails its next ``fail`` verb once."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail: str | None = None
+
+    async def release(self, tags):
+        if self.fail == "release":
+            self.fail = None
+            raise RuntimeError("this rank's release failed")
+        if not set(tags) <= self.resident:
+            raise RuntimeError(f"cannot release {tags}: already released")
+        await super().release(tags)
+
+    async def resume(self, tags):
+        if self.fail == "resume":
+            self.fail = None
+            raise RuntimeError("this rank's resume failed")
+        if set(tags) & self.resident:
+            raise RuntimeError(f"cannot resume {tags}: already resident")
+        await super().resume(tags)
+
+
+@pytest.mark.parametrize("verb, phase", [("resume", "engine_wake_weights"), ("release", "engine_release")])
+async def test_a_memory_verb_one_rank_failed_is_undone_on_the_ranks_that_did_it_and_the_recovery_runs(verb, phase):
+    """Two ranks; rank 1's engine fails a release or a resume that rank 0's did: rank 0's is
+    undone, so both ranks are what their ledgers say and the recovery (which releases and
+    resumes again) meets no tag already released or already resident."""
+    from colo.core.errors import RankFailed
+
+    engines = [StrictEngine(), StrictEngine()]
+    s = Scheduler([FakeTrainer(), FakeTrainer()], engines, [MemoryLedger(total_bytes=10_000) for _ in range(2)],
+                  [FakeTransport(), FakeTransport()],
+                  trace=[TraceWriter(None, keep_events=True, rank=r, world_size=2) for r in range(2)],
+                  config=SchedulerConfig(plan="offload-first", bucket_bytes=50))
+    async with s:
+        await s.cycle()
+        engines[1].fail = verb
+        with pytest.raises(RankFailed, match="this rank's"):
+            await s.cycle()
+        assert s.phase is Phase.FAILED and s.last_error.rank == 1
+        failed = [e for e in s.traces[1].events if e["event"] == "phase.failed"]
+        assert [e["phase"] for e in failed] == [phase]
+        undo = {"resume": "release", "release": "resume"}[verb]
+        assert engines[0].calls[-1][0] == undo and engines[0].calls[-2][0] == verb  # done, then undone
+        assert engines[0].resident == engines[1].resident
+        await s.recover()
+        await s.cycle()
+        assert s.phase is not Phase.FAILED
+        assert engines[0].resident == engines[1].resident == set(engines[0].sizes)

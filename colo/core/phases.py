@@ -105,6 +105,12 @@ class Effect:
         return tuple(f"{self.owner}.{t}" for t in tags)
 
 
+#: a memory verb and the verb that undoes it. A verb that some ranks of a group did and others
+#: failed is undone on the ranks that did it: the ledger changes only when every rank did, so
+#: every live rank is again what its ledger says (a recovery would otherwise resume a tag one
+#: rank already holds, or release one it already gave back)
+UNDO: dict[str, str] = {"release": "resume", "resume": "release", "offload": "onload", "onload": "offload"}
+
 #: phase -> its effect. The only place a phase's memory behaviour is written.
 EFFECTS: dict[Phase, Effect] = {
     P.ROLLOUT: Effect(owner="engine", verb="generate", needs=(

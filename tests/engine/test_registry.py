@@ -126,7 +126,7 @@ def test_the_limits_are_checked_once_naming_engine_limit_and_what_is_allowed():
     ENGINES["vllm"].check(device="cpu", gpus=2, lora=True)  # replicas, its default layout
     colo.check(device="cpu", lora=True)
     with pytest.raises(ValueError, match="--lora-rank syncs a LoRA adapter into an engine that stages adapters in "
-                                         "memory \(--engine colo or vllm\), got --engine sglang"):
+                                         r"memory \(--engine colo or vllm\), got --engine sglang"):
         ENGINES["sglang"].check(device="cuda", lora=True)
     with pytest.raises(ValueError, match="--lora-rank on N ranks stages the whole adapter into a whole engine per "
                                          "rank \\(--engine-layout replicas\\); --engine colo in the tp layout would "
