@@ -78,6 +78,7 @@ case "${1:-tests}" in
     # before this. Limit: arg 2
     timeout "${2:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=15 \
       tests/gpu/test_handoff_gpu.py tests/gpu/test_digest_cuda.py tests/gpu/test_one_gpu.py tests/gpu/test_real_trainers.py \
+      tests/gpu/test_adapters_cuda.py tests/device/test_one_copy.py tests/device/test_flat_digest.py \
       2>&1 | tee "$OUT/gpu-tests.log" | tail -30
     ;;
   baseline44)  # issue 44's baseline whole: every real trainer's rows at Qwen2-1.5B, both plans, what
