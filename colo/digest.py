@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from colo.core.buckets import itemsize
 from colo.dtypes import dtype_name
 
 #: the checksum's seeds, per lane: of the table over the word's low bits, and of the block factor
@@ -384,8 +385,7 @@ class Spans:
         self.end = int((self.starts + self.nbytes).max(initial=0))
         #: per word size, the tensors' indices, their words and the kernel's program table
         self.groups: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        sizes = np.array([word_size(torch.empty((), dtype=getattr(torch, e[1])).element_size()) for e in entries],
-                         dtype=np.int64)
+        sizes = np.array([word_size(itemsize(e[1])) for e in entries], dtype=np.int64)
         for word in (1, 2):
             idx = np.flatnonzero((sizes == word) & (self.nbytes > 0))
             if idx.size:

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from colo.core.buckets import numel
+from colo.core.buckets import itemsize, numel
 from colo.core.errors import EngineStateError
 from colo.core.interfaces import TensorSpec
 from colo.digest import ReceivedDigest, Spans
 from colo.engine.kit import EngineKit, LoadSession, PieceAssembler
 from colo.models.lora import AdapterConfig, adapter_shapes
 from colo.models.specs import check_specs
-from colo.transports.wire import NOT_CACHED, Piece, PreflightNotCached
+from colo.transports.wire import NOT_CACHED, Piece, PreflightNotCached, contiguous_strides
 
 
 class AdapterStage:
@@ -234,12 +234,12 @@ class _Plan:
         #: per tensor: name, dtype, shape, strides, element offset in the copy viewed as its dtype
         self._views: list[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], int]] = []
         for m in layout:
-            dtype = getattr(torch, m.dtype)
-            size = torch.empty((), dtype=dtype).element_size()
+            size = itemsize(m.dtype)
             if (m.start - self.lo) % size or (self.hi - self.lo) % size:
                 raise ValueError(f"{m.name}: bytes [{m.start}, {m.end}) are not at a multiple of its "
                                  f"{m.dtype} elements from the request's first byte")
-            self._views.append((m.name, dtype, tuple(m.shape), _strides(m.shape), (m.start - self.lo) // size))
+            self._views.append((m.name, getattr(torch, m.dtype), tuple(m.shape), contiguous_strides(tuple(m.shape)),
+                                (m.start - self.lo) // size))
 
     def copy(self, flat: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The request's bytes as our own, on ``device``: one copy."""
@@ -254,14 +254,6 @@ class _Plan:
                 base = typed[dtype] = copy.view(dtype)
             out[name] = base.as_strided(shape, strides, at)
         return out
-
-
-def _strides(shape: Any) -> tuple[int, ...]:
-    out, step = [], 1
-    for d in reversed(tuple(shape)):
-        out.append(step)
-        step *= max(int(d), 1)
-    return tuple(reversed(out))
 
 
 #: the requests an adapter host answers (its methods of these names)

@@ -275,7 +275,7 @@ def views(flat: Any, tensors: Sequence[TensorMeta]) -> Views:
         size = itemsize(m.dtype)
         at = base.storage_offset() + m.start // size
         if m.whole:
-            out.append((m.name, base.as_strided(m.shape, _contiguous_strides(m.shape), at)))
+            out.append((m.name, base.as_strided(m.shape, contiguous_strides(m.shape), at)))
         else:
             out.append((m.name, piece_of(m, base.as_strided(((m.end - m.start) // size,), (1,), at))))
     return out
@@ -293,7 +293,8 @@ def _typed_base(flat: Any, dtype: Any, size: int) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A row-major tensor's strides, in elements."""
     strides, step = [], 1
     for d in reversed(shape):
         strides.append(step)

@@ -53,66 +53,76 @@ async def _sync(transport, source, engine, step: int) -> None:
     assert result.buckets == 1 and result.tensors == len(source.state)
 
 
-async def test_a_flat_adapter_is_one_request_per_stage_and_its_layout_is_planned_once():
-    config = demo_config()
-    source = AdapterSource(config, 4, dtype="float32")
-    host = _host(config)
-    inner = InProcess(host)
-    engine = AdapterEngine(inner, source.config)
-    transport = make_transport("packed")
+class Staging:
+    """The trainer's flat adapter, the driver (in-process host), its adapter engine, one transport."""
+
+    def __init__(self):
+        self.config = demo_config()
+        self.source = AdapterSource(self.config, 4, dtype="float32")
+        self.inner = InProcess(_host(self.config))
+        self.engine = AdapterEngine(self.inner, self.source.config)
+        self.transport = make_transport("packed")
+
+    @property
+    def host(self) -> AdapterHost:
+        return self.inner.host
+
+    async def close(self) -> None:
+        await self.transport.aclose()
+        self.host.close()
+        self.source.close()
+
+
+@pytest.fixture
+async def staging():
+    s = Staging()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def test_a_flat_adapter_is_one_request_per_stage_and_its_layout_is_planned_once(staging):
+    source, host, inner, engine, transport = (staging.source, staging.host, staging.inner, staging.engine,
+                                              staging.transport)
     plans = []
-    try:
-        for step in range(4):
-            if step == 2:  # the trainer's step: new bytes in the same buffer
-                with torch.no_grad():
-                    for t in source.state.values():
-                        t.mul_(-1.5)
-            inner.ops.clear()
-            await _sync(transport, source, engine, step)
-            # the first stage names the spec list whole; each later one is one request
-            assert inner.ops == (["preflight", "load"] if step == 0 else ["load"]), (step, inner.ops)
-            want = expected_weights_digest(source.state, list(source.state), torch.float32)
-            assert await engine.digest() == want
-            await engine.set_weight_version(step + 1)
-            plans.append(host.stage._plan[2])
-            # what the engine registered is the trainer's bytes, each tensor where PEFT names it
-            table = host.stage.model.adapters[inner.active_adapter]
-            for name, t in source.state.items():
-                module, part = name[len(PEFT_PREFIX):].rsplit(".lora_", 1)
-                got = table[module][0 if part.startswith("A") else 1]
-                assert torch.equal(got, t) and got.data_ptr() != t.data_ptr()
-        assert all(p is plans[0] for p in plans)
-        assert sorted(host.stage.model.adapters) == [3, 4]  # keep_adapters = 2
-    finally:
-        await transport.aclose()
-        host.close()
-        source.close()
-
-
-async def test_an_engine_that_lost_the_spec_list_is_sent_it_whole_and_a_bad_begin_begins_nothing():
-    config = demo_config()
-    source = AdapterSource(config, 4, dtype="float32")
-    host = _host(config)
-    inner = InProcess(host)
-    engine = AdapterEngine(inner, source.config)
-    transport = make_transport("packed")
-    try:
-        await _sync(transport, source, engine, 0)
-        await engine.set_weight_version(1)
-        # a restarted engine: the same driver, a host that holds nothing
-        host.close()
-        host = inner.host = _host(config)
+    for step in range(4):
+        if step == 2:  # the trainer's step: new bytes in the same buffer
+            with torch.no_grad():
+                for t in source.state.values():
+                    t.mul_(-1.5)
         inner.ops.clear()
-        await transport.aclose()
-        transport = make_transport("packed")
-        await _sync(transport, source, engine, 1)
-        assert inner.ops == ["load", "preflight", "load"]  # refused before a byte moved, then whole
-        assert await engine.digest() == expected_weights_digest(source.state, list(source.state), torch.float32)
-        # a begin naming a list this host never accepted begins nothing: the stage is not in progress
-        with pytest.raises(Exception, match="spec list not cached"):
-            host.begin(9, source.config.to_json(), "0" * 32)
-        assert host.stage.session is None
-    finally:
-        await transport.aclose()
-        host.close()
-        source.close()
+        await _sync(transport, source, engine, step)
+        # the first stage names the spec list whole; each later one is one request
+        assert inner.ops == (["preflight", "load"] if step == 0 else ["load"]), (step, inner.ops)
+        want = expected_weights_digest(source.state, list(source.state), torch.float32)
+        assert await engine.digest() == want
+        await engine.set_weight_version(step + 1)
+        plans.append(host.stage._plan[2])
+        # what the engine registered is the trainer's bytes, each tensor where PEFT names it
+        table = host.stage.model.adapters[inner.active_adapter]
+        for name, t in source.state.items():
+            module, part = name[len(PEFT_PREFIX):].rsplit(".lora_", 1)
+            got = table[module][0 if part.startswith("A") else 1]
+            assert torch.equal(got, t) and got.data_ptr() != t.data_ptr()
+    assert all(p is plans[0] for p in plans)
+    assert sorted(host.stage.model.adapters) == [3, 4]  # keep_adapters = 2
+
+
+async def test_an_engine_that_lost_the_spec_list_is_sent_it_whole_and_a_bad_begin_begins_nothing(staging):
+    source, inner, engine = staging.source, staging.inner, staging.engine
+    await _sync(staging.transport, source, engine, 0)
+    await engine.set_weight_version(1)
+    # a restarted engine: the same driver, a host that holds nothing
+    staging.host.close()
+    inner.host = _host(staging.config)
+    inner.ops.clear()
+    await staging.transport.aclose()
+    staging.transport = make_transport("packed")
+    await _sync(staging.transport, source, engine, 1)
+    assert inner.ops == ["load", "preflight", "load"]  # refused before a byte moved, then whole
+    assert await engine.digest() == expected_weights_digest(source.state, list(source.state), torch.float32)
+    # a begin naming a list this host never accepted begins nothing: the stage is not in progress
+    with pytest.raises(Exception, match="spec list not cached"):
+        staging.host.begin(9, source.config.to_json(), "0" * 32)
+    assert staging.host.stage.session is None
