@@ -366,6 +366,23 @@ def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int
     return out & _MASK
 
 
+def _word_groups(sizes: Sequence[int], starts: np.ndarray, nbytes: np.ndarray,
+                 what: str) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per word size, the indices of the tensors of that word (of element ``sizes``, at byte
+    ``starts`` of ``nbytes``; the empty ones left out), their words, and the batched
+    kernel's program table for them."""
+    words = np.array([word_size(s) for s in sizes], dtype=np.int64)
+    groups = []
+    for word in (1, 2):
+        idx = np.flatnonzero((words == word) & (nbytes > 0))
+        if idx.size:
+            if (starts[idx] % word).any() or (nbytes[idx] % word).any():
+                raise ValueError(f"{what}: a tensor does not start at a multiple of its word")
+            ns = nbytes[idx] // word
+            groups.append((word, idx, ns, *_program_table(ns)))
+    return groups
+
+
 class Spans:
     """Whole tensors at fixed byte offsets of one contiguous buffer, as a digest reads them:
     derived once per layout, so that the lanes of all of them are one launch on a GPU with no
@@ -384,15 +401,7 @@ class Spans:
         self.nbytes = np.array([e[4] for e in entries], dtype=np.int64)
         self.end = int((self.starts + self.nbytes).max(initial=0))
         #: per word size, the tensors' indices, their words and the kernel's program table
-        self.groups: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        sizes = np.array([word_size(itemsize(e[1])) for e in entries], dtype=np.int64)
-        for word in (1, 2):
-            idx = np.flatnonzero((sizes == word) & (self.nbytes > 0))
-            if idx.size:
-                if (self.starts[idx] % word).any() or (self.nbytes[idx] % word).any():
-                    raise ValueError("spans: a tensor does not start at a multiple of its word")
-                ns = self.nbytes[idx] // word
-                self.groups.append((word, idx, ns, *_program_table(ns)))
+        self.groups = _word_groups([itemsize(e[1]) for e in entries], self.starts, self.nbytes, "spans")
 
     def lanes(self, buffer: torch.Tensor) -> torch.Tensor | list[list[int]]:
         """``[len(names), 2]`` lanes of the tensors in ``buffer`` (contiguous, at least
@@ -429,6 +438,54 @@ class Spans:
                 a = int(self.starts[i]) // word
                 rows[i] = [int(v) for v in _torch_lanes(words[a:a + n], 0).tolist()]
         return rows
+
+
+class Blocks:
+    """Whole tensors where they lie, at addresses that stay what they are while this is kept
+    (an engine's row blocks, the same every sync until its weights are allocated anew): the
+    table the batched kernel reads is made once, so that summing a load's blocks is one
+    launch per word size with no torch object and no lookup per tensor
+    (:meth:`ReceivedDigest.add_blocks`). Holds the tensors, so their addresses stay valid;
+    let it go with them."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor]]):
+        self.names = [n for n, _ in named]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        if len(self.index) != len(self.names):
+            raise ValueError("blocks: a name appears twice")
+        self.tensors = [t.detach() for _, t in named]
+        if any(not t.is_contiguous() for t in self.tensors):
+            raise ValueError("blocks: every tensor must be contiguous (a row block of a parameter is)")
+        if len({t.device for t in self.tensors}) > 1:
+            raise ValueError("blocks: every tensor must be on one device")
+        self.headers = [_header(n, dtype_name(t.dtype), t.shape) for n, t in zip(self.names, self.tensors)]
+        sizes = [t.element_size() for t in self.tensors]
+        starts = np.array([t.data_ptr() for t in self.tensors], dtype=np.int64)
+        nbytes = np.array([t.numel() * z for t, z in zip(self.tensors, sizes)], dtype=np.int64)
+        self.nbytes = int(nbytes.sum())
+        #: per word size: the tensors' indices and the kernel's whole table (addresses, words,
+        #: first words, each program's tensor and start)
+        self.tables = [(word, idx, len(item), np.concatenate([starts[idx], ns, np.zeros(len(idx), dtype=np.int64),
+                                                              item, first]))
+                       for word, idx, ns, item, first in _word_groups(sizes, starts, nbytes, "blocks")]
+
+    def lanes(self) -> torch.Tensor | list[list[int]]:
+        """``[len(names), 2]`` lanes of the tensors as they are now: on a GPU with Triton one
+        launch per word size, queued on the current stream; elsewhere tensor by tensor."""
+        if self.tensors and _batch_kernel() is not None and _batchable(self.tensors[0]):
+            device = self.tensors[0].device
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                if len(self.tables) == 1 and len(self.tables[0][1]) == len(self.names):
+                    word, idx, programs, meta = self.tables[0]  # one word size, none empty: the usual case
+                    return _launch_batch(meta, len(idx), programs, word, device)
+                out = torch.zeros(len(self.names), 2, dtype=torch.int64, device=device)
+                for word, idx, programs, meta in self.tables:
+                    index = torch.from_numpy(idx)
+                    out[index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index] = \
+                        _launch_batch(meta, len(idx), programs, word, device)
+                return out
+        return [[int(v) & _MASK for v in (got if isinstance(got, list) else got.tolist())]
+                for got in (lanes(t) for t in self.tensors)]
 
 
 def _batchable(t: torch.Tensor) -> bool:
@@ -650,8 +707,9 @@ class ReceivedDigest:
     def __init__(self) -> None:
         self._open: dict[str, TensorHash] = {}
         self._done: dict[str, TensorHash] = {}
-        #: whole tensors recorded a layout at a time (:meth:`add_spans`): the spans and their lanes
-        self._spans: list[tuple[Spans, Any]] = []
+        #: whole tensors recorded a table at a time (:meth:`add_spans`, :meth:`add_blocks`): the
+        #: table and its lanes
+        self._spans: list[tuple[Spans | Blocks, Any]] = []
         #: name -> its batch in ``_spans``
         self._in_spans: dict[str, int] = {}
 
@@ -664,11 +722,19 @@ class ReceivedDigest:
     def add_spans(self, buffer: torch.Tensor, spans: Spans) -> None:
         """Record the whole tensors ``spans`` places in ``buffer`` (a copy of what arrived, the
         layout derived once): one launch on a GPU, whatever their number."""
-        taken = [n for n in spans.names if n in self._in_spans or n in self._done or n in self._open]
+        self._add_table(spans, lambda: spans.lanes(buffer))
+
+    def add_blocks(self, blocks: Blocks) -> None:
+        """Record the whole tensors of ``blocks`` as they lie now (written, or their writes
+        queued on the current stream): one launch on a GPU, from a table made once."""
+        self._add_table(blocks, blocks.lanes)
+
+    def _add_table(self, table: Spans | Blocks, lanes_of: Any) -> None:
+        taken = [n for n in table.names if n in self._in_spans or n in self._done or n in self._open]
         if taken:
             raise ValueError(f"received twice: {', '.join(taken[:5])}")
-        self._spans.append((spans, spans.lanes(buffer)))
-        self._in_spans.update(dict.fromkeys(spans.names, len(self._spans) - 1))
+        self._spans.append((table, lanes_of()))
+        self._in_spans.update(dict.fromkeys(table.names, len(self._spans) - 1))
 
     def add(self, name: str, tensor: Any) -> None:
         self.add_many([(name, tensor)])
@@ -723,6 +789,6 @@ def _lane_bytes(got: torch.Tensor | list[list[int]]) -> bytes:
     return (rows & _MASK).astype("<u4").tobytes()
 
 
-__all__ = ["BLOCK_BITS", "combine", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
+__all__ = ["BLOCK_BITS", "Blocks", "combine", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
            "LANE_SEEDS", "lanes", "lanes_many", "multiplier", "ReceivedDigest", "Spans", "tensor_entry", "TensorHash",
            "weights_digest", "word_size"]

@@ -245,3 +245,53 @@ def test_the_batched_kernels_tables_read_every_tensor_where_it_lies(monkeypatch)
     buf, entries = _packed(named)
     spans = D.Spans(entries)
     assert spans.lanes(buf).tolist() == [D.lanes(t, 0, "host") for _, t in named]
+
+
+def test_blocks_where_they_lie_digest_as_the_tensors_one_by_one_through_the_kernels_table(monkeypatch):
+    """``Blocks``: whole tensors at their own addresses (an engine's row blocks), the kernel's
+    table made once. Through the table (its stand-in reads the words at the table's addresses
+    on the host) and without it, the digest is the tensors' one by one, every word size and an
+    empty tensor among them; the table reads the bytes as they are when launched, not as they
+    were when it was made; a name twice or a strided tensor is refused."""
+    import ctypes
+
+    import numpy as np
+
+    import colo.digest as D
+
+    def kernel_on_the_host(meta, n, programs, word_bytes, device):
+        addrs, ns, firsts = meta[:n], meta[n:2 * n], meta[2 * n:3 * n]
+        out = []
+        for a, count, first in zip(addrs.tolist(), ns.tolist(), firsts.tolist()):
+            words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
+            out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
+        return torch.tensor(out, dtype=torch.int64)
+
+    g = torch.Generator().manual_seed(9)
+    span = D._BATCH_BLOCK * D._BATCH_ITERS
+    base = torch.randn(3, span // 2 + 11, generator=g).to(torch.bfloat16)  # row blocks of one parameter
+    named = [("q", base[0:1]), ("kv", base[1:3]), ("n", torch.randn(7, generator=g)),
+             ("e", torch.empty(0)), ("b", torch.randint(0, 255, (33,), dtype=torch.uint8, generator=g))]
+    want = weights_digest(named)
+    plain = D.Blocks(named)
+    got = ReceivedDigest()
+    got.add_blocks(plain)
+    assert got.digest([n for n, _ in named]) == want
+    monkeypatch.setattr(D, "_batch_kernel", lambda: kernel_on_the_host)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_batch", kernel_on_the_host)
+    blocks = D.Blocks(named)
+    assert [len(t[1]) for t in blocks.tables] == [1, 3]  # uint8 alone, then the 2-byte words (e left out)
+    assert blocks.lanes().tolist() == [D.lanes(t, 0, "host") for _, t in named]
+    base[1, 5] = 7.0  # the same addresses, new bytes: summed anew
+    got = ReceivedDigest()
+    got.add_blocks(blocks)
+    assert got.digest([n for n, _ in named]) == weights_digest(named) != want
+    one = D.Blocks(named[:2])  # one word size: the kernel's rows are the lanes as they are
+    assert one.lanes().tolist() == [D.lanes(t, 0, "host") for _, t in named[:2]]
+    with pytest.raises(ValueError, match="twice"):
+        D.Blocks([("q", base[0]), ("q", base[1])])
+    with pytest.raises(ValueError, match="contiguous"):
+        D.Blocks([("t", base.t())])
+    with pytest.raises(ValueError, match="received twice"):
+        got.add_blocks(one)

@@ -127,8 +127,8 @@ def test_no_digest_asked_no_sums_and_weights_that_changed_are_read_again(config,
     core = _core(config)
     state = _state(config, 0)
     summed = []
-    real = model_mod.hash_many
-    monkeypatch.setattr(model_mod, "hash_many", lambda named: summed.append(len(named)) or real(named))
+    real = model_mod.Blocks.lanes
+    monkeypatch.setattr(model_mod.Blocks, "lanes", lambda self: summed.append(len(self.names)) or real(self))
     _load(core, list(state.items()))
     _load(core, list(state.items()))
     assert summed == [], "a load summed its blocks though no digest was asked for"
@@ -150,3 +150,47 @@ def test_no_digest_asked_no_sums_and_weights_that_changed_are_read_again(config,
     assert core.digest() != want and len(fresh_passes) == 3
     _load(core, list(state.items()))
     assert core.digest() == want and len(fresh_passes) == 3
+
+
+def test_a_summed_load_makes_its_tables_once_per_allocation_of_the_weights(config, fresh_passes, monkeypatch):
+    """Issue 44: summing a load is one launch per group of blocks from a table made the first
+    time (``colo.digest.Blocks``), not a checksum object per tensor every sync. The kernel's
+    stand-in reads the table's addresses on the host, so the table path itself is checked
+    against the trainer's digest; a release drops the tables with the weights they point into."""
+    import ctypes
+
+    import numpy as np
+
+    import colo.digest as D
+
+    def kernel_on_the_host(meta, n, programs, word_bytes, device):
+        out = []
+        for a, count, first in zip(meta[:n].tolist(), meta[n:2 * n].tolist(), meta[2 * n:3 * n].tolist()):
+            words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
+            out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
+        return torch.tensor(out, dtype=torch.int64)
+
+    monkeypatch.setattr(D, "_batch_kernel", lambda: kernel_on_the_host)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_batch", kernel_on_the_host)
+    monkeypatch.setattr(model_mod, "LOAD_DIGEST_BYTES", 64 << 10)  # several groups in one load
+    made = []
+    real = model_mod.Blocks.__init__
+    monkeypatch.setattr(model_mod.Blocks, "__init__", lambda self, named: made.append(len(named)) or real(self, named))
+    core = _core(config)
+    states = [_state(config, s) for s in (0, 1, 2, 3)]
+    _load(core, list(states[0].items()))
+    assert core.digest() == expected_digest(states[0], config, torch.float32) and made == []
+    _load(core, list(states[1].items()))
+    assert core.digest() == expected_digest(states[1], config, torch.float32)
+    groups = len(made)
+    assert groups > 1 and sum(made) == len(states[1])  # every block in exactly one group
+    _load(core, list(states[2].items()))
+    assert core.digest() == expected_digest(states[2], config, torch.float32)
+    assert len(made) == groups, "the second summed load made its tables again"
+    core.release(["weights"])
+    core.resume(["weights"])
+    assert core.model._sum_tables == {}
+    _load(core, list(states[3].items()))
+    assert core.digest() == expected_digest(states[3], config, torch.float32)
+    assert len(made) == 2 * groups and len(fresh_passes) == 1
