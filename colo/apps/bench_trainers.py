@@ -180,7 +180,8 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     else:
         out["sync_s"], result = await _profiled(profile_to, clock, lambda: transport.sync(trainer, engine, ctx))
     out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
-               peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages))
+               peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages),
+               engine_s=dict(ctx.engine_s))
     if verifier is not None:
         verify, probe = verifier
         t0 = time.perf_counter()
@@ -222,7 +223,10 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
            "sync_s_all": [c["sync_s"] for c in plain],
            "step_s": {k: _median([c[k] for c in plain if k in c]) for k in steps if any(k in c for c in plain)},
            "stage_s": {k: _median([c["stage_s"].get(k, 0.0) for c in plain])
-                       for k in sorted({k for c in plain for k in c["stage_s"]})}}
+                       for k in sorted({k for c in plain for k in c["stage_s"]})},
+           # the engine's own account of its loads (the copies queued, waited for...), summed per sync
+           "engine_s": {k: _median([c["engine_s"].get(k, 0.0) for c in plain])
+                        for k in sorted({k for c in plain for k in c.get("engine_s", {})})}}
     row["sync_s"] = row["step_s"]["sync_s"]
     if verified:
         row["verify_s"] = _median([c["verify_s"] for c in verified])
@@ -234,6 +238,8 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
         row["verify_parts"] = {k: _median(v) if v else None for k, v in ran.items()}
         row["probed_cycles"] = sum(c["verify_parts"]["probe_s"] is not None for c in verified)
         row["verified_sync_s"] = _median([c["sync_s"] for c in verified])
+        row["verified_engine_s"] = {k: _median([c["engine_s"].get(k, 0.0) for c in verified])
+                                    for k in sorted({k for c in verified for k in c.get("engine_s", {})})}
         # what verification adds to a sync, as --verify every runs it: the verified cycle's sync
         # (its load sums the weights as it writes them) and its verification, against a plain sync
         row["verify_adds_s"] = _median([c["sync_s"] + c["verify_s"] for c in verified]) - row["sync_s"]

@@ -101,6 +101,11 @@ class SyncContext:
     #: as (event, clock) in order; ``on_mark`` is told of each as it happens (in-process only)
     marks: list[tuple[str, float]] = field(default_factory=list)
     on_mark: Callable[[str], None] | None = None
+    #: the engine's own account of its loads, where its replies give one (colo's engine:
+    #: ``handoff_s``, ``queue_s`` for the copies queued, ``wait_s`` for the device's finishing
+    #: them...), summed over the sync's loads: where a load's time goes inside the engine,
+    #: which the sender's ``load`` record (request out to ack back) cannot say
+    engine_s: dict[str, float] = field(default_factory=dict)
 
     def mark(self, event: str) -> None:
         self.marks.append((event, self.clock()))

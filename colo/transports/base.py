@@ -427,6 +427,9 @@ def timed_ack(ctx: SyncContext, bucket: Bucket, n: int) -> tuple[Callable[[], No
         # last completes none), so a sync's loads add up to its tensors
         ctx.record(bucket.index, "load", bucket.payload_bytes, reply.get("tensors", bucket.completed),
                    time.perf_counter() - sent[0])
+        for key, value in reply.items():
+            if key.endswith("_s") and isinstance(value, float):
+                ctx.engine_s[key] = ctx.engine_s.get(key, 0.0) + value
 
     return on_sent, on_ack
 

@@ -76,6 +76,11 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
         # where the sync's time went, stage by stage, summed over its buckets
         assert {"gather", "pack", "handoff", "load"} <= set(row["stage_s"]), row["stage_s"]
         assert all(v >= 0 for v in row["stage_s"].values()) and row["stage_s"]["load"] > 0
+        # colo's engine's own account of its loads: the copies queued and waited for, inside the
+        # sender's load (request out, ack back), which also holds the round trip
+        parts = row["engine_s"]
+        assert {"queue_s", "wait_s", "handoff_s", "load_s"} <= set(parts), parts
+        assert 0 < parts["load_s"] <= row["stage_s"]["load"] and set(row["verified_engine_s"]) == set(parts)
         assert row["trainer_rates"] == {}
     printed = capsys.readouterr().out
     assert "| tiny | megatron | sync-first |" in printed and "| tiny | fsdp | sync-first |" in printed
