@@ -101,9 +101,11 @@ def test_an_engine_load_summed_as_it_writes_from_pinned_memory_equals_the_traine
                          num_key_value_heads=4, intermediate_size=8192, max_position_embeddings=64)
     core = EngineCore(config, dtype=torch.bfloat16, device="cuda", total_bytes=4 << 30, mem_fraction_static=0.5,
                       init_state=None)
-    fresh = []
+    fresh, made = [], []
     real = model_mod.weights_digest
     model_mod.weights_digest = lambda named: fresh.append(1) or real(named)
+    real_blocks = model_mod.Blocks.__init__
+    model_mod.Blocks.__init__ = lambda self, named: made.append(len(named)) or real_blocks(self, named)
     try:
         for seed in range(4):
             model = build_trainer_model(config, seed=seed)
@@ -112,9 +114,14 @@ def test_an_engine_load_summed_as_it_writes_from_pinned_memory_equals_the_traine
             core.load_weights(list(state.items()))
             core.end_load()
             assert core.digest() == expected_digest(state, config, torch.bfloat16), seed
+            if seed == 1:
+                groups = len(made)
     finally:
         model_mod.weights_digest = real
+        model_mod.Blocks.__init__ = real_blocks
     assert len(fresh) == 1  # the first sync's digest only: the others were summed as they loaded
+    # each group of blocks one launch from a table made on the first summed load, then reused
+    assert groups > 1 and sum(made) == len(state) and len(made) == groups
 
 
 def test_spans_of_one_device_buffer_are_one_launch_per_word_size_and_equal_the_hosts(monkeypatch):
