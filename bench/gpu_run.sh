@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -85,6 +85,16 @@ case "${1:-tests}" in
     # --verify every adds to each (earlier calls' limits ended them after hf's rows); limit: arg 2
     timeout "${2:-540}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -24
+    ;;
+  call44a)  # issue 44, 2026-11-29 (fifth session), first call: the device digest's GPU tests (colo's engine sums a
+    # verified load from tables made once: colo.digest.Blocks), the copy probe (a model's tensors copied one by
+    # one, in one foreach call, in one Triton launch with and without the digest's lanes: bench/copy_probe.py),
+    # then baseline44's rows with the engine's own account of its loads (engine_s). Limit of the rows: arg 2
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_digest_cuda.py 2>&1 \
+      | tee "$OUT/digest-tests.log" | tail -4
+    timeout 120 python3 -m bench.copy_probe "$OUT/copy-probe-1.5b.json" 2>&1 | tee "$OUT/copy-probe.log"
+    timeout 120 python3 -m bench.copy_probe "$OUT/copy-probe-7b.json" --model qwen2-7b 2>&1 | tee -a "$OUT/copy-probe.log"
+    bash "$0" baseline44 "${2:-420}"
     ;;
   trainer7b)  # issue 44 item 5: one real trainer's rows at Qwen2-7B (hf, fsdp or megatron: arg 2), both plans,
     # what --verify every adds; bf16 parameters, fp32 masters and moments: needs an H200. Limit: arg 3

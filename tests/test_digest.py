@@ -295,3 +295,69 @@ def test_blocks_where_they_lie_digest_as_the_tensors_one_by_one_through_the_kern
         D.Blocks([("t", base.t())])
     with pytest.raises(ValueError, match="received twice"):
         got.add_blocks(one)
+
+
+def _copy_on_the_host(span):
+    """A stand-in for the copying kernel (colo.digest._launch_copy) that reads its table on the
+    host: each tensor's 4-byte words moved from its source address to its destination, its
+    programs covering them once, its lanes those of the 16-bit words it moved."""
+    import ctypes
+
+    import numpy as np
+
+    import colo.digest as D
+
+    def run(meta, n, programs, lanes, device):
+        srcs, dsts, words, firsts = (meta[k * n:(k + 1) * n].tolist() for k in range(4))
+        item, starts = meta[4 * n:4 * n + programs], meta[4 * n + programs:]
+        assert len(starts) == programs
+        out = []
+        for i, (s, d, w, f) in enumerate(zip(srcs, dsts, words, firsts)):
+            assert sorted(starts[item == i].tolist()) == list(range(0, max(w, 1), span)), i
+            ctypes.memmove(d, s, 4 * w)
+            out.append(D._host_lanes_np(np.ctypeslib.as_array((ctypes.c_uint16 * (2 * w)).from_address(d)), f))
+        return torch.tensor(out, dtype=torch.int64) if lanes else None
+
+    return run
+
+
+def test_copies_move_every_tensor_through_one_table_and_give_the_lanes_of_what_they_moved(monkeypatch):
+    """``Copies``: whole tensors into destinations of the same bytes, one launch from a table of
+    their addresses, the lanes of each tensor's bytes computed as they pass. The kernel's
+    stand-in reads the table on the host (the kernel itself against this: tests/gpu): every
+    destination ends as its source byte for byte, the lanes equal the host's of the source, a
+    tensor larger than one program's span is covered by several; what the kernel cannot take
+    (a dtype change, an odd size, 1-byte elements, a strided view, an address off 4 bytes)
+    does not fit."""
+    import colo.digest as D
+
+    assert not D.Copies.fits([(torch.zeros(4), torch.ones(4))])  # no kernel here (or not on a GPU)
+    span = D._COPY_BLOCK * D._COPY_ITERS
+    run = _copy_on_the_host(span)
+    monkeypatch.setattr(D, "_copy_kernel", lambda: run)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_copy", run)
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(2 * span + 3, 2, generator=g).to(torch.bfloat16), torch.randn(7, 6, generator=g),
+            torch.randn(10, generator=g).half()]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    pairs = list(zip(dsts, srcs))
+    assert D.Copies.fits(pairs)
+    copies = D.Copies(pairs)
+    assert copies.programs == 3 + 1 + 1
+    got = copies.run(lanes=True)
+    assert all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs)
+    assert got.tolist() == [D.lanes(s, 0, "host") for s in srcs]
+    for d in dsts:
+        d.zero_()
+    assert copies.run() is None and all(torch.equal(d, s) for d, s in pairs)
+    received = ReceivedDigest()
+    received.add_lanes(D.Labels([(f"t{i}", d) for i, d in enumerate(dsts)]), got)
+    assert received.digest(["t2", "t0", "t1"]) == weights_digest([("t2", srcs[2]), ("t0", srcs[0]), ("t1", srcs[1])])
+    a, b = torch.randn(6, generator=g), torch.randn(12, generator=g)
+    for bad in ([(a.half(), a)], [(torch.zeros(3, dtype=torch.bfloat16), a[:3].bfloat16())],
+                [(torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8))],
+                [(torch.zeros(6), b[::2])], [(torch.zeros(6), a), (torch.zeros(9, dtype=torch.bfloat16)[1:5], a[:4].bfloat16())]):
+        assert not D.Copies.fits(bad), bad
+    with pytest.raises(ValueError, match="same bytes"):
+        D.Copies([(a.half(), a)])

@@ -194,3 +194,47 @@ def test_a_summed_load_makes_its_tables_once_per_allocation_of_the_weights(confi
     _load(core, list(states[3].items()))
     assert core.digest() == expected_digest(states[3], config, torch.float32)
     assert len(made) == 2 * groups and len(fresh_passes) == 1
+
+
+def test_whole_tensors_on_the_engines_device_load_in_one_launch_that_also_sums_them(config, fresh_passes,
+                                                                                      monkeypatch):
+    """Issue 44: a batch of whole tensors already on the engine's GPU in its dtype (a sync-first
+    bucket, a trainer's flat weights) is copied in one launch (``colo.digest.Copies``), and a
+    load being summed takes its lanes from that same launch: no second read of the blocks
+    (no ``Blocks`` made), no copy per tensor. The kernel's stand-in reads the tables on the
+    host, so the engine's use of them is checked here: what it holds and the digest equal the
+    trainer's, the batch memo reuses the table, a flipped bit is caught."""
+    import colo.digest as D
+    from tests.test_digest import _copy_on_the_host
+
+    run = _copy_on_the_host(D._COPY_BLOCK * D._COPY_ITERS)
+    launches = []
+    monkeypatch.setattr(D, "_copy_kernel", lambda: run)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_copy", lambda meta, n, *a: launches.append(n) or run(meta, n, *a))
+    made = []
+    real = model_mod.Blocks.__init__
+    monkeypatch.setattr(model_mod.Blocks, "__init__", lambda self, named: made.append(len(named)) or real(self, named))
+    monkeypatch.setattr(model_mod.EngineModel, "_write", lambda *a: pytest.fail("a tensor copied on its own"))
+    core = _core(config)
+    states = [_state(config, s) for s in (0, 1, 2)]
+    flat = torch.empty(sum(t.numel() for t in states[0].values()))
+    views, off = [], 0
+    for name, t in states[0].items():
+        views.append((name, flat[off:off + t.numel()].view(t.shape)))
+        off += t.numel()
+    for i, state in enumerate(states):
+        for name, v in views:
+            v.copy_(state[name])
+        _load(core, views)
+        assert core.digest() == expected_digest(state, config, torch.float32), i
+        assert all(torch.equal(core.model._row_block(core.model._params, n), state[n]) for n in state)
+    assert launches == [len(views)] * 3 and made == [] and len(fresh_passes) == 1
+    bad = dict(states[2])
+    name = "model.layers.0.self_attn.q_proj.weight"
+    flat_view = dict(views)[name]
+    flat_view.view(-1).view(torch.int32)[3] ^= 1 << 20
+    bad[name] = flat_view.clone()
+    _load(core, views)
+    assert core.digest() == expected_digest(bad, config, torch.float32) != expected_digest(states[2], config,
+                                                                                           torch.float32)

@@ -153,3 +153,68 @@ def test_spans_of_one_device_buffer_are_one_launch_per_word_size_and_equal_the_h
     received.add_spans(buf.cuda(), spans)
     order = [n for n, _ in named][::-1]
     assert received.digest(order) == weights_digest([(n, dict(named)[n]) for n in order])
+
+
+def test_copies_on_the_device_move_exact_bytes_and_give_the_hosts_lanes():
+    """The copying kernel (``colo.digest.Copies``) on CUDA: a model-like set of tensors (a few
+    large, many small; bf16, fp32, fp16; one larger than several programs' span) copied in one
+    launch into separate destinations, byte for byte, with the lanes the host computes of the
+    sources; run again without lanes, the same bytes."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [((151936, 64), torch.bfloat16), ((1536,), torch.bfloat16), ((256, 1536), torch.bfloat16),
+              ((8960, 16), torch.float32), ((3, 1_000_002), torch.float16)] + [((1536,), torch.bfloat16)] * 100
+    host = [(torch.randn(s, generator=g) * 100).to(dt) for s, dt in shapes]
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in host]).cuda()
+    srcs, at = [], 0
+    for t in host:
+        n = t.numel() * t.element_size()
+        srcs.append(flat[at:at + n].view(t.dtype).view(t.shape))
+        at += n
+    dsts = [torch.full_like(s, 7) for s in srcs]
+    copies = D.Copies(list(zip(dsts, srcs)))
+    lanes = copies.run(lanes=True)
+    assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host))
+    assert lanes.cpu().tolist() == [D.lanes(h, 0, "host") for h in host]
+    for d in dsts:
+        d.fill_(0)
+    assert copies.run() is None
+    assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host))
+
+
+def test_an_engine_load_of_device_tensors_is_one_launch_that_sums_it_and_catches_a_flipped_bit():
+    """A sync-first load on CUDA (whole tensors of the engine's dtype on its GPU, from one
+    buffer as a trainer's flat weights or a packed bucket lie): one copying launch per batch,
+    no per-block sums after it, and the digest is the trainer's; a bit flipped in the source
+    between two loads is in the next digest."""
+    import colo.engine.reference.model as model_mod
+    from colo.engine.reference.core import EngineCore
+    from colo.engine.reference.weights import expected_digest
+    from colo.trainers.models import build_trainer_model, demo_config
+
+    config = demo_config(vocab_size=32000, hidden_size=2048, num_hidden_layers=2, num_attention_heads=16,
+                         num_key_value_heads=4, intermediate_size=8192, max_position_embeddings=64)
+    core = EngineCore(config, dtype=torch.bfloat16, device="cuda", total_bytes=4 << 30, mem_fraction_static=0.5,
+                      init_state=None)
+    launches, made = [], []
+    real_launch, real_blocks = D._launch_copy, model_mod.Blocks.__init__
+    D._launch_copy = lambda meta, n, *a: launches.append(n) or real_launch(meta, n, *a)
+    model_mod.Blocks.__init__ = lambda self, named: made.append(len(named)) or real_blocks(self, named)
+    try:
+        state = {k: v.detach().to(torch.bfloat16) for k, v in build_trainer_model(config, seed=0).state_dict().items()}
+        flat = torch.cat([t.reshape(-1) for t in state.values()]).cuda()
+        views, at = [], 0
+        for name, t in state.items():
+            views.append((name, flat[at:at + t.numel()].view(t.shape)))
+            at += t.numel()
+        for rep in range(3):
+            if rep == 2:
+                flat.view(torch.int16)[12345] ^= 1 << 3
+            core.begin_load()
+            core.load_weights(views)
+            core.end_load()
+            want = expected_digest({n: v.cpu() for n, v in views}, config, torch.bfloat16)
+            assert core.digest() == want, rep
+    finally:
+        D._launch_copy = real_launch
+        model_mod.Blocks.__init__ = real_blocks
+    assert launches == [len(views)] * 3 and made == []
