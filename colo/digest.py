@@ -467,16 +467,41 @@ class Copies:
         if not self.fits(pairs):
             raise ValueError("copies: every pair must be contiguous tensors of the same bytes on one CUDA device, "
                              "4-byte aligned and sized, elements of at least 2 bytes")
-        self.count = len(pairs)
-        self.device = pairs[0][0].device
-        words = np.array([s.numel() * s.element_size() // 4 for _, s in pairs], dtype=np.int64)
+        self._table([s.data_ptr() for _, s in pairs], [d.data_ptr() for d, _ in pairs],
+                    [s.numel() * s.element_size() for _, s in pairs], pairs[0][0].device)
+
+    @classmethod
+    def into(cls, buffer: torch.Tensor, starts: Sequence[int], sources: Sequence[torch.Tensor]) -> Copies | None:
+        """``sources`` copied into ``buffer`` (one contiguous buffer: a staging slot) at byte
+        ``starts``, without a view of the buffer per tensor; None where they do not fit (as
+        :meth:`fits`: contiguous, 4-byte aligned and sized, elements of 2 bytes or more, on
+        the buffer's device). The caller has checked that each fits in the buffer."""
+        if not sources or _copy_kernel() is None or not _batchable(buffer):
+            return None
+        base, device = buffer.data_ptr(), buffer.device
+        dests = [base + int(a) for a in starts]
+        sizes = []
+        for s, d in zip(sources, dests):
+            size = s.element_size()
+            nbytes = s.numel() * size
+            if (s.device != device or size < 2 or nbytes % 4 or d % 4 or s.data_ptr() % 4
+                    or not s.is_contiguous()):
+                return None
+            sizes.append(nbytes)
+        out = cls.__new__(cls)
+        out._table([s.data_ptr() for s in sources], dests, sizes, device)
+        return out
+
+    def _table(self, sources: Sequence[int], dests: Sequence[int], nbytes: Sequence[int], device: torch.device) -> None:
+        self.count = len(sources)
+        self.device = device
+        words = np.array(nbytes, dtype=np.int64) // 4
         span = _COPY_BLOCK * _COPY_ITERS
         counts = np.maximum((words + span - 1) // span, 1)
         item = np.repeat(np.arange(len(words), dtype=np.int64), counts)
         starts = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * span
         self.programs = len(item)
-        self.meta = np.concatenate([np.array([s.data_ptr() for _, s in pairs], dtype=np.int64),
-                                    np.array([d.data_ptr() for d, _ in pairs], dtype=np.int64),
+        self.meta = np.concatenate([np.array(sources, dtype=np.int64), np.array(dests, dtype=np.int64),
                                     words, np.zeros(len(words), dtype=np.int64), item, starts])
 
     @staticmethod

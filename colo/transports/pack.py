@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from colo.core.buckets import Bucket
+from colo.digest import Copies
 from colo.transports.base import check_bucket_tensors, is_piece
 
 
@@ -30,6 +31,27 @@ def pack_into(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> 
         # no intermediate device tensor; queued, and settled once per bucket.
         dst.copy_(src, non_blocking=src.device.type == "cpu" and src.is_pinned())
     return bucket.payload_bytes
+
+
+def pack_batched(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> bool:
+    """Pack a bucket of whole tensors already on the buffer's GPU in one launch
+    (``colo.digest.Copies``), after the same check as :func:`pack_into`; False, with
+    nothing copied, where they are not all that (a piece, a host source, a size or an
+    address the kernel cannot take): then :func:`pack_into` copies them.
+
+    Why: one ``copy_`` per tensor, with the byte view and the run it needs, was most of a
+    sharded trainer's ``sync-first`` pack (20 ms for 338 tensors in six buckets on an H200,
+    where copying the bytes takes 1.5 ms; issue 44)."""
+    if not Copies.available():
+        return False
+    if not tensors or tensors[0][1].device != flat.device or any(not e.whole for e in bucket.entries):
+        return False  # (a host source, offload-first: uploaded by the copy engine, checked once there)
+    check_bucket_tensors(bucket, tensors, flat.device)
+    copies = Copies.into(flat, [e.start for e in bucket.entries], [t for _, t in tensors])
+    if copies is None:
+        return False
+    copies.run()
+    return True
 
 
 def source_runs(bucket: Bucket, tensors: Sequence[tuple[str, Any]]) -> list[tuple[int, int, Any]]:
@@ -100,7 +122,7 @@ def queue_pack(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]], st
         return None
     stream.wait_stream(torch.cuda.current_stream(flat.device))
     with torch.cuda.stream(stream):
-        if not in_place:
+        if not in_place and not pack_batched(flat, bucket, tensors):
             pack_into(flat, bucket, tensors)
         done = torch.cuda.Event()
         done.record(stream)
