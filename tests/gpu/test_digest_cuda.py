@@ -218,3 +218,21 @@ def test_an_engine_load_of_device_tensors_is_one_launch_that_sums_it_and_catches
         D._launch_copy = real_launch
         model_mod.Blocks.__init__ = real_blocks
     assert launches == [len(views)] * 3 and made == []
+
+
+def test_a_bucket_packed_in_one_launch_on_the_device_has_the_bytes_of_the_per_tensor_pack():
+    from colo.core.buckets import plan_buckets
+    from colo.extractors.plain import PlainExtractor
+    from colo.transports.pack import pack_batched, pack_into
+
+    g = torch.Generator().manual_seed(2)
+    state = {f"t{i}": (torch.randn(shape, generator=g) * 10).to(dt) for i, (shape, dt) in
+             enumerate([((151936, 32), torch.bfloat16), ((1536,), torch.float32), ((256, 1536), torch.bfloat16)] * 20)}
+    for bucket in plan_buckets(PlainExtractor(state).specs(), 16 << 20):
+        named = [(e.spec.name, state[e.spec.name]) for e in bucket.entries]
+        want = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        pack_into(want, bucket, named)
+        got = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
+        if all(e.whole for e in bucket.entries):
+            assert pack_batched(got, bucket, [(n, t.cuda()) for n, t in named])
+            assert torch.equal(got.cpu(), want), bucket.index
