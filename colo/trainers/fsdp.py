@@ -63,6 +63,15 @@ def _reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
+def _local_shard(p: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard as it lies: DTensor keeps it as ``_local_tensor``, which
+    ``to_local()`` returns through an autograd function (host work per tensor that a
+    sync's extractor check pays on every parameter); ``to_local()`` where that attribute
+    is not there."""
+    local = getattr(p, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else p.to_local()
+
+
 def _unsharded_class(model: torch.nn.Module) -> type:
     """The model's own class: ``fully_shard`` swaps in a subclass with ``FSDPModule`` mixed in."""
     from torch.distributed.fsdp import FSDPModule
@@ -127,6 +136,8 @@ class FSDPTrainer(ReferenceTrainer):
             raise TypeError("FSDPTrainer: the model has no sharded parameters; apply shard(model, mesh) first")
         super().__init__(model, engine_dtype=engine_dtype, config=config, memory_backend=memory_backend)
         self._group = group
+        #: (the shards' addresses, the one-rank resident extractor over them): see extractor()
+        self._resident_extractor: tuple[tuple, Any] | None = None
         # kept: between a forward and its backward the root's parameters are plain tensors
         self._mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
 
@@ -167,15 +178,24 @@ class FSDPTrainer(ReferenceTrainer):
         # a parameter's local shard to new storage; an extractor built before it
         # would read the initial weights. Seen on an H100: sync-first sent the
         # step-0 weights while hf_state() had the trained ones.
-        if self.world_size == 1 and next(iter(self.model.parameters())).device.type == "cuda":
+        if self.world_size == 1:
             # one rank: each local shard is the whole tensor, read as a plain tensor; the
             # DTensor path dispatched several ops per tensor (gather included) for nothing:
-            # 137 ms for a Qwen2-1.5B sync-first on an H100, 65 x one device copy
+            # 137 ms for a Qwen2-1.5B sync-first on an H100, 65 x one device copy (on the
+            # CPU the same, which is also where this path is tested)
             from colo.extractors.plain import PlainExtractor
 
             _reshard(self.model)
-            local = {n: p.detach().to_local() for n, p in self.model.named_parameters()}
-            return PlainExtractor(local, dtype=getattr(torch, self.engine_dtype))
+            shards = [(n, _local_shard(p)) for n, p in self.model.named_parameters()]
+            # Kept while every shard is the same storage (FSDP2's lazy init rebinding one shows
+            # as a new address): building it anew each sync (338 to_local() calls and specs)
+            # was most of a one-rank sync-first gather, 14 ms at Qwen2-1.5B on an H200
+            # (issue 44), and the same extractor's tensors let its request memo replay them.
+            key = tuple((n, t.data_ptr()) for n, t in shards)
+            if self._resident_extractor is None or self._resident_extractor[0] != key:
+                local = {n: t.detach() for n, t in shards}
+                self._resident_extractor = (key, PlainExtractor(local, dtype=getattr(torch, self.engine_dtype)))
+            return self._resident_extractor[1]
         return self._live_extractor()
 
     @staticmethod

@@ -257,3 +257,30 @@ def test_tied_embeddings_are_sent_once_and_train_like_the_reference():
     finally:
         trainer.close()
     assert not dist.is_initialized()
+
+
+def test_one_rank_keeps_its_resident_extractor_while_the_shards_stay_and_reads_their_new_bytes():
+    """Issue 44: a one-rank FSDP2 trainer's sync-first extractor (each local shard as a plain
+    tensor) is built once and kept while every shard is the same storage, instead of 338
+    ``to_local()`` calls and a new extractor every sync: after a train step the same
+    extractor yields the trained bytes; a shard rebound to new storage (what FSDP2's lazy
+    init may do) gets a new one, reading the new storage."""
+    cfg = demo_config(**SMALL)
+    trainer, _ = build_trainer("fsdp", model_config=cfg, seed=SEED, engine_dtype="float32", device="cpu")
+    try:
+        names = [s.name for s in trainer.param_specs()]
+        first = trainer.extractor()
+        assert trainer.extractor() is first
+        anyio.run(trainer.train_step, RolloutResult(reward=0.0, tokens=0, data=rollout_data()))
+        assert trainer.extractor() is first
+        got, want = dict(first.extract(names)), trainer.hf_state()
+        assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+        p = dict(trainer.model.named_parameters())["model.norm.weight"]
+        local = p.to_local()
+        moved = local.detach().clone().fill_(2.5)
+        with torch.no_grad():
+            p._local_tensor = moved  # the shard rebound to other storage
+        again = trainer.extractor()
+        assert again is not first and torch.equal(dict(again.extract(names))["model.norm.weight"], moved)
+    finally:
+        trainer.close()
