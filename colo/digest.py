@@ -288,8 +288,6 @@ def _batch_kernel() -> Any:
         import triton
         import triton.language as tl
 
-        fmix = _FMIX
-
         @triton.jit
         def batch_kernel(meta, N, P, out, S1: tl.constexpr, K1: tl.constexpr, S2: tl.constexpr,
                          K2: tl.constexpr, BITS: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK: tl.constexpr,
@@ -309,10 +307,10 @@ def _batch_kernel() -> Any:
             # Computed once here, not per word: two of the four hashes per word gone.
             base = ((start + first) >> LOW_BITS).to(tl.uint32)
             here = tl.full((BLOCK,), 0, tl.uint32) + base
-            b1 = fmix(here + tl.full((BLOCK,), K1, tl.uint32)) | 1
-            b1_next = fmix(here + 1 + tl.full((BLOCK,), K1, tl.uint32)) | 1
-            b2 = fmix(here + tl.full((BLOCK,), K2, tl.uint32)) | 1
-            b2_next = fmix(here + 1 + tl.full((BLOCK,), K2, tl.uint32)) | 1
+            b1 = _FMIX(here + tl.full((BLOCK,), K1, tl.uint32)) | 1
+            b1_next = _FMIX(here + 1 + tl.full((BLOCK,), K1, tl.uint32)) | 1
+            b2 = _FMIX(here + tl.full((BLOCK,), K2, tl.uint32)) | 1
+            b2_next = _FMIX(here + 1 + tl.full((BLOCK,), K2, tl.uint32)) | 1
             # uint32 sums wrap mod 2**32, which is all a lane keeps: no 64-bit adds per word
             acc1 = tl.zeros((BLOCK,), tl.uint32)
             acc2 = tl.zeros((BLOCK,), tl.uint32)
@@ -326,8 +324,8 @@ def _batch_kernel() -> Any:
                 j = offs + first
                 low = (j & ((1 << LOW_BITS) - 1)).to(tl.uint32)
                 nxt = (j >> LOW_BITS).to(tl.uint32) != base
-                m1 = (fmix(low ^ tl.full((BLOCK,), S1, tl.uint32)) | 1) * tl.where(nxt, b1_next, b1)
-                m2 = (fmix(low ^ tl.full((BLOCK,), S2, tl.uint32)) | 1) * tl.where(nxt, b2_next, b2)
+                m1 = (_FMIX(low ^ tl.full((BLOCK,), S1, tl.uint32)) | 1) * tl.where(nxt, b1_next, b1)
+                m2 = (_FMIX(low ^ tl.full((BLOCK,), S2, tl.uint32)) | 1) * tl.where(nxt, b2_next, b2)
                 acc1 += w * m1
                 acc2 += w * m2
             tl.store(out + pid * 2, tl.sum(acc1, axis=0).to(tl.int64))
@@ -354,7 +352,9 @@ def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int
     # From pinned memory, queued: a pageable upload waits for everything before it on the
     # stream, and an engine summing a load queues this behind copies still running (the
     # host would stall until they finish instead of queueing the next ones)
-    meta_dev = torch.from_numpy(meta).pin_memory().to(device, non_blocking=True)
+    meta_dev = torch.from_numpy(meta)
+    if device.type == "cuda":
+        meta_dev = meta_dev.pin_memory().to(device, non_blocking=True)
     partial = torch.empty(programs, 2, dtype=torch.int64, device=device)
     (s1, k1), (s2, k2) = LANE_SEEDS
     kernel[(programs,)](meta_dev, tensors, programs, partial, S1=s1, K1=k1, S2=s2, K2=k2,

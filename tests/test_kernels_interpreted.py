@@ -1,0 +1,63 @@
+"""The Triton kernels of colo.digest (the batched checksum and the copying kernel) run by
+Triton's interpreter on the CPU, where Triton is installed (it is not in CI: there the
+kernels' tables are checked with stand-ins, tests/test_digest.py, and the kernels themselves
+on a GPU, tests/gpu/test_digest_cuda.py). What this adds: the kernels' own arithmetic checked
+on a machine without a GPU before a device call, through the engine's load and the pack."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r'''
+import torch
+import triton.language as tl
+import colo.digest as D
+D.tl = tl  # the interpreter looks the language up in the kernels' module
+D._COPY_BLOCK, D._COPY_ITERS = 64, 4  # several programs per tensor at these sizes
+D._batchable = lambda t: True  # host tensors stand for device ones
+from colo.core.buckets import plan_buckets
+from colo.engine.reference.core import EngineCore
+from colo.engine.reference.weights import expected_digest
+from colo.extractors.plain import PlainExtractor
+from colo.trainers.models import build_trainer_model, demo_config
+from colo.transports.pack import pack_batched, pack_into
+from tests.conftest import SMALL_CFG
+
+config = demo_config(**SMALL_CFG)
+core = EngineCore(config, dtype=torch.float32, device="cpu", total_bytes=16 << 20, mem_fraction_static=0.5,
+                  init_state=None)
+for seed in range(3):
+    state = {k: v.detach().clone() for k, v in build_trainer_model(config, seed=seed).state_dict().items()}
+    (bucket,) = plan_buckets(PlainExtractor(state).specs(), 1 << 30)
+    named = [(e.spec.name, state[e.spec.name]) for e in bucket.entries]
+    flat, want = torch.zeros(bucket.nbytes, dtype=torch.uint8), torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    assert pack_batched(flat, bucket, named)
+    pack_into(want, bucket, named)
+    assert all(torch.equal(flat[e.start:e.end], want[e.start:e.end]) for e in bucket.entries)
+    views = [(e.spec.name, flat[e.start:e.end].view(torch.float32).view(e.spec.shape)) for e in bucket.entries]
+    core.begin_load()
+    core.load_weights(views)
+    core.end_load()
+    assert core.digest() == expected_digest(state, config, torch.float32), seed
+g = torch.Generator().manual_seed(1)
+srcs = [torch.randn(s, generator=g).to(dt) for s, dt in [((300, 2), torch.bfloat16), ((33,), torch.float32)]]
+dsts = [torch.zeros_like(t) for t in srcs]
+lanes = D.Copies(list(zip(dsts, srcs))).run(lanes=True)
+assert lanes.tolist() == [D.lanes(t, 0, "host") for t in srcs]
+assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+print("ok")
+'''
+
+
+def test_the_kernels_interpreted_copy_and_sum_as_the_host_does():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(root), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
