@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -95,6 +95,14 @@ case "${1:-tests}" in
     timeout 120 python3 -m bench.copy_probe "$OUT/copy-probe-1.5b.json" 2>&1 | tee "$OUT/copy-probe.log"
     timeout 120 python3 -m bench.copy_probe "$OUT/copy-probe-7b.json" --model qwen2-7b 2>&1 | tee -a "$OUT/copy-probe.log"
     bash "$0" baseline44 "${2:-420}"
+    ;;
+  call44b)  # issue 44, second call of 2026-11-29 (fifth session): baseline44's rows after colo's engine loads a
+    # batch of device tensors in one launch (and sums it in that launch), the sender packs one, and a one-rank
+    # FSDP2 trainer keeps its resident extractor (limit: arg 2); then the device digest's GPU tests (the copying
+    # kernel, the engine's one-launch load, the one-launch pack against the per-tensor pack)
+    bash "$0" baseline44 "${2:-430}"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_digest_cuda.py 2>&1 \
+      | tee "$OUT/digest-tests.log" | tail -4
     ;;
   trainer7b)  # issue 44 item 5: one real trainer's rows at Qwen2-7B (hf, fsdp or megatron: arg 2), both plans,
     # what --verify every adds; bf16 parameters, fp32 masters and moments: needs an H200. Limit: arg 3
