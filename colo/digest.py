@@ -492,6 +492,15 @@ class Copies:
         out._table([s.data_ptr() for s in sources], dests, sizes, device)
         return out
 
+    @classmethod
+    def at(cls, sources: Any, dests: Any, nbytes: Any, device: torch.device) -> Copies:
+        """Copies from addresses the caller has already found fit (``sources``, ``dests`` and
+        ``nbytes`` as int64 arrays, all multiples of 4, one dtype of 2 bytes or more per pair,
+        on ``device``): a layout derived once, laid on a buffer mapped anew this sync."""
+        out = cls.__new__(cls)
+        out._table(sources, dests, nbytes, device)
+        return out
+
     def _table(self, sources: Sequence[int], dests: Sequence[int], nbytes: Sequence[int], device: torch.device) -> None:
         self.count = len(sources)
         self.device = device
@@ -508,6 +517,11 @@ class Copies:
     def available() -> bool:
         """Triton is there to compile the kernel (where it is not, nothing fits)."""
         return _copy_kernel() is not None
+
+    @staticmethod
+    def reads(t: torch.Tensor) -> bool:
+        """Whether the kernel reads and writes ``t``'s memory (a CUDA tensor)."""
+        return _batchable(t)
 
     @staticmethod
     def fits(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:

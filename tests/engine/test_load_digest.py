@@ -238,3 +238,46 @@ def test_whole_tensors_on_the_engines_device_load_in_one_launch_that_also_sums_t
     _load(core, views)
     assert core.digest() == expected_digest(bad, config, torch.float32) != expected_digest(states[2], config,
                                                                                            torch.float32)
+
+
+def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buffer(config, fresh_passes,
+                                                                                    monkeypatch):
+    """Issue 44: a sender that frees its staging after each sync maps a new buffer every sync
+    with the same layout (the receiver's cached ``TensorMeta`` tuple). The engine plans that
+    layout once (each tensor's offset, its row block) and loads the next buffers with no check
+    or placement per tensor (``LoadSession.check`` not called again), one launch each; the
+    weights and digests are the trainer's; a session that already has one of the names still
+    refuses the batch by name."""
+    import colo.digest as D
+    from colo.core.buckets import plan_buckets
+    from colo.core.errors import WeightMismatch
+    from colo.engine.kit import LoadSession
+    from colo.extractors.plain import PlainExtractor
+    from colo.transports.pack import pack_into
+    from colo.transports.wire import TensorMeta, views
+    from tests.test_digest import _copy_on_the_host
+
+    run = _copy_on_the_host(D._COPY_BLOCK * D._COPY_ITERS)
+    monkeypatch.setattr(D, "_copy_kernel", lambda: run)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_copy", run)
+    checks = []
+    real_check = LoadSession.check
+    monkeypatch.setattr(LoadSession, "check", lambda self, items: checks.append(len(items)) or real_check(self, items))
+    core = _core(config)
+    states = [_state(config, s) for s in (0, 1, 2)]
+    (bucket,) = plan_buckets(PlainExtractor(states[0]).specs(), 1 << 30)
+    layout = tuple(TensorMeta.of_bucket(bucket))
+    for i, state in enumerate(states):
+        flat = torch.zeros(bucket.nbytes + 64 * i, dtype=torch.uint8)[64 * i:]  # a new buffer each sync
+        pack_into(flat, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
+        core.begin_load()
+        assert core.load_weights(views(flat, layout)) == len(layout)
+        core.end_load()
+        assert core.digest() == expected_digest(state, config, torch.float32), i
+    assert checks == [len(layout)]  # the first buffer only
+    core.begin_load()
+    first = bucket.entries[0].spec.name
+    core.load_weights([(first, states[0][first])])
+    with pytest.raises(WeightMismatch, match=first):
+        core.load_weights(views(flat, layout))

@@ -45,6 +45,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+#: bucket layouts an engine keeps planned (``_LayoutPlan``): a sync's buckets, a few times over
+MAX_LAYOUT_PLANS = 64
 #: whole tensors below this many bytes are loaded together by one ``torch._foreach_copy_``
 #: (torch's multi-tensor copy, what its optimizers use); larger ones by their own copy_
 FOREACH_BYTES = 16 << 20
@@ -105,6 +107,42 @@ class _BatchMemo:
         session.loaded |= self.name_set
         session.order += self.names
         return len(self.names)
+
+
+class _LayoutPlan:
+    """A bucket's layout (the receiver's ``TensorMeta`` tuple, the same object sync after
+    sync) as this engine last loaded it whole in one launch: each tensor's byte offset in
+    the request's buffer, its row block's address and size, the names its lanes are of.
+
+    The batch memo needs the very same views; a sender that frees its staging after each
+    sync (a 7B model's, or any above ``KEEP_STAGING_BYTES``) maps a new buffer every sync,
+    so the views are new while the layout is not. Checking and placing each tensor again
+    (the session's check, the kernel's fit, its addresses) was the engine's whole load
+    time on the host, 5-8 ms a sync at Qwen2-1.5B on an H200 (issue 44); with the layout
+    planned once a load is the buffer's address plus the offsets, and one launch."""
+
+    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels")
+
+    def __init__(self, layout: Any, dests: dict, names: list[str], starts: list[int], blocks: list[torch.Tensor],
+                 labels: Labels):
+        import numpy as np
+
+        self.layout, self.dests, self.labels = layout, dests, labels
+        self.names, self.name_set = names, frozenset(names)
+        self.starts = np.array(starts, dtype=np.int64)
+        self.dst = np.array([b.data_ptr() for b in blocks], dtype=np.int64)
+        self.nbytes = np.array([b.numel() * b.element_size() for b in blocks], dtype=np.int64)
+
+    def copies(self, flat: torch.Tensor, dests: dict, session: LoadSession) -> Copies | None:
+        """This sync's copies out of ``flat`` (the request's buffer), or None where the plan
+        does not hold: another allocation of the weights, a session that already has some of
+        these names or a piece in progress, a buffer the kernel cannot read."""
+        if dests is not self.dests or session.partial or not session.loaded.isdisjoint(self.name_set):
+            return None
+        base = flat.data_ptr()
+        if base % 4 or not Copies.reads(flat):
+            return None
+        return Copies.at(self.starts + base, self.dst, self.nbytes, flat.device)
 
 
 #: bytes of written blocks checksummed per launch during a load (see ``_LoadDigest``)
@@ -213,6 +251,8 @@ class EngineModel:
         #: the summed load's tables by the names of their group (see ``_LoadDigest``): views
         #: of the weights, made once per allocation of them and dropped with them
         self._sum_tables: dict[tuple[str, ...], Blocks] = {}
+        #: bucket layouts loaded in one launch, by the layout tuple's id (see ``_LayoutPlan``)
+        self._layout_plans: dict[int, _LayoutPlan] = {}
         #: the last whole batch loaded, checked (see ``_BatchMemo``)
         self._batch_memo: _BatchMemo | None = None
         self._pool: torch.Tensor | None = None
@@ -266,6 +306,7 @@ class EngineModel:
             raise EngineStateError("engine weights are already allocated")
         self._dests = {}
         self._sum_tables = {}
+        self._layout_plans = {}
         self._batch_memo = None
         self._load_digest = self._digested = None
         if self._resume_held("weights"):
@@ -282,6 +323,7 @@ class EngineModel:
         self._params = None
         self._dests = {}
         self._sum_tables = {}
+        self._layout_plans = {}
         self._batch_memo = None
         self._load = None  # a half-done load has nothing left to finish
         self._load_digest = self._digested = None
@@ -402,6 +444,14 @@ class EngineModel:
         memo = self._batch_memo
         if memo is not None and memo.fits(named_tensors, self._dests, session):
             return memo.load(self, params, named_tensors, session)
+        layout = getattr(named_tensors, "layout", None)  # a receiver's views (colo.transports.wire.Views)
+        if layout is not None:
+            plan = self._layout_plans.get(id(layout))
+            copies = None if plan is None or plan.layout is not layout else \
+                plan.copies(named_tensors.flat, self._dests, session)
+            if copies is not None:
+                self._run_batched(copies, plan.labels)
+                return session.advance_whole(plan.names)
         items = _named_items(named_tensors)
         session.check(items)
         batched = self._batched(params, items)
@@ -410,6 +460,8 @@ class EngineModel:
             done = session.advance_whole([n for n, _ in items])
             if type(named_tensors) is list:
                 self._batch_memo = _BatchMemo(items, self._dests, [], [], [], batched)
+            if layout is not None and len(layout) == len(items):
+                self._plan_layout(layout, named_tensors.flat, items, batched[1])
             return done
         done = 0
         # small whole tensors (norms, biases, k/v projections) are copied in one foreach
@@ -463,6 +515,19 @@ class EngineModel:
         if not Copies.fits(pairs):
             return None
         return Copies(pairs), Labels([(n, d) for (n, _), (d, _) in zip(items, pairs)])
+
+    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, labels: Labels) -> None:
+        """Keep how a request of ``layout`` was just loaded in one launch (``_LayoutPlan``):
+        each view's offset in ``flat`` and its row block, for the next request of it."""
+        starts, blocks = [], []
+        base = flat.data_ptr()
+        for name, t in items:
+            starts.append(t.data_ptr() - base)
+            blocks.append(self._dests[name])
+        if len(self._layout_plans) >= MAX_LAYOUT_PLANS:
+            self._layout_plans.clear()  # a sender that changed its buckets: plan them again
+        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, [n for n, _ in items], starts, blocks,
+                                                     labels)
 
     def _run_batched(self, copies: Copies, labels: Labels) -> None:
         """Queue a batch's copies; a load being summed takes their lanes from the same launch."""
