@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -103,6 +103,24 @@ case "${1:-tests}" in
     bash "$0" baseline44 "${2:-430}"
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_digest_cuda.py 2>&1 \
       | tee "$OUT/digest-tests.log" | tail -4
+    ;;
+  call44c)  # issue 44, third call of 2026-11-29 (fifth session): every real trainer's rows at Qwen2-1.5B after the
+    # engine plans a bucket layout once (limit: arg 2), each trainer's child profiling one more plain sync per plan
+    # (COLO_BENCH_PROFILE: where the sender's time goes now); then the GPU tests of what changed: the device digest's
+    # (the copying kernel, the one-launch load and pack), the demos on CUDA with each framework trainer under both
+    # plans, tensors larger than the bucket through the packed path (limit: arg 3)
+    rm -rf /tmp/prof
+    COLO_BENCH_PROFILE=/tmp/prof timeout "${2:-360}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+      | tee "$OUT/trainers.log" | tail -12
+    for f in /tmp/prof/*sync-first.txt; do
+      [ -f "$f" ] && { echo "== $f"; sed -n 1,30p "$f" | cut -c1-200; } >> "$OUT/profiles.txt"
+    done
+    tar czf "$OUT/profiles.tgz" -C /tmp prof 2>/dev/null
+    timeout "${3:-190}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+      "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
+      "tests/gpu/test_one_gpu.py::test_on_cuda_tensors_larger_than_the_bucket_arrive_bit_exact_within_two_buckets" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
     ;;
   trainer7b)  # issue 44 item 5: one real trainer's rows at Qwen2-7B (hf, fsdp or megatron: arg 2), both plans,
     # what --verify every adds; bf16 parameters, fp32 masters and moments: needs an H200. Limit: arg 3
