@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -121,6 +121,12 @@ case "${1:-tests}" in
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
       "tests/gpu/test_one_gpu.py::test_on_cuda_tensors_larger_than_the_bucket_arrive_bit_exact_within_two_buckets[packed]" \
       2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+    ;;
+  call44d)  # issue 44, last call of 2026-11-29 (fifth session): the FSDP2 trainer's rows at Qwen2-1.5B after colo's
+    # engine keeps its row blocks, planned layouts and summed-load tables across a release that the memory saver
+    # paused (every cycle releases the engine's weights); every verified cycle checks the digest. Limit: arg 2
+    timeout "${2:-170}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers fsdp --reps 3 --out "$OUT/colo-bench-fsdp-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -8
     ;;
   trainer7b)  # issue 44 item 5: one real trainer's rows at Qwen2-7B (hf, fsdp or megatron: arg 2), both plans,
     # what --verify every adds; bf16 parameters, fp32 masters and moments: needs an H200. Limit: arg 3

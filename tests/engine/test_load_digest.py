@@ -281,3 +281,69 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     core.load_weights([(first, states[0][first])])
     with pytest.raises(WeightMismatch, match=first):
         core.load_weights(views(flat, layout))
+
+
+class _PausingSaver:
+    """A memory saver that keeps the tensors where they are (torch_memory_saver on a GPU
+    keeps their virtual addresses and unmaps the pages; here nothing is unmapped), with a
+    record of what was paused and resumed."""
+
+    def __init__(self):
+        self.calls = []
+
+    def region(self, key):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def pause(self, key):
+        self.calls.append(("pause", key))
+
+    def resume(self, key):
+        self.calls.append(("resume", key))
+
+
+def test_weights_paused_by_the_saver_keep_their_plans_and_tables_across_a_release(config, fresh_passes,
+                                                                                monkeypatch):
+    """Issue 44: every cycle of the colocated loop releases the engine's weights. Paused by the
+    memory saver they come back at the same addresses, so the layouts planned, the summed
+    load's tables and the row blocks made for them hold: the cycle after a release neither
+    checks each tensor again nor makes a table again, and its weights and digest are the
+    trainer's. Weights that were dropped (no saver) take all of that with them."""
+    import colo.digest as D
+    from colo.core.buckets import plan_buckets
+    from colo.engine.kit import LoadSession
+    from colo.extractors.plain import PlainExtractor
+    from colo.transports.pack import pack_into
+    from colo.transports.wire import TensorMeta, views
+    from tests.test_digest import _copy_on_the_host
+
+    run = _copy_on_the_host(D._COPY_BLOCK * D._COPY_ITERS)
+    monkeypatch.setattr(D, "_copy_kernel", lambda: run)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_copy", run)
+    checks, made = [], []
+    real_check, real_blocks = LoadSession.check, model_mod.Blocks.__init__
+    monkeypatch.setattr(LoadSession, "check", lambda self, items: checks.append(len(items)) or real_check(self, items))
+    monkeypatch.setattr(model_mod.Blocks, "__init__", lambda self, named: made.append(len(named)) or real_blocks(self, named))
+    saver = _PausingSaver()
+    core = EngineCore(config, dtype=torch.float32, device="cpu", total_bytes=16 * MiB, mem_fraction_static=0.5,
+                      init_state=None, saver=saver)
+    states = [_state(config, s) for s in range(4)]
+    (bucket,) = plan_buckets(PlainExtractor(states[0]).specs(), 1 << 30)
+    layout = tuple(TensorMeta.of_bucket(bucket))
+    blocks = None
+    for i, state in enumerate(states):
+        if i:
+            core.release(["weights"])
+            core.resume(["weights"])
+        flat = torch.zeros(bucket.nbytes + 64 * i, dtype=torch.uint8)[64 * i:]  # a new buffer each sync
+        pack_into(flat, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
+        core.begin_load()
+        core.load_weights(views(flat, layout))
+        core.end_load()
+        assert core.digest() == expected_digest(state, config, torch.float32), i
+        blocks = blocks or dict(core.model._dests)
+        assert core.model._dests == blocks  # the same row blocks, cycle after cycle
+    assert ("pause", "engine.weights") in saver.calls and ("resume", "engine.weights") in saver.calls
+    assert checks == [len(layout)] and made == [] and len(fresh_passes) == 1

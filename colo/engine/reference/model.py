@@ -304,14 +304,17 @@ class EngineModel:
         """Fresh, uninitialised parameter storage; contents are garbage until a full load."""
         if self._params is not None:
             raise EngineStateError("engine weights are already allocated")
+        self._load_digest = self._digested = None
+        if self._resume_held("weights"):
+            # the same tensors at the same addresses: their row blocks, the summed load's
+            # tables, the planned layouts and the batch memo still hold (their contents are
+            # garbage until the next load, as the weights' are)
+            self._params = self._held.pop("weights")
+            return
         self._dests = {}
         self._sum_tables = {}
         self._layout_plans = {}
         self._batch_memo = None
-        self._load_digest = self._digested = None
-        if self._resume_held("weights"):
-            self._params = self._held.pop("weights")
-            return
         with self._region("weights"):
             self._params = {name: torch.empty(shape, dtype=self.dtype, device=self.device)
                             for name, shape in self.map.params.items()}
@@ -321,10 +324,16 @@ class EngineModel:
             raise EngineStateError("engine weights are already freed")
         self._hold("weights", self._params)
         self._params = None
-        self._dests = {}
-        self._sum_tables = {}
-        self._layout_plans = {}
-        self._batch_memo = None
+        if "weights" not in self._held:
+            # dropped: the views into them would keep their memory. Paused by the saver, they
+            # keep their addresses and come back as they are (allocate_weights): the views,
+            # tables and plans made for them stay, or every cycle of the colocated loop
+            # (which releases the weights) would make them all again at its sync (5-8 ms of
+            # the engine's load at Qwen2-1.5B on an H200, issue 44)
+            self._dests = {}
+            self._sum_tables = {}
+            self._layout_plans = {}
+            self._batch_memo = None
         self._load = None  # a half-done load has nothing left to finish
         self._load_digest = self._digested = None
         self._return_to_device()
