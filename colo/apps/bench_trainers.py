@@ -67,7 +67,11 @@ CHILD_TIMEOUT_S = 1800
 def engine_build(config: Any, engine_dtype: str, device: str) -> dict:
     """colo's engine as the benchmark starts it: weights in ``engine_dtype`` on ``device`` and the
     smallest KV pool it accepts (one sequence of maximum length), twice over: the benchmark
-    never generates, and the device's memory is for the weights."""
+    never generates, and the device's memory is for the weights. On a GPU its memory is
+    torch_memory_saver's, as ``colo demo`` deploys it: a release pauses the weights at their
+    addresses, and what the engine planned for them (row blocks, bucket layouts, the summed
+    load's tables) holds from cycle to cycle, where freed weights would make every sync
+    the engine's first."""
     import torch
 
     from colo.engine.reference.dims import dims_from_config
@@ -80,7 +84,7 @@ def engine_build(config: Any, engine_dtype: str, device: str) -> dict:
     fraction = 0.9
     return {"config": config.to_dict(), "dtype": engine_dtype, "device": device,
             "total_bytes": int((weights + kv) / fraction) + 1, "mem_fraction_static": fraction,
-            "checkpoint": None}
+            "checkpoint": None, "memory": "saver" if device == "cuda" else "free"}
 
 
 def _median(values: Sequence[float]) -> float | None:

@@ -107,3 +107,20 @@ def test_the_optimizer_state_is_left_out_only_where_it_cannot_fit():
     # Qwen2-7B's shapes beside its engine on an 80 GB device: 7.6 B parameters need 106 GB of trainer state
     p7 = 7_615_616_512
     assert optimizer_fits(p7, 2 * p7, 2 * p7, 79 << 30)[0] is False
+
+
+def test_the_benchmarks_engine_keeps_its_memory_as_the_demo_deploys_it():
+    """On a GPU colo's engine runs under torch_memory_saver in ``colo demo`` (a release pauses the
+    weights at their addresses); the benchmark's engine the same, or every measured sync would
+    be the engine's first after a fresh allocation. The build goes through the server's own
+    check of it. On the CPU nothing pauses: its memory is freed."""
+    from colo.apps.bench_trainers import engine_build
+    from colo.engine.reference.server import check_build
+    from colo.trainers.models import demo_config
+
+    config = demo_config(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64)
+    for device, memory in (("cuda", "saver"), ("cpu", "free")):
+        build = engine_build(config, "bfloat16", device)
+        assert build["memory"] == memory
+        check_build(build)
