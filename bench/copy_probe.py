@@ -102,7 +102,7 @@ def _table(srcs: list[torch.Tensor], dsts: list[torch.Tensor],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("out")
     ap.add_argument("--model", default="qwen2-1.5b")
     ap.add_argument("--reps", type=int, default=5)
