@@ -764,7 +764,7 @@ def _read(parts: Sequence[torch.Tensor | list[int] | LaneRow]) -> list[list[int]
         elif not isinstance(p, list):
             by_device.setdefault(p.device, []).append(i)
     for batch, idx in by_batch.values():
-        values = (batch & _MASK).cpu().tolist()
+        values = batch.cpu().tolist()  # masked to 32 bits where it was made (_launch_batch)
         for i in idx:
             out[i] = values[parts[i].index]  # type: ignore[union-attr]
     for idx in by_device.values():

@@ -259,9 +259,7 @@ class DemoRun:
             # its syncs stage adapter versions; a new engine's base weights are checked once
             from colo.engine.adapters import AdapterEngine
 
-            base = self.trainer.start_state()
-            engine = AdapterEngine(engine, self.trainer.adapter, base_digest=self._base_digest(engine, base),
-                                   base_order=list(base))
+            engine = AdapterEngine.for_trainer(engine, self.trainer, self.cfg.engine_dtype)
         engine = CycleSeeded(engine, lambda: len(self.rewards))
         return self.injector.wrap_engine(engine) if self.injector else engine
 
@@ -295,15 +293,6 @@ class DemoRun:
         return {"lora": {"rank": a.r, "alpha": a.alpha, "targets": list(a.targets),
                          "adapter_params": self.trainer.num_params(), "base_params": self.trainer.base_params(),
                          "keep_adapters": self.cfg.keep_adapters}}
-
-    def _base_digest(self, engine: Any, base: dict) -> str | None:
-        """The digest of the trainer's base weights ``base`` (HF names, in their order), where
-        ``engine``'s digest reads its live weights."""
-        if not engine.capabilities.digest_live:
-            return None
-        from colo.digest import expected_weights_digest
-
-        return expected_weights_digest(base, list(base), getattr(torch, self.cfg.engine_dtype))
 
     def trainer_digest(self) -> str:
         return trainer_digest(self.trainer, self.cfg.engine_dtype)

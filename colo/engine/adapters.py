@@ -306,6 +306,23 @@ class AdapterEngine:
         loaded = getattr(engine, "adapter_digests", None) or {}
         self._next = max(loaded, default=0) + 1
 
+    @classmethod
+    def for_trainer(cls, engine: Any, trainer: Any, engine_dtype: str) -> AdapterEngine:
+        """``engine`` staging the adapter of a LoRA ``trainer`` (its ``adapter`` config and its
+        ``start_state()``, the base weights): where the engine's digest reads its live weights,
+        the base is checked once by the digest of the trainer's base in ``engine_dtype``; else
+        the probe with the adapter answers for it. ``colo demo`` and an N-rank run's engine
+        ranks both wrap theirs here."""
+        base = trainer.start_state()
+        digest = None
+        if engine.capabilities.digest_live:
+            import torch
+
+            from colo.digest import expected_weights_digest
+
+            digest = expected_weights_digest(base, list(base), getattr(torch, engine_dtype))
+        return cls(engine, trainer.adapter, base_digest=digest, base_order=list(base))
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 

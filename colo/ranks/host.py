@@ -229,15 +229,10 @@ class RankHost:
         (:class:`colo.engine.adapters.AdapterEngine`)."""
         if self.spec.lora is None:
             return engine
-        from colo.digest import expected_weights_digest
         from colo.engine.adapters import AdapterEngine
 
         engine.keep_adapters = int(self.spec.lora["keep"])
-        base = self.trainer.start_state()
-        digest = None
-        if engine.capabilities.digest_live:
-            digest = expected_weights_digest(base, list(base), getattr(torch, self.spec.engine_dtype))
-        return AdapterEngine(engine, self.trainer.adapter, base_digest=digest, base_order=list(base))
+        return AdapterEngine.for_trainer(engine, self.trainer, self.spec.engine_dtype)
 
     def _begin_engine(self) -> None:
         """Engine rank r's process, started before the trainer rank is built where the
