@@ -198,12 +198,10 @@ def test_spans_of_one_buffer_digest_as_the_tensors_one_by_one():
         Spans([("x", "bfloat16", (2,), 1, 4)])
 
 
-def test_the_batched_kernels_tables_read_every_tensor_where_it_lies(monkeypatch):
-    """The tables the CUDA kernel is given (each tensor's address, words and first word; each
-    program's tensor and start), checked on the host: a stand-in for the kernel reads exactly
-    those words at those addresses. Its lanes must be the host's of the same tensors: whole,
-    pieces (a first word past 0), not contiguous (copied first), every word size, and spans of
-    one buffer. (The kernel itself against the host: tests/gpu/test_digest_cuda.py.)"""
+def _lanes_on_the_host(meta, n, programs, word_bytes, device):
+    """A stand-in for the batched checksum kernel (colo.digest._launch_batch) that reads its
+    table on the host: each tensor's words at its address, its programs covering them once
+    (starting at 0, span, 2 span ...), its lanes the host's of those words."""
     import ctypes
 
     import numpy as np
@@ -211,19 +209,27 @@ def test_the_batched_kernels_tables_read_every_tensor_where_it_lies(monkeypatch)
     import colo.digest as D
 
     span = D._BATCH_BLOCK * D._BATCH_ITERS
+    addrs, ns, firsts = meta[:n], meta[n:2 * n], meta[2 * n:3 * n]
+    item, starts = meta[3 * n:3 * n + programs], meta[3 * n + programs:]
+    assert len(starts) == programs
+    out = []
+    for i, (a, count, first) in enumerate(zip(addrs.tolist(), ns.tolist(), firsts.tolist())):
+        assert sorted(starts[item == i].tolist()) == list(range(0, max(count, 1), span)), i
+        words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
+        out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
+    return torch.tensor(out, dtype=torch.int64)
 
-    def kernel_on_the_host(meta, n, programs, word_bytes, device):
-        addrs, ns, firsts = meta[:n], meta[n:2 * n], meta[2 * n:3 * n]
-        item, starts = meta[3 * n:3 * n + programs], meta[3 * n + programs:]
-        assert len(starts) == programs
-        out = []
-        for i, (a, count, first) in enumerate(zip(addrs.tolist(), ns.tolist(), firsts.tolist())):
-            # its programs start at 0, span, 2 span ... and cover its words once
-            assert sorted(starts[item == i].tolist()) == list(range(0, max(count, 1), span)), i
-            words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
-            out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
-        return torch.tensor(out, dtype=torch.int64)
 
+def test_the_batched_kernels_tables_read_every_tensor_where_it_lies(monkeypatch):
+    """The tables the CUDA kernel is given (each tensor's address, words and first word; each
+    program's tensor and start), checked on the host: a stand-in for the kernel reads exactly
+    those words at those addresses. Its lanes must be the host's of the same tensors: whole,
+    pieces (a first word past 0), not contiguous (copied first), every word size, and spans of
+    one buffer. (The kernel itself against the host: tests/gpu/test_digest_cuda.py.)"""
+    import colo.digest as D
+
+    span = D._BATCH_BLOCK * D._BATCH_ITERS
+    kernel_on_the_host = _lanes_on_the_host
     monkeypatch.setattr(D, "_batch_kernel", lambda: kernel_on_the_host)
     monkeypatch.setattr(D, "_batchable", lambda t: True)
     monkeypatch.setattr(D, "_launch_batch", kernel_on_the_host)
@@ -253,20 +259,9 @@ def test_blocks_where_they_lie_digest_as_the_tensors_one_by_one_through_the_kern
     on the host) and without it, the digest is the tensors' one by one, every word size and an
     empty tensor among them; the table reads the bytes as they are when launched, not as they
     were when it was made; a name twice or a strided tensor is refused."""
-    import ctypes
-
-    import numpy as np
-
     import colo.digest as D
 
-    def kernel_on_the_host(meta, n, programs, word_bytes, device):
-        addrs, ns, firsts = meta[:n], meta[n:2 * n], meta[2 * n:3 * n]
-        out = []
-        for a, count, first in zip(addrs.tolist(), ns.tolist(), firsts.tolist()):
-            words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
-            out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
-        return torch.tensor(out, dtype=torch.int64)
-
+    kernel_on_the_host = _lanes_on_the_host
     g = torch.Generator().manual_seed(9)
     span = D._BATCH_BLOCK * D._BATCH_ITERS
     base = torch.randn(3, span // 2 + 11, generator=g).to(torch.bfloat16)  # row blocks of one parameter

@@ -73,6 +73,17 @@ def _pieces(state, elements):
     return out
 
 
+def _views_of_one_buffer(state):
+    """``(name, view)`` of each tensor of ``state``'s shapes, back to back in one new buffer (as
+    a kept staging slot or a trainer's flat weights hand them over)."""
+    flat = torch.empty(sum(t.numel() for t in state.values()))
+    views, off = [], 0
+    for name, t in state.items():
+        views.append((name, flat[off:off + t.numel()].view(t.shape)))
+        off += t.numel()
+    return views
+
+
 def test_after_a_digest_the_next_loads_are_summed_as_written_and_equal_the_trainers(config, fresh_passes):
     core = _core(config)
     states = [_state(config, s) for s in (0, 1, 2)]
@@ -109,11 +120,7 @@ def test_the_same_views_loaded_again_with_new_bytes_are_summed_anew(config, fres
     real = model_mod._BatchMemo.load
     monkeypatch.setattr(model_mod._BatchMemo, "load", lambda self, *a: memo_loads.append(1) or real(self, *a))
     states = [_state(config, s) for s in (0, 1, 2)]
-    flat = torch.empty(sum(t.numel() for t in states[0].values()))
-    views, off = [], 0
-    for name, t in states[0].items():
-        views.append((name, flat[off:off + t.numel()].view(t.shape)))
-        off += t.numel()
+    views = _views_of_one_buffer(states[0])
     for state in states:
         for name, v in views:
             v.copy_(state[name])
@@ -157,22 +164,12 @@ def test_a_summed_load_makes_its_tables_once_per_allocation_of_the_weights(confi
     time (``colo.digest.Blocks``), not a checksum object per tensor every sync. The kernel's
     stand-in reads the table's addresses on the host, so the table path itself is checked
     against the trainer's digest; a release drops the tables with the weights they point into."""
-    import ctypes
-
-    import numpy as np
-
     import colo.digest as D
+    from tests.test_digest import _lanes_on_the_host
 
-    def kernel_on_the_host(meta, n, programs, word_bytes, device):
-        out = []
-        for a, count, first in zip(meta[:n].tolist(), meta[n:2 * n].tolist(), meta[2 * n:3 * n].tolist()):
-            words = (ctypes.c_uint8 if word_bytes == 1 else ctypes.c_uint16) * count
-            out.append(D._host_lanes_np(np.ctypeslib.as_array(words.from_address(a)), first))
-        return torch.tensor(out, dtype=torch.int64)
-
-    monkeypatch.setattr(D, "_batch_kernel", lambda: kernel_on_the_host)
+    monkeypatch.setattr(D, "_batch_kernel", lambda: _lanes_on_the_host)
     monkeypatch.setattr(D, "_batchable", lambda t: True)
-    monkeypatch.setattr(D, "_launch_batch", kernel_on_the_host)
+    monkeypatch.setattr(D, "_launch_batch", _lanes_on_the_host)
     monkeypatch.setattr(model_mod, "LOAD_DIGEST_BYTES", 64 << 10)  # several groups in one load
     made = []
     real = model_mod.Blocks.__init__
@@ -218,11 +215,7 @@ def test_whole_tensors_on_the_engines_device_load_in_one_launch_that_also_sums_t
     monkeypatch.setattr(model_mod.EngineModel, "_write", lambda *a: pytest.fail("a tensor copied on its own"))
     core = _core(config)
     states = [_state(config, s) for s in (0, 1, 2)]
-    flat = torch.empty(sum(t.numel() for t in states[0].values()))
-    views, off = [], 0
-    for name, t in states[0].items():
-        views.append((name, flat[off:off + t.numel()].view(t.shape)))
-        off += t.numel()
+    views = _views_of_one_buffer(states[0])
     for i, state in enumerate(states):
         for name, v in views:
             v.copy_(state[name])
