@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 
 from colo.proc.handles import leftover_segments
 
@@ -53,3 +54,17 @@ def new_fds(before: dict[int, tuple[int, int]]) -> dict[int, str]:
             except OSError:
                 out[fd] = "?"
     return out
+
+
+#: a UUID's name (uuid4's: eight, four, four, four and twelve hex digits): named after no process
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def named_after(pids) -> list[str]:
+    """Entries of /dev/shm and /tmp named after one of ``pids`` (a pid as one of the name's parts
+    split on ``.``, ``_`` or ``-``: vLLM's and torch's own names). A UUID's name is not one: its
+    hex groups can read as a pid (a fresh-clone CI run matched ``/tmp/ad70f22d-d986-4594-...``,
+    some other process's, against pid 4594)."""
+    own = {str(p) for p in pids}
+    return [f"{d}/{n}" for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
+            if not _UUID.fullmatch(n) and own.intersection(n.split(".") + n.split("_") + n.split("-"))]

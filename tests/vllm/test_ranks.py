@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.leaks import named_after
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -222,6 +224,5 @@ def test_a_vllm_rank_signalled_from_outside_is_replaced_there_and_both_reach_the
         assert replayed.returncode == 0 and json.loads(replayed.stdout)["valid"] is True, replayed.stdout[-2000:]
     gone = [victim, *below, *([core] if launcher == "process" else [])]
     assert all(process_state(p) in (None, "Z", "X") for p in gone), [(p, process_state(p)) for p in gone]
-    named = [f"{d}/{n}" for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
-             if any(str(p) in n.split(".") + n.split("_") + n.split("-") for p in gone)]
+    named = named_after(gone)
     assert named == [], named

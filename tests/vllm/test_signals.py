@@ -17,7 +17,7 @@ import pytest
 
 from colo.core.errors import EngineDied
 from colo.proc.lifecycle import process_state
-from tests.leaks import new_segments
+from tests.leaks import named_after, new_segments
 from tests.vllm.parts import LLM_ARGS
 from tests.vllm.test_engine import PROMPTS, new_weights, sync
 
@@ -73,6 +73,5 @@ async def test_a_signalled_vllm_worker_is_reported_dead_and_leaves_no_process(mo
     # and nothing of this test's is left in /dev/shm or /tmp: colo's segments of this process,
     # and no entry named after a process of vLLM's (other tests' processes run beside this one)
     assert new_segments() == []
-    named = [f"{d}/{n}" for d in ("/dev/shm", "/tmp") for n in os.listdir(d)
-             if any(str(p) in n.split(".") + n.split("_") + n.split("-") for p in own)]
+    named = named_after(own)
     assert named == [], named
