@@ -109,3 +109,93 @@ async def test_an_engine_whose_digest_is_of_its_live_weights_is_probed_once_then
     assert len(digests) == 5 and len(syncs) == 4  # the failed sync finished no sync
     assert [e["verify_parts"]["probe_s"] is not None for e in syncs] == probed
     assert probes == after  # after which verified sync (the 4th failed its digest check, unprobed)
+
+
+class _DigestAtOffloadTrainer(FakeTrainer):
+    """A trainer whose offload takes its weights' digest, as colo's one-process trainers on a GPU do."""
+
+    def digest_at_offload(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("plan,trainer_cls,deferred", [("sync-first", _DigestAtOffloadTrainer, True),
+                                                       ("offload-first", _DigestAtOffloadTrainer, False),
+                                                       ("sync-first", FakeTrainer, False)])
+async def test_a_sync_first_sync_is_checked_against_the_digest_the_trainer_offload_takes(
+        plan, trainer_cls, deferred, tmp_path):
+    """Under ``sync-first`` the trainer offloads right after the sync and takes its digest as it
+    does: the engines' digests (taken inside the sync) are compared in ``trainer_offload``, after
+    the trainer's offload and before the KV cache returns, instead of the trainer reading every
+    weight a second time inside the sync. Elsewhere, or for a trainer that takes no digest as it
+    offloads, the check stays inside the sync."""
+    trainer = trainer_cls()
+    checks: list[tuple] = []
+
+    async def verify(ds):
+        # the trainer's offloads so far when its digest was compared
+        checks.append((list(ds), [c for c in trainer.calls if c[0] == "offload"]))
+
+    path = tmp_path / "t.jsonl"
+    s = Scheduler(trainer, FakeEngine(), MemoryLedger(total_bytes=10_000), FakeTransport(), trace=TraceWriter(path),
+                  verify=verify, config=SchedulerConfig(plan=plan, bucket_bytes=50, verify="every"))
+    async with s:
+        for _ in range(2):
+            await s.cycle()
+    events = read_trace(path)
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    checked = [e for e in events if e["event"] == "digest.checked"]
+    assert len(syncs) == len(checks) == 2
+    assert all(d == [e["digest"]] for (d, _), e in zip(checks, syncs))  # the sync's own digests, compared later
+    assert [e["verify_parts"]["trainer_check_s"] is None for e in syncs] == [deferred, deferred]
+    assert len(checked) == (2 if deferred else 0)
+    # cycle i offloads once: sync-first after its sync, offload-first before it; a check inside
+    # a sync-first sync comes before that cycle's offload, a deferred one after it
+    assert [len(off) for _, off in checks] == ([0, 1] if plan == "sync-first" and not deferred else [1, 2])
+    assert all(c[1] == ("weights", "optimizer") for _, off in checks for c in off)
+    if deferred:
+        # in trainer_offload (after its pause), before engine_wake_kv, of the version the sync moved
+        phases = [e for e in events if e["event"] in ("phase.entered", "digest.checked")]
+        assert [phases[phases.index(ev) - 1]["to_phase"] for ev in checked] == ["trainer_offload"] * 2
+        assert [e["weight_version"] for e in checked] == [e["weight_version"] for e in syncs] == [1, 2]
+    checker = InvariantChecker()
+    assert [str(v) for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
+    assert main(["replay", str(path)]) == 0
+
+
+async def test_a_deferred_digest_mismatch_fails_trainer_offload_and_leaves_the_engine_stale(tmp_path):
+    """A ``sync-first`` digest that disagrees with the trainer's offload digest fails
+    ``trainer_offload``: every engine rank is marked stale, no KV cache is brought back, the
+    trainer's weights are on the host as offloaded; the recovery syncs from there and checks
+    inside that sync (the trainer is not resident)."""
+    from colo.core.errors import VerificationError
+
+    trainer, engine, bad, seen = _DigestAtOffloadTrainer(), FakeEngine(), [], []
+
+    async def verify(ds):
+        seen.append(list(ds))
+        if bad:
+            bad.clear()
+            raise VerificationError("engine rank 0 digest differs from the trainer's, injected")
+
+    path = tmp_path / "t.jsonl"
+    s = Scheduler(trainer, engine, MemoryLedger(total_bytes=10_000), FakeTransport(), trace=TraceWriter(path),
+                  verify=verify, config=SchedulerConfig(plan="sync-first", bucket_bytes=50, verify="every"))
+    async with s:
+        await s.cycle()
+        bad.append(1)
+        with pytest.raises(VerificationError, match="injected"):
+            await s.cycle()
+        assert s.engine_version is None and engine.version is None and s.stale
+        assert s.memory.is_resident("engine.kv_cache") is False
+        assert "weights" not in trainer.resident
+        await s.recover()
+        assert s.engine_version == s.trainer_version == 2 and engine.version == 2
+    events = read_trace(path)
+    failed = [e for e in events if e["event"] == "phase.failed"]
+    assert [(e["phase"], e["error_type"]) for e in failed] == [("trainer_offload", "VerificationError")]
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    # the recovery's sync came from the host backup: checked inside it
+    assert [e["source"] for e in syncs] == ["device", "device", "host"]
+    assert [e["verify_parts"]["trainer_check_s"] is None for e in syncs] == [True, True, False]
+    assert len(seen) == 3 and len([e for e in events if e["event"] == "digest.checked"]) == 1
+    assert main(["replay", str(path)]) == 0

@@ -21,7 +21,9 @@ memory moved by its backend alone), then ``reps`` verified cycles as the demo
 verifies (:func:`colo.apps.demo_setup.make_verifier`): the trainer offloads
 through ``trainer.offload`` (which takes its digest and the probe's reference on
 the device first), and after the sync the engine's digest is checked against
-the trainer's and the engine's logits on the probe batch against the trainer's.
+the trainer's and the engine's logits on the probe batch against the trainer's
+(under ``sync-first`` the digest against the one the trainer's offload then takes,
+after it, as the scheduler checks it: ``checked_at_offload``).
 colo's engine digests its own weights, so as the scheduler does it is probed on
 the first verified cycle only, and its loads after a digest sum the weights as
 they write them. Reported: every step's median, the verification's parts, what
@@ -186,12 +188,16 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
                peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages),
                engine_s=dict(ctx.engine_s))
+    # as the scheduler does (Scheduler._check_at_offload): a sync-first sync's digest is checked
+    # against the one the trainer's offload takes, after it, not against a second read inside the sync
+    deferred = verifier is not None and plan == "sync-first" and source == "device" and trainer.digest_at_offload()
     if verifier is not None:
         verify, probe = verifier
         t0 = time.perf_counter()
         digest = await engine.digest()
         t1 = time.perf_counter()
-        await verify([digest])  # raises VerificationError on a mismatch: the row fails, loudly
+        if not deferred:
+            await verify([digest])  # raises VerificationError on a mismatch: the row fails, loudly
         t2 = time.perf_counter()
         if probe_now:
             await probe()
@@ -200,8 +206,15 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
         out["verify_parts"] = {"engine_digest_s": t1 - t0, "trainer_check_s": t2 - t1,
                                "probe_s": t3 - t2 if probe_now else None}
         out["digest"] = digest
+        out["checked_at_offload"] = deferred
     if plan == "sync-first":
         await pause()
+    if deferred:
+        t0 = time.perf_counter()
+        await verify([digest])
+        took = time.perf_counter() - t0
+        out["verify_s"] += took
+        out["verify_parts"]["trainer_check_s"] = took
     out["engine_wake_kv_s"], _ = await clock.time(lambda: engine.resume(["kv_cache"]))
     return out
 
@@ -248,6 +261,9 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
         # (its load sums the weights as it writes them) and its verification, against a plain sync
         row["verify_adds_s"] = _median([c["sync_s"] + c["verify_s"] for c in verified]) - row["sync_s"]
         row["digests"] = sorted({c["digest"] for c in verified})
+        # the trainer's digest was the one its offload takes (sync-first, Scheduler._check_at_offload):
+        # trainer_check_s is then the comparison after the offload, the digest's pass in the verified offload
+        row["checked_at_offload"] = all(c.get("checked_at_offload", False) for c in verified)
         offload = [c["trainer_offload_verified_s"] for c in verified if "trainer_offload_verified_s" in c]
         if offload:
             row["trainer_offload_verified_s"] = _median(offload)

@@ -7,6 +7,8 @@ EVENTS = frozenset({
     "trace.started", "phase.entered", "phase.finished", "phase.failed",
     "memory.paused", "memory.resumed", "bucket.finished", "sync.finished",
     "rollout.finished", "probe.finished", "trace.finished",
+    # a sync-first sync's digests checked once the trainer's offload took its own
+    "digest.checked",
     # an engine's own sub-states (colo.core.phases.SUBSTATES): its weight-update session
     # and its paused generation, written only for engines whose capabilities declare them
     "session.opened", "session.closed", "generation.paused", "generation.continued",

@@ -130,6 +130,13 @@ class PolicyTrainer:
             return self._offloaded_logits.clone()
         return self.logits(tokens)
 
+    def digest_at_offload(self) -> bool:
+        """Whether :meth:`offload` takes the weights' digest before they go (and
+        :meth:`sent_digest` returns it while they are paused): a scheduler then checks a
+        ``sync-first`` sync's digests against that one rather than read every weight a
+        second time inside the sync (:meth:`colo.scheduler.Scheduler._check_at_offload`)."""
+        return self._memory_backend is not None and _one_process()
+
     def sent_digest(self, fresh: bool = False) -> str:
         """The contract digest (:mod:`colo.digest`) every engine must report after a sync of
         these weights: the HF-named tensors in the spec order, each converted to the engine's

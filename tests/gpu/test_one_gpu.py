@@ -26,6 +26,17 @@ def replay_clean(path):
     return events
 
 
+def checked_as_planned(events, plan):
+    """Every verified sync's digest was checked: under ``sync-first`` against the digest the
+    trainer's offload takes, in ``trainer_offload`` after the sync (one ``digest.checked`` per
+    sync, of its version); elsewhere inside the sync."""
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    checked = [e for e in events if e["event"] == "digest.checked"]
+    deferred = plan == "sync-first"
+    assert [s["verify_parts"]["trainer_check_s"] is None for s in syncs] == [deferred] * len(syncs)
+    assert [e["weight_version"] for e in checked] == ([s["weight_version"] for s in syncs] if deferred else [])
+
+
 def free_bytes():
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
@@ -71,6 +82,7 @@ def test_demo_on_cuda_runs_each_plan_with_verified_syncs(plan, tmp_path):
     kv = start["tags"]["engine.kv_cache"]["bytes"]
     assert kv > 10 * (1 << 30)
     assert train[0]["mem"]["used"] < rollout[0]["mem"]["used"] - kv + 512 * MiB
+    checked_as_planned(events, plan)
 
 
 @pytest.mark.parametrize("trainer", ["megatron", "fsdp"])
@@ -86,6 +98,7 @@ def test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync(trainer, p
     syncs = [e for e in events if e["event"] == "sync.finished"]
     assert [s["weight_version"] for s in syncs] == [1, 2] and len({s["digest"] for s in syncs}) == 2
     assert all(s["tensors"] == s["params"] for s in syncs)
+    checked_as_planned(events, plan)
 
 
 def test_engine_with_a_different_cuda_visible_devices_loads_over_ipc(tmp_path):
