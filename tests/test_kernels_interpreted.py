@@ -39,6 +39,15 @@ for seed in range(3):
     assert pack_batched(flat, bucket, named)
     pack_into(want, bucket, named)
     assert all(torch.equal(flat[e.start:e.end], want[e.start:e.end]) for e in bucket.entries)
+    # half the tensors already at their entry (an extractor given the slot's views): the rest around them
+    mixed, half = torch.zeros(bucket.nbytes, dtype=torch.uint8), []
+    for i, (e, (n, t)) in enumerate(zip(bucket.entries, named)):
+        if i % 2:
+            view = mixed[e.start:e.end].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t = view
+        half.append((n, t))
+    assert pack_batched(mixed, bucket, half) and torch.equal(mixed, want)
     views = [(e.spec.name, flat[e.start:e.end].view(torch.float32).view(e.spec.shape)) for e in bucket.entries]
     core.begin_load()
     core.load_weights(views)

@@ -47,7 +47,12 @@ def pack_batched(flat: Any, bucket: Bucket, tensors: Sequence[tuple[str, Any]]) 
     if not tensors or tensors[0][1].device != flat.device or any(not e.whole for e in bucket.entries):
         return False  # (a host source, offload-first: uploaded by the copy engine, checked once there)
     check_bucket_tensors(bucket, tensors, flat.device)
-    copies = Copies.into(flat, [e.start for e in bucket.entries], [t for _, t in tensors])
+    # a tensor the extractor already wrote at its entry (PackedTransport._destinations) stays
+    base = flat.data_ptr()
+    todo = [(e.start, t) for e, (_, t) in zip(bucket.entries, tensors) if t.data_ptr() != base + e.start]
+    if not todo:
+        return True
+    copies = Copies.into(flat, [a for a, _ in todo], [t for _, t in todo])
     if copies is None:
         return False
     copies.run()

@@ -202,6 +202,26 @@ def test_with_upload_to_one_query_groups_q_k_and_v_are_views_of_the_fused_qkv():
         assert _shares_memory(got[f"model.layers.0.self_attn.{x}_proj.weight"], fused), x
 
 
+def test_given_views_to_fill_a_fused_qkv_of_several_query_groups_is_split_straight_into_them():
+    """At one rank, q, k and v of a fused QKV of several query groups (strided rows) are copied
+    into the caller's views (a staging slot's) and yielded as those views, bit for bit what the
+    extractor yields without views; a view of the wrong shape is left alone (a new tensor)."""
+    ref = hf_reference()
+    ex = MegatronExtractor(megatron_params(ref), dtype=torch.bfloat16, attention=ATTENTION, vocab_size=T.VOCAB)
+    specs = {sp.name: sp for sp in ex.specs()}
+    names = [f"model.layers.1.self_attn.{x}_proj.{w}" for w in ("weight", "bias") for x in "qkv"]
+    into = {n: torch.full(specs[n].shape, 7.0, dtype=torch.bfloat16) for n in names}
+    wrong = names[1]
+    into[wrong] = torch.zeros(specs[wrong].shape[0] + 1, *specs[wrong].shape[1:], dtype=torch.bfloat16)
+    assert T.HEADS // T.GROUPS > 1 and T.GROUPS > 1  # q, k and v interleave: strided rows
+    got = dict(ex.extract(names, into))
+    assert list(got) == names
+    for n in names:
+        assert_bit_equal(got[n], ref[n].to(torch.bfloat16), n)
+        assert (got[n] is into[n]) == (n != wrong), n
+    assert not into[wrong].any()  # untouched
+
+
 def test_device_and_upload_to_together_are_refused():
     with pytest.raises(ValueError, match="device .*or upload_to"):
         MegatronExtractor({}, device="cpu", upload_to="cpu")

@@ -220,7 +220,7 @@ def test_an_engine_load_of_device_tensors_is_one_launch_that_sums_it_and_catches
     assert launches == [len(views)] * 3 and made == []
 
 
-def test_a_bucket_packed_in_one_launch_on_the_device_has_the_bytes_of_the_per_tensor_pack():
+def test_a_bucket_packed_in_one_launch_on_the_device_has_the_bytes_of_the_per_tensor_pack(monkeypatch):
     from colo.core.buckets import plan_buckets
     from colo.extractors.plain import PlainExtractor
     from colo.transports.pack import pack_batched, pack_into
@@ -236,3 +236,21 @@ def test_a_bucket_packed_in_one_launch_on_the_device_has_the_bytes_of_the_per_te
         if all(e.whole for e in bucket.entries):
             assert pack_batched(got, bucket, [(n, t.cuda()) for n, t in named])
             assert torch.equal(got.cpu(), want), bucket.index
+            # every other tensor already written at its entry (an extractor given the slot's
+            # views): the launch copies only the rest, around them
+            into = torch.zeros(bucket.nbytes, dtype=torch.uint8, device="cuda")
+            mixed = []
+            for i, (e, (n, t)) in enumerate(zip(bucket.entries, named)):
+                if i % 2:
+                    view = into[e.start:e.end].view(t.dtype).view(t.shape)
+                    view.copy_(t)
+                    mixed.append((n, view))
+                else:
+                    mixed.append((n, t.cuda()))
+            copied, real_into = [], D.Copies.into.__func__
+            monkeypatch.setattr(D.Copies, "into", classmethod(
+                lambda cls, buf, starts, sources: copied.append(len(sources)) or real_into(cls, buf, starts, sources)))
+            assert pack_batched(into, bucket, mixed)
+            monkeypatch.undo()
+            assert torch.equal(into.cpu(), want), bucket.index
+            assert copied == [(len(named) + 1) // 2], bucket.index  # the even-numbered ones
