@@ -105,16 +105,19 @@ class MegatronRuntime:
             dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
             self.owns_dist = True
         self.tp = dist.get_world_size()
+        # refused before any collective: every rank refuses alike, where a group made first and
+        # closed by the refusal's cleanup could be closed on a fast rank while a slow one still
+        # connects to it (gloo's "Connection closed by peer" there, on a busy two-core machine)
+        if ps.model_parallel_is_initialized():
+            tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+            if (tp, pp) != (self.tp, 1):
+                raise ValueError(f"megatron trainer: parallel_state is initialised with TP={tp}, PP={pp}; this "
+                                 f"trainer needs TP={self.tp} (the world's size) and PP=1")
         self.meta_group = dist.new_group(list(range(self.tp)), backend="gloo")
 
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=1)
             self.owns_parallel = True
-        else:
-            tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-            if (tp, pp) != (self.tp, 1):
-                raise ValueError(f"megatron trainer: parallel_state is initialised with TP={tp}, PP={pp}; this "
-                                 f"trainer needs TP={self.tp} (the world's size) and PP=1")
         if self.tp > 1:
             self.tp_group = ps.get_tensor_model_parallel_group()
 
