@@ -47,6 +47,13 @@ def test_master_adamw_steps_fp32_masters_exactly_as_torch_adamw_and_rounds_them_
     # small updates accumulate in the masters where bf16 alone would round them away
     assert any(not torch.equal(m.detach().to(torch.bfloat16).float(), m.detach()) for m in opt.masters)
     assert opt.state_bytes == 12 * sum(p.numel() for p in params)
+    # the masters and each moment: one buffer each, the parameters' views of it back to back
+    # (the memory saver pauses and resumes a region allocation by allocation)
+    states = [opt.masters, *([opt.inner.state[m][k] for m in opt.masters] for k in ("exp_avg", "exp_avg_sq"))]
+    storages = [{t.untyped_storage().data_ptr() for t in ts} for ts in states]
+    assert [len(x) for x in storages] == [1, 1, 1] and len(set.union(*storages)) == 3
+    assert all(t.untyped_storage().nbytes() == opt.state_bytes // 3 for ts in states for t in ts)
+    assert [[t.storage_offset() for t in ts] for ts in states] == [[0, 35]] * 3
 
 
 def test_master_adamw_restores_a_failed_step_and_refuses_what_it_is_not_for():
@@ -59,9 +66,13 @@ def test_master_adamw_restores_a_failed_step_and_refuses_what_it_is_not_for():
     p.grad = torch.ones_like(p)
     opt.step()
     assert not torch.equal(opt.masters[0].detach(), before)
+    moments = {k: opt.inner.state[opt.masters[0]][k] for k in ("exp_avg", "exp_avg_sq")}
     opt.restore(saved)
     assert torch.equal(opt.masters[0].detach(), before)
     assert opt.inner.state[opt.masters[0]]["step"] == 1
+    # restored into the moments' own tensors (views of the optimizer's buffers), not the snapshot's
+    for k, t in moments.items():
+        assert opt.inner.state[opt.masters[0]][k] is t and torch.equal(t, saved[1][0][k]), k
     with pytest.raises(ValueError, match="float32 already"):
         MasterAdamW([torch.nn.Parameter(torch.ones(2))])
     with pytest.raises(ValueError, match="no parameters"):
