@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -146,6 +146,24 @@ case "${1:-tests}" in
     timeout "${2:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_runs_each_plan_with_verified_syncs" \
       "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+    ;;
+  call45c)  # issue 44, last call of 2026-11-29 (sixth session): every real trainer's rows at Qwen2-1.5B after the
+    # optimizer's masters and moments are one allocation each (the trainer's pause and onload) and the kernels' tables
+    # go up through a pinned ring instead of a pin per launch (limit: arg 2); then the GPU tests of what changed: the
+    # device digest's (the ring among them), a framework trainer's demo training under each plan, the hf trainer's
+    # tags and one-copy syncs over several steps (limit: arg 3)
+    rm -rf /tmp/prof
+    COLO_BENCH_PROFILE=/tmp/prof timeout "${2:-270}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+      | tee "$OUT/trainers.log" | tail -12
+    for f in /tmp/prof/*sync-first.txt; do
+      [ -f "$f" ] && { echo "== $f"; sed -n 1,30p "$f" | cut -c1-200; } >> "$OUT/profiles.txt"
+    done
+    timeout "${3:-170}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+      "tests/gpu/test_real_trainers.py" \
+      "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[sync-first-megatron]" \
+      "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[offload-first-fsdp]" \
       2>&1 | tee "$OUT/gpu-tests.log" | tail -8
     ;;
   call44d)  # issue 44, last call of 2026-11-29 (fifth session): the FSDP2 trainer's rows at Qwen2-1.5B after colo's

@@ -46,10 +46,12 @@ Device work is queued on the current stream and read back once per digest.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -348,6 +350,71 @@ def _program_table(ns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return item, starts
 
 
+class _UploadRing:
+    """Small host tables (a kernel's meta) to one GPU through one pinned buffer kept for the
+    process, used as a ring: each upload is a slice of it, queued on the current stream,
+    and a slice is written again only once the event recorded after its upload has passed.
+
+    Why: ``pin_memory()`` per upload was 0.2-0.3 ms of host time each (six per sync on
+    each side of a sharded ``sync-first`` sync, one H200: issue 44), where copying the
+    few kilobytes into memory already pinned is microseconds. A table larger than a
+    quarter of the ring is pinned on its own, as before."""
+
+    #: the ring's bytes; slices start on 64-byte boundaries
+    NBYTES = 4 << 20
+
+    def __init__(self, device: torch.device, *, buffer: torch.Tensor | None = None,
+                 new_event: Any = None) -> None:
+        self.device = device
+        self.buf = buffer if buffer is not None else torch.empty(self.NBYTES, dtype=torch.uint8, pin_memory=True)
+        self.nbytes = self.buf.numel()
+        self.head = 0
+        #: (start, end, event) of uploads that may still be reading, oldest first
+        self.pending: collections.deque = collections.deque()
+        self._new_event = new_event or (lambda: torch.cuda.Event())
+        self._lock = threading.Lock()
+
+    def upload(self, meta: np.ndarray) -> torch.Tensor:
+        """``meta`` (int64) on the ring's device, its copy queued on the current stream."""
+        n = meta.nbytes
+        if n > self.nbytes // 4:
+            return torch.from_numpy(meta).pin_memory().to(self.device, non_blocking=True)
+        size = (n + 63) & ~63
+        with self._lock:
+            if self.head + size > self.nbytes:
+                self.head = 0
+            start, end = self.head, self.head + size
+            self.head = end
+            while self.pending and self.pending[0][2].query():
+                self.pending.popleft()  # passed: free whatever it held
+            # the oldest uploads are the ones this slice overwrites first
+            while self.pending and self.pending[0][0] < end and start < self.pending[0][1]:
+                self.pending.popleft()[2].synchronize()
+            host = self.buf[start:start + n]
+            host.copy_(torch.from_numpy(meta.view(np.uint8)))
+            out = host.view(torch.int64).to(self.device, non_blocking=True)
+            event = self._new_event()
+            event.record()
+            self.pending.append((start, end, event))
+        return out
+
+
+_RINGS: dict[torch.device, _UploadRing] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+def _to_device(meta: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A kernel's meta table on ``device``: through the device's pinned ring on a GPU
+    (:class:`_UploadRing`), queued on the current stream; the array itself elsewhere."""
+    if device.type != "cuda":
+        return torch.from_numpy(meta)
+    ring = _RINGS.get(device)
+    if ring is None:
+        with _RINGS_LOCK:
+            ring = _RINGS.get(device) or _RINGS.setdefault(device, _UploadRing(device))
+    return ring.upload(np.ascontiguousarray(meta, dtype=np.int64))
+
+
 def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int, device: torch.device) -> torch.Tensor:
     """``[tensors, 2]`` lanes from a meta table ``[addresses, words, firsts, item, starts]``
     (the first three ``tensors`` long, the last two ``programs`` long), one launch."""
@@ -355,9 +422,7 @@ def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int
     # From pinned memory, queued: a pageable upload waits for everything before it on the
     # stream, and an engine summing a load queues this behind copies still running (the
     # host would stall until they finish instead of queueing the next ones)
-    meta_dev = torch.from_numpy(meta)
-    if device.type == "cuda":
-        meta_dev = meta_dev.pin_memory().to(device, non_blocking=True)
+    meta_dev = _to_device(meta, device)
     partial = torch.empty(programs, 2, dtype=torch.int64, device=device)
     (s1, k1), (s2, k2) = LANE_SEEDS
     kernel[(programs,)](meta_dev, tensors, programs, partial, S1=s1, K1=k1, S2=s2, K2=k2,
@@ -453,9 +518,7 @@ def _launch_copy(meta: np.ndarray, tensors: int, programs: int, lanes: bool, dev
         primer = np.array([scratch.data_ptr(), scratch.data_ptr(), 1, 0, 0, 0], dtype=np.int64)
         for variant in (False, True):
             _launch_copy(primer, 1, 1, variant, device)
-    meta_dev = torch.from_numpy(meta)
-    if device.type == "cuda":  # queued from pinned memory (see _launch_batch)
-        meta_dev = meta_dev.pin_memory().to(device, non_blocking=True)
+    meta_dev = _to_device(meta, device)  # queued from pinned memory (see _launch_batch)
     partial = torch.empty(programs if lanes else 1, 2, dtype=torch.int64, device=device)
     (s1, k1), (s2, k2) = LANE_SEEDS
     kernel[(programs,)](meta_dev, tensors, programs, partial, LANES=lanes, S1=s1, K1=k1, S2=s2, K2=k2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -356,3 +357,51 @@ def test_copies_move_every_tensor_through_one_table_and_give_the_lanes_of_what_t
         assert not D.Copies.fits(bad), bad
     with pytest.raises(ValueError, match="same bytes"):
         D.Copies([(a.half(), a)])
+
+
+class _Event:
+    """A stand-in for a CUDA event: done when the test says; what waited on it, in order."""
+
+    def __init__(self, log: list):
+        self.log, self.done = log, False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.log.append(self)
+        self.done = True
+
+
+def test_the_upload_ring_writes_a_slice_again_only_after_the_upload_that_read_it_passed():
+    """The kernels' meta tables go to the GPU through one pinned buffer used as a ring
+    (D._UploadRing): here a 1 KiB host buffer and stand-in events. Each table lands in its
+    own 64-byte-aligned slice with its values; a slice is overwritten only after the event
+    recorded behind the upload that read it: a passed one is dropped unasked, a pending one
+    the new slice overlaps is waited for (oldest first), others are left pending."""
+    waited, events = [], []
+
+    def new_event():
+        events.append(_Event(waited))
+        return events[-1]
+
+    ring = D._UploadRing(torch.device("cpu"), buffer=torch.zeros(960, dtype=torch.uint8), new_event=new_event)
+    tables = [np.arange(k * 100, k * 100 + 30, dtype=np.int64) for k in range(7)]  # 240 bytes: slices of 256
+    got = [ring.upload(t) for t in tables[:3]]
+    assert [[int(v) for v in g] for g in got] == [t.tolist() for t in tables[:3]]
+    assert [(a, b) for a, b, _ in ring.pending] == [(0, 256), (256, 512), (512, 768)] and waited == []
+    events[1].done = True  # the second upload passed; the first has not
+    ring.upload(tables[3])  # no room at the end: wraps to [0, 256), waits for the first upload
+    assert waited == [events[0]] and ring.buf[:240].view(torch.int64).tolist() == tables[3].tolist()
+    ring.upload(tables[4])  # [256, 512): the passed second one dropped unasked, nothing waited for
+    assert waited == [events[0]] and [(a, b) for a, b, _ in ring.pending] == [(512, 768), (0, 256), (256, 512)]
+    ring.upload(tables[5])  # [512, 768): the third, still pending, waited for
+    assert waited == [events[0], events[2]]
+    assert [ring.buf[a:a + 240].view(torch.int64).tolist() for a in (0, 256, 512)] == [t.tolist() for t in tables[3:6]]
+    big = np.arange(31, dtype=np.int64)  # 248 bytes, over a quarter of the ring: pinned on its own
+    with pytest.raises(RuntimeError):  # (which needs CUDA: the ring's slices are not used for it)
+        ring.upload(big)
+    assert ring.head == 768 and len(ring.pending) == 3 and len(events) == 6

@@ -254,3 +254,21 @@ def test_a_bucket_packed_in_one_launch_on_the_device_has_the_bytes_of_the_per_te
             monkeypatch.undo()
             assert torch.equal(into.cpu(), want), bucket.index
             assert copied == [(len(named) + 1) // 2], bucket.index  # the even-numbered ones
+
+
+def test_meta_tables_queued_faster_than_the_gpu_reads_them_go_through_the_ring_intact():
+    """The kernels' tables reach the GPU through one pinned ring (D._UploadRing): queued behind
+    a long kernel, sixteen launches whose tables together pass the ring's size twice each copy
+    exactly their own tensors (a slice overwritten before the GPU read it would send a launch
+    to another table's addresses)."""
+    k, launches = 12_000, 16  # a table of 8 * (4k + 2k) bytes = 576 KB per launch, within a quarter of the ring
+    srcs = torch.arange(launches * k * 2, dtype=torch.int32, device="cuda").view(torch.bfloat16).view(launches, k, 4)
+    dsts = torch.zeros_like(srcs)
+    tables = [D.Copies(list(zip(dsts[i].unbind(0), srcs[i].unbind(0)))) for i in range(launches)]
+    assert all(8 * len(t.meta) <= D._UploadRing.NBYTES // 4 for t in tables)
+    assert sum(8 * len(t.meta) for t in tables) > 2 * D._UploadRing.NBYTES
+    torch.cuda._sleep(200_000_000)  # keeps the stream (and the ring's events) busy while the host queues
+    for t in tables:
+        t.run()
+    torch.cuda.synchronize()
+    assert torch.equal(dsts.view(torch.int32), srcs.view(torch.int32))
