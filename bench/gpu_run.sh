@@ -11,6 +11,23 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, pytest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'pytest', pytest.__version__)"
 
+profiled_rows() {  # profiled_rows LIMIT: every real trainer's rows at Qwen2-1.5B, each trainer's child profiling
+  # one more plain sync per plan (COLO_BENCH_PROFILE), their sync-first tables in profiles.txt
+  rm -rf /tmp/prof
+  COLO_BENCH_PROFILE=/tmp/prof timeout "$1" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+    --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+    | tee "$OUT/trainers.log" | tail -12
+  for f in /tmp/prof/*sync-first.txt; do
+    [ -f "$f" ] && { echo "== $f"; sed -n 1,30p "$f" | cut -c1-200; } >> "$OUT/profiles.txt"
+  done
+}
+
+gpu_tests() {  # gpu_tests LIMIT TEST...: the GPU tests named, under a limit; their log in gpu-tests.log
+  local limit=$1; shift
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short "$@" 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -8
+}
+
 demo() {  # demo NAME ARGS...: one run of the demo on CUDA, its trace replayed
   local name=$1; shift
   # one log for every demo: the device returns at most 8 files
@@ -109,18 +126,11 @@ case "${1:-tests}" in
     # (COLO_BENCH_PROFILE: where the sender's time goes now); then the GPU tests of what changed: the device digest's
     # (the copying kernel, the one-launch load and pack), the demos on CUDA with each framework trainer under both
     # plans, tensors larger than the bucket through the packed path (limit: arg 3)
-    rm -rf /tmp/prof
-    COLO_BENCH_PROFILE=/tmp/prof timeout "${2:-360}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
-      --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
-      | tee "$OUT/trainers.log" | tail -12
-    for f in /tmp/prof/*sync-first.txt; do
-      [ -f "$f" ] && { echo "== $f"; sed -n 1,30p "$f" | cut -c1-200; } >> "$OUT/profiles.txt"
-    done
+    profiled_rows "${2:-360}"
     tar czf "$OUT/profiles.tgz" -C /tmp prof 2>/dev/null
-    timeout "${3:-190}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+    gpu_tests "${3:-190}" tests/gpu/test_digest_cuda.py \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
-      "tests/gpu/test_one_gpu.py::test_on_cuda_tensors_larger_than_the_bucket_arrive_bit_exact_within_two_buckets[packed]" \
-      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+      "tests/gpu/test_one_gpu.py::test_on_cuda_tensors_larger_than_the_bucket_arrive_bit_exact_within_two_buckets[packed]"
     ;;
   call45a)  # issue 44, first call of 2026-11-29 (sixth session): every real trainer's rows at Qwen2-1.5B after a
     # sync-first sync's digests are checked against the trainer's offload digest (Scheduler._check_at_offload) and
@@ -128,43 +138,28 @@ case "${1:-tests}" in
     # sync per plan (limit: arg 2); then the GPU tests of what changed: the device digest's (the one-launch pack
     # around tensors already in place), the demos on CUDA under each plan and with each framework trainer (the
     # deferred check's digest.checked), the hf trainer's one-copy syncs over several steps (limit: arg 3)
-    rm -rf /tmp/prof
-    COLO_BENCH_PROFILE=/tmp/prof timeout "${2:-320}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
-      --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
-      | tee "$OUT/trainers.log" | tail -12
-    for f in /tmp/prof/*sync-first.txt; do
-      [ -f "$f" ] && { echo "== $f"; sed -n 1,30p "$f" | cut -c1-200; } >> "$OUT/profiles.txt"
-    done
-    timeout "${3:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+    profiled_rows "${2:-320}"
+    gpu_tests "${3:-240}" tests/gpu/test_digest_cuda.py \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_runs_each_plan_with_verified_syncs" \
-      "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps" \
-      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+      "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps"
     ;;
   call45b)  # issue 44, second call of 2026-11-29 (sixth session): the GPU tests call45a's limit cut (the demo on
     # CUDA under sync-first and single-stage, the hf trainer's one-copy syncs over several steps). Limit: arg 2
-    timeout "${2:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short \
+    gpu_tests "${2:-200}" \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_runs_each_plan_with_verified_syncs" \
-      "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps" \
-      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+      "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps"
     ;;
   call45c)  # issue 44, last call of 2026-11-29 (sixth session): every real trainer's rows at Qwen2-1.5B after the
     # optimizer's masters and moments are one allocation each (the trainer's pause and onload) and the kernels' tables
     # go up through a pinned ring instead of a pin per launch (limit: arg 2); then the GPU tests of what changed: the
     # device digest's (the ring among them), a framework trainer's demo training under each plan, the hf trainer's
     # tags and one-copy syncs over several steps (limit: arg 3)
-    rm -rf /tmp/prof
-    COLO_BENCH_PROFILE=/tmp/prof timeout "${2:-270}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
-      --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
-      | tee "$OUT/trainers.log" | tail -12
-    for f in /tmp/prof/*sync-first.txt; do
-      [ -f "$f" ] && { echo "== $f"; sed -n 1,30p "$f" | cut -c1-200; } >> "$OUT/profiles.txt"
-    done
-    timeout "${3:-170}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+    profiled_rows "${2:-270}"
+    gpu_tests "${3:-170}" tests/gpu/test_digest_cuda.py \
       "tests/gpu/test_real_trainers.py" \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[sync-first-megatron]" \
-      "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[offload-first-fsdp]" \
-      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+      "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[offload-first-fsdp]"
     ;;
   call44d)  # issue 44, last call of 2026-11-29 (fifth session): the FSDP2 trainer's rows at Qwen2-1.5B after colo's
     # engine keeps its row blocks, planned layouts and summed-load tables across a release that the memory saver
