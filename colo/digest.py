@@ -394,7 +394,8 @@ class _UploadRing:
             host.copy_(torch.from_numpy(meta.view(np.uint8)))
             out = host.view(torch.int64).to(self.device, non_blocking=True)
             event = self._new_event()
-            event.record()
+            # behind the copy, on the stream it was queued on (the device's current one)
+            event.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
             self.pending.append((start, end, event))
         return out
 

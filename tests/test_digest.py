@@ -365,8 +365,8 @@ class _Event:
     def __init__(self, log: list):
         self.log, self.done = log, False
 
-    def record(self) -> None:
-        pass
+    def record(self, stream=None) -> None:
+        assert stream is None  # (a CUDA stream on a GPU: the ring's device's current one)
 
     def query(self) -> bool:
         return self.done

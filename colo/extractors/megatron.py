@@ -596,7 +596,8 @@ class MegatronExtractor:
             if self.upload_to is None or not self._as_it_lies(src):
                 t = to_engine(t, self.dtype, self.device)
             if into and src.gather is None and not src.broadcasts and src.rule.split == "qkv" \
-                    and not src.rule.vocab:
+                    and not src.rule.vocab and t.device == self._comm_device():
+                # (a source left on the host goes as before: split there, uploaded by the pack)
                 return self._split_qkv_into(src, t, into)
         else:
             t = torch.empty(src.meta.shape, dtype=target, device=self._comm_device())
