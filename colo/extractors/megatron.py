@@ -284,6 +284,8 @@ class MegatronExtractor:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"megatron extractor: {name!r} is a {type(t).__name__}, not a tensor")
         self._groups = {"tp": tp_group, "pp": pp_group, "ep": ep_group, "etp": expert_tp_group}
+        #: per GPU, the stream that uploads a pinned host source's parts (:meth:`_upload`)
+        self._upload_streams: dict[torch.device, Any] = {}
 
         metas = {name: _Meta.of(t) for name, t in local.items()}
         everyone = self._exchange(metas, group)
@@ -628,7 +630,8 @@ class MegatronExtractor:
     def _part(self, src: _Source, k: int) -> torch.Tensor:
         """This rank's part of output ``k`` of a :meth:`_by_rows` source, as it lies in
         its tensor (a view: a GLU half is a row range; a q, k or v of several query groups
-        is strided, one run per group). Output k is the ranks' parts back to back, and
+        is strided, one run per group, shaped ``(groups, rows of a group, ...)``: not
+        flattened, which would copy it). Output k is the ranks' parts back to back, and
         the vocabulary padding is the last rows of the last parts."""
         t = self._local_tensor(src).detach()
         if src.rule.split == "glu":
@@ -638,8 +641,37 @@ class MegatronExtractor:
             groups = self.attention[1] // src.gather_size
             rows = ((0, per), (per, per + 1), (per + 1, per + 2))[k]
             g = t.view(groups, (per + 2) * head_dim, *t.shape[1:])
-            return g[:, rows[0] * head_dim:rows[1] * head_dim].flatten(0, 1)
+            return g[:, rows[0] * head_dim:rows[1] * head_dim]
         return t
+
+    def _upload(self, dst: torch.Tensor, part: torch.Tensor, after: Any = None) -> bool:
+        """``part`` (pinned host memory, the engine's dtype) into ``dst`` (a contiguous
+        GPU tensor shaped as ``part``) on this GPU's upload stream, run by run; the
+        caller's stream waits for it. False, copying nothing: not such a pair.
+
+        The upload stream lets the next part's upload run while the caller's stream
+        gathers this one (every part went up and was gathered in turn: an
+        ``offload-first`` sync's link idle during each gather). Run by run: ``copy_``
+        of a strided host view (q, k or v of several query groups) first copies it into
+        new pageable memory on the CPU, then transfers that synchronously. ``after``:
+        an event the upload waits for (``dst``'s last reader). No other order is needed:
+        the slot the caller writes was acknowledged by the engine (its reads are done)
+        before the extractor is asked for the bucket it now holds."""
+        if not (dst.device.type == "cuda" and part.device.type == "cpu" and part.is_pinned()
+                and part.dtype == dst.dtype and dst.is_contiguous()):
+            return False
+        stream = self._upload_streams.get(dst.device)
+        if stream is None:
+            stream = self._upload_streams[dst.device] = torch.cuda.Stream(dst.device)
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            for d, h in _runs(dst.view(part.shape), part):
+                d.copy_(h, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream(dst.device).wait_event(done)
+        return True
 
     def _gather_rows(self, src: _Source, k: int, out: torch.Tensor, start: int) -> None:
         """Bytes ``[start, start + out.numel())`` of output ``k`` into ``out`` (flat uint8).
@@ -660,11 +692,14 @@ class MegatronExtractor:
         if lo < hi:
             mine = out[lo - start:hi - start].view(target)
             first, last = (lo - me * step) // item, (hi - me * step) // item
-            pinned = part.device.type == "cpu" and part.is_pinned() and part.dtype == target
             if first == 0 and last == part.numel():
-                mine.view(part.shape).copy_(part, non_blocking=pinned)
+                if not self._upload(mine, part):
+                    mine.view(part.shape).copy_(part)
             else:
-                mine.copy_(part.reshape(-1)[first:last], non_blocking=pinned)
+                # a piece of a tensor larger than a bucket (an embedding: contiguous)
+                piece = part.reshape(-1)[first:last]
+                if not self._upload(mine, piece):
+                    mine.copy_(piece)
         if start == 0 and end == size * step:
             _all_gather_single(out, out[me * step:(me + 1) * step], group=src.gather)
             return
@@ -688,17 +723,30 @@ class MegatronExtractor:
         width = t.numel() // max(rows, 1)  # one rank's elements per row
         local = t.reshape(rows, width)
         whole = out.view(rows, size, width)
-        step = max(1, GATHER_CHUNK_BYTES // max(1, size * width * target.itemsize))
-        buf = torch.empty(size * min(step, rows) * width, dtype=target, device=out.device)
-        pinned = t.device.type == "cpu" and t.is_pinned() and t.dtype == target
-        for a in range(0, rows, step):
-            n = min(step, rows - a)
-            block = buf[:size * n * width].view(size, n, width)
-            block[me].copy_(local[a:a + n], non_blocking=pinned)
+        # From pinned host memory, two buffers of half the size: the next block's upload
+        # runs while this one is gathered and put in place, in the same memory.
+        uploads = out.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned() and t.dtype == target
+        nbuf = 2 if uploads else 1
+        step = max(1, GATHER_CHUNK_BYTES // nbuf // max(1, size * width * target.itemsize))
+        bufs = [torch.empty(size * min(step, rows) * width, dtype=target, device=out.device) for _ in range(nbuf)]
+        # the event after the last work that used each buffer: at first, all the caller's
+        # stream has queued (the allocator may have handed out memory it still reads)
+        read: list[Any] = [None] * nbuf
+        if uploads:
+            read = [torch.cuda.Event()] * nbuf
+            read[0].record(torch.cuda.current_stream(out.device))
+        for j, a in enumerate(range(0, rows, step)):
+            n, b = min(step, rows - a), j % nbuf
+            block = bufs[b][:size * n * width].view(size, n, width)
+            if not (uploads and self._upload(block[me], local[a:a + n], after=read[b])):
+                block[me].copy_(local[a:a + n])
             flat = block.view(-1).view(torch.uint8)
             mine = block[me].view(-1).view(torch.uint8)
             _all_gather_single(flat, mine, group=src.gather)
             whole[a:a + n].copy_(block.transpose(0, 1))
+            if uploads:
+                read[b] = torch.cuda.Event()
+                read[b].record(torch.cuda.current_stream(out.device))
 
     def _comm_device(self) -> torch.device:
         if self.device is not None:
@@ -706,6 +754,16 @@ class MegatronExtractor:
         # a rank that holds nothing (unusual) receives on the CPU
         first = next(iter(self._local.values()), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+def _runs(dst: torch.Tensor, src: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst piece, src piece)`` pairs that cover ``src``, each piece of ``src``
+    contiguous (split along leading dimensions until it is); ``dst`` shaped as ``src``."""
+    if src.is_contiguous() or src.dim() <= 1:
+        yield dst, src
+        return
+    for i in range(src.shape[0]):
+        yield from _runs(dst[i], src[i])
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

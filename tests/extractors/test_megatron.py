@@ -629,3 +629,45 @@ def test_tensor_and_pipeline_parallel_together_on_four_ranks(tmp_path):
     results = run_workers(tp_pp_worker, tmp_path, world_size=4)
     for rank, res in enumerate(results):
         check_against(ref, res["in_buckets"], torch.bfloat16, f"rank {rank}")
+
+
+def test_runs_cover_a_strided_view_in_contiguous_pieces_in_order():
+    """q, k or v of several query groups is a strided view of the fused QKV: the upload
+    goes run by run (``_runs``), each run contiguous, together exactly the view."""
+    from colo.extractors.megatron import _runs
+
+    fused = torch.arange(4 * 10 * 3, dtype=torch.float32).view(4, 10, 3)  # 4 groups of 10 rows
+    part = fused[:, 2:7]  # rows 2..6 of every group: not contiguous
+    dst = torch.zeros(part.shape)
+    pieces = list(_runs(dst, part))
+    assert len(pieces) == 4 and all(s.is_contiguous() and d.shape == s.shape for d, s in pieces)
+    for d, s in pieces:
+        d.copy_(s)
+    assert torch.equal(dst, part)
+    assert [s.data_ptr() for _, s in pieces] == [fused[g, 2].data_ptr() for g in range(4)]
+    whole = torch.ones(3, 5)
+    assert [(d.shape, s is whole) for d, s in _runs(torch.empty(3, 5), whole)] == [((3, 5), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it():
+    """``offload-first``: a part of the pinned host copy goes up on the extractor's upload
+    stream, run by run; whatever the caller's stream queues next sees the bytes, even
+    when the upload stream is held up behind a long kernel."""
+    fused = torch.randn(4, 64, 1024, dtype=torch.bfloat16).pin_memory()
+    ex = MegatronExtractor({"decoder.final_layernorm.weight": _param(torch.ones(8))}, dtype=torch.bfloat16)
+    dst = torch.zeros(4 * 24 * 1024, dtype=torch.bfloat16, device="cuda")
+    assert ex._upload(dst, fused[:, 8:32])
+    assert torch.equal(dst.view(4, 24, 1024).cpu(), fused[:, 8:32])
+    stream = ex._upload_streams[dst.device]
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # the upload stream is busy for a while
+    fused.neg_()
+    assert ex._upload(dst, fused[:, 8:32])
+    seen = dst.view(4, 24, 1024).clone()  # on the caller's stream, queued at once
+    assert torch.equal(seen.cpu(), fused[:, 8:32])
+    # not that pair (a device source, a pageable one, another dtype): nothing done, False
+    assert not ex._upload(dst, dst.view(4, 24, 1024).clone())
+    assert not ex._upload(dst, fused[:, 8:32].clone())
+    assert not ex._upload(dst, fused[:, 8:32].float().pin_memory())

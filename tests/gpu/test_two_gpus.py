@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gpu2,
 
 #: each engine rank's share of its GPU: three of these runs side by side fit an H100
 #: (``bench/gpu_run.sh issue34`` runs them with ``pytest -n 3``; one at a time each took
-#: about 50 s on two H200s, mostly processes starting, so the eleven took 8.5 minutes)
+#: about 50 s on two H200s, mostly processes starting, so the eleven of 2026-11-27 took
+#: 8.5 minutes)
 FRACTION = "0.25"
 
 
@@ -42,8 +43,23 @@ def _events(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("trainer", ["hf", "megatron", "fsdp"])
-@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
+#: the demo matrix cut to what each case proves (issue 46 item 3: every trainer under every
+#: plan, nine runs, did not finish within 435 s; these five and the rest of ``-m gpu2`` are
+#: meant to, three at a time). Each sharded trainer's gather under each source: from its
+#: weights on the GPU (``sync-first``) and from the pinned host copy its offload made
+#: (``offload-first``; ``single-stage`` reads the same copy, later in the cycle). The
+#: data-parallel hf trainer, whose every rank holds the whole model and gathers nothing,
+#: carries ``single-stage``'s order.
+CASES = [
+    ("megatron", "sync-first"),     # TP all-gathers into staging, on the device's streams
+    ("megatron", "offload-first"),  # the same gathers fed by uploads of the host copy
+    ("fsdp", "sync-first"),         # FSDP2's unsharding on the device (e244220's stream rule)
+    ("fsdp", "offload-first"),      # FSDP2's shards from the host copy
+    ("hf", "single-stage"),         # each rank the whole model; the sync after the KV cache returns
+]
+
+
+@pytest.mark.parametrize(("trainer", "plan"), CASES)
 def test_two_gpu_demo_verifies_every_sync_on_every_engine_rank(tmp_path, trainer, plan):
     res, paths = _demo(tmp_path, f"{trainer}-{plan}", "--trainer", trainer, "--plan", plan, "--steps", "3",
                        "--mem-fraction-static", FRACTION)
