@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -172,14 +172,22 @@ case "${1:-tests}" in
       --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
       | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
     ;;
-  call46b)  # issue 46 item 3 on two GPUs: every gpu2 test of the repository, three at a time, under a limit
-    # (arg 2; the issue's target is 5 minutes), timed as a whole; each test stopped at 240 s by pytest-timeout
-    # so that a slow one fails with its traceback. The traces of the two-GPU demos come back in one archive
-    # (where a demo's time goes); then the one-GPU test of the extractor's upload stream
+  call46b)  # issue 46 on two GPUs, second call: Qwen2-7B at TP=2 with the synthetic layout, every row, after the
+    # upload stream waits for the caller's stream before a call's first upload and before one into new memory
+    # (call46a's offload-first baselines took wrong bytes), colo's packed rows profiled: each rank's Chrome traces
+    # in one archive and, in the JSON, its device time and its host's busiest ops (limit: arg 2). Then every gpu2
+    # test of the repository, three at a time, under a limit (arg 3; the issue's target is 5 minutes), timed as
+    # a whole; each test stopped at 240 s by pytest-timeout so that a slow one fails with its traceback. The
+    # traces of the two-GPU demos come back in one archive (where a demo's time goes); last, the one-GPU test
+    # of the extractor's upload stream
+    rm -rf /tmp/prof && mkdir -p /tmp/prof
+    timeout "${2:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --profile /tmp/prof \
+      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
+    tar -czf "$OUT/bench-gpu2-profiles.tgz" -C /tmp/prof . 2>/dev/null
     par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
     rm -rf /tmp/g2
     t0=$(date +%s)
-    timeout "${2:-330}" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
+    timeout "${3:-300}" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
       --continue-on-collection-errors \
       --basetemp=/tmp/g2 tests 2>&1 | tee "$OUT/gpu2-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|s call" | tail -40
     echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"

@@ -6,7 +6,8 @@ buffer; each records its own CUDA activity. :class:`Recording` is the recording 
 one of them: started before the sync, stopped after it with its Chrome trace
 written (both traces load together into Perfetto, on one clock) and a summary of
 this process's device time returned: totals by kind (NCCL collectives, memcpy and
-memset, other kernels) and the kernels with the most time. Off a GPU the trace holds
+memset, other kernels) and the kernels with the most time, and the host ops and runtime
+calls with the most time of their own. Off a GPU the trace holds
 the CPU ops of the recording thread and the totals are zero.
 """
 
@@ -54,5 +55,10 @@ def summarize(prof: Any, top: int = 15) -> dict:
         k = key.lower()
         kinds["nccl" if "nccl" in k else "memcpy" if "memcpy" in k or "memset" in k else "other"] += dev / 1e6
     rows.sort(reverse=True)
+    # the host's side: where the recording process's threads spent their own time (a
+    # sender that cannot queue its work as fast as the GPU does it: ops, runtime calls)
+    host = sorted(((float(getattr(ev, "self_cpu_time_total", 0.0) or 0.0), ev.key, ev.count)
+                   for ev in prof.key_averages()), reverse=True)
     return {"device_s_by_kind": kinds,
-            "top": [{"name": key[:100], "count": n, "device_s": dev / 1e6} for dev, key, n in rows[:top]]}
+            "top": [{"name": key[:100], "count": n, "device_s": dev / 1e6} for dev, key, n in rows[:top]],
+            "host_top": [{"name": key[:100], "count": n, "self_host_s": t / 1e6} for t, key, n in host[:top] if t > 0]}

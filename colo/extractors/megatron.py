@@ -286,6 +286,8 @@ class MegatronExtractor:
         self._groups = {"tp": tp_group, "pp": pp_group, "ep": ep_group, "etp": expert_tp_group}
         #: per GPU, the stream that uploads a pinned host source's parts (:meth:`_upload`)
         self._upload_streams: dict[torch.device, Any] = {}
+        #: the GPUs whose upload stream waited for the caller's stream in this call
+        self._fenced: set[torch.device] = set()
 
         metas = {name: _Meta.of(t) for name, t in local.items()}
         everyone = self._exchange(metas, group)
@@ -539,10 +541,12 @@ class MegatronExtractor:
         elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or not out.is_contiguous():
             raise ValueError(f"megatron extractor: out for {name!r} must be {nbytes} contiguous uint8 bytes, got "
                              f"{tuple(out.shape)} {out.dtype}")
+        self._fenced.clear()
         self._gather_rows(src, src.targets.index(name), out, offset)
         return out
 
     def _extract(self, names: list[str], into: Mapping[Any, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._fenced.clear()  # a new call: its first upload waits for the caller's stream (_upload)
         last_use = {self._by_target[n]: i for i, n in enumerate(names)}
         ready: dict[str, dict[str, torch.Tensor]] = {}
         for i, name in enumerate(names):
@@ -588,7 +592,9 @@ class MegatronExtractor:
             for k, name in enumerate(src.targets):
                 out = self._out(name, into)
                 if src.meta.partition_dim == 0:
-                    self._gather_rows(src, k, out.view(-1).view(torch.uint8), 0)
+                    # a new tensor's memory may be some the caller's stream still reads
+                    fresh = out is not (into or {}).get(name)
+                    self._gather_rows(src, k, out.view(-1).view(torch.uint8), 0, fresh=fresh)
                 else:
                     self._gather_columns(src, out)
                 outs[name] = out
@@ -644,7 +650,7 @@ class MegatronExtractor:
             return g[:, rows[0] * head_dim:rows[1] * head_dim]
         return t
 
-    def _upload(self, dst: torch.Tensor, part: torch.Tensor, after: Any = None) -> bool:
+    def _upload(self, dst: torch.Tensor, part: torch.Tensor, after: Any = None, fresh: bool = False) -> bool:
         """``part`` (pinned host memory, the engine's dtype) into ``dst`` (a contiguous
         GPU tensor shaped as ``part``) on this GPU's upload stream, run by run; the
         caller's stream waits for it. False, copying nothing: not such a pair.
@@ -653,27 +659,37 @@ class MegatronExtractor:
         gathers this one (every part went up and was gathered in turn: an
         ``offload-first`` sync's link idle during each gather). Run by run: ``copy_``
         of a strided host view (q, k or v of several query groups) first copies it into
-        new pageable memory on the CPU, then transfers that synchronously. ``after``:
-        an event the upload waits for (``dst``'s last reader). No other order is needed:
-        the slot the caller writes was acknowledged by the engine (its reads are done)
-        before the extractor is asked for the bucket it now holds."""
+        new pageable memory on the CPU, then transfers that synchronously.
+
+        What the upload writes over may still be read by work the caller's stream has
+        queued, which the upload stream does not follow on its own: its first upload
+        of a call (:meth:`_extract`, :meth:`extract_range`) waits for all the caller's
+        stream has queued, and so does one into ``fresh`` memory (allocated in this
+        call, after that wait: the allocator hands out blocks the caller's stream may
+        still read; without it an ``offload-first`` baseline's new tensors took
+        wrong bytes on two H200s). ``after``: an event the upload also waits for (the
+        last reader of a buffer this call reuses)."""
         if not (dst.device.type == "cuda" and part.device.type == "cpu" and part.is_pinned()
                 and part.dtype == dst.dtype and dst.is_contiguous()):
             return False
         stream = self._upload_streams.get(dst.device)
         if stream is None:
             stream = self._upload_streams[dst.device] = torch.cuda.Stream(dst.device)
+        caller = torch.cuda.current_stream(dst.device)  # (inside the block below: the upload stream)
         with torch.cuda.stream(stream):
+            if fresh or dst.device not in self._fenced:
+                stream.wait_stream(caller)
+                self._fenced.add(dst.device)
             if after is not None:
                 stream.wait_event(after)
             for d, h in _runs(dst.view(part.shape), part):
                 d.copy_(h, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        torch.cuda.current_stream(dst.device).wait_event(done)
+        caller.wait_event(done)
         return True
 
-    def _gather_rows(self, src: _Source, k: int, out: torch.Tensor, start: int) -> None:
+    def _gather_rows(self, src: _Source, k: int, out: torch.Tensor, start: int, fresh: bool = False) -> None:
         """Bytes ``[start, start + out.numel())`` of output ``k`` into ``out`` (flat uint8).
 
         This rank copies its own part's bytes into place from its source (an upload when
@@ -693,12 +709,12 @@ class MegatronExtractor:
             mine = out[lo - start:hi - start].view(target)
             first, last = (lo - me * step) // item, (hi - me * step) // item
             if first == 0 and last == part.numel():
-                if not self._upload(mine, part):
+                if not self._upload(mine, part, fresh=fresh):
                     mine.view(part.shape).copy_(part)
             else:
                 # a piece of a tensor larger than a bucket (an embedding: contiguous)
                 piece = part.reshape(-1)[first:last]
-                if not self._upload(mine, piece):
+                if not self._upload(mine, piece, fresh=fresh):
                     mine.copy_(piece)
         if start == 0 and end == size * step:
             _all_gather_single(out, out[me * step:(me + 1) * step], group=src.gather)
@@ -729,16 +745,13 @@ class MegatronExtractor:
         nbuf = 2 if uploads else 1
         step = max(1, GATHER_CHUNK_BYTES // nbuf // max(1, size * width * target.itemsize))
         bufs = [torch.empty(size * min(step, rows) * width, dtype=target, device=out.device) for _ in range(nbuf)]
-        # the event after the last work that used each buffer: at first, all the caller's
-        # stream has queued (the allocator may have handed out memory it still reads)
+        # the event after the last put-in-place that read each buffer (None: not yet used,
+        # new memory: its first upload waits for all the caller's stream has queued)
         read: list[Any] = [None] * nbuf
-        if uploads:
-            read = [torch.cuda.Event()] * nbuf
-            read[0].record(torch.cuda.current_stream(out.device))
         for j, a in enumerate(range(0, rows, step)):
             n, b = min(step, rows - a), j % nbuf
             block = bufs[b][:size * n * width].view(size, n, width)
-            if not (uploads and self._upload(block[me], local[a:a + n], after=read[b])):
+            if not (uploads and self._upload(block[me], local[a:a + n], after=read[b], fresh=read[b] is None)):
                 block[me].copy_(local[a:a + n])
             flat = block.view(-1).view(torch.uint8)
             mine = block[me].view(-1).view(torch.uint8)

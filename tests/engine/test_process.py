@@ -84,6 +84,10 @@ async def test_the_engines_profile_verbs_record_what_it_did_and_refuse_out_of_or
     out = await client.profile_stop(str(tmp_path / "engine.json"))
     assert out["trace"] == str(tmp_path / "engine.json") and out["wall_s"] > 0
     assert set(out["device_s_by_kind"]) == {"nccl", "memcpy", "other"}
+    # the host's own time by op, most first: the digest's ops among them
+    host = out["host_top"]
+    assert host and any(h["name"].startswith("aten::") for h in host)
+    assert [h["self_host_s"] for h in host] == sorted((h["self_host_s"] for h in host), reverse=True)
     events = json.loads((tmp_path / "engine.json").read_text())["traceEvents"]
     assert any(str(e.get("name", "")).startswith("aten::") for e in events)  # the digest's own ops
     assert await client.digest() == digest  # still serving, the weights untouched

@@ -654,12 +654,18 @@ def test_runs_cover_a_strided_view_in_contiguous_pieces_in_order():
 def test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it():
     """``offload-first``: a part of the pinned host copy goes up on the extractor's upload
     stream, run by run; whatever the caller's stream queues next sees the bytes, even
-    when the upload stream is held up behind a long kernel."""
+    when the upload stream is held up behind a long kernel; and the first upload of a
+    call, or one into new memory, comes after what the caller's stream queued before
+    it (here a late write of the same memory, which must not land over the upload)."""
     fused = torch.randn(4, 64, 1024, dtype=torch.bfloat16).pin_memory()
     ex = MegatronExtractor({"decoder.final_layernorm.weight": _param(torch.ones(8))}, dtype=torch.bfloat16)
     dst = torch.zeros(4 * 24 * 1024, dtype=torch.bfloat16, device="cuda")
-    assert ex._upload(dst, fused[:, 8:32])
-    assert torch.equal(dst.view(4, 24, 1024).cpu(), fused[:, 8:32])
+    for fresh in (False, True):  # the call's first upload; then, the call fenced already, into new memory
+        assert (dst.device in ex._fenced) == fresh
+        torch.cuda._sleep(200_000_000)  # the caller's stream busy, then it writes dst
+        dst.fill_(7.0)
+        assert ex._upload(dst, fused[:, 8:32], fresh=fresh)
+        assert torch.equal(dst.view(4, 24, 1024).cpu(), fused[:, 8:32]), fresh
     stream = ex._upload_streams[dst.device]
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # the upload stream is busy for a while
