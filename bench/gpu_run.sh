@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -193,6 +193,21 @@ case "${1:-tests}" in
     echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
     (cd /tmp/g2 && find . -name '*.jsonl' | tar czf "$OUT/gpu2-traces.tgz" -T -) 2>/dev/null
     gpu_tests 60 "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it"
+    ;;
+  call46c)  # issue 46 on two GPUs, third call: the real megatron-core trainer's bench test alone (call46b: its
+    # packed rows over their staging bound; the peaks in its message; limit: arg 2); Qwen2-7B at TP=2, the
+    # synthetic layout's every row (the upload stream's fences measured without a profiler: call46b's CUPTI
+    # slowed every row after the first profiled one) and colo's real megatron-core trainer's packed rows, each
+    # colo-packed row followed by one more sync with the extraction under cProfile (--host-profile: where the
+    # gather stage's host time goes; limits: args 3 and 4)
+    timeout "${2:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu2 -rf --tb=short \
+      tests/bench/test_multi_gpu.py::test_bench_gpus_2_real_megatron_trainer_cuda 2>&1 | tee "$OUT/gpu2-tests.log" | tail -8
+    timeout "${3:-150}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --host-profile /tmp/hp \
+      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
+    timeout "${4:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+      --rows colo-packed,colo-packed-serial --host-profile /tmp/hp-megatron --out "$OUT/bench-gpu2-megatron.json" \
+      2>&1 | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
+    tar -czf "$OUT/host-profiles.tgz" -C /tmp hp hp-megatron 2>/dev/null
     ;;
   call44d)  # issue 44, last call of 2026-11-29 (fifth session): the FSDP2 trainer's rows at Qwen2-1.5B after colo's
     # engine keeps its row blocks, planned layouts and summed-load tables across a release that the memory saver

@@ -54,6 +54,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -557,7 +558,7 @@ class BenchHost(RankHost):
         return out
 
     async def op_time_sync(self, source: str, transport: str, options: dict, bucket_bytes: int,
-                           reps: int, profile: str | None = None) -> dict:
+                           reps: int, profile: str | None = None, host_profile: str | None = None) -> dict:
         """colo's per-GPU handoff (or ``ipc``): ``reps`` whole syncs after a warm-up."""
         from colo.core.interfaces import SyncContext
         from colo.core.memory import StagingBudget
@@ -590,6 +591,12 @@ class BenchHost(RankHost):
                                   source=source, staging=StagingBudget(None))
                 profiled = await profile_sync(lambda: sender.sync(self.trainer, engine, ctx), self.engine,
                                               f"{profile}-rank{self.spec.rank}.json")
+            if host_profile is not None:
+                ctx = SyncContext(step=reps + 2, weight_version=reps + 3, bucket_bytes=bucket_bytes,
+                                  source=source, staging=StagingBudget(None))
+                profiled = {**(profiled or {}), "host_profile": await host_profile_sync(
+                    lambda: sender.sync(self.trainer, engine, ctx), self.trainer,
+                    f"{host_profile}-rank{self.spec.rank}.txt")}
         finally:
             with anyio.CancelScope(shield=True):
                 await sender.aclose()
@@ -792,12 +799,14 @@ class MultiBench:
     """The workers of one run and the driver's sequence of verbs."""
 
     def __init__(self, *, device: str, gpus: int, config: Any, bucket_bytes: int, reps: int, seed: int = 0,
-                 trainer: str = "synthetic", rows: tuple[str, ...] | None = None, profile: str | None = None):
+                 trainer: str = "synthetic", rows: tuple[str, ...] | None = None, profile: str | None = None,
+                 host_profile: str | None = None):
         if trainer not in TRAINERS:
             raise ValueError(f"unknown trainer {trainer!r}; expected one of {', '.join(TRAINERS)}")
         self.trainer = trainer
         self.labels = tuple(x for x in row_labels(config) if rows is None or x in rows)
         self.profile = profile  # a folder: colo's packed rows profile one more sync there
+        self.host_profile = host_profile  # a folder: ... and one more with the extraction under cProfile
         self.device, self.n, self.config = device, gpus, config
         self.bucket_bytes, self.reps, self.seed = bucket_bytes, reps, seed
         self.workers: list[Any] = []
@@ -856,10 +865,13 @@ class MultiBench:
             replies = await self.each("time_slime", engines=engines, **common)
         else:
             _, transport, options = next(r for r in SYNC_ROWS if r[0] == label)
-            prof = None
+            prof = host = None
             if self.profile is not None and label == "colo-packed":
                 prof = f"{self.profile}/profile-{plan}"
-            replies = await self.each("time_sync", transport=transport, options=options, profile=prof, **common)
+            if self.host_profile is not None and label == "colo-packed":
+                host = f"{self.host_profile}/host-{plan}"
+            replies = await self.each("time_sync", transport=transport, options=options, profile=prof,
+                                      host_profile=host, **common)
         checks = await self.each("check_digest")
         return summarize_row(plan, label, replies, checks)
 
@@ -916,6 +928,66 @@ async def profile_sync(sync: Any, engine: Any, path: str) -> dict:
         with anyio.CancelScope(shield=True):
             theirs = await engine.profile_stop(path.removesuffix(".json") + "-engine.json")
     return {**out, "engine": theirs}
+
+
+class _ProfiledExtractor:
+    """A trainer's extractor whose extraction runs under ``prof`` (cProfile) in whatever
+    thread the sender runs it: the sender's own code between tensors (its gather stage) is
+    inside, the handoff in other threads is not."""
+
+    def __init__(self, inner: Any, prof: Any):
+        self._inner, self._prof = inner, prof
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def extract(self, names: Any, into: Any = None) -> Any:
+        items = self._inner.extract(names, into)
+
+        def run() -> Any:
+            self._prof.enable()
+            try:
+                yield from items
+            finally:
+                self._prof.disable()
+        return run()
+
+    def extract_range(self, *args: Any, **kw: Any) -> Any:
+        self._prof.enable()
+        try:
+            return self._inner.extract_range(*args, **kw)
+        finally:
+            self._prof.disable()
+
+
+async def host_profile_sync(sync: Any, trainer: Any, path: str, top: int = 40) -> dict:
+    """One more sync whose extraction runs under cProfile (issue 46: a TP=2 sender spends
+    0.11-0.19 s of host time a sync in its gather stage against 0.04-0.15 s of GPU work):
+    the busiest functions by their own time written to ``path``, the top ones returned."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    original = trainer.extractor
+    trainer.extractor = lambda: _ProfiledExtractor(original(), prof)
+    t0 = time.perf_counter()
+    try:
+        await sync()
+    finally:
+        del trainer.extractor  # the class's method again
+    wall = time.perf_counter() - t0
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    rows = sorted(((tt, nc, ct, f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})")
+                   for fn, (_, nc, tt, ct, _) in stats.stats.items()), reverse=True)[:15]  # type: ignore[attr-defined]
+    return {"wall_s": wall, "text": path, "total_own_s": sum(v[2] for v in stats.stats.values()),  # type: ignore[attr-defined]
+            "top_own": [{"function": f, "calls": nc, "own_s": tt, "cumulative_s": ct} for tt, nc, ct, f in rows]}
 
 
 def engine_load_s(replies: list[dict]) -> dict[str, float]:
@@ -1021,11 +1093,12 @@ def targets(r: dict, moe: bool = False) -> dict:
 
 async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, reps: int,
                       layers: int | None = None, trainer: str = "synthetic",
-                      rows: tuple[str, ...] | None = None, profile: str | None = None) -> dict:
+                      rows: tuple[str, ...] | None = None, profile: str | None = None,
+                      host_profile: str | None = None) -> dict:
     config = model_config(model, layers)
     bucket_bytes = int(bucket_mib * MiB)
     run = MultiBench(device=device, gpus=gpus, config=config, bucket_bytes=bucket_bytes, reps=reps,
-                     trainer=trainer, rows=rows, profile=profile)
+                     trainer=trainer, rows=rows, profile=profile, host_profile=host_profile)
     try:
         hellos = await run.start()
         measured = await run.run()
@@ -1091,13 +1164,14 @@ def table(result: dict) -> str:
 
 def run_bench_multi(device: str, gpus: int, model: str, bucket_mib: float, reps: int, out: str | None,
                     layers: int | None = None, trainer: str = "synthetic",
-                    rows: tuple[str, ...] | None = None, profile: str | None = None) -> tuple[dict, Any]:
+                    rows: tuple[str, ...] | None = None, profile: str | None = None,
+                    host_profile: str | None = None) -> tuple[dict, Any]:
     """Run, write the JSON (never over a committed result unless ``out`` says so), print the table."""
     from colo.apps.bench import RESULTS_DIR, write_result
 
     result = anyio.run(lambda: bench_multi(device=device, gpus=gpus, model=model, bucket_mib=bucket_mib,
                                            reps=reps, layers=layers, trainer=trainer, rows=rows,
-                                           profile=profile))
+                                           profile=profile, host_profile=host_profile))
     kind = "" if trainer == "synthetic" else f"-{trainer}"
     stem = f"multi-sync-{device}-{gpus}x-{model}{kind}-{dt.date.today().isoformat()}"
     path = write_result(json.dumps(result, indent=2) + "\n", out=out, directory=RESULTS_DIR, stem=stem)
@@ -1132,7 +1206,7 @@ def check_machine(device: str, gpus: int, model: str, layers: int | None = None)
 
 def main(argv: Any = None) -> int:
     """``python -m bench.multi_gpu --gpus N --model M [--device cpu|cuda] [--layers L] [--bucket-mib M]
-    [--reps R] [--out PATH] [--trainer T] [--rows A,B] [--profile DIR]``; ``--rows``: only these
+    [--reps R] [--out PATH] [--trainer T] [--rows A,B] [--profile DIR] [--host-profile DIR]``; ``--rows``: only these
     rows (their labels, as the table names them: a real trainer's own rows without the
     baselines); ``--profile``: see :func:`profile_sync`; ``--layers`` is a reduced-depth
     rehearsal (``bench/gpu_run.sh moe2``). Bad arguments return 2 (argparse's own exit is
@@ -1158,6 +1232,10 @@ def main(argv: Any = None) -> int:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="on a GPU, one more sync of each colo-packed row under torch.profiler: a Chrome "
                         "trace per rank in DIR and a summary in the row")
+    p.add_argument("--host-profile", default=None, metavar="DIR",
+                   help="one more sync of each colo-packed row with the sender's extraction under cProfile "
+                        "(no CUPTI: the timed rows after it are not slowed): its busiest functions per rank "
+                        "in DIR and in the row")
     p.add_argument("--rows", default=None,
                    help="comma-separated row labels to run (default: every row of the model)")
     try:
@@ -1187,7 +1265,7 @@ def main(argv: Any = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     result, _ = run_bench_multi(a.device, a.gpus, a.model, a.bucket_mib, a.reps, a.out, layers=a.layers,
-                                trainer=a.trainer, rows=rows, profile=a.profile)
+                                trainer=a.trainer, rows=rows, profile=a.profile, host_profile=a.host_profile)
     return EXIT_OK if result["digest_verified"] else EXIT_FAILED
 
 
