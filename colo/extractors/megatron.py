@@ -286,8 +286,9 @@ class MegatronExtractor:
         self._groups = {"tp": tp_group, "pp": pp_group, "ep": ep_group, "etp": expert_tp_group}
         #: per GPU, the stream that uploads a pinned host source's parts (:meth:`_upload`)
         self._upload_streams: dict[torch.device, Any] = {}
-        #: the GPUs whose upload stream waited for the caller's stream in this call
-        self._fenced: set[torch.device] = set()
+        #: per GPU, this call's (caller's stream, upload stream), once the upload stream
+        #: waited for the caller's (:meth:`_upload`); emptied at every call
+        self._call_streams: dict[torch.device, tuple[Any, Any]] = {}
 
         metas = {name: _Meta.of(t) for name, t in local.items()}
         everyone = self._exchange(metas, group)
@@ -515,13 +516,15 @@ class MegatronExtractor:
 
     def ranged(self, name: str) -> bool:
         """Whether :meth:`extract_range` gathers only the bytes asked for of ``name``: a
-        tensor-parallel tensor cut on its rows (embedding, ``lm_head``, column-parallel
-        linears and their q/k/v and gate/up outputs), whose bytes are every rank's part
-        back to back. A piece of it (a tensor larger than the bucket) is then gathered
-        into its own place in staging, bucket by bucket, never the whole tensor beside
-        both staging buffers (the 1.09 GB embedding of Qwen2-7B). The same answer on
-        every rank: it depends on the metadata every rank shares."""
-        return self._by_rows(self._sources[self._by_target[name]])
+        tensor-parallel tensor gathered from every rank's own shard, cut on its rows
+        (embedding, ``lm_head``, column-parallel linears and their q/k/v and gate/up
+        outputs: every rank's part back to back) or on a later dimension (row-parallel
+        ``o_proj`` and ``down_proj``: the rows that hold the bytes, block by block). A
+        piece of it (a tensor larger than the bucket) is then gathered into its own place
+        in staging, bucket by bucket, never the whole tensor beside both staging buffers
+        (the 1.09 GB embedding of Qwen2-7B; its 130 MiB ``down_proj`` in 64 MiB buckets).
+        The same answer on every rank: it depends on the metadata every rank shares."""
+        return self._in_place(self._sources[self._by_target[name]])
 
     def extract_range(self, name: str, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of full tensor ``name`` (a :meth:`ranged` one)
@@ -531,8 +534,9 @@ class MegatronExtractor:
         src = self._sources[self._by_target[name]]
         size = self._specs[name].nbytes
         item = self._engine_dtype(src.meta).itemsize
-        if not self._by_rows(src):
-            raise ValueError(f"megatron extractor: {name!r} is not gathered by rows; extract it whole")
+        if not self._in_place(src):
+            raise ValueError(f"megatron extractor: {name!r} is not gathered from the ranks' own shards; "
+                             f"extract it whole")
         if not (0 <= offset and 0 < nbytes and offset + nbytes <= size and offset % item == 0 and nbytes % item == 0):
             raise ValueError(f"megatron extractor: bytes [{offset}, {offset + nbytes}) are not a run of whole "
                              f"elements of {name!r} ({size} bytes of {item}-byte elements)")
@@ -541,12 +545,15 @@ class MegatronExtractor:
         elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or not out.is_contiguous():
             raise ValueError(f"megatron extractor: out for {name!r} must be {nbytes} contiguous uint8 bytes, got "
                              f"{tuple(out.shape)} {out.dtype}")
-        self._fenced.clear()
-        self._gather_rows(src, src.targets.index(name), out, offset)
+        self._call_streams.clear()
+        if src.meta.partition_dim == 0:
+            self._gather_rows(src, src.targets.index(name), out, offset)
+        else:
+            self._gather_columns(src, out, offset)
         return out
 
     def _extract(self, names: list[str], into: Mapping[Any, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        self._fenced.clear()  # a new call: its first upload waits for the caller's stream (_upload)
+        self._call_streams.clear()  # a new call: its first upload waits for the caller's stream (_upload)
         last_use = {self._by_target[n]: i for i, n in enumerate(names)}
         ready: dict[str, dict[str, torch.Tensor]] = {}
         for i, name in enumerate(names):
@@ -584,7 +591,7 @@ class MegatronExtractor:
 
     def _materialize(self, src: _Source, into: Mapping[Any, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         target = self._engine_dtype(src.meta)
-        if src.gather is not None and src.local and not src.broadcasts:
+        if self._in_place(src):
             # gathered into the outputs (the caller's staging views, else new tensors):
             # this rank's part goes there straight from its source, the others' arrive
             # around it; no list of shards, no cat, no split copy
@@ -619,10 +626,10 @@ class MegatronExtractor:
         return dict(zip(src.targets, self._convert(src, shards)))
 
     # -- gathering into place ----------------------------------------------------
-    def _by_rows(self, src: _Source) -> bool:
-        """Gathered on dim 0 from every rank's own shard: each output is the ranks' parts
-        back to back (:meth:`_part`)."""
-        return src.gather is not None and src.local and not src.broadcasts and src.meta.partition_dim == 0
+    def _in_place(self, src: _Source) -> bool:
+        """Gathered from every rank's own shard (on its rows or, a row-parallel linear, on a
+        later dimension) straight into the output, any byte range of it on its own."""
+        return src.gather is not None and src.local and not src.broadcasts
 
     def _out(self, name: str, into: Mapping[Any, torch.Tensor] | None) -> torch.Tensor:
         s = self._specs[name]
@@ -634,7 +641,7 @@ class MegatronExtractor:
         return torch.empty(s.shape, dtype=dtype, device=device)
 
     def _part(self, src: _Source, k: int) -> torch.Tensor:
-        """This rank's part of output ``k`` of a :meth:`_by_rows` source, as it lies in
+        """This rank's part of output ``k`` of a source gathered on its rows, as it lies in
         its tensor (a view: a GLU half is a row range; a q, k or v of several query groups
         is strided, one run per group, shaped ``(groups, rows of a group, ...)``: not
         flattened, which would copy it). Output k is the ranks' parts back to back, and
@@ -672,20 +679,25 @@ class MegatronExtractor:
         if not (dst.device.type == "cuda" and part.device.type == "cpu" and part.is_pinned()
                 and part.dtype == dst.dtype and dst.is_contiguous()):
             return False
-        stream = self._upload_streams.get(dst.device)
-        if stream is None:
-            stream = self._upload_streams[dst.device] = torch.cuda.Stream(dst.device)
-        caller = torch.cuda.current_stream(dst.device)  # (inside the block below: the upload stream)
-        with torch.cuda.stream(stream):
-            if fresh or dst.device not in self._fenced:
+        streams = self._call_streams.get(dst.device)
+        if streams is None:  # the call's first upload here: after all the caller's stream has queued
+            caller = torch.cuda.current_stream(dst.device)
+            stream = self._upload_streams.get(dst.device)
+            if stream is None:
+                stream = self._upload_streams[dst.device] = torch.cuda.Stream(dst.device)
+            stream.wait_stream(caller)
+            self._call_streams[dst.device] = caller, stream
+        else:
+            caller, stream = streams
+            if fresh:
                 stream.wait_stream(caller)
-                self._fenced.add(dst.device)
-            if after is not None:
-                stream.wait_event(after)
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
             for d, h in _runs(dst.view(part.shape), part):
                 d.copy_(h, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+        done = torch.cuda.Event()
+        done.record(stream)
         caller.wait_event(done)
         return True
 
@@ -725,11 +737,14 @@ class MegatronExtractor:
             if lo < hi:
                 dist.broadcast(out[lo - start:hi - start], src=ranks[r], group=src.gather)
 
-    def _gather_columns(self, src: _Source, out: torch.Tensor) -> None:
+    def _gather_columns(self, src: _Source, out: torch.Tensor, start: int = 0) -> None:
         """A tensor cut on a later dimension (a row-parallel linear: ``o_proj``, ``down_proj``)
-        into ``out``: its rows interleave the ranks' shards, so each block of rows is
-        gathered into a buffer of at most :data:`GATHER_CHUNK_BYTES` and copied into
-        place; never the whole gathered tensor beside it."""
+        into ``out``, the whole tensor or (flat uint8) its bytes ``[start, start +
+        out.numel())``: its rows interleave the ranks' shards, so the rows that hold those
+        bytes are gathered block by block into a buffer of at most
+        :data:`GATHER_CHUNK_BYTES` and their bytes copied into place; never the whole
+        gathered tensor beside it. The blocks follow from the arguments alone, the same
+        on every rank."""
         target = self._engine_dtype(src.meta)
         t = self._local_tensor(src).detach()
         d, size, me = src.meta.partition_dim, src.gather_size, dist.get_rank(src.gather)
@@ -737,26 +752,34 @@ class MegatronExtractor:
         for n in t.shape[:d]:
             rows *= n
         width = t.numel() // max(rows, 1)  # one rank's elements per row
+        row = size * width  # the whole tensor's elements per row
         local = t.reshape(rows, width)
-        whole = out.view(rows, size, width)
+        flat = out.reshape(-1) if out.dtype == target else out.view(target)  # the elements asked for
+        first = start // target.itemsize
+        last = first + flat.numel()
+        lo_row, hi_row = first // row, -(-last // row)
         # From pinned host memory, two buffers of half the size: the next block's upload
         # runs while this one is gathered and put in place, in the same memory.
         uploads = out.device.type == "cuda" and t.device.type == "cpu" and t.is_pinned() and t.dtype == target
         nbuf = 2 if uploads else 1
-        step = max(1, GATHER_CHUNK_BYTES // nbuf // max(1, size * width * target.itemsize))
-        bufs = [torch.empty(size * min(step, rows) * width, dtype=target, device=out.device) for _ in range(nbuf)]
-        # the event after the last put-in-place that read each buffer (None: not yet used,
-        # new memory: its first upload waits for all the caller's stream has queued)
+        step = max(1, GATHER_CHUNK_BYTES // nbuf // max(1, row * target.itemsize))
+        held = min(step, hi_row - lo_row)
+        bufs = [torch.empty(size * held * width, dtype=target, device=out.device) for _ in range(nbuf)]
+        # the event after the last put-in-place that read each buffer; at first, one after
+        # all the caller's stream has queued (the buffers' memory is new: it may still read it)
         read: list[Any] = [None] * nbuf
-        for j, a in enumerate(range(0, rows, step)):
-            n, b = min(step, rows - a), j % nbuf
+        if uploads:
+            read = [torch.cuda.Event()] * nbuf
+            read[0].record(torch.cuda.current_stream(out.device))
+        for j, a in enumerate(range(lo_row, hi_row, step)):
+            n, b = min(step, hi_row - a), j % nbuf
             block = bufs[b][:size * n * width].view(size, n, width)
-            if not (uploads and self._upload(block[me], local[a:a + n], after=read[b], fresh=read[b] is None)):
+            if not (uploads and self._upload(block[me], local[a:a + n], after=read[b])):
                 block[me].copy_(local[a:a + n])
-            flat = block.view(-1).view(torch.uint8)
-            mine = block[me].view(-1).view(torch.uint8)
-            _all_gather_single(flat, mine, group=src.gather)
-            whole[a:a + n].copy_(block.transpose(0, 1))
+            _all_gather_single(block.view(-1).view(torch.uint8), block[me].view(-1).view(torch.uint8),
+                               group=src.gather)
+            lo, hi = max(first, a * row), min(last, (a + n) * row)
+            _put_rows(flat[lo - first:hi - first], block, lo - a * row, hi - a * row)
             if uploads:
                 read[b] = torch.cuda.Event()
                 read[b].record(torch.cuda.current_stream(out.device))
@@ -767,6 +790,25 @@ class MegatronExtractor:
         # a rank that holds nothing (unusual) receives on the CPU
         first = next(iter(self._local.values()), None)
         return first.device if first is not None else torch.device("cpu")
+
+
+def _put_rows(dst: torch.Tensor, block: torch.Tensor, lo: int, hi: int) -> None:
+    """Elements ``[lo, hi)`` of ``block``'s rows, laid out whole (``block`` is the ranks'
+    shards of ``n`` rows, ``(ranks, n, width)``; a whole row is every rank's part of it
+    in rank order), into ``dst``: the whole rows in one copy, a row's part run by run."""
+    size, _, width = block.shape
+    row, pos = size * width, lo
+    while pos < hi:
+        r = pos // row
+        if pos == r * row and hi >= (r + 1) * row:  # whole rows from r on
+            k = hi // row - r
+            dst[pos - lo:pos - lo + k * row].view(k, size, width).copy_(block[:, r:r + k].transpose(0, 1))
+            pos += k * row
+            continue
+        rank, x0 = divmod(pos - r * row, width)  # part of row r: up to the end of one rank's run
+        x1 = min(width, x0 + hi - pos)
+        dst[pos - lo:pos - lo + x1 - x0].copy_(block[rank, r, x0:x1])
+        pos += x1 - x0
 
 
 def _runs(dst: torch.Tensor, src: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
