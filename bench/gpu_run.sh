@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -208,6 +208,38 @@ case "${1:-tests}" in
       --rows colo-packed,colo-packed-serial --host-profile /tmp/hp-megatron --out "$OUT/bench-gpu2-megatron.json" \
       2>&1 | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
     tar -czf "$OUT/host-profiles.tgz" -C /tmp hp hp-megatron 2>/dev/null
+    ;;
+  call46d)  # issue 46 on two GPUs, fourth call: the offload-first upload stream measured against the extractor
+    # before it, on one machine, alternating (call46a/c ran on machines whose host-bound rows differed by up to a
+    # third): Qwen2-7B at TP=2, the synthetic layout's colo-packed rows, twice each, with colo/extractors/megatron.py
+    # now and as of 835f5aa (.whl/megatron-835f5aa.tgz over a copy of this tree; limit per run: arg 2); then the
+    # real megatron-core trainer's bench test (its 130 MiB down_proj in 64 MiB buckets, now gathered by range;
+    # limit: arg 3)
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/megatron-835f5aa.tgz -C /tmp/base
+    for round in 1 2; do
+      for side in now before; do
+        dir=$PWD; [ "$side" = before ] && dir=/tmp/base
+        echo "== round $round, extractor $side" | tee -a "$OUT/ab.log"
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${2:-100}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
+          --model qwen2-7b --rows colo-packed --out "$OUT/ab-$side-$round.json" 2>&1 | tee -a "$OUT/ab.log" \
+          | grep -E "^\| (sync|offload)-first|^limits")
+      done
+    done
+    timeout "${3:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu2 -rf --tb=short \
+      tests/bench/test_multi_gpu.py::test_bench_gpus_2_real_megatron_trainer_cuda 2>&1 | tee "$OUT/gpu2-tests.log" | tail -8
+    ;;
+  call44e)  # issue 44, 2026-11-29 (seventh session), one GPU: the extractor's upload-stream test (its call streams
+    # now kept per call); hf's rows at Qwen2-1.5B with the optimizer's state as before 27bf731 (.whl/before-27bf731-
+    # colo.tgz: this package at 835f5aa with 27bf731 reverted; limit: arg 2), then hf's and Megatron's rows now with
+    # torch_memory_saver's own backup in the same run (limit: arg 3): does 27bf731 slow hf's offload-first sync
+    # (59.8 ms before it, 66.7 ms in the one run after it, on another machine)?
+    gpu_tests 40 "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it"
+    rm -rf /tmp/base && mkdir -p /tmp/base && tar xzf .whl/before-27bf731-colo.tgz -C /tmp/base
+    (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base timeout "${2:-130}" python3 -m colo.cli bench --device cuda \
+      --model qwen2-1.5b --transports packed --trainers hf --reps 3 --out "$OUT/trainers-before-27bf731.json" 2>&1 \
+      | tee "$OUT/trainers-before.log" | tail -12)
+    timeout "${3:-250}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,megatron --reps 3 --out "$OUT/trainers-now.json" 2>&1 | tee "$OUT/trainers-now.log" | tail -16
     ;;
   call44d)  # issue 44, last call of 2026-11-29 (fifth session): the FSDP2 trainer's rows at Qwen2-1.5B after colo's
     # engine keeps its row blocks, planned layouts and summed-load tables across a release that the memory saver
