@@ -43,7 +43,8 @@ from colo.core.interfaces import PhaseHooks, RolloutResult, SyncContext, SyncRes
 from colo.core.invariants import InvariantChecker, Violation  # noqa: F401 (re-exported)
 from colo.core.memory import MemoryLedger
 from colo.core.phases import (CALLER_PHASES, RECOVERY, UNDO, Effect, Phase, PhaseMachine, allowed_triggers,
-                              effects_for, handoff_path, next_phase, trigger_for, validate_plan)
+                              effects_for, handoff_path, next_phase, offload_follows_sync, trigger_for,
+                              validate_plan)
 from colo.core.schema import RUN_ID_MAX
 from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline, RankFailed
 from colo.groups import EngineGroup, TrainerGroup, together
@@ -681,10 +682,7 @@ class Scheduler:
         if source != "device" or self.engines.capabilities.adapters:
             # (an adapter sync activates the new version only once its digests are checked)
             return False
-        order = self.order
-        i = order.index(Phase.SYNC)
-        if order[(i + 1) % len(order)] is not Phase.TRAINER_OFFLOAD \
-                or "weights" not in self.effects[Phase.TRAINER_OFFLOAD].pause:
+        if not offload_follows_sync(self.order, self.effects):
             return False
         for trainer in self.trainers.ranks:
             # looked up on the class: a rank's proxy answers any attribute with a remote call

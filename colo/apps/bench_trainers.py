@@ -161,6 +161,7 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     (:func:`_profiled`)."""
     from colo.core.interfaces import SyncContext
     from colo.core.memory import StagingBudget
+    from colo.core.phases import effects_for, offload_follows_sync, validate_plan
 
     out: dict[str, Any] = {}
     backend = trainer.memory_backend
@@ -188,9 +189,10 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
                peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages),
                engine_s=dict(ctx.engine_s))
-    # as the scheduler does (Scheduler._check_at_offload): a sync-first sync's digest is checked
-    # against the one the trainer's offload takes, after it, not against a second read inside the sync
-    deferred = verifier is not None and plan == "sync-first" and source == "device" and trainer.digest_at_offload()
+    # the scheduler's rule (Scheduler._check_at_offload): a sync from the weights the trainer
+    # offloads next is checked against the digest that offload takes, not a second read inside it
+    deferred = verifier is not None and source == "device" and trainer.digest_at_offload() \
+        and offload_follows_sync(validate_plan(plan), effects_for("weights"))
     if verifier is not None:
         verify, probe = verifier
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ imports torch, anyio or the memory saver.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from colo.core.errors import IllegalTransition
@@ -149,6 +149,17 @@ def effects_for(target: str) -> dict[Phase, Effect]:
         return {**EFFECTS, **SYNC_TARGETS[target]}
     except (KeyError, TypeError):
         raise ValueError(f"unknown sync target {target!r}; expected one of {', '.join(SYNC_TARGETS)}") from None
+
+
+def offload_follows_sync(order: Sequence[Phase], effects: Mapping[Phase, Effect]) -> bool:
+    """Whether the phase right after the sync in ``order`` is the trainer's offload of its
+    weights (``sync-first``): a trainer that takes its weights' digest as it offloads them
+    can have a verified sync checked against that digest, after the sync, instead of reading
+    every weight a second time inside it. The scheduler's rule
+    (:meth:`colo.scheduler.Scheduler._check_at_offload`) and ``colo bench --trainers``'s
+    rows both ask this."""
+    i = order.index(P.SYNC)
+    return order[(i + 1) % len(order)] is P.TRAINER_OFFLOAD and "weights" in effects[P.TRAINER_OFFLOAD].pause
 
 
 # Plans: the order of one cycle, starting at rollout. Each must walk only

@@ -103,3 +103,18 @@ def test_readme_diagram_is_generated_from_the_table():
     block = re.search(r"```mermaid\n(.*?)```", readme, re.S)
     assert block, "README.md has no mermaid block"
     assert block.group(1) == mermaid(), "README diagram is stale: run `python -m tools.readme`"
+
+
+def test_only_a_plan_whose_sync_is_followed_by_the_weights_offload_can_check_at_the_offload():
+    """``offload_follows_sync``: the scheduler's rule and ``colo bench --trainers``'s rows ask
+    the same question of a plan (issue 44: a sync-first sync's digests checked against the
+    digest the trainer's offload takes). Only ``sync-first`` offloads right after its sync;
+    an offload that left the weights resident would take no digest of them."""
+    from colo.core.phases import EFFECTS, Effect, effects_for, offload_follows_sync
+
+    weights = effects_for("weights")
+    assert {p: offload_follows_sync(validate_plan(p), weights) for p in PLANS} == {
+        "offload-first": False, "sync-first": True, "single-stage": False}
+    keeps = {**weights, Phase.TRAINER_OFFLOAD: Effect(owner="trainer", verb="offload", pause=("optimizer",))}
+    assert EFFECTS[Phase.TRAINER_OFFLOAD].pause != keeps[Phase.TRAINER_OFFLOAD].pause
+    assert offload_follows_sync(validate_plan("sync-first"), keeps) is False
