@@ -85,17 +85,16 @@ class MasterAdamW:
             return None
         total = sum(p.numel() for p in self.params)
         device = self.params[0].device
-        out = []
-        for fill in (None, 0.0, 0.0):
-            buf = torch.empty(total, dtype=torch.float32, device=device)
-            if fill is not None:
-                buf.zero_()
-            views, at = [], 0
+
+        def views(buf: torch.Tensor) -> list[torch.Tensor]:
+            out, at = [], 0
             for p in self.params:
-                views.append(buf[at:at + p.numel()].view(p.shape))
+                out.append(buf[at:at + p.numel()].view(p.shape))
                 at += p.numel()
-            out.append(views)
-        return out
+            return out
+
+        masters = torch.empty(total, dtype=torch.float32, device=device)  # filled from the parameters
+        return [views(masters)] + [views(torch.zeros(total, dtype=torch.float32, device=device)) for _ in range(2)]
 
     @property
     def state_bytes(self) -> int:
