@@ -197,6 +197,10 @@ class _Source:
     broadcasts: list[tuple[int, Any]] = field(default_factory=list)  # (global src rank, group) for this rank
     gather: Any = None  # the group to all-gather over, or None
     gather_size: int = 1
+    #: this rank's place in ``gather`` and the group's global ranks, looked up once at
+    #: construction (torch.distributed's lookups ran for every gather, a few hundred a sync)
+    gather_rank: int = 0
+    gather_ranks: tuple[int, ...] = ()
 
 
 _AXES = ("tp", "pp", "ep", "etp")
@@ -397,6 +401,8 @@ class MegatronExtractor:
                 raise ValueError(f"{who}: {name!r} is a fused {src.rule.split} weight sharded on dim "
                                  f"{meta.partition_dim}; expected column-parallel (partition_dim 0)")
             src.gather, src.gather_size = self._groups[tp_axis], size
+            src.gather_rank = dist.get_rank(src.gather)
+            src.gather_ranks = tuple(dist.get_process_group_ranks(src.gather))
 
     def _engine_dtype(self, meta: _Meta) -> torch.dtype:
         return engine_dtype_of(getattr(torch, meta.dtype), self.dtype)
@@ -715,7 +721,7 @@ class MegatronExtractor:
         item, size = target.itemsize, src.gather_size
         step = part.numel() * item  # one rank's part, in bytes
         end = start + out.numel()
-        me = dist.get_rank(src.gather)
+        me = src.gather_rank
         lo, hi = max(start, me * step), min(end, (me + 1) * step)
         if lo < hi:
             mine = out[lo - start:hi - start].view(target)
@@ -731,7 +737,7 @@ class MegatronExtractor:
         if start == 0 and end == size * step:
             _all_gather_single(out, out[me * step:(me + 1) * step], group=src.gather)
             return
-        ranks = dist.get_process_group_ranks(src.gather)
+        ranks = src.gather_ranks
         for r in range(size):
             lo, hi = max(start, r * step), min(end, (r + 1) * step)
             if lo < hi:
@@ -747,7 +753,7 @@ class MegatronExtractor:
         on every rank."""
         target = self._engine_dtype(src.meta)
         t = self._local_tensor(src).detach()
-        d, size, me = src.meta.partition_dim, src.gather_size, dist.get_rank(src.gather)
+        d, size, me = src.meta.partition_dim, src.gather_size, src.gather_rank
         rows = 1
         for n in t.shape[:d]:
             rows *= n
