@@ -774,9 +774,10 @@ class MegatronExtractor:
         # the event after the last put-in-place that read each buffer; at first, one after
         # all the caller's stream has queued (the buffers' memory is new: it may still read it)
         read: list[Any] = [None] * nbuf
+        caller = torch.cuda.current_stream(out.device) if uploads else None  # (one lookup: tens of us each)
         if uploads:
             read = [torch.cuda.Event()] * nbuf
-            read[0].record(torch.cuda.current_stream(out.device))
+            read[0].record(caller)
         for j, a in enumerate(range(lo_row, hi_row, step)):
             n, b = min(step, hi_row - a), j % nbuf
             block = bufs[b][:size * n * width].view(size, n, width)
@@ -788,7 +789,7 @@ class MegatronExtractor:
             _put_rows(flat[lo - first:hi - first], block, lo - a * row, hi - a * row)
             if uploads:
                 read[b] = torch.cuda.Event()
-                read[b].record(torch.cuda.current_stream(out.device))
+                read[b].record(caller)
 
     def _comm_device(self) -> torch.device:
         if self.device is not None:
