@@ -71,26 +71,31 @@ class MasterAdamW:
         self.masters, self.inner = masters, inner
 
     def _flat_state(self) -> list[list[torch.Tensor]] | None:
-        """For plain parameters on one device: the masters, then each moment, as views of one
-        fp32 buffer each (three allocations; the moments zeroed), in the parameters' order
-        and shapes; None otherwise (a DTensor's state stays a DTensor of its own).
+        """For parameters whose local tensors are contiguous and on one device: the masters,
+        then each moment, as views of one fp32 buffer each (three allocations; the moments
+        zeroed), in the parameters' order and shapes; None otherwise. A DTensor's (FSDP2's
+        sharded parameter) are DTensors again, each over its view of the local buffers, with
+        the parameter's mesh, placements, shape and stride.
 
         Why: the memory saver pauses and resumes a region allocation by allocation, and
         per-parameter state was over a thousand of them at Qwen2-1.5B (a master and two
         moments per parameter: 1014), each with its own copy and its own unmap or map; the
         trainer's pause and onload of 21.6 GB reached 0.85-0.91 of the link where the
-        saver's own single 2.88 GiB allocation paused at 0.94 (one H200, issue 44)."""
-        if any(type(p.detach()) is not torch.Tensor or not p.is_contiguous() for p in self.params) \
-                or len({p.device for p in self.params}) != 1:
+        saver's own single 2.88 GiB allocation paused at 0.94 (one H200, issue 44); with
+        three, hf's reached 0.95-0.99, and fsdp's, whose DTensor state kept one each,
+        stayed at 0.83-0.85."""
+        locals_ = [_local(p) for p in self.params]
+        if any(t is None or not t.is_contiguous() for t in locals_) or len({t.device for t in locals_}) != 1:
             return None
-        total = sum(p.numel() for p in self.params)
-        device = self.params[0].device
+        total = sum(t.numel() for t in locals_)
+        device = locals_[0].device
 
         def views(buf: torch.Tensor) -> list[torch.Tensor]:
             out, at = [], 0
-            for p in self.params:
-                out.append(buf[at:at + p.numel()].view(p.shape))
-                at += p.numel()
+            for p, t in zip(self.params, locals_):
+                v = buf[at:at + t.numel()].view(t.shape)
+                at += t.numel()
+                out.append(v if t is p else _like(p, v))
             return out
 
         masters = torch.empty(total, dtype=torch.float32, device=device)  # filled from the parameters
@@ -150,6 +155,24 @@ class MasterAdamW:
                     state[k].copy_(v)
                 else:
                     state[k] = v
+
+
+def _local(p: torch.Tensor) -> torch.Tensor | None:
+    """The plain tensor that holds ``p``'s elements on this rank: ``p`` itself (a plain
+    parameter, returned as the very object), a DTensor's local shard, or None (anything else)."""
+    if type(p.detach()) is torch.Tensor:
+        return p
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else None
+
+
+def _like(p: Any, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor laid out as ``p`` (mesh, placements, global shape and stride) over ``local``,
+    which it keeps: no copy, no collective (``run_check=False``)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 @torch.no_grad()
