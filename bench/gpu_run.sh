@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call47a [S] [S] [S]|call47b [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -240,6 +240,31 @@ case "${1:-tests}" in
       | tee "$OUT/trainers-before.log" | tail -12)
     timeout "${3:-250}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,megatron --reps 3 --out "$OUT/trainers-now.json" 2>&1 | tee "$OUT/trainers-now.log" | tail -16
+    ;;
+  call47a)  # prepared for the session after 2026-11-29's seventh (two GPUs, nvidia-h200-x2; not run yet): every
+    # gpu2 test of the repository whole, three at a time, timed (limit: arg 2; the issue's 5 minutes), after the
+    # two mends its last whole run lacked (the real trainer's bound, the notebook's collection); then Qwen2-7B at
+    # TP=2, the synthetic layout's every row and colo's real megatron-core trainer's packed rows (limits: args 3, 4)
+    par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+    t0=$(date +%s)
+    timeout "${2:-300}" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
+      --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu2-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|s call" | tail -30
+    echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
+    timeout "${3:-150}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
+      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
+    timeout "${4:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+      --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
+      | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
+    ;;
+  call47b)  # prepared for the session after 2026-11-29's seventh (one GPU; not run yet): the FSDP2 trainer's rows at
+    # Qwen2-1.5B now that its masters and moments are DTensors over one buffer each (its pause: 0.83-0.85 of the link
+    # before; limit: arg 2), then its GPU tests (the one-GPU demo under each plan with fsdp; limit: arg 3). hf's rows
+    # alone take more than 130 s (call44e): an A/B of 27bf731 needs about 200 s a side
+    timeout "${2:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers fsdp --reps 3 --out "$OUT/colo-bench-fsdp-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -10
+    gpu_tests "${3:-150}" "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
+      tests/gpu/test_real_trainers.py
     ;;
   call44d)  # issue 44, last call of 2026-11-29 (fifth session): the FSDP2 trainer's rows at Qwen2-1.5B after colo's
     # engine keeps its row blocks, planned layouts and summed-load tables across a release that the memory saver
