@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call47a [S] [S] [S]|call47b [S] [S]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -261,8 +261,9 @@ case "${1:-tests}" in
     # Qwen2-1.5B now that its masters and moments are DTensors over one buffer each (its pause: 0.83-0.85 of the link
     # before; limit: arg 2), then its GPU tests (the one-GPU demo under each plan with fsdp; limit: arg 3). hf's rows
     # alone take more than 130 s (call44e): an A/B of 27bf731 needs about 200 s a side
+    # (arg 4: the trainers, default fsdp; fsdp,megatron adds Megatron's rows after 27bf731)
     timeout "${2:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
-      --trainers fsdp --reps 3 --out "$OUT/colo-bench-fsdp-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -10
+      --trainers "${4:-fsdp}" --reps 3 --out "$OUT/colo-bench-fsdp-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -14
     gpu_tests "${3:-150}" "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
       tests/gpu/test_real_trainers.py
     ;;
