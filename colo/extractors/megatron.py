@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from colo.core.buckets import spec
 from colo.device import canonical_device
@@ -209,8 +210,10 @@ _AXES = ("tp", "pp", "ep", "etp")
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: the most a row-parallel tensor's gather holds at once beside its output (the issue's
-#: staging bound leaves 64 MiB beside the two buckets)
-GATHER_CHUNK_BYTES = 32 << 20
+#: staging bound leaves 64 MiB beside the two buckets; 48 of them here: each block is one
+#: collective from Python, and Qwen2-7B's 130 MiB down_proj took 5 at 32 MiB, 9 from a
+#: pinned host copy, whose blocks alternate between two buffers of half the size)
+GATHER_CHUNK_BYTES = 48 << 20
 
 
 class MegatronExtractor:
@@ -561,7 +564,8 @@ class MegatronExtractor:
     def _extract(self, names: list[str], into: Mapping[Any, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         self._call_streams.clear()  # a new call: its first upload waits for the caller's stream (_upload)
         last_use = {self._by_target[n]: i for i, n in enumerate(names)}
-        ready: dict[str, dict[str, torch.Tensor]] = {}
+        # every rank reaches this line with the same names: the same collectives, in the same order
+        ready = self._gather_together(names, into)
         for i, name in enumerate(names):
             source = self._by_target[name]
             if source not in ready:
@@ -663,10 +667,10 @@ class MegatronExtractor:
             return g[:, rows[0] * head_dim:rows[1] * head_dim]
         return t
 
-    def _upload(self, dst: torch.Tensor, part: torch.Tensor, after: Any = None, fresh: bool = False) -> bool:
-        """``part`` (pinned host memory, the engine's dtype) into ``dst`` (a contiguous
-        GPU tensor shaped as ``part``) on this GPU's upload stream, run by run; the
-        caller's stream waits for it. False, copying nothing: not such a pair.
+    def _upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Any = None, fresh: bool = False) -> None:
+        """Each ``(dst, part)`` of ``pairs`` (:func:`_uploadable`: pinned host memory into a
+        contiguous tensor of one GPU, shaped and typed alike) on this GPU's upload stream,
+        run by run; the caller's stream waits for all of them, once.
 
         The upload stream lets the next part's upload run while the caller's stream
         gathers this one (every part went up and was gathered in turn: an
@@ -682,17 +686,15 @@ class MegatronExtractor:
         still read; without it an ``offload-first`` baseline's new tensors took
         wrong bytes on two H200s). ``after``: an event the upload also waits for (the
         last reader of a buffer this call reuses)."""
-        if not (dst.device.type == "cuda" and part.device.type == "cpu" and part.is_pinned()
-                and part.dtype == dst.dtype and dst.is_contiguous()):
-            return False
-        streams = self._call_streams.get(dst.device)
+        device = pairs[0][0].device
+        streams = self._call_streams.get(device)
         if streams is None:  # the call's first upload here: after all the caller's stream has queued
-            caller = torch.cuda.current_stream(dst.device)
-            stream = self._upload_streams.get(dst.device)
+            caller = torch.cuda.current_stream(device)
+            stream = self._upload_streams.get(device)
             if stream is None:
-                stream = self._upload_streams[dst.device] = torch.cuda.Stream(dst.device)
+                stream = self._upload_streams[device] = torch.cuda.Stream(device)
             stream.wait_stream(caller)
-            self._call_streams[dst.device] = caller, stream
+            self._call_streams[device] = caller, stream
         else:
             caller, stream = streams
             if fresh:
@@ -700,12 +702,56 @@ class MegatronExtractor:
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
-            for d, h in _runs(dst.view(part.shape), part):
-                d.copy_(h, non_blocking=True)
+            for dst, part in pairs:
+                for d, h in _runs(dst.view(part.shape), part):
+                    d.copy_(h, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
         caller.wait_event(done)
-        return True
+
+    def _gather_together(self, names: list[str], into: Mapping[Any, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The outputs among ``names`` gathered on their rows from every rank's own shard,
+        whole (no vocabulary padding cut), all at once: every part this rank holds goes
+        into its place in its output (in one upload or one batched copy), then one
+        coalesced all-gather per group fills in the other ranks' parts around them.
+        ``{source: {target: output}}``; the others are left to :meth:`_materialize`.
+
+        Why: one all-gather and one copy per output, each through torch.distributed's
+        Python, was most of a TP=2 sync's host time (395 all-gathers and 567 copies a
+        ``sync-first`` sync of Qwen2-7B on two H200s, the GPUs waiting for the host;
+        issue 46). Only the outputs asked for are gathered (a source's sibling in
+        another bucket is gathered there), and which they are follows from the names
+        and the metadata every rank shares."""
+        jobs = []
+        for name in names:
+            src = self._sources[self._by_target[name]]
+            if not self._in_place(src) or src.meta.partition_dim != 0:
+                continue
+            part = self._part(src, src.targets.index(name))
+            step = part.numel() * self._engine_dtype(src.meta).itemsize  # one rank's part, in bytes
+            if self._specs[name].nbytes == src.gather_size * step:  # else padding is cut: by broadcasts
+                jobs.append((src, name, part, step))
+        ready: dict[str, dict[str, torch.Tensor]] = {}
+        copies, gathers, fresh = [], {}, False
+        for src, name, part, step in jobs:
+            out = self._out(name, into)
+            fresh = fresh or out is not into.get(name)  # new memory: the caller's stream may still read it
+            flat = out.view(-1).view(torch.uint8)
+            mine = flat[src.gather_rank * step:(src.gather_rank + 1) * step]
+            copies.append((mine.view(out.dtype).view(part.shape), part))
+            gathers.setdefault(src.gather, []).append((flat, mine))
+            ready.setdefault(src.name, {})[name] = out
+        if not copies:
+            return ready
+        up = [c for c in copies if _uploadable(*c)]
+        if up:
+            self._upload(up, fresh=fresh)
+        if len(up) < len(copies):
+            rest = [c for c in copies if not _uploadable(*c)]
+            torch._foreach_copy_([d for d, _ in rest], [p for _, p in rest])
+        for group, pairs in gathers.items():
+            _all_gather_coalesced([o for o, _ in pairs], [i for _, i in pairs], group)
+        return ready
 
     def _gather_rows(self, src: _Source, k: int, out: torch.Tensor, start: int, fresh: bool = False) -> None:
         """Bytes ``[start, start + out.numel())`` of output ``k`` into ``out`` (flat uint8).
@@ -727,13 +773,14 @@ class MegatronExtractor:
             mine = out[lo - start:hi - start].view(target)
             first, last = (lo - me * step) // item, (hi - me * step) // item
             if first == 0 and last == part.numel():
-                if not self._upload(mine, part, fresh=fresh):
-                    mine.view(part.shape).copy_(part)
+                dst, piece = mine.view(part.shape), part
             else:
                 # a piece of a tensor larger than a bucket (an embedding: contiguous)
-                piece = part.reshape(-1)[first:last]
-                if not self._upload(mine, piece, fresh=fresh):
-                    mine.copy_(piece)
+                dst, piece = mine, part.reshape(-1)[first:last]
+            if _uploadable(dst, piece):
+                self._upload([(dst, piece)], fresh=fresh)
+            else:
+                dst.copy_(piece)
         if start == 0 and end == size * step:
             _all_gather_single(out, out[me * step:(me + 1) * step], group=src.gather)
             return
@@ -781,7 +828,9 @@ class MegatronExtractor:
         for j, a in enumerate(range(lo_row, hi_row, step)):
             n, b = min(step, hi_row - a), j % nbuf
             block = bufs[b][:size * n * width].view(size, n, width)
-            if not (uploads and self._upload(block[me], local[a:a + n], after=read[b])):
+            if uploads:
+                self._upload([(block[me], local[a:a + n])], after=read[b])
+            else:
                 block[me].copy_(local[a:a + n])
             _all_gather_single(block.view(-1).view(torch.uint8), block[me].view(-1).view(torch.uint8),
                                group=src.gather)
@@ -816,6 +865,26 @@ def _put_rows(dst: torch.Tensor, block: torch.Tensor, lo: int, hi: int) -> None:
         x1 = min(width, x0 + hi - pos)
         dst[pos - lo:pos - lo + x1 - x0].copy_(block[rank, r, x0:x1])
         pos += x1 - x0
+
+
+def _uploadable(dst: torch.Tensor, part: torch.Tensor) -> bool:
+    """Whether :meth:`MegatronExtractor._upload` takes the pair: pinned host memory into a
+    contiguous GPU tensor of the same dtype (a conversion is copied the ordinary way)."""
+    return (dst.device.type == "cuda" and part.device.type == "cpu" and part.is_pinned()
+            and part.dtype == dst.dtype and dst.is_contiguous())
+
+
+def _all_gather_coalesced(outs: list[torch.Tensor], ins: list[torch.Tensor], group: Any) -> None:
+    """``all_gather_into_tensor(outs[i], ins[i])`` for every i as one collective of the
+    process group (NCCL: one group call): one call from Python for a bucket's outputs,
+    not one each through torch.distributed's checks and logging. Synchronous as those
+    are (on a GPU: the caller's stream waits for it)."""
+    coalesced = getattr(group, "allgather_into_tensor_coalesced", None)
+    if len(outs) == 1 or coalesced is None:
+        for o, i in zip(outs, ins):
+            _all_gather_single(o, i, group=group)
+        return
+    coalesced(outs, ins, AllgatherOptions()).wait()
 
 
 def _runs(dst: torch.Tensor, src: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -571,6 +571,75 @@ def pp_worker(rank: int, world: int, tmp_path) -> dict:
     return out
 
 
+def batch_worker(rank: int, world: int, tmp_path) -> dict:
+    import torch.distributed as dist
+
+    import colo.extractors.megatron as megatron
+
+    calls: list[tuple[str, int]] = []
+    coalesced, single = megatron._all_gather_coalesced, megatron._all_gather_single
+    inside = [False]
+
+    def counted_coalesced(outs, ins, group):
+        calls.append(("coalesced", len(outs)))
+        inside[0] = True  # (one output goes as a plain all-gather: one collective, counted here)
+        try:
+            coalesced(outs, ins, group)
+        finally:
+            inside[0] = False
+
+    def counted_single(out, inp, group=None):
+        if not inside[0]:
+            calls.append(("single", 1))
+        single(out, inp, group=group)
+
+    megatron._all_gather_coalesced, megatron._all_gather_single = counted_coalesced, counted_single
+    ref = hf_reference()
+    params = megatron_params(ref, tp_rank=rank, tp=world)
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, tp_group=dist.group.WORLD, attention=ATTENTION,
+                           vocab_size=T.VOCAB)
+    layer = [s for s in ex.specs() if s.name.startswith("model.layers.0.")]
+    views = {s.name: torch.full(s.shape, 7.0, dtype=torch.bfloat16) for s in layer}
+    out = {}
+    for label, into in (("views", views), ("new", None)):
+        calls.clear()
+        got = dict(ex.extract([s.name for s in layer], into))
+        out[label] = {"got": got, "calls": list(calls),
+                      "in_views": sorted(n for n in got if got[n].data_ptr() == views[n].data_ptr())}
+    calls.clear()  # q alone of the fused QKV: its k and v are not gathered
+    out["q_only"] = {"got": dict(ex.extract(["model.layers.0.self_attn.q_proj.weight"])), "calls": list(calls)}
+    return out
+
+
+def test_a_calls_row_gathered_outputs_go_in_one_collective_and_come_out_bit_exact(tmp_path):
+    """Issue 46: a bucket's outputs gathered on their rows (q, k, v and their biases of
+    the fused QKV, gate and up) go as ONE coalesced all-gather, this rank's parts put in
+    place first; the row-parallel o_proj and down_proj by their blocks. One collective per
+    output was most of a TP=2 sync's host time on two H200s. Into the caller's views or
+    into new tensors, every output bit-equal to the unsharded model on both ranks; only
+    the outputs asked for are gathered."""
+    ref = hf_reference()
+    results = run_workers(batch_worker, tmp_path)
+    rows = {f"model.layers.0.{n}" for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight")}
+    layer0 = {n: t for n, t in ref.items() if n.startswith("model.layers.0.")}
+    for rank, res in enumerate(results):
+        for label in ("views", "new"):
+            check_against(layer0, res[label]["got"], torch.bfloat16, f"rank {rank} {label}")
+            calls = res[label]["calls"]
+            # first the rows, together; then o_proj and down_proj, each in one block of its own here
+            assert calls[0] == ("coalesced", len(rows)), (rank, label, calls)
+            assert calls[1:] == [("single", 1), ("single", 1)], (rank, label, calls)
+        assert set(res["views"]["in_views"]) == rows | {"model.layers.0.self_attn.o_proj.weight",
+                                                        "model.layers.0.mlp.down_proj.weight"}
+        assert res["new"]["in_views"] == []
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert list(res["q_only"]["got"]) == [q] and res["q_only"]["calls"] == [("coalesced", 1)]
+        assert_bit_equal(res["q_only"]["got"][q], ref[q].to(torch.bfloat16), f"rank {rank} q alone")
+
+
 def test_pipeline_stage_parameters_are_broadcast_from_their_stage(tmp_path):
     ref = hf_reference()
     results = run_workers(pp_worker, tmp_path)
@@ -657,11 +726,13 @@ def test_runs_cover_a_strided_view_in_contiguous_pieces_in_order():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it():
-    """``offload-first``: a part of the pinned host copy goes up on the extractor's upload
-    stream, run by run; whatever the caller's stream queues next sees the bytes, even
-    when the upload stream is held up behind a long kernel; and the first upload of a
-    call, or one into new memory, comes after what the caller's stream queued before
-    it (here a late write of the same memory, which must not land over the upload)."""
+    """``offload-first``: parts of the pinned host copy go up on the extractor's upload
+    stream, run by run, several in one call; whatever the caller's stream queues next sees
+    the bytes, even when the upload stream is held up behind a long kernel; and the first
+    upload of a call, or one into new memory, comes after what the caller's stream queued
+    before it (here a late write of the same memory, which must not land over the upload)."""
+    from colo.extractors.megatron import _uploadable
+
     fused = torch.randn(4, 64, 1024, dtype=torch.bfloat16).pin_memory()
     ex = MegatronExtractor({"decoder.final_layernorm.weight": _param(torch.ones(8))}, dtype=torch.bfloat16)
     dst = torch.zeros(4 * 24 * 1024, dtype=torch.bfloat16, device="cuda")
@@ -669,16 +740,19 @@ def test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_wa
         assert (dst.device in ex._call_streams) == fresh
         torch.cuda._sleep(200_000_000)  # the caller's stream busy, then it writes dst
         dst.fill_(7.0)
-        assert ex._upload(dst, fused[:, 8:32], fresh=fresh)
+        ex._upload([(dst, fused[:, 8:32])], fresh=fresh)
         assert torch.equal(dst.view(4, 24, 1024).cpu(), fused[:, 8:32]), fresh
     stream = ex._upload_streams[dst.device]
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # the upload stream is busy for a while
     fused.neg_()
-    assert ex._upload(dst, fused[:, 8:32])
-    seen = dst.view(4, 24, 1024).clone()  # on the caller's stream, queued at once
-    assert torch.equal(seen.cpu(), fused[:, 8:32])
-    # not that pair (a device source, a pageable one, another dtype): nothing done, False
-    assert not ex._upload(dst, dst.view(4, 24, 1024).clone())
-    assert not ex._upload(dst, fused[:, 8:32].clone())
-    assert not ex._upload(dst, fused[:, 8:32].float().pin_memory())
+    # two parts in one call (a bucket's row-gathered outputs): the caller waits for both
+    other = torch.zeros(4 * 8 * 1024, dtype=torch.bfloat16, device="cuda")
+    ex._upload([(dst, fused[:, 8:32]), (other, fused[:, 40:48])])
+    seen = dst.view(4, 24, 1024).clone(), other.view(4, 8, 1024).clone()  # on the caller's stream, at once
+    assert torch.equal(seen[0].cpu(), fused[:, 8:32]) and torch.equal(seen[1].cpu(), fused[:, 40:48])
+    # not such a pair (a device source, a pageable one, another dtype): copied the ordinary way
+    assert _uploadable(dst, fused[:, 8:32])
+    assert not _uploadable(dst, dst.view(4, 24, 1024).clone())
+    assert not _uploadable(dst, fused[:, 8:32].clone())
+    assert not _uploadable(dst, fused[:, 8:32].float().pin_memory())
