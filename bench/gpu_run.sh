@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -240,6 +240,25 @@ case "${1:-tests}" in
       | tee "$OUT/trainers-before.log" | tail -12)
     timeout "${3:-250}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,megatron --reps 3 --out "$OUT/trainers-now.json" 2>&1 | tee "$OUT/trainers-now.log" | tail -16
+    ;;
+  call48a)  # issue 46, 2026-11-29 (eighth session), two GPUs: a call's row-gathered outputs in one coalesced
+    # all-gather, 48 MiB row-parallel blocks, an in-place bucket's event recorded without a thread hop (fc13b32,
+    # d83ec55), measured against megatron.py and packed.py of 4e8e47b (.whl/ab-4e8e47b.tgz over a copy of this tree)
+    # on one machine, alternating: Qwen2-7B at TP=2, the synthetic layout's colo-packed rows (limit per run: arg 2);
+    # the second "now" run also profiles each rank's extraction (cProfile: the calls left). First the upload test
+    gpu_tests 60 "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it"
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/ab-4e8e47b.tgz -C /tmp/base
+    for round in 1 2; do
+      for side in now before; do
+        dir=$PWD; [ "$side" = before ] && dir=/tmp/base
+        extra=""; [ "$side$round" = now2 ] && extra="--host-profile /tmp/hp"
+        echo "== round $round, $side" | tee -a "$OUT/ab.log"
+        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${2:-100}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
+          --model qwen2-7b --rows colo-packed $extra --out "$OUT/ab-$side-$round.json" 2>&1 | tee -a "$OUT/ab.log" \
+          | grep -E "^\| (sync|offload)-first|^limits")
+      done
+    done
+    [ -d /tmp/hp ] && tar czf "$OUT/host-profiles.tgz" -C /tmp hp && head -30 /tmp/hp/host-sync-first-rank0.txt | cut -c1-150
     ;;
   call47a)  # prepared for the session after 2026-11-29's seventh (two GPUs, nvidia-h200-x2; not run yet): every
     # gpu2 test of the repository whole, three at a time, timed (limit: arg 2; the issue's 5 minutes), after the
