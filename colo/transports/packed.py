@@ -38,8 +38,8 @@ from colo.core.buckets import Bucket, Entry
 from colo.device import canonical_device
 from colo.proc.handles import ShmSegment, open_handle
 from colo.core.interfaces import SyncContext
-from colo.transports.base import (BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta, parse_tensors,
-                                  timed_ack, views, wait_event)
+from colo.transports.base import (EVENT_POLL_S, BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
+                                  parse_tensors, timed_ack, views, wait_event)
 from colo.transports.pack import pack_and_settle, queue_pack
 from colo.transports.wire import PADDED, LayoutCache, LayoutMemo, is_layout_not_cached, relayout
 
@@ -328,7 +328,9 @@ class PackedTransport(BucketSender):
         if s.pending is None:
             return
         done, t0 = s.pending
-        await wait_event(done)
+        # gathered in a thread (not inline), the next bucket's gather may run beside this
+        # wait: no polling, which would hold the interpreter from it (wait_event)
+        await wait_event(done, poll_s=EVENT_POLL_S if self._inline else 0.0)
         s.pending = None
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(bucket.entries), time.perf_counter() - t0)
 
