@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -240,6 +240,23 @@ case "${1:-tests}" in
       | tee "$OUT/trainers-before.log" | tail -12)
     timeout "${3:-250}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,megatron --reps 3 --out "$OUT/trainers-now.json" 2>&1 | tee "$OUT/trainers-now.log" | tail -16
+    ;;
+  call48b)  # issue 46, 2026-11-29 (eighth session), two GPUs: no event-loop polling beside a gather thread (f70b65a)
+    # against its parent (.whl/ab-b27a6a9-transports.tgz: colo/transports/base.py and packed.py of b27a6a9 over a copy
+    # of this tree) on one machine: now, before, now; Qwen2-7B at TP=2, the synthetic layout's colo-packed rows (limit
+    # per run: arg 2; the first run on a fresh machine needs about 20 s more); then the real megatron-core trainer's
+    # packed rows (limit: arg 3)
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/ab-b27a6a9-transports.tgz -C /tmp/base
+    for run in now-1 before-1 now-2; do
+      dir=$PWD; [ "${run%-*}" = before ] && dir=/tmp/base
+      echo "== $run" | tee -a "$OUT/ab.log"
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${2:-110}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
+        --model qwen2-7b --rows colo-packed --out "$OUT/ab-$run.json" 2>&1 | tee -a "$OUT/ab.log" \
+        | grep -E "^\| (sync|offload)-first|^limits|^floors")
+    done
+    timeout "${3:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+      --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
+      | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
     ;;
   call48a)  # issue 46, 2026-11-29 (eighth session), two GPUs: a call's row-gathered outputs in one coalesced
     # all-gather, 48 MiB row-parallel blocks, an in-place bucket's event recorded without a thread hop (fc13b32,
