@@ -294,7 +294,7 @@ class MegatronExtractor:
         #: per GPU, the stream that uploads a pinned host source's parts (:meth:`_upload`)
         self._upload_streams: dict[torch.device, Any] = {}
         #: per GPU, this call's (caller's stream, upload stream), once the upload stream
-        #: waited for the caller's (:meth:`_upload`); emptied at every call
+        #: waited for the trainer's writes (:meth:`_upload`); emptied at every call
         self._call_streams: dict[torch.device, tuple[Any, Any]] = {}
 
         metas = {name: _Meta.of(t) for name, t in local.items()}
@@ -518,7 +518,10 @@ class MegatronExtractor:
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full tensor)`` for each name, in order. ``into``: the caller's views
         by name (a staging slot's, typed and shaped as the specs): a gathered tensor is
-        gathered there and yielded as that view. The collectives are the same with and
+        gathered there and yielded as that view. From a pinned host copy the bytes go up on
+        a stream of the extractor's own that does not wait for the caller's stream: no work
+        the caller queued may still use the views (a slot whose last bucket the engine
+        acknowledged; see :meth:`_upload`). The collectives are the same with and
         without ``into``, so ranks whose transports differ in that still line up."""
         names = check_request(names, self._specs, "megatron extractor")
         return self._extract(names, into or {})
@@ -549,6 +552,7 @@ class MegatronExtractor:
         if not (0 <= offset and 0 < nbytes and offset + nbytes <= size and offset % item == 0 and nbytes % item == 0):
             raise ValueError(f"megatron extractor: bytes [{offset}, {offset + nbytes}) are not a run of whole "
                              f"elements of {name!r} ({size} bytes of {item}-byte elements)")
+        fresh = out is None  # new memory: the caller's stream may still read it (_upload)
         if out is None:
             out = torch.empty(nbytes, dtype=torch.uint8, device=self._comm_device())
         elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != nbytes or not out.is_contiguous():
@@ -556,13 +560,13 @@ class MegatronExtractor:
                              f"{tuple(out.shape)} {out.dtype}")
         self._call_streams.clear()
         if src.meta.partition_dim == 0:
-            self._gather_rows(src, src.targets.index(name), out, offset)
+            self._gather_rows(src, src.targets.index(name), out, offset, fresh=fresh)
         else:
             self._gather_columns(src, out, offset)
         return out
 
     def _extract(self, names: list[str], into: Mapping[Any, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        self._call_streams.clear()  # a new call: its first upload waits for the caller's stream (_upload)
+        self._call_streams.clear()  # a new call: its first upload waits for the trainer's writes (_upload)
         last_use = {self._by_target[n]: i for i, n in enumerate(names)}
         # every rank reaches this line with the same names: the same collectives, in the same order
         ready = self._gather_together(names, into)
@@ -667,6 +671,13 @@ class MegatronExtractor:
             return g[:, rows[0] * head_dim:rows[1] * head_dim]
         return t
 
+    def _upload_stream(self, device: torch.device) -> Any:
+        """This GPU's upload stream (made once)."""
+        stream = self._upload_streams.get(device)
+        if stream is None:
+            stream = self._upload_streams[device] = torch.cuda.Stream(device)
+        return stream
+
     def _upload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Any = None, fresh: bool = False) -> None:
         """Each ``(dst, part)`` of ``pairs`` (:func:`_uploadable`: pinned host memory into a
         contiguous tensor of one GPU, shaped and typed alike) on this GPU's upload stream,
@@ -678,27 +689,28 @@ class MegatronExtractor:
         of a strided host view (q, k or v of several query groups) first copies it into
         new pageable memory on the CPU, then transfers that synchronously.
 
-        What the upload writes over may still be read by work the caller's stream has
-        queued, which the upload stream does not follow on its own: its first upload
-        of a call (:meth:`_extract`, :meth:`extract_range`) waits for all the caller's
-        stream has queued, and so does one into ``fresh`` memory (allocated in this
-        call, after that wait: the allocator hands out blocks the caller's stream may
-        still read; without it an ``offload-first`` baseline's new tensors took
-        wrong bytes on two H200s). ``after``: an event the upload also waits for (the
-        last reader of a buffer this call reuses)."""
+        The upload stream does not follow the other streams on its own. Its first upload
+        of a call (:meth:`_extract`, :meth:`extract_range`) waits for what the default
+        stream has queued: the trainer's writes of its host copy. One into ``fresh``
+        memory (allocated in this call from the caller's stream) waits for all the
+        caller's stream has queued: the allocator hands out blocks that stream may still
+        read (without it an ``offload-first`` baseline's new tensors took wrong bytes on
+        two H200s). The caller's own views (``into``: a staging slot whose last bucket
+        the engine acknowledged) are nothing the caller's stream still uses, so an upload
+        into them does not wait for the previous bucket's gathers: waiting for all of
+        the caller's stream at every call left the link idle at every bucket's end (the
+        next bucket's first upload behind this one's last gathers). ``after``: an event
+        the upload also waits for (the last reader of a buffer this call reuses)."""
         device = pairs[0][0].device
         streams = self._call_streams.get(device)
-        if streams is None:  # the call's first upload here: after all the caller's stream has queued
-            caller = torch.cuda.current_stream(device)
-            stream = self._upload_streams.get(device)
-            if stream is None:
-                stream = self._upload_streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(caller)
+        if streams is None:  # the call's first upload here: after the trainer's writes
+            caller, stream = torch.cuda.current_stream(device), self._upload_stream(device)
+            stream.wait_stream(torch.cuda.default_stream(device))
             self._call_streams[device] = caller, stream
         else:
             caller, stream = streams
-            if fresh:
-                stream.wait_stream(caller)
+        if fresh:
+            stream.wait_stream(caller)
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
@@ -817,14 +829,21 @@ class MegatronExtractor:
         nbuf = 2 if uploads else 1
         step = max(1, GATHER_CHUNK_BYTES // nbuf // max(1, row * target.itemsize))
         held = min(step, hi_row - lo_row)
-        bufs = [torch.empty(size * held * width, dtype=target, device=out.device) for _ in range(nbuf)]
-        # the event after the last put-in-place that read each buffer; at first, one after
-        # all the caller's stream has queued (the buffers' memory is new: it may still read it)
+        # the event after the last put-in-place that read each buffer (none before its first use)
         read: list[Any] = [None] * nbuf
-        caller = torch.cuda.current_stream(out.device) if uploads else None  # (one lookup: tens of us each)
         if uploads:
-            read = [torch.cuda.Event()] * nbuf
-            read[0].record(caller)
+            caller = torch.cuda.current_stream(out.device)  # (one lookup: tens of us each)
+            # From the upload stream's pool, which only work the upload stream queued used
+            # before: the first block's upload need not wait for the caller's stream (a block
+            # of its pool may be memory that stream still reads: the upload waited for all of
+            # it, leaving the link idle during the bucket's gathers). The caller's stream
+            # gathers and reads the buffers: the allocator keeps them until it is done.
+            with torch.cuda.stream(self._upload_stream(out.device)):
+                bufs = [torch.empty(size * held * width, dtype=target, device=out.device) for _ in range(nbuf)]
+            for buf in bufs:
+                buf.record_stream(caller)
+        else:
+            bufs = [torch.empty(size * held * width, dtype=target, device=out.device) for _ in range(nbuf)]
         for j, a in enumerate(range(lo_row, hi_row, step)):
             n, b = min(step, hi_row - a), j % nbuf
             block = bufs[b][:size * n * width].view(size, n, width)

@@ -728,25 +728,42 @@ def test_runs_cover_a_strided_view_in_contiguous_pieces_in_order():
 def test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it():
     """``offload-first``: parts of the pinned host copy go up on the extractor's upload
     stream, run by run, several in one call; whatever the caller's stream queues next sees
-    the bytes, even when the upload stream is held up behind a long kernel; and the first
-    upload of a call, or one into new memory, comes after what the caller's stream queued
-    before it (here a late write of the same memory, which must not land over the upload)."""
+    the bytes, even when the upload stream is held up behind a long kernel. The first
+    upload of a call comes after what the default stream queued (the trainer's writes of
+    its host copy: here a late copy into it); one into new memory after what the caller's
+    stream queued (here a late write of the same memory, which must not land over it)."""
     from colo.extractors.megatron import _uploadable
 
     fused = torch.randn(4, 64, 1024, dtype=torch.bfloat16).pin_memory()
     ex = MegatronExtractor({"decoder.final_layernorm.weight": _param(torch.ones(8))}, dtype=torch.bfloat16)
     dst = torch.zeros(4 * 24 * 1024, dtype=torch.bfloat16, device="cuda")
-    for fresh in (False, True):  # the call's first upload; then, the call fenced already, into new memory
-        assert (dst.device in ex._call_streams) == fresh
-        torch.cuda._sleep(200_000_000)  # the caller's stream busy, then it writes dst
+    side = torch.cuda.Stream()  # the caller's stream (a sender's), not the default one
+    side.wait_stream(torch.cuda.current_stream())
+    # the trainer writes its host copy on the default stream, late: the call's first upload waits
+    written = torch.randn(4, 24, 1024, dtype=torch.bfloat16, device="cuda")
+    host = torch.zeros(4, 24, 1024, dtype=torch.bfloat16).pin_memory()  # contiguous: a truly queued copy
+    torch.cuda._sleep(200_000_000)
+    host.copy_(written, non_blocking=True)
+    with torch.cuda.stream(side):
+        assert dst.device not in ex._call_streams
+        ex._upload([(dst, host)])
+        assert torch.equal(dst.view(4, 24, 1024).cpu(), written.cpu())
+    torch.cuda.synchronize()
+    # new memory: the caller's stream is busy, then writes it; the upload lands after that write
+    with torch.cuda.stream(side):
+        assert dst.device in ex._call_streams  # the call fenced already: only fresh waits now
+        torch.cuda._sleep(200_000_000)
         dst.fill_(7.0)
-        ex._upload([(dst, fused[:, 8:32])], fresh=fresh)
-        assert torch.equal(dst.view(4, 24, 1024).cpu(), fused[:, 8:32]), fresh
+        ex._upload([(dst, fused[:, 8:32])], fresh=True)
+        assert torch.equal(dst.view(4, 24, 1024).cpu(), fused[:, 8:32])
+    torch.cuda.synchronize()
     stream = ex._upload_streams[dst.device]
     with torch.cuda.stream(stream):
         torch.cuda._sleep(200_000_000)  # the upload stream is busy for a while
     fused.neg_()
-    # two parts in one call (a bucket's row-gathered outputs): the caller waits for both
+    # two parts in one call (a bucket's row-gathered outputs; a new call, on the default
+    # stream): the caller waits for both
+    ex._call_streams.clear()
     other = torch.zeros(4 * 8 * 1024, dtype=torch.bfloat16, device="cuda")
     ex._upload([(dst, fused[:, 8:32]), (other, fused[:, 40:48])])
     seen = dst.view(4, 24, 1024).clone(), other.view(4, 8, 1024).clone()  # on the caller's stream, at once
