@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -240,6 +240,25 @@ case "${1:-tests}" in
       | tee "$OUT/trainers-before.log" | tail -12)
     timeout "${3:-250}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,megatron --reps 3 --out "$OUT/trainers-now.json" 2>&1 | tee "$OUT/trainers-now.log" | tail -16
+    ;;
+  call48c)  # issue 46, 2026-11-29 (eighth session), two GPUs, last call: the upload test (its first upload now after
+    # the default stream, new memory after the caller's); every gpu2 test of the repository whole, three at a time,
+    # timed (limit: arg 2; the issue's 5 minutes); Qwen2-7B at TP=2, every row of the synthetic layout (limit: arg 3);
+    # its colo-packed rows with megatron.py of f70b65a (.whl/ab-f70b65a-megatron.tgz: the caller's stream waited for
+    # at each call and before each row-parallel tensor's first block; limit: arg 4)
+    gpu_tests 60 "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it"
+    par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+    t0=$(date +%s)
+    timeout "${2:-250}" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
+      --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu2-tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -16
+    echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
+    timeout "${3:-160}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
+      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
+    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/ab-f70b65a-megatron.tgz -C /tmp/base
+    (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base timeout "${4:-100}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
+      --model qwen2-7b --rows colo-packed --out "$OUT/ab-before.json" 2>&1 | tee "$OUT/ab-before.log" \
+      | grep -E "^\| (sync|offload)-first|^limits|^floors")
     ;;
   call48b)  # issue 46, 2026-11-29 (eighth session), two GPUs: no event-loop polling beside a gather thread (f70b65a)
     # against its parent (.whl/ab-b27a6a9-transports.tgz: colo/transports/base.py and packed.py of b27a6a9 over a copy
