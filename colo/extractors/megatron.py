@@ -470,16 +470,19 @@ class MegatronExtractor:
                              f"heads + 2 * query groups = {heads + 2 * groups}")
         return rows // (heads + 2 * groups), heads // groups
 
+    def _qkv_parts(self, name: str, t: torch.Tensor, groups: int) -> list[torch.Tensor]:
+        """q, k and v of ``t``, the fused QKV rows of ``groups`` whole query groups (the
+        model's or one tensor-parallel rank's share): views shaped ``(groups, rows of one
+        group's part, ...)``, strided where ``groups > 1`` (flattening one copies it).
+        Megatron lays the fused projection out per query group: ``[its q heads; k; v]``."""
+        rest = tuple(t.shape[1:])
+        head_dim, per = self._qkv_layout(name, [t.shape[0] * self.attention[1] // groups, *rest])
+        g = t.reshape(groups, (per + 2) * head_dim, *rest)
+        return [g[:, :per * head_dim], g[:, per * head_dim:(per + 1) * head_dim], g[:, (per + 1) * head_dim:]]
+
     def _split_qkv(self, name: str, full: torch.Tensor) -> list[torch.Tensor]:
-        head_dim, per = self._qkv_layout(name, full.shape)
-        heads, groups = self.attention
         rest = full.shape[1:]
-        # Megatron lays the fused projection out per query group: [q heads of the group; k; v]
-        g = full.reshape(groups, (per + 2) * head_dim, *rest)
-        q = g[:, :per * head_dim].reshape(heads * head_dim, *rest)
-        k = g[:, per * head_dim:(per + 1) * head_dim].reshape(groups * head_dim, *rest)
-        v = g[:, (per + 1) * head_dim:].reshape(groups * head_dim, *rest)
-        return [q, k, v]
+        return [p.reshape(-1, *rest) for p in self._qkv_parts(name, full, self.attention[1])]
 
     def _split_qkv_into(self, src: _Source, full: torch.Tensor, into: Mapping[Any, torch.Tensor]
                         ) -> dict[str, torch.Tensor]:
@@ -490,14 +493,10 @@ class MegatronExtractor:
         the views and checks around them was most of Megatron's ``sync-first`` host work at
         one rank (84 fused projections of Qwen2-1.5B: 168 clones, 7.8 ms of host time and
         1.6 ms of cudaMalloc per sync on an H200; issue 44)."""
-        head_dim, per = self._qkv_layout(src.name, full.shape)
-        groups = self.attention[1]
-        rest = tuple(full.shape[1:])
-        g = full.reshape(groups, (per + 2) * head_dim, *rest)
         outs = {}
-        for name, (a, b) in zip(src.targets, ((0, per), (per, per + 1), (per + 1, per + 2))):
+        for name, part in zip(src.targets, self._qkv_parts(src.name, full, self.attention[1])):
             out = self._out(name, into)
-            out.view(groups, (b - a) * head_dim, *rest).copy_(g[:, a * head_dim:b * head_dim])
+            out.view(part.shape).copy_(part)
             outs[name] = out
         return outs
 
@@ -664,11 +663,7 @@ class MegatronExtractor:
         if src.rule.split == "glu":
             return t.chunk(2, dim=0)[k]
         if src.rule.split == "qkv":
-            head_dim, per = self._qkv_layout(src.name, [t.shape[0] * src.gather_size, *t.shape[1:]])
-            groups = self.attention[1] // src.gather_size
-            rows = ((0, per), (per, per + 1), (per + 1, per + 2))[k]
-            g = t.view(groups, (per + 2) * head_dim, *t.shape[1:])
-            return g[:, rows[0] * head_dim:rows[1] * head_dim]
+            return self._qkv_parts(src.name, t, self.attention[1] // src.gather_size)[k]
         return t
 
     def _upload_stream(self, device: torch.device) -> Any:
