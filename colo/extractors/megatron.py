@@ -748,13 +748,13 @@ class MegatronExtractor:
             copies.append((mine.view(out.dtype).view(part.shape), part))
             gathers.setdefault(src.gather, []).append((flat, mine))
             ready.setdefault(src.name, {})[name] = out
-        if not copies:
-            return ready
-        up = [c for c in copies if _uploadable(*c)]
+        up: list = []
+        rest: list = []
+        for c in copies:
+            (up if _uploadable(*c) else rest).append(c)
         if up:
             self._upload(up, fresh=fresh)
-        if len(up) < len(copies):
-            rest = [c for c in copies if not _uploadable(*c)]
+        if rest:
             torch._foreach_copy_([d for d, _ in rest], [p for _, p in rest])
         for group, pairs in gathers.items():
             _all_gather_coalesced([o for o, _ in pairs], [i for _, i in pairs], group)
