@@ -38,6 +38,19 @@ demo() {  # demo NAME ARGS...: one run of the demo on CUDA, its trace replayed
   python3 -m colo.cli replay "$OUT/$name.jsonl" | tail -1
 }
 
+ab_base() {  # ab_base TGZ: this tree's bench and colo copied to /tmp/base, TGZ's files over them (an A/B's "before")
+  rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf "$1" -C /tmp/base
+}
+
+ab_rows() {  # ab_rows DIR LABEL LIMIT [ARGS...]: Qwen2-7B at TP=2, the synthetic layout's colo-packed rows with the
+  # package in DIR (this tree, or /tmp/base), into ab-LABEL.json; every run's output in ab.log
+  local dir=$1 label=$2 limit=$3; shift 3
+  echo "== $label" | tee -a "$OUT/ab.log"
+  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" python3 -m bench.multi_gpu --device cuda --gpus 2 \
+    --model qwen2-7b --rows colo-packed "$@" --out "$OUT/ab-$label.json" 2>&1 | tee -a "$OUT/ab.log" \
+    | grep -E "^\| (sync|offload)-first|^limits|^floors")
+}
+
 case "${1:-tests}" in
   all)
     bash "$0" tests
@@ -215,14 +228,11 @@ case "${1:-tests}" in
     # now and as of 835f5aa (.whl/megatron-835f5aa.tgz over a copy of this tree; limit per run: arg 2); then the
     # real megatron-core trainer's bench test (its 130 MiB down_proj in 64 MiB buckets, now gathered by range;
     # limit: arg 3)
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/megatron-835f5aa.tgz -C /tmp/base
+    ab_base .whl/megatron-835f5aa.tgz
     for round in 1 2; do
       for side in now before; do
         dir=$PWD; [ "$side" = before ] && dir=/tmp/base
-        echo "== round $round, extractor $side" | tee -a "$OUT/ab.log"
-        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${2:-100}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
-          --model qwen2-7b --rows colo-packed --out "$OUT/ab-$side-$round.json" 2>&1 | tee -a "$OUT/ab.log" \
-          | grep -E "^\| (sync|offload)-first|^limits")
+        ab_rows "$dir" "$side-$round" "${2:-100}"
       done
     done
     timeout "${3:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu2 -rf --tb=short \
@@ -273,23 +283,18 @@ case "${1:-tests}" in
     echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
     timeout "${3:-160}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
       --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/ab-f70b65a-megatron.tgz -C /tmp/base
-    (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base timeout "${4:-100}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
-      --model qwen2-7b --rows colo-packed --out "$OUT/ab-before.json" 2>&1 | tee "$OUT/ab-before.log" \
-      | grep -E "^\| (sync|offload)-first|^limits|^floors")
+    ab_base .whl/ab-f70b65a-megatron.tgz
+    ab_rows /tmp/base before "${4:-100}"
     ;;
   call48b)  # issue 46, 2026-11-29 (eighth session), two GPUs: no event-loop polling beside a gather thread (f70b65a)
     # against its parent (.whl/ab-b27a6a9-transports.tgz: colo/transports/base.py and packed.py of b27a6a9 over a copy
     # of this tree) on one machine: now, before, now; Qwen2-7B at TP=2, the synthetic layout's colo-packed rows (limit
     # per run: arg 2; the first run on a fresh machine needs about 20 s more); then the real megatron-core trainer's
     # packed rows (limit: arg 3)
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/ab-b27a6a9-transports.tgz -C /tmp/base
+    ab_base .whl/ab-b27a6a9-transports.tgz
     for run in now-1 before-1 now-2; do
       dir=$PWD; [ "${run%-*}" = before ] && dir=/tmp/base
-      echo "== $run" | tee -a "$OUT/ab.log"
-      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${2:-110}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
-        --model qwen2-7b --rows colo-packed --out "$OUT/ab-$run.json" 2>&1 | tee -a "$OUT/ab.log" \
-        | grep -E "^\| (sync|offload)-first|^limits|^floors")
+      ab_rows "$dir" "$run" "${2:-110}"
     done
     timeout "${3:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
       --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
@@ -301,15 +306,12 @@ case "${1:-tests}" in
     # on one machine, alternating: Qwen2-7B at TP=2, the synthetic layout's colo-packed rows (limit per run: arg 2);
     # the second "now" run also profiles each rank's extraction (cProfile: the calls left). First the upload test
     gpu_tests 60 "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it"
-    rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf .whl/ab-4e8e47b.tgz -C /tmp/base
+    ab_base .whl/ab-4e8e47b.tgz
     for round in 1 2; do
       for side in now before; do
         dir=$PWD; [ "$side" = before ] && dir=/tmp/base
         extra=""; [ "$side$round" = now2 ] && extra="--host-profile /tmp/hp"
-        echo "== round $round, $side" | tee -a "$OUT/ab.log"
-        (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${2:-100}" python3 -m bench.multi_gpu --device cuda --gpus 2 \
-          --model qwen2-7b --rows colo-packed $extra --out "$OUT/ab-$side-$round.json" 2>&1 | tee -a "$OUT/ab.log" \
-          | grep -E "^\| (sync|offload)-first|^limits")
+        ab_rows "$dir" "$side-$round" "${2:-100}" $extra
       done
     done
     [ -d /tmp/hp ] && tar czf "$OUT/host-profiles.tgz" -C /tmp hp && head -30 /tmp/hp/host-sync-first-rank0.txt | cut -c1-150
