@@ -38,6 +38,27 @@ demo() {  # demo NAME ARGS...: one run of the demo on CUDA, its trace replayed
   python3 -m colo.cli replay "$OUT/$name.jsonl" | tail -1
 }
 
+gpu2_suite() {  # gpu2_suite LIMIT: every gpu2 test of the repository whole, three at a time, timed; gpu2-tests.log
+  local par t0
+  par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
+  t0=$(date +%s)
+  timeout "$1" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
+    --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu2-tests.log" \
+    | grep -E "PASSED|FAILED|ERROR|passed|failed|s call" | tail -30
+  echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
+}
+
+tp2_rows() {  # tp2_rows LIMIT: Qwen2-7B at TP=2, every row of the synthetic layout; bench-gpu2.json and .log
+  timeout "$1" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
+    --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
+}
+
+tp2_megatron_rows() {  # tp2_megatron_rows LIMIT: the same with colo's real megatron-core trainer, its packed rows
+  timeout "$1" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+    --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
+    | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
+}
+
 ab_base() {  # ab_base TGZ: this tree's bench and colo copied to /tmp/base, TGZ's files over them (an A/B's "before")
   rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf "$1" -C /tmp/base
 }
@@ -179,11 +200,8 @@ case "${1:-tests}" in
     # while this one is gathered) and run by run (a strided q, k or v no longer through pageable memory): the
     # synthetic Megatron layout's rows, every transport, both plans (limit: arg 2); colo's real megatron-core
     # trainer's packed rows (limit: arg 3). Every row's shard digests checked on both ranks.
-    timeout "${2:-150}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
-      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
-    timeout "${3:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
-      --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
-      | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
+    tp2_rows "${2:-150}"
+    tp2_megatron_rows "${3:-140}"
     ;;
   call46b)  # issue 46 on two GPUs, second call: Qwen2-7B at TP=2 with the synthetic layout, every row, after the
     # upload stream waits for the caller's stream before a call's first upload and before one into new memory
@@ -275,14 +293,8 @@ case "${1:-tests}" in
     # its colo-packed rows with megatron.py of f70b65a (.whl/ab-f70b65a-megatron.tgz: the caller's stream waited for
     # at each call and before each row-parallel tensor's first block; limit: arg 4)
     gpu_tests 60 "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it"
-    par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
-    t0=$(date +%s)
-    timeout "${2:-250}" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
-      --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu2-tests.log" \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -16
-    echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
-    timeout "${3:-160}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
-      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
+    gpu2_suite "${2:-250}"
+    tp2_rows "${3:-160}"
     ab_base .whl/ab-f70b65a-megatron.tgz
     ab_rows /tmp/base before "${4:-100}"
     ;;
@@ -296,9 +308,7 @@ case "${1:-tests}" in
       dir=$PWD; [ "${run%-*}" = before ] && dir=/tmp/base
       ab_rows "$dir" "$run" "${2:-110}"
     done
-    timeout "${3:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
-      --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
-      | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
+    tp2_megatron_rows "${3:-140}"
     ;;
   call48a)  # issue 46, 2026-11-29 (eighth session), two GPUs: a call's row-gathered outputs in one coalesced
     # all-gather, 48 MiB row-parallel blocks, an in-place bucket's event recorded without a thread hop (fc13b32,
@@ -320,17 +330,9 @@ case "${1:-tests}" in
     # gpu2 test of the repository whole, three at a time, timed (limit: arg 2; the issue's 5 minutes), after the
     # two mends its last whole run lacked (the real trainer's bound, the notebook's collection); then Qwen2-7B at
     # TP=2, the synthetic layout's every row and colo's real megatron-core trainer's packed rows (limits: args 3, 4)
-    par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 3")
-    t0=$(date +%s)
-    timeout "${2:-300}" python3 -m pytest -v -p no:cacheprovider -m gpu2 $par --timeout=240 --durations=20 \
-      --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu2-tests.log" \
-      | grep -E "PASSED|FAILED|ERROR|passed|failed|s call" | tail -30
-    echo "pytest -m gpu2: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu2-tests.log"
-    timeout "${3:-150}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b \
-      --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
-    timeout "${4:-140}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
-      --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
-      | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
+    gpu2_suite "${2:-300}"
+    tp2_rows "${3:-150}"
+    tp2_megatron_rows "${4:-140}"
     ;;
   call47b)  # prepared for the session after 2026-11-29's seventh (one GPU; not run yet): the FSDP2 trainer's rows at
     # Qwen2-1.5B now that its masters and moments are DTensors over one buffer each (its pause: 0.83-0.85 of the link
