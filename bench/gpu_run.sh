@@ -176,13 +176,13 @@ case "${1:-tests}" in
     gpu_tests "${3:-240}" tests/gpu/test_digest_cuda.py \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync" \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_runs_each_plan_with_verified_syncs" \
-      "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps"
+      "tests/gpu/test_real_trainers.py::test_a_one_rank_trainers_one_copy_sync_is_exact_over_several_steps"
     ;;
   call45b)  # issue 44, second call of 2026-11-29 (sixth session): the GPU tests call45a's limit cut (the demo on
     # CUDA under sync-first and single-stage, the hf trainer's one-copy syncs over several steps). Limit: arg 2
     gpu_tests "${2:-200}" \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_runs_each_plan_with_verified_syncs" \
-      "tests/gpu/test_real_trainers.py::test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps"
+      "tests/gpu/test_real_trainers.py::test_a_one_rank_trainers_one_copy_sync_is_exact_over_several_steps"
     ;;
   call45c)  # issue 44, last call of 2026-11-29 (sixth session): every real trainer's rows at Qwen2-1.5B after the
     # optimizer's masters and moments are one allocation each (the trainer's pause and onload) and the kernels' tables

@@ -103,7 +103,7 @@ class FlatWeights:
             self.tensors[name] = self._flat[a:b].view(dtype).view(tuple(shape))
         #: the tensors :meth:`check` looks at: the views (this very dict, so a view
         #: replaced in it is seen), or the parameters that adopted them
-        self._owners: dict[str, torch.Tensor] = self.tensors
+        self._owners: Mapping[str, torch.Tensor] = self.tensors
         self._host: torch.Tensor | None = None
         #: views of the host copy, made once: it is allocated once and kept
         self._host_views: dict[str, torch.Tensor] | None = None
@@ -145,8 +145,15 @@ class FlatWeights:
                                 share_host=share_host)
         for n, p in params.items():
             p.data = flat.tensors[n]
-        flat._owners = params
+        flat.track(params)
         return flat
+
+    def track(self, owners: Mapping[str, torch.Tensor]) -> None:
+        """Let :meth:`check` look at ``owners`` (name -> the tensor that must still be its
+        view of the buffer) instead of the views themselves: the parameters that adopted
+        them, or a mapping that reads where a wrapper keeps its storage now (an FSDP2
+        parameter's local shard, :func:`colo.trainers.fsdp.adopt_shards`)."""
+        self._owners = owners
 
     # -- what the sender asks ------------------------------------------------------
     def check(self) -> None:

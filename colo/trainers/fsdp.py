@@ -21,13 +21,15 @@ is one rank (world size 1) in the demo's process: :func:`build` starts the
 default process group (gloo on the CPU, NCCL on a GPU) unless one exists, and
 :meth:`FSDPTrainer.close` ends the group it started.
 On a GPU the shards and AdamW's state live in memory-saver regions with a
-pinned host backup, as the reference trainer's weights do.
+pinned host backup, as the reference trainer's weights do; on one rank, where
+each shard is its whole tensor, the shards are one flat buffer the engine reads
+straight from (:func:`adopt_shards`), as the reference trainer's parameters are.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -70,6 +72,71 @@ def _local_shard(p: torch.Tensor) -> torch.Tensor:
     is not there."""
     local = getattr(p, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else p.to_local()
+
+
+class _LocalShards(Mapping):
+    """Name -> each parameter's local shard as the DTensor holds it *now* (what
+    :meth:`colo.device.flat_weights.FlatWeights.check` must find still in the buffer): a
+    shard FSDP2 rebinds to other storage shows there, by name."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        self._params = params
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return _local_shard(self._params[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)
+
+
+def adopt_shards(model: torch.nn.Module, device: str) -> Any:
+    """A one-rank ``fully_shard``-ed model's local shards moved into one
+    :class:`~colo.device.flat_weights.FlatWeights` buffer on ``device``: their storage
+    from now on, as :func:`colo.trainers.hf.build` adopts a plain model's parameters.
+
+    Why: on one rank each shard is its whole tensor, so the engine can read the
+    weights straight out of the trainer's memory (the packed transport's one-copy
+    sync: no gather, no pack, one handle), and the memory backend pauses and resumes
+    them as one copy of one buffer, not an allocation at a time (the memory saver's
+    338 at Qwen2-1.5B kept fsdp's pause at 0.92 of the link where hf's, one buffer,
+    reached 0.97; one H200, issue 44).
+
+    How: each parameter is swapped (``torch.utils.swap_tensors``, what ``nn.Module._apply``
+    does for a DTensor) for a DTensor of the same mesh, placements, shape and stride
+    over its view of the buffer, through FSDP2's own ``_apply``, which then points
+    each ``FSDPParam``'s all-gather input (``_sharded_param_data``) at the new local
+    shard (``reset_sharded_param``): the forward reads the buffer and the optimizer
+    writes into it. The old shards are freed once nothing holds them."""
+    from torch.distributed.tensor import DTensor
+
+    from colo.device.flat_weights import FlatWeights
+
+    _reshard(model)  # a forward leaves the root's parameters gathered (plain tensors)
+    params = dict(model.named_parameters())  # a tied parameter once, under its first name
+    if not params or not all(isinstance(p, DTensor) and p.device_mesh.size() == 1 for p in params.values()):
+        raise ValueError("adopt_shards: expected a model fully_shard-ed over a one-rank mesh (every parameter a "
+                         "DTensor whose mesh has one rank)")
+    shards = {n: _local_shard(p).detach() for n, p in params.items()}
+    if any(tuple(t.shape) != tuple(params[n].shape) for n, t in shards.items()):
+        raise ValueError("adopt_shards: a local shard is not its whole parameter (padded?); one rank expected")
+    flat = FlatWeights.from_tensors(shards, device=device)
+    del shards
+    name_of = {id(p): n for n, p in params.items()}
+
+    def into_flat(t: torch.Tensor) -> torch.Tensor:
+        name = name_of.get(id(t))
+        if name is None:
+            return t  # a buffer (rotary frequencies): not a weight, left where it is
+        return DTensor.from_local(flat.tensors[name], t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+
+    model._apply(into_flat)
+    flat.track(_LocalShards(params))
+    flat.check()  # every shard is its view of the buffer now, or this says which is not
+    return flat
 
 
 def _unsharded_class(model: torch.nn.Module) -> type:
@@ -124,17 +191,20 @@ class FSDPTrainer(ReferenceTrainer):
 
     ``memory_backend`` is as for :class:`ReferenceTrainer` (``None`` on the CPU).
     ``group`` is the process group this trainer started and must end in
-    :meth:`close` (``None``: the caller owns the process group).
+    :meth:`close` (``None``: the caller owns the process group). ``flat_weights``: on one
+    rank, the buffer the local shards were adopted into (:func:`adopt_shards`), read by
+    the engine and paused as :class:`ReferenceTrainer`'s.
     """
 
     def __init__(self, model: torch.nn.Module, *, engine_dtype: str = "bfloat16",
                  config: ReinforceConfig | None = None, memory_backend: Any = None,
-                 group: _OwnedProcessGroup | None = None):
+                 group: _OwnedProcessGroup | None = None, flat_weights: Any = None):
         from torch.distributed.tensor import DTensor
 
         if not any(isinstance(p, DTensor) for p in model.parameters()):
             raise TypeError("FSDPTrainer: the model has no sharded parameters; apply shard(model, mesh) first")
-        super().__init__(model, engine_dtype=engine_dtype, config=config, memory_backend=memory_backend)
+        super().__init__(model, engine_dtype=engine_dtype, config=config, memory_backend=memory_backend,
+                         flat_weights=flat_weights)
         self._group = group
         #: (the shards' addresses, the one-rank resident extractor over them): see extractor()
         self._resident_extractor: tuple[tuple, Any] | None = None
@@ -158,7 +228,10 @@ class FSDPTrainer(ReferenceTrainer):
         world = self.world_size
         weights = sum(math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) * p.element_size()
                       for p in self.model.parameters())
-        return {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
+        out = {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
+        if self.flat_weights is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
+            out["weights"] = self.flat_weights.nbytes
+        return out
 
     def extractor(self) -> Any:
         if self._paused() and self.world_size == 1 and next(iter(self.model.parameters())).device.type == "cuda":
@@ -229,6 +302,8 @@ class FSDPTrainer(ReferenceTrainer):
         (no device memory); with more ranks each tensor is uploaded, gathered
         and copied back to the host in turn.
         """
+        if self._paused() and self.flat_weights is not None:
+            return self.flat_weights.host_tensors()  # named as named_parameters() names them
         if self._paused():
             params = {n: p.detach() for n, p in self.model.named_parameters()}
             host_view = self._memory_backend.saver.host_view
@@ -258,6 +333,8 @@ class FSDPTrainer(ReferenceTrainer):
         """End the process group :func:`build` started (idempotent). The trainer's
         collectives (training, ``hf_state``, the sync) cannot run afterwards."""
         self._stop_compute()
+        if self.flat_weights is not None:
+            self.flat_weights.close()
         group, self._group = self._group, None
         if group is not None:
             group.close()
@@ -293,7 +370,9 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
 
     On a GPU the shards and AdamW's state live in memory-saver regions with a
     pinned host backup, so offload and onload are real pauses (as in
-    :func:`colo.trainers.hf.build`). ``optimizer_state=False``: AdamW's state is left
+    :func:`colo.trainers.hf.build`); on one rank with shards in the engine's dtype the
+    shards are one :class:`~colo.device.flat_weights.FlatWeights` buffer instead
+    (:func:`adopt_shards`), paused by itself to a shared pinned host backup. ``optimizer_state=False``: AdamW's state is left
     unmade (a trainer that only syncs: :mod:`colo.apps.bench_trainers`). ``checkpoint``: the
     model sharded is that local Hugging Face directory's (``from_pretrained``, every rank
     reading it), not ``model_config``'s at random.
@@ -315,16 +394,29 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     group = None if dist.is_initialized() else _OwnedProcessGroup(device)
     try:
         mesh = init_device_mesh(device, (dist.get_world_size(),))
+        # one rank with shards in the engine's dtype: the shards are adopted into one buffer
+        # the engine reads straight from (adopt_shards), as the reference trainer's parameters
+        one_copy = mesh.size() == 1 and dtype == getattr(torch, engine_dtype)
         if saver is None:
             model = shard(cast_parameters(initial_model(model_config, seed, checkpoint), dtype), mesh)
-            return FSDPTrainer(model, engine_dtype=engine_dtype, group=group), None
+            flat = adopt_shards(model, "cpu") if one_copy else None
+            return FSDPTrainer(model, engine_dtype=engine_dtype, group=group, flat_weights=flat), None
         from colo.device.cuda_memory import TrainerMemory
 
-        # fully_shard moves each group's parameters to the GPU and copies them
-        # into their shards here: the shards are the region's allocations.
-        with saver.region("trainer.weights", cpu_backup=True):
+        if one_copy:
             model = shard(cast_parameters(initial_model(model_config, seed, checkpoint), dtype), mesh)
-        trainer = FSDPTrainer(model, engine_dtype=engine_dtype, memory_backend=TrainerMemory(saver), group=group)
+            flat = adopt_shards(model, "cuda")
+            torch.cuda.empty_cache()  # the shards fully_shard made, copied into the buffer: back to the driver
+            memory = TrainerMemory(saver, flats={"weights": flat})
+        else:
+            # fully_shard moves each group's parameters to the GPU and copies them
+            # into their shards here: the shards are the region's allocations.
+            flat = None
+            with saver.region("trainer.weights", cpu_backup=True):
+                model = shard(cast_parameters(initial_model(model_config, seed, checkpoint), dtype), mesh)
+            memory = TrainerMemory(saver)
+        trainer = FSDPTrainer(model, engine_dtype=engine_dtype, memory_backend=memory, group=group,
+                              flat_weights=flat)
         if optimizer_state:
             with saver.region("trainer.optimizer", cpu_backup=True):
                 trainer.init_optimizer_state()
@@ -335,4 +427,4 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
         raise
 
 
-__all__ = ["FSDPTrainer", "build", "shard"]
+__all__ = ["FSDPTrainer", "adopt_shards", "build", "shard"]

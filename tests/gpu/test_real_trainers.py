@@ -1,7 +1,8 @@
 """The real trainers on one GPU with bf16 parameters and fp32 masters (issue 31, item 1).
 
 The hf trainer's parameters live in their own flat buffer, which the engine reads
-from (the one-copy sync); its optimizer (fp32 masters and moments) in a memory-saver
+from (the one-copy sync), and so do a one-rank FSDP2 trainer's local shards
+(``adopt_shards``, issue 44); the optimizer (fp32 masters and moments) in a memory-saver
 region. Checked here: pause and resume give back and take exactly the tags' memory
 with the parameters still the buffer's views, the one-copy sync is exact over
 several steps under both plans (the engine's digest against the trainer's, every
@@ -27,13 +28,19 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def test_hf_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place():
+def local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's bytes on this rank: itself, or an FSDP2 DTensor's local shard."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+@pytest.mark.parametrize("kind", ["hf", "fsdp"])
+def test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place(kind):
     from colo.trainers import build
     from colo.trainers.models import demo_config
     from colo.trainers.precision import MasterAdamW
 
     config = demo_config(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, vocab_size=8192)
-    trainer, saver = build("hf", model_config=config, seed=0, engine_dtype="bfloat16", device="cuda")
+    trainer, saver = build(kind, model_config=config, seed=0, engine_dtype="bfloat16", device="cuda")
     flat = trainer.flat_weights
     assert flat is not None and isinstance(trainer.opt, MasterAdamW)
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
@@ -43,8 +50,8 @@ def test_hf_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_p
     elements = sum(p.numel() for p in trainer.model.parameters())
     assert tags["optimizer"] == 12 * elements
     trainer.probe_tokens = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16]]
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    masters = [m.detach().clone() for m in trainer.opt.masters]
+    before = {n: local(p.detach()).clone() for n, p in trainer.model.named_parameters()}
+    masters = [local(m.detach()).clone() for m in trainer.opt.masters]
     resident_logits = trainer.logits(trainer.probe_tokens)
 
     async def cycle() -> tuple[int, int, int]:
@@ -64,8 +71,8 @@ def test_hf_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_p
         assert paused - start >= tags["weights"] + tags["optimizer"] - 4 * MiB, (start, paused)
         assert abs(resumed - start) <= 4 * MiB, (start, resumed)
         flat.check()  # every parameter is still its view of the buffer
-        assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
-        assert all(torch.equal(m.detach(), w) for m, w in zip(trainer.opt.masters, masters))
+        assert all(torch.equal(local(p.detach()), before[n]) for n, p in trainer.model.named_parameters())
+        assert all(torch.equal(local(m.detach()), w) for m, w in zip(trainer.opt.masters, masters))
 
         async def paused_probe():
             await trainer.offload(["weights", "optimizer"])
@@ -95,8 +102,9 @@ def demo(tmp_path, *args):
 
 
 @pytest.mark.parametrize("plan", ["offload-first", "sync-first"])
-def test_the_hf_trainers_one_copy_sync_is_exact_over_several_steps(plan, tmp_path):
-    events = demo(tmp_path, "--plan", plan, "--steps", "4", "--mem-fraction-static", "0.5")
+@pytest.mark.parametrize("trainer", ["hf", "fsdp"])
+def test_a_one_rank_trainers_one_copy_sync_is_exact_over_several_steps(trainer, plan, tmp_path):
+    events = demo(tmp_path, "--trainer", trainer, "--plan", plan, "--steps", "4", "--mem-fraction-static", "0.5")
     start = events[0]
     syncs = [e for e in events if e["event"] == "sync.finished"]
     assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len({s["digest"] for s in syncs}) == 4

@@ -284,3 +284,83 @@ def test_one_rank_keeps_its_resident_extractor_while_the_shards_stay_and_reads_t
         assert again is not first and torch.equal(dict(again.extract(names))["model.norm.weight"], moved)
     finally:
         trainer.close()
+
+
+def test_one_rank_shards_are_one_flat_buffer_that_fsdp_reads_and_the_optimizer_writes():
+    """Issue 44: a one-rank FSDP2 trainer's local shards are adopted into one flat buffer
+    (``adopt_shards``), so the engine reads the weights straight from it (the one-copy sync)
+    and the memory backend pauses one buffer. FSDP2 must then read the buffer in its forward
+    (its all-gather input re-pointed) and the optimizer write into it: a step trains as the
+    unsharded reference does, and bytes written into the buffer change the logits."""
+    from colo.device.flat_weights import FlatWeights
+    from colo.trainers.fsdp import adopt_shards
+
+    cfg = demo_config(**SMALL)
+    trainer, _ = build_trainer("fsdp", model_config=cfg, seed=SEED, engine_dtype="float32", device="cpu")
+    try:
+        flat = trainer.flat_weights
+        assert isinstance(flat, FlatWeights)
+        params = dict(trainer.model.named_parameters())
+        assert list(flat.slots) == list(params) and trainer.tag_bytes()["weights"] == flat.nbytes
+        assert all(flat.locate(p.to_local()) == flat.slots[n] for n, p in params.items())
+        ref = ReferenceTrainer(build_trainer_model(cfg, SEED), engine_dtype="float32")
+        for _ in range(2):
+            for t in (trainer, ref):
+                anyio.run(t.train_step, RolloutResult(reward=0.0, tokens=0, data=rollout_data()))
+        flat.check()  # the step wrote into the shards where they lie
+        want = ref.hf_state()
+        got = flat.host_tensors()  # on the CPU: the buffer itself
+        assert list(got) == list(want)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=STEP_ATOL)
+        # the forward reads the buffer: a norm's weight zeroed there is what both models see
+        with torch.no_grad():
+            flat.tensors["model.norm.weight"].zero_()
+            dict(ref.model.named_parameters())["model.norm.weight"].zero_()
+        logits = trainer.logits(PROBE)
+        assert float(logits.abs().max()) == 0.0  # a zero final norm: every logit 0 (no lm_head bias)
+        torch.testing.assert_close(logits, ref.logits(PROBE), rtol=0, atol=0)
+    finally:
+        trainer.close()
+    assert not dist.is_initialized()
+
+    # shards in another dtype than the engine's: converted at every sync, so no buffer to read
+    trainer, _ = build_trainer("fsdp", model_config=cfg, seed=SEED, engine_dtype="bfloat16", device="cpu")
+    try:
+        assert trainer.flat_weights is None
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match="one-rank mesh"):
+        adopt_shards(build_trainer_model(cfg, SEED), "cpu")
+
+
+def test_shards_adopted_after_fsdp2s_lazy_init_are_still_what_its_forward_reads(tmp_path):
+    """After the first forward FSDP2 no longer re-points its all-gather inputs by itself
+    (its lazy init ran): ``adopt_shards`` must do it (through FSDP2's ``_apply``), or the
+    forward would go on reading the old shards while the buffer is synced."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from colo.trainers.fsdp import _reshard, adopt_shards, shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    flat = None
+    try:
+        model = shard(build_trainer_model(demo_config(**SMALL), SEED), init_device_mesh("cpu", (1,)))
+        tokens = torch.tensor(PROBE)
+
+        def forward() -> torch.Tensor:
+            try:
+                return model(tokens).logits
+            finally:
+                _reshard(model)  # the root keeps its gathered weights after a forward, as the trainer's logits do
+
+        with torch.no_grad():
+            before = forward()  # lazy init
+            flat = adopt_shards(model, "cpu")
+            assert torch.equal(forward(), before)  # the same bytes, now in the buffer
+            flat.tensors["model.norm.weight"].zero_()
+            assert float(forward().abs().max()) == 0.0
+    finally:
+        if flat is not None:
+            flat.close()
+        dist.destroy_process_group()

@@ -14,6 +14,7 @@ import pytest_asyncio
 import torch
 import torch.distributed as dist
 
+from colo.device.flat_weights import FlatWeights
 from colo.core.interfaces import SyncContext
 from colo.core.memory import StagingBudget
 from colo.trainers import build
@@ -158,8 +159,10 @@ async def test_every_trainer_keeps_bf16_parameters_fp32_masters_and_syncs_exactl
             digests.append(want)
             # bf16 end to end: each byte of the model crosses once, nothing converted
             assert result.bytes == sum(2 * p.numel() for p in trainer.hf_state().values())
-            if kind == "hf":
-                # the model's own storage is the flat buffer: one request, nothing staged
+            if kind in ("hf", "fsdp"):
+                # the model's own storage (FSDP2's one-rank shards: adopt_shards) is the flat
+                # buffer: one request, nothing staged
+                assert isinstance(trainer.flat_weights, FlatWeights)
                 assert (result.buckets, result.staging_peak, budget.peak_bytes) == (1, 0, 0)
             else:
                 assert result.buckets > 1 and result.staging_peak > 0
