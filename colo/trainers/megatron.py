@@ -43,6 +43,7 @@ tensor-parallel group; every rank calls them and gets the full result.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -398,10 +399,15 @@ class MegatronTrainer(PolicyTrainer):
 
     def __init__(self, model: torch.nn.Module, *, hf_config: Any, runtime: MegatronRuntime,
                  engine_dtype: str = "bfloat16", config: ReinforceConfig | None = None,
-                 memory_backend: Any = None):
+                 memory_backend: Any = None, flat: Any = None):
         from colo.extractors.megatron import MegatronExtractor
 
         self.model = model
+        #: one rank on a GPU: the :class:`~colo.device.flat_weights.FlatWeights` the parameters
+        #: were adopted into, which the memory backend pauses as the weights tag (one copy of
+        #: one buffer, not the memory saver's allocation at a time). Not the engine's to read:
+        #: the fused QKV and linear_fc1 are split on the way, so it is not ``flat_weights``.
+        self._flat = flat
         self.hf_config = hf_config
         self.runtime = runtime
         self.config = config or ReinforceConfig()
@@ -447,7 +453,22 @@ class MegatronTrainer(PolicyTrainer):
         """Tear down the process groups and parallel state this trainer set up. Idempotent."""
         self._stop_compute()
         self._cpu_twin = None
+        if self._flat is not None:
+            self._flat.close()
         self.runtime.close()
+
+    def tag_bytes(self) -> dict[str, int]:
+        out = super().tag_bytes()
+        if self._flat is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
+            out["weights"] = self._flat.nbytes
+        return out
+
+    def _host_key(self) -> tuple | None:
+        if self._flat is None:
+            return super()._host_key()
+        # the flat buffer's host backup is made at its first pause and kept at its address
+        host = self._flat.host
+        return None if host is None else (id(self._flat), host.data_ptr())
 
     # -- the learning ----------------------------------------------------------
     def _sequence_logits(self, seq: torch.Tensor) -> torch.Tensor:
@@ -498,8 +519,9 @@ class MegatronTrainer(PolicyTrainer):
         """The pinned host backup of every (paused) parameter, with megatron's
         parallel attributes, which the extractor plans from."""
         out = {}
+        flat_host = self._flat.host_tensors() if self._flat is not None else None
         for name, p in self.model.named_parameters():
-            view = self._memory_backend.saver.host_view(p)
+            view = flat_host[name] if flat_host is not None else self._memory_backend.saver.host_view(p)
             for attr in _PARALLEL_ATTRS:
                 if hasattr(p, attr):
                     setattr(view, attr, getattr(p, attr))
@@ -619,7 +641,12 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
         from colo.device.cuda_memory import Saver, TrainerMemory
 
         saver = Saver()
-        with saver.region("trainer.weights", cpu_backup=True):
+        # One rank: the parameters are adopted into one flat buffer that pauses itself (one
+        # copy to a kept pinned backup), as the hf trainer's are; the memory saver's region
+        # paused its allocations one by one (Megatron's pause 0.93 of the link where hf's
+        # reached 0.97; one H200, issue 44). With TP > 1, each rank's shards in a region.
+        one_rank = runtime.tp_group is None and _one_process()
+        with saver.region("trainer.weights", cpu_backup=True) if not one_rank else contextlib.nullcontext():
             # The local spec's RMSNorm is torch's own, built on the CPU whatever
             # use_cpu_initialization says (megatron's scripts call .cuda() after):
             # move everything onto the GPU inside the region.
@@ -627,8 +654,15 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
             model = cast_parameters(model, dtype)  # the norms too (torch's own RMSNorm is built in fp32)
             if hf is not None:
                 load_hf(model, hf, model_config)
+        flat = None
+        if one_rank:
+            from colo.device.flat_weights import FlatWeights
+
+            flat = FlatWeights.adopt(model, device="cuda")
+            torch.cuda.empty_cache()  # the parameters as built, copied into the buffer: back to the driver
         trainer = MegatronTrainer(model, hf_config=model_config, runtime=runtime, engine_dtype=engine_dtype,
-                                  memory_backend=TrainerMemory(saver))
+                                  memory_backend=TrainerMemory(saver, flats={"weights": flat} if flat else None),
+                                  flat=flat)
         if optimizer_state:
             with saver.region("trainer.optimizer", cpu_backup=True):
                 trainer.init_optimizer_state()

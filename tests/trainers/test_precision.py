@@ -234,6 +234,70 @@ async def test_a_paused_one_rank_megatron_syncs_exactly_from_views_of_its_backup
     assert new_segments() == []
 
 
+class FlatPaused:
+    """Stands in for the GPU's TrainerMemory of a one-rank Megatron trainer whose weights tag is
+    a flat buffer (paused): the memory saver has no backup of a parameter to give."""
+
+    retains_backups = True
+
+    def __init__(self):
+        self.saver = self
+
+    def resident(self, tag):
+        return False
+
+    def host_view(self, p):
+        raise AssertionError("the weights' host views must come from the flat buffer, not the saver")
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_one_rank_megatron_adopted_into_a_flat_buffer_trains_and_syncs_from_its_backup(bf16_engine):
+    """Issue 44: on one GPU the Megatron trainer's parameters are adopted into one flat buffer
+    (paused by itself as one copy). On the CPU, with the buffer standing in for its host
+    backup: a trainer adopted after a step trains on as one that was not, bit for bit, and a
+    paused sync reads the buffer's views (never the saver's), keeps its extractor, and ends
+    with the trainer's digest."""
+    from colo.device.flat_weights import FlatWeights
+
+    client, config = bf16_engine
+    args = dict(model_config=config, seed=3, engine_dtype="bfloat16", device="cpu", param_dtype="bfloat16")
+    trainer, _ = build("megatron", **args)
+    twin, _ = build("megatron", **args)
+    transport = PackedTransport()
+    flat = None
+    try:
+        for t in (trainer, twin):
+            await t.train_step(SimpleNamespace(data=fixed_batch(config, batch=8, new_tokens=8, seed=1)))
+        flat = FlatWeights.adopt(trainer.model, device="cpu")
+        trainer._flat = flat
+        assert trainer.tag_bytes()["weights"] == flat.nbytes
+        for t in (trainer, twin):
+            await t.train_step(SimpleNamespace(data=fixed_batch(config, batch=8, new_tokens=8, seed=2)))
+        flat.check()  # the step wrote into the buffer's views
+        for (n, p), q in zip(trainer.model.named_parameters(), twin.model.parameters()):
+            assert torch.equal(p.detach(), q.detach()), n
+        resident = trainer.sent_digest(fresh=True)
+        assert resident == twin.sent_digest(fresh=True)
+        trainer._memory_backend = FlatPaused()
+        ex = trainer.extractor()
+        assert trainer.extractor() is ex  # built once while the backup stays where it is
+        proj = flat.tensors["decoder.layers.1.self_attention.linear_proj.weight"]
+        got = dict(ex.extract(["model.layers.1.self_attn.o_proj.weight"]))
+        assert got["model.layers.1.self_attn.o_proj.weight"].data_ptr() == proj.data_ptr()
+        for step in (1, 2):
+            ctx = SyncContext(step=step, weight_version=step, bucket_bytes=64 << 10, source="host",
+                              staging=StagingBudget(None))
+            await transport.sync(trainer, client, ctx)
+            assert trainer.extractor() is ex
+            assert await client.digest() == trainer.sent_digest(fresh=True) == resident, step
+    finally:
+        await transport.aclose()
+        trainer.close()
+        twin.close()
+    assert not dist.is_initialized()
+    assert new_segments() == []
+
+
 async def test_bf16_parameters_learn_like_fp32_ones_from_the_same_start():
     """One step of the bf16 trainer (fp32 masters) lands where the fp32 trainer's step
     lands, to bf16's rounding of the start: the masters start at the bf16 weights, so
