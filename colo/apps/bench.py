@@ -192,12 +192,37 @@ def measure_gpu_limits(nbytes: int = 2 * GiB, reps: int = 10) -> dict:
     d2d = median_time(lambda: dev2.copy_(dev), reps)
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     h2d_pageable = median_time(lambda: dev.copy_(pageable), 3)
-    del host, dev, dev2, pageable
+    del host, pageable
+    shared = _registered_h2d(dev, reps)
+    del dev, dev2
     release_cached()
     return {"bytes": nbytes, "pinned_h2d_GBps": nbytes / h2d / 1e9, "pinned_d2h_GBps": nbytes / d2h / 1e9,
-            "pageable_h2d_GBps": nbytes / h2d_pageable / 1e9,
+            "pageable_h2d_GBps": nbytes / h2d_pageable / 1e9, **shared,
             "d2d_copy_GBps_read_plus_write": 2 * nbytes / d2d / 1e9,
             "device_name": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+
+def _registered_h2d(dev: torch.Tensor, reps: int) -> dict:
+    """Host->device out of a ``/dev/shm`` segment page-locked with ``cudaHostRegister``
+    (:class:`colo.device.cuda_ipc.PinnedShm`): what a one-copy ``offload-first`` sync reads,
+    the trainer's shared pinned backup. Its pages are the kernel's 4 KiB ones where
+    ``cudaHostAlloc``'s pinned memory is the driver's own, so the rate may differ from
+    ``pinned_h2d_GBps`` by machine (the one-copy sync ran at 1.05 of the pinned floor on one
+    H200 and 1.18-1.20 on others). An empty dict where no such segment can be made (no room
+    in /dev/shm)."""
+    from colo.core.errors import HandleError
+    from colo.device.cuda_ipc import PinnedShm
+
+    try:
+        seg = PinnedShm.create(dev.numel())
+    except (HandleError, OSError) as e:
+        return {"registered_shm_h2d_GBps": None, "registered_shm_why_not": f"{type(e).__name__}: {e}"}
+    try:
+        seg.tensor.fill_(7)
+        took = median_time(lambda: dev.copy_(seg.tensor, non_blocking=True), reps)
+        return {"registered_shm_h2d_GBps": dev.numel() / took / 1e9}
+    finally:
+        seg.close()
 
 
 def measure_limits(nbytes: int = 512 * MiB, reps: int = 3, directory: str | None = None) -> dict:

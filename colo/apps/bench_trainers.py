@@ -436,6 +436,11 @@ def against_limits(entry: dict, limits: dict, device: str) -> dict:
             rate, what = limits["memcpy_GBps"], "payload / host memcpy"
         row["floor_s"], row["floor_is"] = row["bytes"] / rate / 1e9, what
         row["sync_over_floor"] = row["sync_s"] / row["floor_s"]
+        registered = limits.get("registered_shm_h2d_GBps") if device == "cuda" else None
+        if registered and row["plan"] == "offload-first" and row.get("buckets") == 1:
+            # one request out of the trainer's shared pinned backup (a registered /dev/shm
+            # segment): beside the floor, the rate of the memory it reads, measured the same run
+            row["sync_over_registered_shm_h2d"] = row["sync_s"] / (row["bytes"] / registered / 1e9)
         if row.get("verify_s") is not None:
             row["verify_of_sync"] = row["verify_s"] / row["sync_s"]
             row["verify_adds_of_sync"] = row["verify_adds_s"] / row["sync_s"]  # the target: <= 0.05
@@ -510,8 +515,11 @@ def table(entries: Sequence[dict], savers: Sequence[dict] = ()) -> str:
             verify = "-" if r.get("verify_s") is None else f"{r['verify_s'] * 1e3:.1f} ({r['verify_adds_of_sync']:.2f})"
             eng = " / ".join(f"{s[k] * 1e3:.1f}" for k in ("engine_release_s", "engine_wake_weights_s",
                                                           "engine_wake_kv_s"))
+            floor = f"{r['sync_over_floor']:.2f}"
+            if r.get("sync_over_registered_shm_h2d") is not None:
+                floor += f" ({r['sync_over_registered_shm_h2d']:.2f} of the shm's)"
             lines.append(f"| {e['model']} | {e['trainer']} | {r['plan']} | {r['sync_s'] * 1e3:.1f} "
-                         f"| {r['sync_over_floor']:.2f} | {verify} | {link} | {eng} "
+                         f"| {floor} | {verify} | {link} | {eng} "
                          f"| {'yes' if e['optimizer_state'] else 'no'} |")
     for v in savers:
         if "error" in v:

@@ -124,3 +124,33 @@ def test_the_benchmarks_engine_keeps_its_memory_as_the_demo_deploys_it():
         build = engine_build(config, "bfloat16", device)
         assert build["memory"] == memory
         check_build(build)
+
+
+def test_a_one_copy_offload_first_row_is_set_beside_the_rate_of_the_registered_shm_it_reads():
+    """The one-copy ``offload-first`` sync reads the trainer's shared pinned backup (a
+    registered /dev/shm segment), whose host->device rate the same run measures: a row of one
+    request from the host gets its sync over that rate beside its floor; a packed row (several
+    buckets) and a ``sync-first`` row do not."""
+    from colo.apps.bench_trainers import against_limits, table
+
+    limits = {"pinned_h2d_GBps": 50.0, "pinned_d2h_GBps": 50.0, "d2d_copy_GBps_read_plus_write": 4000.0,
+              "registered_shm_h2d_GBps": 40.0}
+    steps = {"engine_release_s": 0.005, "engine_wake_weights_s": 0.005, "engine_wake_kv_s": 0.001,
+             "trainer_pause_s": 0.5, "trainer_onload_s": 0.5}
+
+    def row(plan, buckets):
+        return {"plan": plan, "bytes": 4_000_000_000, "buckets": buckets, "sync_s": 0.11, "step_s": dict(steps)}
+
+    entry = {"model": "m", "trainer": "fsdp", "trainer_bytes": 25_000_000_000, "optimizer_state": True,
+             "rows": [row("offload-first", 1), row("offload-first", 6), row("sync-first", 1)]}
+    against_limits(entry, limits, "cuda")
+    one, packed, first = entry["rows"]
+    assert one["floor_s"] == pytest.approx(0.08) and one["sync_over_floor"] == pytest.approx(1.375)
+    assert one["sync_over_registered_shm_h2d"] == pytest.approx(0.11 / 0.1)
+    assert "sync_over_registered_shm_h2d" not in packed and "sync_over_registered_shm_h2d" not in first
+    lines = table([entry]).splitlines()
+    assert "| 1.38 (1.10 of the shm's) |" in lines[2] and "of the shm" not in lines[3] + lines[4]
+    # a run that could not make the segment (no room in /dev/shm) has no such rate
+    entry["rows"] = [row("offload-first", 1)]
+    against_limits(entry, dict(limits, registered_shm_h2d_GBps=None), "cuda")
+    assert "sync_over_registered_shm_h2d" not in entry["rows"][0]
