@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call49a [S] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call49a [S] [S]|call49b [S] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -70,6 +70,19 @@ ab_rows() {  # ab_rows DIR LABEL LIMIT [ARGS...]: Qwen2-7B at TP=2, the syntheti
   (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" python3 -m bench.multi_gpu --device cuda --gpus 2 \
     --model qwen2-7b --rows colo-packed "$@" --out "$OUT/ab-$label.json" 2>&1 | tee -a "$OUT/ab.log" \
     | grep -E "^\| (sync|offload)-first|^limits|^floors")
+}
+
+collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (bench/collective_cost.py: torch.distributed's
+  # call, a coalesced one of 8 outputs, the process group's own), as torch.distributed is set up by default, with its
+  # flight recorder off, and that without recordStream; about 20 s each; collcost-*.json and collcost.log
+  local env name vars
+  for env in "default" "TORCH_FR_BUFFER_SIZE=0" "TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_AVOID_RECORD_STREAMS=1"; do
+    name=$(echo "$env" | tr ' =' '-_')
+    echo "== $env" | tee -a "$OUT/collcost.log"
+    vars=""; [ "$env" = default ] || vars="$env"
+    env $vars timeout "$1" python3 -m bench.collective_cost "$OUT/collcost-$name.json" --device cuda \
+      2>&1 | tee -a "$OUT/collcost.log"
+  done
 }
 
 case "${1:-tests}" in
@@ -281,17 +294,18 @@ case "${1:-tests}" in
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[offload-first-megatron]" \
       "tests/gpu/test_one_gpu.py::test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync[sync-first-megatron]"
     ;;
-  collcost)  # issue 46 (prepared 2026-11-29, eighth session; not run yet), two GPUs: what one all-gather costs the
-    # host (bench/collective_cost.py: torch.distributed's call, a coalesced one of 8 outputs, the process group's own),
-    # as torch.distributed is set up by default, with its flight recorder off, and that without recordStream. About
-    # 20 s each; limit per run: arg 2
-    for env in "default" "TORCH_FR_BUFFER_SIZE=0" "TORCH_FR_BUFFER_SIZE=0 TORCH_NCCL_AVOID_RECORD_STREAMS=1"; do
-      name=$(echo "$env" | tr ' =' '-_')
-      echo "== $env" | tee -a "$OUT/collcost.log"
-      vars=""; [ "$env" = default ] || vars="$env"
-      env $vars timeout "${2:-90}" python3 -m bench.collective_cost "$OUT/collcost-$name.json" --device cuda \
-        2>&1 | tee -a "$OUT/collcost.log"
-    done
+  collcost)  # issue 46 (prepared 2026-11-29, eighth session), two GPUs: what one all-gather costs the host
+    # (collcost_runs); limit per run: arg 2
+    collcost_runs "${2:-90}"
+    ;;
+  call49b)  # issue 46, 2026-11-29 (ninth session), two GPUs: what one all-gather costs the host (collcost_runs; limit
+    # per run: arg 2); then Qwen2-7B at TP=2, the synthetic layout's colo-packed rows as set up by default, with
+    # torch's flight recorder off, and with 1024 MiB buckets beside slime-style at the same size (the issue fixes the
+    # staging bound as 2 x bucket + 64 MiB, not the bucket; limit per run: arg 3)
+    collcost_runs "${2:-90}"
+    ab_rows "$PWD" fr-default "${3:-120}"
+    TORCH_FR_BUFFER_SIZE=0 ab_rows "$PWD" fr-off "${3:-120}"
+    ab_rows "$PWD" bucket1024 "${3:-120}" --bucket-mib 1024 --rows colo-packed,slime-style
     ;;
   call48d)  # issue 44, 2026-11-29 (eighth session), one GPU, with what device time was left: Megatron's rows at
     # Qwen2-1.5B after a sender stopped polling its events beside a gather thread (f70b65a; six 512 MiB buckets are
