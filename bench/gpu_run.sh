@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call49a [S] [S]|call49b [S] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -53,9 +53,10 @@ tp2_rows() {  # tp2_rows LIMIT: Qwen2-7B at TP=2, every row of the synthetic lay
     --out "$OUT/bench-gpu2.json" 2>&1 | tee "$OUT/bench-gpu2.log" | grep -v '^{' | tail -14
 }
 
-tp2_megatron_rows() {  # tp2_megatron_rows LIMIT: the same with colo's real megatron-core trainer, its packed rows
-  timeout "$1" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
-    --rows colo-packed,colo-packed-serial --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
+tp2_megatron_rows() {  # tp2_megatron_rows LIMIT [ARGS...]: the same with colo's real megatron-core trainer, its packed rows
+  local limit=$1; shift
+  timeout "$limit" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --trainer megatron \
+    --rows colo-packed,colo-packed-serial "$@" --out "$OUT/bench-gpu2-megatron.json" 2>&1 \
     | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
 }
 
@@ -297,6 +298,13 @@ case "${1:-tests}" in
   collcost)  # issue 46 (prepared 2026-11-29, eighth session), two GPUs: what one all-gather costs the host
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
+    ;;
+  call49c)  # issue 46, 2026-11-29 (ninth session), two GPUs: Qwen2-7B at TP=2 with 2048 MiB buckets, the synthetic
+    # layout's colo-packed rows beside slime-style at the same size (call49b: 1024 MiB took sync-first from 0.10-0.13 s
+    # to 0.084 s and offload-first to 0.189 s, 0.889 of its floor; limit: arg 2); then colo's real megatron-core
+    # trainer's packed rows at 1024 MiB (limit: arg 3)
+    ab_rows "$PWD" bucket2048 "${2:-120}" --bucket-mib 2048 --rows colo-packed,slime-style
+    tp2_megatron_rows "${3:-150}" --bucket-mib 1024
     ;;
   call49b)  # issue 46, 2026-11-29 (ninth session), two GPUs: what one all-gather costs the host (collcost_runs; limit
     # per run: arg 2); then Qwen2-7B at TP=2, the synthetic layout's colo-packed rows as set up by default, with
