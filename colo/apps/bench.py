@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -222,6 +223,45 @@ def _registered_h2d(dev: torch.Tensor, reps: int) -> dict:
         took = median_time(lambda: dev.copy_(seg.tensor, non_blocking=True), reps)
         return {"registered_shm_h2d_GBps": dev.numel() / took / 1e9}
     finally:
+        seg.close()
+
+
+def registered_h2d_by_tensor(sizes: Sequence[int], *, cap: int = 2 * GiB, reps: int = 5) -> dict:
+    """The same copy as :func:`_registered_h2d`, each tensor its own (``sizes``: a model's
+    tensors' bytes in its order, laid out 16-byte aligned as a flat buffer lays them, the
+    first of them up to ``cap`` bytes) into a plain device buffer: what a one-copy
+    ``offload-first`` sync queues out of the trainer's shared backup, but for where it
+    writes (the engine's parameters). Beside the one 2 GiB copy it says whether many copies
+    of a model's sizes cost the link anything."""
+    from colo.core.errors import HandleError
+    from colo.device.cuda_ipc import PinnedShm
+
+    spans, at = [], 0
+    for n in sizes:
+        start = (at + 15) // 16 * 16
+        if spans and start + n > cap:
+            break
+        spans.append((start, start + n))
+        at = start + n
+    try:
+        seg = PinnedShm.create(at)
+    except (HandleError, OSError) as e:
+        return {"why_not": f"{type(e).__name__}: {e}"}
+    dev = torch.empty(at, dtype=torch.uint8, device="cuda")
+    try:
+        seg.tensor.fill_(7)
+        src = [seg.tensor[a:b] for a, b in spans]
+        dst = [dev[a:b] for a, b in spans]
+
+        def copy_each() -> None:
+            for d, h in zip(dst, src):
+                d.copy_(h, non_blocking=True)
+
+        took = median_time(copy_each, reps)
+        payload = sum(b - a for a, b in spans)
+        return {"tensors": len(spans), "bytes": payload, "GBps": payload / took / 1e9}
+    finally:
+        del dev
         seg.close()
 
 
@@ -528,6 +568,14 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
     if device == "cuda":
         limits = measure_gpu_limits()
         limit, link = limits["pinned_h2d_GBps"], "pinned host->device"
+        from colo.engine.reference.weights import expected_hf_specs
+        from colo.trainers.models import demo_config
+
+        # each model's own tensor sizes, copied one by one out of a registered segment
+        limits["registered_shm_h2d_by_tensor"] = {
+            m.name: registered_h2d_by_tensor([math.prod(s.shape) * getattr(torch, s.dtype).itemsize
+                                              for s in expected_hf_specs(demo_config(**m.config), m.engine_dtype)])
+            for m in models}
     else:
         limits = measure_limits()
         limit, link = limits["memcpy_GBps"], "host memcpy"
