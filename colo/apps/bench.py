@@ -226,6 +226,23 @@ def _registered_h2d(dev: torch.Tensor, reps: int) -> dict:
         seg.close()
 
 
+def flat_spans(sizes: Sequence[int], cap: int) -> list[tuple[int, int]]:
+    """Byte ranges of tensors of ``sizes`` bytes laid out in a flat buffer (each start 16-byte
+    aligned, as :class:`colo.device.flat_weights.FlatWeights` lays them), the first ones up to
+    ``cap`` bytes (the first is always taken)."""
+    if not sizes:
+        raise ValueError("flat_spans: no tensor sizes")
+    out: list[tuple[int, int]] = []
+    at = 0
+    for n in sizes:
+        start = (at + 15) // 16 * 16
+        if out and start + n > cap:
+            break
+        out.append((start, start + n))
+        at = start + n
+    return out
+
+
 def registered_h2d_by_tensor(sizes: Sequence[int], *, cap: int = 2 * GiB, reps: int = 5) -> dict:
     """The same copy as :func:`_registered_h2d`, each tensor its own (``sizes``: a model's
     tensors' bytes in its order, laid out 16-byte aligned as a flat buffer lays them, the
@@ -236,13 +253,8 @@ def registered_h2d_by_tensor(sizes: Sequence[int], *, cap: int = 2 * GiB, reps: 
     from colo.core.errors import HandleError
     from colo.device.cuda_ipc import PinnedShm
 
-    spans, at = [], 0
-    for n in sizes:
-        start = (at + 15) // 16 * 16
-        if spans and start + n > cap:
-            break
-        spans.append((start, start + n))
-        at = start + n
+    spans = flat_spans(sizes, cap)
+    at = spans[-1][1]
     try:
         seg = PinnedShm.create(at)
     except (HandleError, OSError) as e:

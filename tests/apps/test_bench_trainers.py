@@ -154,3 +154,23 @@ def test_a_one_copy_offload_first_row_is_set_beside_the_rate_of_the_registered_s
     entry["rows"] = [row("offload-first", 1)]
     against_limits(entry, dict(limits, registered_shm_h2d_GBps=None), "cuda")
     assert "sync_over_registered_shm_h2d" not in entry["rows"][0]
+
+
+def test_flat_spans_lay_tensors_out_as_a_flat_buffer_does_up_to_the_cap():
+    from colo.apps.bench import MiB, flat_spans
+
+    assert flat_spans([1000, 17, 4096, 3 * MiB], 2 * MiB) == [(0, 1000), (1008, 1025), (1040, 5136)]
+    assert flat_spans([3 * MiB, 5], 2 * MiB) == [(0, 3 * MiB)]  # the first is always taken
+    with pytest.raises(ValueError, match="no tensor sizes"):
+        flat_spans([], 1)
+
+
+def test_saver_copy_refuses_a_machine_without_a_gpu(tmp_path, capsys):
+    """bench.saver_copy times copies into memory-saver regions on the device: without one it
+    says so and exits 2, writing nothing."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    from bench.saver_copy import main as saver_copy
+
+    assert saver_copy([str(tmp_path / "out.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "out.json").exists()

@@ -1,0 +1,133 @@
+"""Where a one-copy ``offload-first`` sync writes: host->device into memory-saver regions (issue 44).
+
+    python -m bench.saver_copy OUT.json [--model qwen2-1.5b] [--reps 5] [--cap-mib 2048]
+
+The one-copy ``offload-first`` sync (a trainer's weights in one flat buffer, paused to a
+shared pinned backup) has colo's engine copy each tensor out of that backup into its
+parameters. On an H200 those copies ran at 46-52 GB/s (1.17-1.22 of the sync's floor), where
+the same model's tensors copied one by one out of a segment of the same kind into plain
+device memory ran at the link (54.0 of 54.9 GB/s, ``colo bench``'s
+``registered_shm_h2d_by_tensor``). What is left is where they write: the engine allocates
+each parameter with ``torch.empty`` inside a torch_memory_saver region, and releases and
+wakes the region every cycle. This copies the model's tensors (its first ``--cap-mib`` of
+them, in its order, 16-byte aligned as a flat buffer lays them) out of a registered
+``/dev/shm`` segment, each tensor its own copy, into:
+
+- ``plain``: one ``torch.empty`` per tensor, outside any region;
+- ``region``: the same inside a memory-saver region (``engine.weights``, no host backup), as
+  colo's engine allocates its parameters;
+- ``region_woken``: that region after a pause and a resume (the saver unmaps and maps its
+  pages again), as every colocated cycle leaves the engine's parameters; the first copy
+  after the wake-up timed on its own, then the median of the next ones.
+
+Every destination is checked against the source's bytes after its copies. The pinned
+host->device rate of the same run stands beside them. Needs a CUDA GPU and
+torch-memory-saver; ``bash bench/gpu_run.sh savercopy`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from typing import Any
+
+
+def _measure(model: str, reps: int, cap: int) -> dict:
+    import torch
+
+    from colo.apps.bench import MODELS, flat_spans, measure_gpu_limits, median_time
+    from colo.device.cuda_ipc import PinnedShm
+    from colo.device.cuda_memory import Saver
+    from colo.engine.reference.weights import expected_hf_specs
+    from colo.trainers.models import demo_config
+
+    m = MODELS[model]
+    specs = expected_hf_specs(demo_config(**m.config), m.engine_dtype)
+    spans = flat_spans([math.prod(s.shape) * getattr(torch, s.dtype).itemsize for s in specs], cap)
+    payload = sum(b - a for a, b in spans)
+    saver = Saver()  # first: before anything is allocated on the device
+    limits = measure_gpu_limits(nbytes=min(cap, 2 << 30), reps=5)
+    seg = PinnedShm.create(spans[-1][1])
+    try:
+        torch.manual_seed(0)
+        host = seg.tensor
+        host.copy_(torch.randint(0, 256, (host.numel(),), dtype=torch.uint8))
+        src = [host[a:b] for a, b in spans]
+
+        def into(dst: list) -> Any:
+            def copy_each() -> None:
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)
+            return copy_each
+
+        def exact(dst: list) -> bool:
+            torch.cuda.synchronize()
+            return all(torch.equal(d.cpu(), s) for d, s in zip(dst, src))
+
+        rows = {}
+        plain = [torch.empty(b - a, dtype=torch.uint8, device="cuda") for a, b in spans]
+        took = median_time(into(plain), reps)
+        rows["plain"] = {"GBps": payload / took / 1e9, "exact": exact(plain)}
+        del plain
+        torch.cuda.empty_cache()
+        with saver.region("engine.weights"):
+            region = [torch.empty(b - a, dtype=torch.uint8, device="cuda") for a, b in spans]
+        took = median_time(into(region), reps)
+        rows["region"] = {"GBps": payload / took / 1e9, "exact": exact(region)}
+        saver.pause("engine.weights")
+        saver.resume("engine.weights")
+        first = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first[0].record()
+        into(region)()
+        first[1].record()
+        first[1].synchronize()
+        took = median_time(into(region), reps)
+        rows["region_woken"] = {"GBps": payload / took / 1e9,
+                                "first_GBps": payload / (first[0].elapsed_time(first[1]) / 1e3) / 1e9,
+                                "exact": exact(region)}
+        del region
+    finally:
+        seg.close()
+    return {"kind": "bench.saver_copy", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": torch.cuda.get_device_name(), "gpu_count": 1, "torch": torch.__version__,
+            "model": model, "tensors": len(spans), "bytes": payload, "reps": reps, "limits": limits, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from colo.apps.bench import MODELS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("out")
+    ap.add_argument("--model", choices=sorted(MODELS), default="qwen2-1.5b")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cap-mib", type=int, default=2048, help="copy the model's first tensors up to this size")
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.cap_mib < 1:
+        ap.error("--reps and --cap-mib must be at least 1")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("saver_copy: needs a CUDA GPU (it times copies into memory-saver regions on the device)",
+              file=sys.stderr)
+        return 2
+    out = _measure(args.model, args.reps, args.cap_mib << 20)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    p = out["limits"]["pinned_h2d_GBps"]
+    print(f"{out['model']}: {out['tensors']} tensors, {out['bytes']:,} B, each its own copy out of a registered "
+          f"/dev/shm segment (pinned host->device {p:.1f} GB/s)")
+    for name, row in out["rows"].items():
+        first = f", first after the wake-up {row['first_GBps']:.1f} GB/s" if "first_GBps" in row else ""
+        print(f"  into {name:13s} {row['GBps']:6.1f} GB/s ({row['GBps'] / p:.3f} of pinned){first}, "
+              f"exact {row['exact']}")
+    return 0
+
+
+if __name__ == "__main__":
+    from colo.device.cuda_memory import exit_past_the_saver
+
+    code = main()
+    sys.exit(exit_past_the_saver(code))
