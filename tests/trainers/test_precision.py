@@ -174,6 +174,17 @@ async def test_every_trainer_keeps_bf16_parameters_fp32_masters_and_syncs_exactl
     assert new_segments() == []
 
 
+async def paused_syncs_keep_their_extractor(trainer, client, transport, ex, resident: str) -> None:
+    """Two ``offload-first`` syncs of a paused trainer: each reuses extractor ``ex`` (made once
+    while the backup stays where it is) and leaves the engine with the ``resident`` digest."""
+    for step in (1, 2):
+        ctx = SyncContext(step=step, weight_version=step, bucket_bytes=64 << 10, source="host",
+                          staging=StagingBudget(None))
+        await transport.sync(trainer, client, ctx)
+        assert trainer.extractor() is ex
+        assert await client.digest() == trainer.sent_digest(fresh=True) == resident, step
+
+
 class KeptBackup:
     """Stands in for the GPU's TrainerMemory with the weights paused and the saver keeping its
     backups: ``host_view`` gives the same tensor for a parameter every time (a copy of it, as
@@ -221,12 +232,7 @@ async def test_a_paused_one_rank_megatron_syncs_exactly_from_views_of_its_backup
         qkv = backup_of["decoder.layers.0.self_attention.linear_qkv.weight"]
         assert got["model.layers.0.self_attn.k_proj.weight"].untyped_storage().data_ptr() != \
             qkv.untyped_storage().data_ptr()
-        for step in (1, 2):
-            ctx = SyncContext(step=step, weight_version=step, bucket_bytes=64 << 10, source="host",
-                              staging=StagingBudget(None))
-            await transport.sync(trainer, client, ctx)
-            assert trainer.extractor() is ex
-            assert await client.digest() == trainer.sent_digest(fresh=True) == resident, step
+        await paused_syncs_keep_their_extractor(trainer, client, transport, ex, resident)
     finally:
         await transport.aclose()
         trainer.close()
@@ -284,12 +290,7 @@ async def test_a_one_rank_megatron_adopted_into_a_flat_buffer_trains_and_syncs_f
         proj = flat.tensors["decoder.layers.1.self_attention.linear_proj.weight"]
         got = dict(ex.extract(["model.layers.1.self_attn.o_proj.weight"]))
         assert got["model.layers.1.self_attn.o_proj.weight"].data_ptr() == proj.data_ptr()
-        for step in (1, 2):
-            ctx = SyncContext(step=step, weight_version=step, bucket_bytes=64 << 10, source="host",
-                              staging=StagingBudget(None))
-            await transport.sync(trainer, client, ctx)
-            assert trainer.extractor() is ex
-            assert await client.digest() == trainer.sent_digest(fresh=True) == resident, step
+        await paused_syncs_keep_their_extractor(trainer, client, transport, ex, resident)
     finally:
         await transport.aclose()
         trainer.close()
