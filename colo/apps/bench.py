@@ -209,8 +209,8 @@ def _registered_h2d(dev: torch.Tensor, reps: int) -> dict:
     the trainer's shared pinned backup. Its pages are the kernel's 4 KiB ones where
     ``cudaHostAlloc``'s pinned memory is the driver's own, so the rate may differ from
     ``pinned_h2d_GBps`` by machine (the one-copy sync ran at 1.05 of the pinned floor on one
-    H200 and 1.18-1.20 on others). An empty dict where no such segment can be made (no room
-    in /dev/shm)."""
+    H200 and 1.18-1.20 on others). Where no such segment can be made (no room in /dev/shm)
+    the rate is None and ``registered_shm_why_not`` says why."""
     from colo.core.errors import HandleError
     from colo.device.cuda_ipc import PinnedShm
 

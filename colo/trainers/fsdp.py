@@ -372,10 +372,11 @@ def build(*, model_config: Any, seed: int, engine_dtype: str, device: str,
     pinned host backup, so offload and onload are real pauses (as in
     :func:`colo.trainers.hf.build`); on one rank with shards in the engine's dtype the
     shards are one :class:`~colo.device.flat_weights.FlatWeights` buffer instead
-    (:func:`adopt_shards`), paused by itself to a shared pinned host backup. ``optimizer_state=False``: AdamW's state is left
-    unmade (a trainer that only syncs: :mod:`colo.apps.bench_trainers`). ``checkpoint``: the
-    model sharded is that local Hugging Face directory's (``from_pretrained``, every rank
-    reading it), not ``model_config``'s at random.
+    (:func:`adopt_shards`), paused by itself to a shared pinned host backup.
+    ``optimizer_state=False``: AdamW's state is left unmade (a trainer that only syncs:
+    :mod:`colo.apps.bench_trainers`). ``checkpoint``: the model sharded is that local Hugging
+    Face directory's (``from_pretrained``, every rank reading it), not ``model_config``'s at
+    random.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
