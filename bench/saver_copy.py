@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 from typing import Any
 
@@ -38,15 +37,11 @@ from typing import Any
 def _measure(model: str, reps: int, cap: int) -> dict:
     import torch
 
-    from colo.apps.bench import MODELS, flat_spans, measure_gpu_limits, median_time
+    from colo.apps.bench import MODELS, flat_spans, measure_gpu_limits, median_time, tensor_bytes
     from colo.device.cuda_ipc import PinnedShm
     from colo.device.cuda_memory import Saver
-    from colo.engine.reference.weights import expected_hf_specs
-    from colo.trainers.models import demo_config
 
-    m = MODELS[model]
-    specs = expected_hf_specs(demo_config(**m.config), m.engine_dtype)
-    spans = flat_spans([math.prod(s.shape) * getattr(torch, s.dtype).itemsize for s in specs], cap)
+    spans = flat_spans(tensor_bytes(MODELS[model]), cap)
     payload = sum(b - a for a, b in spans)
     saver = Saver()  # first: before anything is allocated on the device
     limits = measure_gpu_limits(nbytes=min(cap, 2 << 30), reps=5)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -224,6 +223,14 @@ def _registered_h2d(dev: torch.Tensor, reps: int) -> dict:
         return {"registered_shm_h2d_GBps": dev.numel() / took / 1e9}
     finally:
         seg.close()
+
+
+def tensor_bytes(model: BenchModel) -> list[int]:
+    """The bytes of each tensor a sync of ``model`` moves, in the engine's dtype and its order."""
+    from colo.engine.reference.weights import expected_hf_specs
+    from colo.trainers.models import demo_config
+
+    return [s.nbytes for s in expected_hf_specs(demo_config(**model.config), model.engine_dtype)]
 
 
 def flat_spans(sizes: Sequence[int], cap: int) -> list[tuple[int, int]]:
@@ -580,14 +587,8 @@ async def bench(models: Sequence[BenchModel], cases: Sequence[Case], *, device: 
     if device == "cuda":
         limits = measure_gpu_limits()
         limit, link = limits["pinned_h2d_GBps"], "pinned host->device"
-        from colo.engine.reference.weights import expected_hf_specs
-        from colo.trainers.models import demo_config
-
         # each model's own tensor sizes, copied one by one out of a registered segment
-        limits["registered_shm_h2d_by_tensor"] = {
-            m.name: registered_h2d_by_tensor([math.prod(s.shape) * getattr(torch, s.dtype).itemsize
-                                              for s in expected_hf_specs(demo_config(**m.config), m.engine_dtype)])
-            for m in models}
+        limits["registered_shm_h2d_by_tensor"] = {m.name: registered_h2d_by_tensor(tensor_bytes(m)) for m in models}
     else:
         limits = measure_limits()
         limit, link = limits["memcpy_GBps"], "host memcpy"

@@ -70,7 +70,16 @@ class PolicyTrainer:
 
     def tag_bytes(self) -> dict[str, int]:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
+        out = {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
+        flat = self._weights_buffer()
+        if flat is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
+            out["weights"] = flat.nbytes
+        return out
+
+    def _weights_buffer(self) -> Any:
+        """The :class:`~colo.device.flat_weights.FlatWeights` the parameters were adopted into,
+        which the memory backend pauses as the weights tag; None: they live elsewhere."""
+        return getattr(self, "flat_weights", None)
 
     def _optimizer_bytes(self, weights: int) -> int:
         """AdamW keeps exp_avg and exp_avg_sq, each the size of the weights; over

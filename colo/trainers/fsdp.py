@@ -223,15 +223,14 @@ class FSDPTrainer(ReferenceTrainer):
 
     # -- TrainerSide -----------------------------------------------------------
     def tag_bytes(self) -> dict[str, int]:
+        if self.flat_weights is not None:
+            return super().tag_bytes()  # one rank: each shard its whole tensor, in the buffer
         # What this rank keeps resident: its shard of each parameter, padded to
         # an even split of dim 0 as FSDP2 stores it.
         world = self.world_size
         weights = sum(math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) * p.element_size()
                       for p in self.model.parameters())
-        out = {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
-        if self.flat_weights is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
-            out["weights"] = self.flat_weights.nbytes
-        return out
+        return {"weights": weights, "optimizer": self._optimizer_bytes(weights)}
 
     def extractor(self) -> Any:
         if self._paused() and self.world_size == 1 and next(iter(self.model.parameters())).device.type == "cuda":

@@ -54,12 +54,6 @@ class ReferenceTrainer(PolicyTrainer):
         return type(self.model)(self.model.config).eval()
 
     # -- TrainerSide -----------------------------------------------------------
-    def tag_bytes(self) -> dict[str, int]:
-        out = super().tag_bytes()
-        if self.flat_weights is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
-            out["weights"] = self.flat_weights.nbytes
-        return out
-
     def extractor(self) -> Any:
         if self._paused() and self.flat_weights is not None:
             # the shared host backup: allocated at the first pause and kept, so its views

@@ -457,11 +457,8 @@ class MegatronTrainer(PolicyTrainer):
             self._flat.close()
         self.runtime.close()
 
-    def tag_bytes(self) -> dict[str, int]:
-        out = super().tag_bytes()
-        if self._flat is not None:  # the buffer as allocated: aligned, rounded to the allocator's segments
-            out["weights"] = self._flat.nbytes
-        return out
+    def _weights_buffer(self) -> Any:
+        return self._flat
 
     def _host_key(self) -> tuple | None:
         if self._flat is None:
