@@ -18,7 +18,9 @@ them, in its order, 16-byte aligned as a flat buffer lays them) out of a registe
   colo's engine allocates its parameters;
 - ``region_woken``: that region after a pause and a resume (the saver unmaps and maps its
   pages again), as every colocated cycle leaves the engine's parameters; the first copy
-  after the wake-up timed on its own, then the median of the next ones.
+  after the wake-up timed on its own, then the median of the next ones;
+- ``region_one``: one allocation in a region of its own holding every tensor as a view at
+  its span (as a flat buffer would), the other way the engine could allocate them.
 
 Every destination is checked against the source's bytes after its copies. The pinned
 host->device rate of the same run stands beside them. Needs a CUDA GPU and
@@ -84,6 +86,12 @@ def _measure(model: str, reps: int, cap: int) -> dict:
                                 "first_GBps": payload / (first[0].elapsed_time(first[1]) / 1e3) / 1e9,
                                 "exact": exact(region)}
         del region
+        with saver.region("engine.flat"):
+            flat = torch.empty(spans[-1][1], dtype=torch.uint8, device="cuda")
+        one = [flat[a:b] for a, b in spans]
+        took = median_time(into(one), reps)
+        rows["region_one"] = {"GBps": payload / took / 1e9, "exact": exact(one)}
+        del one, flat
     finally:
         seg.close()
     return {"kind": "bench.saver_copy", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
