@@ -20,7 +20,11 @@ them, in its order, 16-byte aligned as a flat buffer lays them) out of a registe
   pages again), as every colocated cycle leaves the engine's parameters; the first copy
   after the wake-up timed on its own, then the median of the next ones;
 - ``region_one``: one allocation in a region of its own holding every tensor as a view at
-  its span (as a flat buffer would), the other way the engine could allocate them.
+  its span (as a flat buffer would), the other way the engine could allocate them;
+- ``plain_from_read_only``: into plain memory again, out of a second mapping of the segment
+  opened as the engine opens the trainer's backup (``cuda_ipc._open_pinned``: read-only,
+  pinned with ``cudaHostRegisterReadOnly`` where the GPU can), and ``plain_from_writable``
+  out of a second mapping pinned read-write, its control.
 
 Every destination is checked against the source's bytes after its copies. The pinned
 host->device rate of the same run stands beside them. Needs a CUDA GPU and
@@ -40,7 +44,8 @@ def _measure(model: str, reps: int, cap: int) -> dict:
     import torch
 
     from colo.apps.bench import MODELS, flat_spans, measure_gpu_limits, median_time, tensor_bytes
-    from colo.device.cuda_ipc import PinnedShm
+    from colo.device.cuda_ipc import PinnedShm, _open_pinned
+    from colo.proc.handles import ShmSegment
     from colo.device.cuda_memory import Saver
 
     spans = flat_spans(tensor_bytes(MODELS[model]), cap)
@@ -92,6 +97,25 @@ def _measure(model: str, reps: int, cap: int) -> dict:
         took = median_time(into(one), reps)
         rows["region_one"] = {"GBps": payload / took / 1e9, "exact": exact(one)}
         del one, flat
+        torch.cuda.empty_cache()
+        plain = [torch.empty(b - a, dtype=torch.uint8, device="cuda") for a, b in spans]
+        for name, opened in (("plain_from_read_only", lambda: _open_pinned(seg.handle())),
+                             ("plain_from_writable", lambda: PinnedShm(
+                                 ShmSegment(seg.name, seg.nbytes, create=False, writable=True), register=True))):
+            try:
+                other = opened()
+            except Exception as e:  # a second registration of the same pages refused: say so
+                rows[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            try:
+                src = [other.tensor[a:b] for a, b in spans]
+                took = median_time(into(plain), reps)
+                rows[name] = {"GBps": payload / took / 1e9, "exact": exact(plain),
+                              "writable_mapping": other.seg.writable}
+            finally:
+                src = None
+                other.close()
+        del plain
     finally:
         seg.close()
     return {"kind": "bench.saver_copy", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -123,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out['model']}: {out['tensors']} tensors, {out['bytes']:,} B, each its own copy out of a registered "
           f"/dev/shm segment (pinned host->device {p:.1f} GB/s)")
     for name, row in out["rows"].items():
+        if "error" in row:
+            print(f"  into {name:13s} not measured: {row['error']}")
+            continue
         first = f", first after the wake-up {row['first_GBps']:.1f} GB/s" if "first_GBps" in row else ""
         print(f"  into {name:13s} {row['GBps']:6.1f} GB/s ({row['GBps'] / p:.3f} of pinned){first}, "
               f"exact {row['exact']}")

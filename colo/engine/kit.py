@@ -247,15 +247,23 @@ class EngineKit:
             self.begin_load(preflight_key=preflight_key)
         receiver = self._receiver(transport)
         t0 = time.perf_counter()
+        device = self.sink.device
         with receiver.receive(request) as named:
             opened = time.perf_counter()
+            # the device's own span of the load, from the first copy it could start to the
+            # last one's end: a host clock cannot tell copies running slow from copies
+            # queued late (issue 44: a one-copy offload-first load at 48-52 GB/s)
+            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+                if device.type == "cuda" else None
+            if marks is not None:
+                marks[0].record()
             # copied into the engine's parameters: after the reply the sender may
             # reuse or free whatever ``named`` views
             n = self.sink.load_weights(named)
             del named
             queued = time.perf_counter()
-            device = self.sink.device
-            if device.type == "cuda":
+            if marks is not None:
+                marks[1].record()
                 # The ack promises the sender may reuse or free the memory: the
                 # copies out of it must have finished, not merely been queued.
                 torch.cuda.synchronize(device)
@@ -264,6 +272,8 @@ class EngineKit:
         # is the copies queued (queue_s) and waited for (wait_s)
         reply = {"handoff_s": opened - t0, "load_s": done - opened, "queue_s": queued - opened,
                  "wait_s": done - queued, "begin_s": t0 - began, "tensors": n}
+        if marks is not None:
+            reply["device_s"] = marks[0].elapsed_time(marks[1]) / 1e3
         if end_load is True:
             # a refused end (a tensor missing) answers this request with its error: the
             # load above happened, the sync did not, and the sender treats it as failed

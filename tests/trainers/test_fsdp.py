@@ -259,29 +259,38 @@ def test_tied_embeddings_are_sent_once_and_train_like_the_reference():
     assert not dist.is_initialized()
 
 
-def test_one_rank_keeps_its_resident_extractor_while_the_shards_stay_and_reads_their_new_bytes():
+@pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
+def test_one_rank_keeps_its_resident_extractor_while_the_shards_stay_and_reads_their_new_bytes(engine_dtype):
     """Issue 44: a one-rank FSDP2 trainer's sync-first extractor (each local shard as a plain
     tensor) is built once and kept while every shard is the same storage, instead of 338
-    ``to_local()`` calls and a new extractor every sync: after a train step the same
-    extractor yields the trained bytes; a shard rebound to new storage (what FSDP2's lazy
-    init may do) gets a new one, reading the new storage."""
+    shards' addresses and a new extractor every sync: after a train step the same extractor
+    yields the trained bytes. A shard rebound to new storage (what FSDP2's lazy init may do):
+    with the shards in the flat buffer (float32 here, the engine's dtype) the buffer no longer
+    holds the weights, and the extractor refuses by name; without one (bfloat16 for the engine:
+    converted, no flat buffer) a new extractor reads the new storage."""
     cfg = demo_config(**SMALL)
-    trainer, _ = build_trainer("fsdp", model_config=cfg, seed=SEED, engine_dtype="float32", device="cpu")
+    trainer, _ = build_trainer("fsdp", model_config=cfg, seed=SEED, engine_dtype=engine_dtype, device="cpu")
     try:
+        assert (trainer.flat_weights is not None) == (engine_dtype == "float32")
+        dtype = getattr(torch, engine_dtype)
         names = [s.name for s in trainer.param_specs()]
         first = trainer.extractor()
         assert trainer.extractor() is first
         anyio.run(trainer.train_step, RolloutResult(reward=0.0, tokens=0, data=rollout_data()))
         assert trainer.extractor() is first
         got, want = dict(first.extract(names)), trainer.hf_state()
-        assert list(got) == list(want) and all(torch.equal(got[n], want[n]) for n in want)
+        assert list(got) == list(want) and all(torch.equal(got[n], want[n].to(dtype)) for n in want)
         p = dict(trainer.model.named_parameters())["model.norm.weight"]
         local = p.to_local()
         moved = local.detach().clone().fill_(2.5)
         with torch.no_grad():
             p._local_tensor = moved  # the shard rebound to other storage
+        if trainer.flat_weights is not None:
+            with pytest.raises(ValueError, match="'model.norm.weight' is no longer its view of the flat buffer"):
+                trainer.extractor()
+            return
         again = trainer.extractor()
-        assert again is not first and torch.equal(dict(again.extract(names))["model.norm.weight"], moved)
+        assert again is not first and torch.equal(dict(again.extract(names))["model.norm.weight"], moved.to(dtype))
     finally:
         trainer.close()
 
