@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -298,6 +298,21 @@ case "${1:-tests}" in
   collcost)  # issue 46 (prepared 2026-11-29, eighth session), two GPUs: what one all-gather costs the host
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
+    ;;
+  call50b)  # issue 44, 2026-11-30 (tenth session), one GPU: call50a found the memory-saver region no slower a
+    # destination than plain memory (54.1-54.4 of 55.2 GB/s); now the source: out of a second mapping of the
+    # segment pinned read-only as the engine pins the trainer's backup, and read-write (bench/saver_copy.py);
+    # what opening a trainer's buffer costs the engine by size (bench/ipc_open.py); then hf's and fsdp's rows at
+    # Qwen2-1.5B with the engine's own device span of each load (device_s) and fsdp's extractor kept over its flat
+    # buffer (limit: arg 2); then fsdp's GPU tests (limit: arg 3)
+    timeout 120 python3 -m bench.saver_copy "$OUT/saver-copy-qwen2-1.5b.json" --model qwen2-1.5b \
+      2>&1 | tee "$OUT/saver-copy.log"
+    timeout 120 python3 -m bench.ipc_open "$OUT/ipc-open.json" 2>&1 | tee "$OUT/ipc-open.log"
+    timeout "${2:-200}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -12
+    python3 -c "import json, sys; [print(t['trainer'], r['plan'], {k: round(v * 1e3, 2) for k, v in r['engine_s'].items()}) for t in json.load(open(sys.argv[1]))['trainers'] for r in t['rows']]" \
+      "$OUT/colo-bench-trainers-1.5b.json"
+    gpu_tests "${3:-150}" tests/gpu/test_real_trainers.py -k fsdp
     ;;
   call50a)  # issue 44, 2026-11-30 (tenth session), one GPU: where the one-copy offload-first sync writes
     # (bench/saver_copy.py: plain memory, a memory-saver region as the engine allocates, after a wake-up, one

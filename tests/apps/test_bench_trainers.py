@@ -174,3 +174,19 @@ def test_saver_copy_refuses_a_machine_without_a_gpu(tmp_path, capsys):
 
     assert saver_copy([str(tmp_path / "out.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+
+
+def test_ipc_open_refuses_a_machine_without_a_gpu_and_reads_torchs_handle_format(tmp_path, capsys):
+    """bench.ipc_open opens CUDA IPC handles in a second process: without a GPU it says so and
+    exits 2, writing nothing. The raw open takes the 64-byte ``cudaIpcMemHandle_t`` inside
+    torch's handle (after its version and ``'c'`` type bytes), and nothing else."""
+    from bench.ipc_open import _raw_handle, main as ipc_open
+
+    assert _raw_handle(b"\x02c" + bytes(range(64))) == bytes(range(64))
+    assert _raw_handle(b"\x03c" + bytes(range(64))) == bytes(range(64))
+    assert _raw_handle(bytes(range(64))) == bytes(range(64))
+    assert _raw_handle(b"\x02e" + bytes(64)) is None and _raw_handle(bytes(65)) is None
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    assert ipc_open([str(tmp_path / "out.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
