@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -298,6 +298,23 @@ case "${1:-tests}" in
   collcost)  # issue 46 (prepared 2026-11-29, eighth session), two GPUs: what one all-gather costs the host
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
+    ;;
+  call50c)  # issue 44, 2026-11-30 (tenth session), one GPU: call50b found the engine's one-copy offload-first
+    # copies slow on the device itself (device_s 62-63 ms for 3.09 GB, 49-50 GB/s) where the same copies in a process
+    # of their own ran at 54.5 GB/s out of a read-only or a read-write mapping: what differs is that the trainer has
+    # just released 21.6 GB. The machine's NUMA layout; copies right after this process freed 18 GiB and right after
+    # another process paused an 18 GiB memory-saver region, then two seconds later (bench/saver_copy.py); opening a
+    # trainer's buffer by size (bench/ipc_open.py); hf's rows at Qwen2-1.5B with one second between the engine's
+    # wake-up and each sync (COLO_BENCH_SETTLE_S; limit: arg 2)
+    lscpu | grep -iE "^numa|model name"; nvidia-smi topo -m | head -4
+    timeout 150 python3 -m bench.saver_copy "$OUT/saver-copy-qwen2-1.5b.json" --model qwen2-1.5b --free-gib 18 \
+      2>&1 | tee "$OUT/saver-copy.log"
+    timeout 120 python3 -m bench.ipc_open "$OUT/ipc-open.json" 2>&1 | tee "$OUT/ipc-open.log"
+    COLO_BENCH_SETTLE_S=1 timeout "${2:-150}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf --reps 3 --out "$OUT/colo-bench-hf-1.5b-settled.json" 2>&1 \
+      | tee "$OUT/trainers.log" | tail -8
+    python3 -c "import json, sys; [print(t['trainer'], r['plan'], 'settle', t['settle_s'], {k: round(v * 1e3, 2) for k, v in r['engine_s'].items()}) for t in json.load(open(sys.argv[1]))['trainers'] for r in t['rows']]" \
+      "$OUT/colo-bench-hf-1.5b-settled.json"
     ;;
   call50b)  # issue 44, 2026-11-30 (tenth session), one GPU: call50a found the memory-saver region no slower a
     # destination than plain memory (54.1-54.4 of 55.2 GB/s); now the source: out of a second mapping of the

@@ -128,6 +128,25 @@ class _Clock:
 #: the trainer process's operators and kernels, the engine's load is in its own process), to
 #: find where a sync's time goes before changing it (issue 44: sync-first at ten device copies)
 PROFILE_ENV = "COLO_BENCH_PROFILE"
+#: seconds to wait between the engine's wake-up and each sync (unset: none, as the scheduler
+#: runs them). A diagnosis, not a setting: whether the sync right after the trainer released
+#: its memory runs slower than the same sync a moment later (issue 44: the one-copy
+#: offload-first sync's copies at 49-50 GB/s on the device where the same copies in a process
+#: of their own ran at 54.5); every result records the wait it was run with
+SETTLE_ENV = "COLO_BENCH_SETTLE_S"
+
+
+def _settle_s() -> float:
+    raw = os.environ.get(SETTLE_ENV, "")
+    if not raw:
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{SETTLE_ENV} must be a number of seconds, got {raw!r}") from None
+    if not 0.0 <= value <= 60.0:
+        raise ValueError(f"{SETTLE_ENV} must be between 0 and 60 seconds, got {raw!r}")
+    return value
 
 
 async def _profiled(where: str, clock: _Clock, step: Callable[[], Any]) -> tuple[float, Any]:
@@ -179,6 +198,11 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     if plan == "offload-first":
         await pause()
     out["engine_wake_weights_s"], _ = await clock.time(lambda: engine.resume(["weights"]))
+    settle = _settle_s()
+    if settle:
+        import anyio
+
+        await anyio.sleep(settle)
     source = "host" if backend is not None and not backend.resident("weights") else "device"
     ctx = SyncContext(step=step, weight_version=step, bucket_bytes=bucket_bytes, source=source,
                       staging=StagingBudget(None), flush_cache=True)
@@ -341,6 +365,7 @@ async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, see
                 # the order the contract digest goes in (:mod:`colo.digest`): the trainer's
                 "spec_names": [sp.name for sp in trainer.param_specs()], "tag_bytes": tag_bytes, "trainer_bytes": sum(tag_bytes.values()), "engine_weight_bytes": engine_bytes,
                 "build_s": build_s, "bucket_mib": model["bucket_mib"], "probe_tolerance": tolerance, "reps": reps, "transport": "packed",
+                "settle_s": _settle_s(),
                 "rows": rows}
     finally:
         if trainer is not None:
