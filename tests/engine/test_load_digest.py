@@ -238,9 +238,9 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     """Issue 44: a sender that frees its staging after each sync maps a new buffer every sync
     with the same layout (the receiver's cached ``TensorMeta`` tuple). The engine plans that
     layout once (each tensor's offset, its row block) and loads the next buffers with no check
-    or placement per tensor (``LoadSession.check`` not called again), one launch each; the
-    weights and digests are the trainer's; a session that already has one of the names still
-    refuses the batch by name."""
+    or placement per tensor (``LoadSession.check`` not called again) and no view per tensor
+    (the request's views are never made), one launch each; the weights and digests are the
+    trainer's; a session that already has one of the names still refuses the batch by name."""
     import colo.digest as D
     from colo.core.buckets import plan_buckets
     from colo.core.errors import WeightMismatch
@@ -261,14 +261,18 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     states = [_state(config, s) for s in (0, 1, 2)]
     (bucket,) = plan_buckets(PlainExtractor(states[0]).specs(), 1 << 30)
     layout = tuple(TensorMeta.of_bucket(bucket))
+    made = []
     for i, state in enumerate(states):
         flat = torch.zeros(bucket.nbytes + 64 * i, dtype=torch.uint8)[64 * i:]  # a new buffer each sync
         pack_into(flat, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
         core.begin_load()
-        assert core.load_weights(views(flat, layout)) == len(layout)
+        request = views(flat, layout)
+        assert core.load_weights(request) == len(layout)
+        made.append(request._pairs is not None)
         core.end_load()
         assert core.digest() == expected_digest(state, config, torch.float32), i
     assert checks == [len(layout)]  # the first buffer only
+    assert made == [True, False, False]  # a planned layout's views are never made: flat and layout only
     core.begin_load()
     first = bucket.entries[0].spec.name
     core.load_weights([(first, states[0][first])])
