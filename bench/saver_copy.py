@@ -30,7 +30,9 @@ them, in its order, 16-byte aligned as a flat buffer lays them) out of a registe
   one, then again after a pause of two seconds (``settled_GBps``); ``after_pause_other``:
   the same right after another process paused a memory-saver region of that size (its pages
   unmapped and released), as the trainer's offload releases its optimizer state just before
-  an ``offload-first`` sync.
+  an ``offload-first`` sync; ``d2h_plain`` and ``d2h_after_pause_other``: the other way,
+  device -> host into the segment (as a trainer's pause copies), plainly and right after
+  another process's release.
 
 Every destination is checked against the source's bytes after its copies. The pinned
 host->device rate of the same run stands beside them. Needs a CUDA GPU and
@@ -201,6 +203,17 @@ def _measure(model: str, reps: int, cap: int, free: int = 0) -> dict:
             rows["after_free_here"] = _after_release(into(plain), payload, lambda: _free_here(free), reps)
             rows["after_pause_other"] = _after_release(into(plain), payload, _PausedElsewhere(free), reps)
             rows["after_pause_other"]["exact"] = exact(plain)
+
+            def out_of(dst: list) -> Any:  # device -> host, back into the segment (the same bytes)
+                def copy_each() -> None:
+                    for d, s in zip(dst, src):
+                        s.copy_(d, non_blocking=True)
+                return copy_each
+
+            took = median_time(out_of(plain), reps)
+            rows["d2h_plain"] = {"GBps": payload / took / 1e9, "exact": exact(plain)}
+            rows["d2h_after_pause_other"] = _after_release(out_of(plain), payload, _PausedElsewhere(free), reps)
+            rows["d2h_after_pause_other"]["exact"] = exact(plain)
         del plain
     finally:
         seg.close()
@@ -241,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if "runs_GBps" in row:
             runs = ", ".join(f"{r:.1f}" for r in row["runs_GBps"])
-            print(f"  into plain, {name}: its first runs {runs} GB/s, after 2 s {row['settled_GBps']:.1f} GB/s")
+            print(f"  {name}: its first runs {runs} GB/s, after 2 s {row['settled_GBps']:.1f} GB/s")
             continue
         first = f", first after the wake-up {row['first_GBps']:.1f} GB/s" if "first_GBps" in row else ""
         print(f"  into {name:13s} {row['GBps']:6.1f} GB/s ({row['GBps'] / p:.3f} of pinned){first}, "

@@ -136,6 +136,24 @@ PROFILE_ENV = "COLO_BENCH_PROFILE"
 SETTLE_ENV = "COLO_BENCH_SETTLE_S"
 
 
+#: the order the trainer's tags are paused in, comma-separated (unset: the cycle's own, weights
+#: then optimizer). A diagnosis too: the driver clears device memory a process released, and
+#: host<->device copies run at half the link's rate while it does (bench.saver_copy: 25 GB/s
+#: right after 18 GiB were released); with the optimizer state paused first, its release is
+#: cleared during the weights' pause instead of during the sync after it
+PAUSE_ORDER_ENV = "COLO_BENCH_PAUSE_ORDER"
+
+
+def _pause_order(tags: list[str]) -> list[str]:
+    raw = os.environ.get(PAUSE_ORDER_ENV, "")
+    if not raw:
+        return tags
+    order = [t.strip() for t in raw.split(",")]
+    if sorted(order) != sorted(tags):
+        raise ValueError(f"{PAUSE_ORDER_ENV} must name the tags {tags} each once, got {raw!r}")
+    return order
+
+
 def _settle_s() -> float:
     raw = os.environ.get(SETTLE_ENV, "")
     if not raw:
@@ -186,11 +204,12 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     backend = trainer.memory_backend
 
     async def pause() -> None:
+        order = _pause_order(tags)
         if verifier is not None:
             # as colo's trainer offloads: its digest and the probe's reference first, on the device
-            out["trainer_offload_verified_s"], _ = await clock.time(lambda: trainer.offload(tags))
+            out["trainer_offload_verified_s"], _ = await clock.time(lambda: trainer.offload(order))
         elif backend is not None:
-            out["trainer_pause_s"], _ = await clock.time(lambda: backend.pause("trainer", tags))
+            out["trainer_pause_s"], _ = await clock.time(lambda: backend.pause("trainer", order))
 
     out["engine_release_s"], _ = await clock.time(lambda: engine.release(["kv_cache", "weights"]))
     if backend is not None and not backend.resident("weights"):  # the first cycle finds it resident, as built
@@ -365,7 +384,7 @@ async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, see
                 # the order the contract digest goes in (:mod:`colo.digest`): the trainer's
                 "spec_names": [sp.name for sp in trainer.param_specs()], "tag_bytes": tag_bytes, "trainer_bytes": sum(tag_bytes.values()), "engine_weight_bytes": engine_bytes,
                 "build_s": build_s, "bucket_mib": model["bucket_mib"], "probe_tolerance": tolerance, "reps": reps, "transport": "packed",
-                "settle_s": _settle_s(),
+                "settle_s": _settle_s(), "pause_order": _pause_order(tags),
                 "rows": rows}
     finally:
         if trainer is not None:
