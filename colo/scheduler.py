@@ -29,8 +29,6 @@ moves to ``failed``; :meth:`Scheduler.recover` walks back to a synced engine.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,6 +46,7 @@ from colo.core.phases import (CALLER_PHASES, RECOVERY, UNDO, Effect, Phase, Phas
 from colo.core.schema import RUN_ID_MAX
 from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline, RankFailed
 from colo.groups import EngineGroup, TrainerGroup, together
+from colo.proc.collector import collector_paused
 from colo.trace.writer import TraceWriter, new_run_id
 
 #: events whose violations are written but never raised: a failure must always be recorded
@@ -73,22 +72,6 @@ def _per_rank(value: Any, n: int, what: str) -> list:
     if n != 1:
         raise ValueError(f"{what}: one given for {n} ranks; expected one per rank")
     return [value]
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector off for the block, and back on (if it was) after,
-    also after a failure. A sync's host path allocates little, but a collection that
-    falls inside it stops the event loop: 0.3-0.5 ms passes of the young generation
-    landed in about every other demo sync on an H100, and 2-3 ms older ones now and
-    then, against a 5 ms sync (issue 18). What the block leaves is collected after it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class Scheduler:

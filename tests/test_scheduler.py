@@ -17,7 +17,7 @@ INNER = {
                        "memory.paused:engine.weights"],
     "trainer_onload": ["memory.resumed:trainer.weights", "memory.resumed:trainer.optimizer"],
     "train": [],
-    "trainer_offload": ["memory.paused:trainer.weights", "memory.paused:trainer.optimizer"],
+    "trainer_offload": ["memory.paused:trainer.optimizer", "memory.paused:trainer.weights"],
     "engine_wake_weights": ["memory.resumed:engine.weights"],
     "engine_wake_kv": ["memory.resumed:engine.kv_cache", "memory.resumed:engine.cuda_graph"],
 }
@@ -500,3 +500,57 @@ async def test_a_memory_verb_one_rank_failed_is_undone_on_the_ranks_that_did_it_
         await s.cycle()
         assert s.phase is not Phase.FAILED
         assert engines[0].resident == engines[1].resident == set(engines[0].sizes)
+
+
+def test_the_engine_pauses_the_garbage_collector_for_each_request_and_restores_it_after_a_failure():
+    """The engine's side of a sync (``EngineKit.transport_load``) keeps the collector out of
+    each request's receive and load as the scheduler keeps it out of the sync, and leaves it
+    as it found it: on after a load, also a refused one; off for a caller that had it off."""
+    import contextlib
+    import gc
+
+    import torch
+
+    from colo.engine.kit import EngineKit
+
+    class Sink:
+        device = torch.device("cpu")
+
+        def __init__(self):
+            self.collector_on, self.fail = [], False
+
+        def begin_load(self):
+            pass
+
+        def load_weights(self, named):
+            self.collector_on.append(gc.isenabled())
+            if self.fail:
+                raise RuntimeError("refused by the sink")
+            return len(list(named))
+
+    class Receiver:
+        def __init__(self):
+            self.collector_on = []
+
+        @contextlib.contextmanager
+        def receive(self, request):
+            self.collector_on.append(gc.isenabled())
+            yield [("w", torch.zeros(2))]
+
+    sink, receiver = Sink(), Receiver()
+    kit = EngineKit(sink)
+    kit._receivers["watched"] = receiver
+    assert gc.isenabled()
+    assert kit.transport_load("watched", {})["tensors"] == 1
+    assert sink.collector_on == receiver.collector_on == [False] and gc.isenabled()
+    sink.fail = True
+    with pytest.raises(RuntimeError, match="refused by the sink"):
+        kit.transport_load("watched", {})
+    assert sink.collector_on == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        sink.fail = False
+        kit.transport_load("watched", {})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

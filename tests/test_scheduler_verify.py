@@ -151,7 +151,7 @@ async def test_a_sync_first_sync_is_checked_against_the_digest_the_trainer_offlo
     # cycle i offloads once: sync-first after its sync, offload-first before it; a check inside
     # a sync-first sync comes before that cycle's offload, a deferred one after it
     assert [len(off) for _, off in checks] == ([0, 1] if plan == "sync-first" and not deferred else [1, 2])
-    assert all(c[1] == ("weights", "optimizer") for _, off in checks for c in off)
+    assert all(c[1] == ("optimizer", "weights") for _, off in checks for c in off)
     if deferred:
         # in trainer_offload (after its pause), before engine_wake_kv, of the version the sync moved
         phases = [e for e in events if e["event"] in ("phase.entered", "digest.checked")]

@@ -136,18 +136,20 @@ PROFILE_ENV = "COLO_BENCH_PROFILE"
 SETTLE_ENV = "COLO_BENCH_SETTLE_S"
 
 
-#: the order the trainer's tags are paused in, comma-separated (unset: the cycle's own, weights
-#: then optimizer). A diagnosis too: the driver clears device memory a process released, and
-#: host<->device copies run at half the link's rate while it does (bench.saver_copy: 25 GB/s
-#: right after 18 GiB were released); with the optimizer state paused first, its release is
-#: cleared during the weights' pause instead of during the sync after it
+#: the order the trainer's tags are paused in, comma-separated (unset: the cycle's own,
+#: ``colo.core.phases``' trainer_offload: the optimizer state, then the weights). A diagnosis:
+#: the driver clears device memory a process released, and host<->device copies run at half
+#: the link's rate while it does (bench.saver_copy: 25 GB/s right after 18 GiB were released);
+#: ``weights,optimizer`` is the order that put the optimizer state's clearing on the sync
 PAUSE_ORDER_ENV = "COLO_BENCH_PAUSE_ORDER"
 
 
 def _pause_order(tags: list[str]) -> list[str]:
+    from colo.core.phases import EFFECTS, Phase
+
     raw = os.environ.get(PAUSE_ORDER_ENV, "")
     if not raw:
-        return tags
+        return [t for t in EFFECTS[Phase.TRAINER_OFFLOAD].pause if t in tags]
     order = [t.strip() for t in raw.split(",")]
     if sorted(order) != sorted(tags):
         raise ValueError(f"{PAUSE_ORDER_ENV} must name the tags {tags} each once, got {raw!r}")

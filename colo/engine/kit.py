@@ -30,6 +30,7 @@ import torch
 from colo.core.buckets import itemsize, numel
 from colo.core.errors import EngineStateError, WeightMismatch
 from colo.core.interfaces import TensorSpec
+from colo.proc.collector import collector_paused
 from colo.proc.lifecycle import log
 from colo.transports.wire import Piece, PreflightNotCached, layout_key
 
@@ -248,7 +249,9 @@ class EngineKit:
         receiver = self._receiver(transport)
         t0 = time.perf_counter()
         device = self.sink.device
-        with receiver.receive(request) as named:
+        # the collector paused for the request (colo.proc.collector): a collection inside it
+        # stops the load as one in the trainer's sync stops the sync
+        with collector_paused(), receiver.receive(request) as named:
             opened = time.perf_counter()
             # the device's own span of the load, from the first copy it could start to the
             # last one's end: a host clock cannot tell copies running slow from copies

@@ -190,3 +190,27 @@ def test_ipc_open_refuses_a_machine_without_a_gpu_and_reads_torchs_handle_format
         pytest.skip("this machine has a GPU: the refusal is for machines without one")
     assert ipc_open([str(tmp_path / "out.json")]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+
+
+def test_the_trainer_rows_pause_in_the_cycles_order_unless_told_and_settle_only_when_told(monkeypatch):
+    """colo bench times the trainer's pause in the order the cycle pauses its tags (the
+    optimizer state first: ``colo.core.phases``), so its rows are the scheduler's; the two
+    diagnoses (another order, a wait before each sync) apply only when set, and refuse what
+    is not a permutation of the tags or a number of seconds."""
+    from colo.apps.bench_trainers import PAUSE_ORDER_ENV, SETTLE_ENV, _pause_order, _settle_s
+
+    monkeypatch.delenv(PAUSE_ORDER_ENV, raising=False)
+    monkeypatch.delenv(SETTLE_ENV, raising=False)
+    assert _pause_order(["weights", "optimizer"]) == ["optimizer", "weights"]
+    assert _pause_order(["weights"]) == ["weights"] and _settle_s() == 0.0
+    monkeypatch.setenv(PAUSE_ORDER_ENV, "weights, optimizer")
+    assert _pause_order(["weights", "optimizer"]) == ["weights", "optimizer"]
+    monkeypatch.setenv(PAUSE_ORDER_ENV, "weights")
+    with pytest.raises(ValueError, match="each once"):
+        _pause_order(["weights", "optimizer"])
+    monkeypatch.setenv(SETTLE_ENV, "0.5")
+    assert _settle_s() == 0.5
+    for bad in ("soon", "-1", "61"):
+        monkeypatch.setenv(SETTLE_ENV, bad)
+        with pytest.raises(ValueError, match=SETTLE_ENV):
+            _settle_s()
