@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -60,6 +60,18 @@ tp2_megatron_rows() {  # tp2_megatron_rows LIMIT [ARGS...]: the same with colo's
     | tee "$OUT/bench-gpu2-megatron.log" | grep -v '^{' | grep -iv warn | tail -12
 }
 
+engine_rows() {  # engine_rows JSON: each trainer row's stages and the engine's account of each cycle (ms)
+  [ -f "$1" ] || return 0
+  python3 -c "
+import json, sys
+for t in json.load(open(sys.argv[1]))['trainers']:
+    for r in t['rows']:
+        ms = lambda d: {k: round(v * 1e3, 2) for k, v in d.items()}
+        print(t['trainer'], r['plan'], 'sync', [round(x * 1e3, 2) for x in r['sync_s_all']], 'stages', ms(r['stage_s']))
+        for c in r.get('engine_s_all', []):
+            print('   engine', ms(c))
+" "$1"
+}
 ab_base() {  # ab_base TGZ: this tree's bench and colo copied to /tmp/base, TGZ's files over them (an A/B's "before")
   rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf "$1" -C /tmp/base
 }
@@ -298,6 +310,28 @@ case "${1:-tests}" in
   collcost)  # issue 46 (prepared 2026-11-29, eighth session), two GPUs: what one all-gather costs the host
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
+    ;;
+  call51a)  # issue 44, 2026-11-30 (eleventh session), one GPU: one real trainer's rows at Qwen2-7B (arg 2: hf, fsdp or
+    # megatron) after the tenth session's changes (the optimizer state paused before the weights; fsdp's extractor
+    # kept over its flat buffer; a request's views made only when read; the engine's collector paused; the allocator's
+    # cache returned before the pauses), three cycles of each kind, each cycle's engine account (limit: arg 3)
+    timeout "${3:-480}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers "$2" --reps 3 --out "$OUT/colo-bench-trainers-7b-$2.json" 2>&1 | tee "$OUT/trainers-7b-$2.log" \
+      | grep -E "^qwen2-7b |^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-$2.json"
+    ;;
+  call51b)  # issue 44, 2026-11-30 (eleventh session), one GPU: every real trainer's rows at Qwen2-1.5B after the engine's
+    # collector pause and the allocator's cache returned before the pauses, each cycle's engine account (is hf's
+    # 3.9 ms queue gone; limit: arg 2), then Megatron's packed rows with 1024 MiB buckets (3 instead of 6: where its
+    # offload-first's 1.17 goes; limit: arg 3)
+    timeout "${2:-380}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b (hf|fsdp|megatron)|^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    timeout "${3:-150}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers megatron --bucket-mib 1024 --reps 3 --out "$OUT/colo-bench-megatron-1.5b-bucket1024.json" 2>&1 \
+      | tee "$OUT/megatron-bucket1024.log" | grep -E "^\| qwen2-1.5b \| "
+    engine_rows "$OUT/colo-bench-megatron-1.5b-bucket1024.json"
     ;;
   call50e)  # issue 44, 2026-11-30 (tenth session), one GPU: every real trainer's rows at Qwen2-1.5B as the cycle now
     # runs (the trainer's optimizer state paused before its weights, colo.core.phases; fsdp's extractor kept over its

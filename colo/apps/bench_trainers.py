@@ -285,6 +285,9 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
            "tensors": last["tensors"], "peak_staging_bytes": max(c["peak_staging_bytes"] for c in plain),
            "cycles": len(plain), "verified_cycles": len(verified),
            "sync_s_all": [c["sync_s"] for c in plain],
+           # each cycle's engine account too: a median hides one slow load in three (issue 44: hf's
+           # sync-first engine queued its one launch for 3.9 ms in two cycles, 1.0 ms in the third)
+           "engine_s_all": [dict(c.get("engine_s", {})) for c in plain],
            "step_s": {k: _median([c[k] for c in plain if k in c]) for k in steps if any(k in c for c in plain)},
            "stage_s": {k: _median([c["stage_s"].get(k, 0.0) for c in plain])
                        for k in sorted({k for c in plain for k in c["stage_s"]})},

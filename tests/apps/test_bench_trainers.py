@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import statistics
+
 import pytest
 import torch
 
@@ -81,6 +83,10 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
         parts = row["engine_s"]
         assert {"queue_s", "wait_s", "handoff_s", "load_s"} <= set(parts), parts
         assert 0 < parts["load_s"] <= row["stage_s"]["load"] and set(row["verified_engine_s"]) == set(parts)
+        # and each plain cycle's, whose median per key is the row's
+        cycles = row["engine_s_all"]
+        assert len(cycles) == row["cycles"] == len(row["sync_s_all"])
+        assert {k: statistics.median(c[k] for c in cycles) for k in parts} == pytest.approx(parts)
         assert row["trainer_rates"] == {}
     printed = capsys.readouterr().out
     assert "| tiny | megatron | sync-first |" in printed and "| tiny | fsdp | sync-first |" in printed

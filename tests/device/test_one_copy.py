@@ -274,6 +274,28 @@ async def test_the_trainer_memory_backend_pauses_the_weights_tag_through_the_fla
         trainer.flat_weights.close()
 
 
+async def test_the_trainer_memory_backend_returns_the_allocator_cache_before_its_pauses(monkeypatch):
+    """The allocator's cache (activations, gradients) goes back to the driver before the tags
+    are paused: the driver's clearing of it then runs beside their device->host copies, not
+    beside the offload-first sync that follows (cuda_memory.TrainerMemory.pause)."""
+    from colo.device.cuda_memory import TrainerMemory
+
+    calls = []
+
+    class Saver:
+        paused: set = set()
+
+        def pause(self, key):
+            calls.append(("pause", key))
+
+        resume = pause
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    await TrainerMemory(Saver()).pause("trainer", ["optimizer", "weights"])
+    assert calls == [("empty_cache",), ("pause", "trainer.optimizer"), ("pause", "trainer.weights"),
+                     ("empty_cache",)]
+
+
 def test_flat_weights_refuse_bad_input():
     with pytest.raises(ValueError, match="no tensors to lay out"):
         FlatWeights({}, device="cpu")
