@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -310,6 +310,18 @@ case "${1:-tests}" in
   collcost)  # issue 46 (prepared 2026-11-29, eighth session), two GPUs: what one all-gather costs the host
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
+    ;;
+  call51c)  # issue 44, 2026-11-30 (eleventh session), one GPU: the copying kernel told that its table is 16-byte
+    # aligned (colo.digest.Copies.aligned): the device digest's GPU tests (exact bytes and lanes; limit: arg 2),
+    # bench.copy_probe's A/B of the aligned and 4-byte variants at Qwen2-1.5B and 7B (limit: arg 3 each), then every real trainer's rows at Qwen2-1.5B with each cycle's engine account (limit: arg 4)
+    gpu_tests "${2:-110}" tests/gpu/test_digest_cuda.py
+    timeout "${3:-90}" python3 -m bench.copy_probe "$OUT/copy-probe-1.5b.json" 2>&1 | tee "$OUT/copy-probe.log"
+    timeout "${3:-90}" python3 -m bench.copy_probe "$OUT/copy-probe-7b.json" --model qwen2-7b --reps 3 2>&1 \
+      | tee -a "$OUT/copy-probe.log"
+    timeout "${4:-300}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
     ;;
   call51a)  # issue 44, 2026-11-30 (eleventh session), one GPU: one real trainer's rows at Qwen2-7B (arg 2: hf, fsdp or
     # megatron) after the tenth session's changes (the optimizer state paused before the weights; fsdp's extractor
