@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -70,25 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     def digest_lanes():
         return D.Blocks(list(zip(names, dsts))).lanes()
 
-    def words4(lanes: bool) -> Any:
-        # the same table through the kernel's 4-byte variant, as before it was told the table's
-        # alignment (colo.digest._ALIGNED_HINTS): an A/B of the hints in one process
-        def run() -> Any:
-            D._ALIGNED_HINTS = False
-            try:
-                return copies.run(lanes=lanes)
-            finally:
-                D._ALIGNED_HINTS = True
-        return run
-
     ways = {"copy_ per tensor": per_tensor, "foreach_copy_": foreach, "batched": copies.run,
-            "batched (4-byte words)": words4(False), "batched+lanes": lambda: copies.run(lanes=True),
-            "batched+lanes (4-byte words)": words4(True), "lanes (digest kernel)": digest_lanes,
+            "batched+lanes": lambda: copies.run(lanes=True), "lanes (digest kernel)": digest_lanes,
             "one copy_ (floor)": lambda: one.copy_(src_flat)}
     #: the ways whose answer is lanes (the others return what they copied into, or nothing)
-    gives_lanes = {"batched+lanes", "batched+lanes (4-byte words)", "lanes (digest kernel)"}
-    print(f"{args.model}: {len(names)} tensors, {nbytes / 1e9:.2f} GB; the table aligned to 16 bytes: {copies.aligned}",
-          flush=True)
+    gives_lanes = {"batched+lanes", "lanes (digest kernel)"}
     rows = {}
     want_lanes = None
     for name, fn in ways.items():
@@ -129,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"kind": "bench.copy_probe", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "device_name": torch.cuda.get_device_name(), "gpus": 1, "torch": torch.__version__,
            "model": args.model, "tensors": len(names), "bytes": nbytes, "reps": args.reps,
-           "kernel": {"block": D._COPY_BLOCK, "iters": D._COPY_ITERS, "word_bytes": 4, "num_warps": 8,
-                      "aligned_table": copies.aligned},
-           "ways": rows}
+           "kernel": {"block": D._COPY_BLOCK, "iters": D._COPY_ITERS, "word_bytes": 4, "num_warps": 8}, "ways": rows}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     return 0 if all(r["exact"] for r in rows.values()) else 1

@@ -311,9 +311,10 @@ case "${1:-tests}" in
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
     ;;
-  call51c)  # issue 44, 2026-11-30 (eleventh session), one GPU: the copying kernel told that its table is 16-byte
-    # aligned (colo.digest.Copies.aligned): the device digest's GPU tests (exact bytes and lanes; limit: arg 2),
-    # bench.copy_probe's A/B of the aligned and 4-byte variants at Qwen2-1.5B and 7B (limit: arg 3 each), then every real trainer's rows at Qwen2-1.5B with each cycle's engine account (limit: arg 4)
+  call51c)  # issue 44, 2026-11-30 (eleventh session), one GPU, run at 73c2e2a: the copying kernel told that its table
+    # is 16-byte aligned (colo.digest.Copies.aligned, reverted after: 1.787 / 8.903 ms against 1.784 / 9.015 at
+    # Qwen2-1.5B / 7B, no gain): the device digest's GPU tests (exact bytes and lanes; limit: arg 2),
+    # bench.copy_probe at Qwen2-1.5B and 7B (there, with the A/B of the aligned and 4-byte variants; limit: arg 3 each), then every real trainer's rows at Qwen2-1.5B with each cycle's engine account (limit: arg 4)
     gpu_tests "${2:-110}" tests/gpu/test_digest_cuda.py
     timeout "${3:-90}" python3 -m bench.copy_probe "$OUT/copy-probe-1.5b.json" 2>&1 | tee "$OUT/copy-probe.log"
     timeout "${3:-90}" python3 -m bench.copy_probe "$OUT/copy-probe-7b.json" --model qwen2-7b --reps 3 2>&1 \

@@ -456,28 +456,16 @@ def _copy_kernel() -> Any:
         import triton
         import triton.language as tl
 
-        @triton.jit(do_not_specialize=["N", "P"])  # as the batched kernel's: one variant per LANES, ALIGNED
-        def copy_kernel(meta, N, P, out, LANES: tl.constexpr, ALIGNED: tl.constexpr, S1: tl.constexpr,
-                        K1: tl.constexpr, S2: tl.constexpr, K2: tl.constexpr, LOW_BITS: tl.constexpr,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        @triton.jit(do_not_specialize=["N", "P"])  # as the batched kernel's: one variant per LANES
+        def copy_kernel(meta, N, P, out, LANES: tl.constexpr, S1: tl.constexpr, K1: tl.constexpr,
+                        S2: tl.constexpr, K2: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                        ITERS: tl.constexpr):
             pid = tl.program_id(0)
             t = tl.load(meta + 4 * N + pid)
             start = tl.load(meta + 4 * N + P + pid)
-            src_at = tl.load(meta + t)
-            dst_at = tl.load(meta + N + t)
+            src = tl.load(meta + t).to(tl.pointer_type(tl.int32))
+            dst = tl.load(meta + N + t).to(tl.pointer_type(tl.int32))
             n = tl.load(meta + 2 * N + t)
-            if ALIGNED:
-                # The host found every address and size of the table a multiple of 16 bytes
-                # (Copies.aligned); said so, the compiler moves 16 bytes per load and store. An
-                # address read from a table is otherwise only known to be 4-byte aligned: one
-                # 4-byte access per word, 0.84-0.86 of one device copy's rate on an H200
-                # (bench.copy_probe, 1.73 / 8.45 ms against 1.46 / 7.2 at Qwen2-1.5B / 7B).
-                src_at = tl.multiple_of(src_at, 16)
-                dst_at = tl.multiple_of(dst_at, 16)
-                n = tl.multiple_of(n, 4)
-                start = tl.multiple_of(start, BLOCK)  # a program's span is BLOCK * ITERS words
-            src = src_at.to(tl.pointer_type(tl.int32))
-            dst = dst_at.to(tl.pointer_type(tl.int32))
             first = tl.load(meta + 3 * N + t)
             if LANES:
                 base = ((2 * start + first) >> LOW_BITS).to(tl.uint32)
@@ -490,8 +478,6 @@ def _copy_kernel() -> Any:
                 acc2 = tl.zeros((BLOCK,), tl.uint32)
             for k in range(ITERS):
                 offs = start + k * BLOCK + tl.arange(0, BLOCK)
-                if ALIGNED:
-                    offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
                 keep = offs < n
                 x = tl.load(src + offs, mask=keep, other=0)
                 tl.store(dst + offs, x, mask=keep)
@@ -514,38 +500,30 @@ def _copy_kernel() -> Any:
     return _COPY_KERNEL or None
 
 
-#: devices on which the copying kernel's variants (with and without lanes, aligned or not) are compiled
+#: devices on which both of the copying kernel's variants (with and without lanes) are compiled
 _COPY_PRIMED: set[torch.device] = set()
-#: whether a table found 16-byte aligned runs the kernel's aligned variant (False: always the
-#: 4-byte one; bench.copy_probe times both in one process)
-_ALIGNED_HINTS = True
 
 
-def _launch_copy(meta: np.ndarray, tensors: int, programs: int, lanes: bool, device: torch.device,
-                 aligned: bool = False) -> torch.Tensor | None:
+def _launch_copy(meta: np.ndarray, tensors: int, programs: int, lanes: bool, device: torch.device) -> torch.Tensor | None:
     """Run the copying kernel over a meta table ``[sources, destinations, 4-byte words, first
     checksum words, item, starts]`` (the first four ``tensors`` long, the last two ``programs``
     long), one launch on the current stream; ``[tensors, 2]`` lanes where ``lanes``.
-    ``aligned``: every source, destination and size is a multiple of 16 bytes (the caller
-    checked: the kernel is told so and relies on it).
 
-    The first launch on a device compiles every variant: Triton compiles each on its first
+    The first launch on a device compiles both variants: Triton compiles each on its first
     use, and the one with lanes is first used by the first verified sync's summed load,
     which took 100 ms longer for it on an H200 (one of three verified syncs in a row)."""
     kernel = _copy_kernel()
     if device.type == "cuda" and device not in _COPY_PRIMED:
         _COPY_PRIMED.add(device)
-        scratch = torch.zeros(8, dtype=torch.int64, device=device)  # 16 bytes copied onto themselves
-        primer = np.array([scratch.data_ptr(), scratch.data_ptr(), 4, 0, 0, 0], dtype=np.int64)
+        scratch = torch.zeros(8, dtype=torch.int64, device=device)  # 4 bytes copied onto themselves
+        primer = np.array([scratch.data_ptr(), scratch.data_ptr(), 1, 0, 0, 0], dtype=np.int64)
         for variant in (False, True):
-            for al in (False, True):
-                _launch_copy(primer, 1, 1, variant, device, al)
-    aligned = aligned and _ALIGNED_HINTS
+            _launch_copy(primer, 1, 1, variant, device)
     meta_dev = _to_device(meta, device)  # queued from pinned memory (see _launch_batch)
     partial = torch.empty(programs if lanes else 1, 2, dtype=torch.int64, device=device)
     (s1, k1), (s2, k2) = LANE_SEEDS
-    kernel[(programs,)](meta_dev, tensors, programs, partial, LANES=lanes, ALIGNED=aligned, S1=s1, K1=k1,
-                        S2=s2, K2=k2, LOW_BITS=BLOCK_BITS, BLOCK=_COPY_BLOCK, ITERS=_COPY_ITERS, num_warps=8)
+    kernel[(programs,)](meta_dev, tensors, programs, partial, LANES=lanes, S1=s1, K1=k1, S2=s2, K2=k2,
+                        LOW_BITS=BLOCK_BITS, BLOCK=_COPY_BLOCK, ITERS=_COPY_ITERS, num_warps=8)
     if not lanes:
         return None
     out = torch.zeros(tensors, 2, dtype=torch.int64, device=device)
@@ -613,12 +591,8 @@ class Copies:
         item = np.repeat(np.arange(len(words), dtype=np.int64), counts)
         starts = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * span
         self.programs = len(item)
-        src, dst = np.array(sources, dtype=np.int64), np.array(dests, dtype=np.int64)
-        #: every address and size a multiple of 16 bytes: the kernel may move 16 bytes at a time
-        #: (a model's tensors and the buffers they lie in nearly always are; one that is not
-        #: sends the whole table through 4-byte words, exact either way)
-        self.aligned = bool(len(words)) and not ((src | dst | (words * 4)) % 16).any()
-        self.meta = np.concatenate([src, dst, words, np.zeros(len(words), dtype=np.int64), item, starts])
+        self.meta = np.concatenate([np.array(sources, dtype=np.int64), np.array(dests, dtype=np.int64),
+                                    words, np.zeros(len(words), dtype=np.int64), item, starts])
 
     @staticmethod
     def available() -> bool:
@@ -648,7 +622,7 @@ class Copies:
         """Queue the copies on the current stream; with ``lanes``, ``[len(pairs), 2]`` lanes of
         each pair's bytes (those of ``colo.digest.lanes`` of its source, whole) on the device."""
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            return _launch_copy(self.meta, self.count, self.programs, lanes, self.device, self.aligned)
+            return _launch_copy(self.meta, self.count, self.programs, lanes, self.device)
 
 
 class Labels:

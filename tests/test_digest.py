@@ -296,22 +296,17 @@ def test_blocks_where_they_lie_digest_as_the_tensors_one_by_one_through_the_kern
 def _copy_on_the_host(span):
     """A stand-in for the copying kernel (colo.digest._launch_copy) that reads its table on the
     host: each tensor's 4-byte words moved from its source address to its destination, its
-    programs covering them once, its lanes those of the 16-bit words it moved; a table run as
-    ``aligned`` (the kernel then relies on it) has every address and size a multiple of 16."""
+    programs covering them once, its lanes those of the 16-bit words it moved."""
     import ctypes
 
     import numpy as np
 
     import colo.digest as D
 
-    def run(meta, n, programs, lanes, device, aligned=False):
+    def run(meta, n, programs, lanes, device):
         srcs, dsts, words, firsts = (meta[k * n:(k + 1) * n].tolist() for k in range(4))
         item, starts = meta[4 * n:4 * n + programs], meta[4 * n + programs:]
         assert len(starts) == programs
-        if aligned:
-            assert all(s % 16 == 0 and d % 16 == 0 and w % 4 == 0 for s, d, w in zip(srcs, dsts, words)), \
-                "a table run as aligned that is not"
-            assert all(a % D._COPY_BLOCK == 0 for a in starts.tolist())
         out = []
         for i, (s, d, w, f) in enumerate(zip(srcs, dsts, words, firsts)):
             assert sorted(starts[item == i].tolist()) == list(range(0, max(w, 1), span)), i
@@ -346,16 +341,6 @@ def test_copies_move_every_tensor_through_one_table_and_give_the_lanes_of_what_t
     assert D.Copies.fits(pairs)
     copies = D.Copies(pairs)
     assert copies.programs == 3 + 1 + 1
-    # 20 bytes of half, not a multiple of 16: the whole table goes through 4-byte words
-    assert not copies.aligned
-    whole = [(torch.zeros(8, 4), torch.randn(8, 4, generator=g)),
-             (torch.zeros(2 * span, dtype=torch.bfloat16), torch.randn(2 * span, generator=g).bfloat16())]
-    aligned = D.Copies(whole)  # fresh allocations (64-byte aligned), sizes multiples of 16 bytes
-    assert aligned.aligned and aligned.run(lanes=True).tolist() == [D.lanes(s, 0, "host") for _, s in whole]
-    assert all(torch.equal(d, s) for d, s in whole)
-    shifted = torch.zeros(12)
-    assert not D.Copies([(shifted[1:9], torch.randn(8, generator=g))]).aligned  # 4 bytes into its buffer
-    assert not D.Copies([(torch.zeros(8), shifted[1:9])]).aligned
     got = copies.run(lanes=True)
     assert all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in pairs)
     assert got.tolist() == [D.lanes(s, 0, "host") for s in srcs]
