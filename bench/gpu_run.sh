@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|gpu1 [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -311,7 +311,14 @@ case "${1:-tests}" in
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
     ;;
-  call52a)  # issue 44, prepared in the eleventh session (2026-11-30; not run yet), one GPU: is the driver's clearing of
+  call53a)  # issue 44, 2026-11-30 (twelfth session), one GPU: call52a for another real trainer (arg 2: fsdp or megatron):
+    # its 7B rows with one second between the engine's wake-up and each sync (limit: arg 3)
+    COLO_BENCH_SETTLE_S=1 timeout "${3:-480}" python3 -m colo.cli bench --device cuda --model qwen2-7b \
+      --transports packed --trainers "$2" --reps 3 --out "$OUT/colo-bench-trainers-7b-$2-settled.json" 2>&1 \
+      | tee "$OUT/trainers-7b-$2-settled.log" | grep -E "^\| qwen2-7b \| "
+    engine_rows "$OUT/colo-bench-trainers-7b-$2-settled.json"
+    ;;
+  call52a)  # issue 44, run in the twelfth session (2026-11-30): is the driver's clearing of
     # the 91 GB of optimizer state and 15 GB of weights the trainer just released what keeps the one-copy 7B
     # offload-first sync at 1.10 (its copies at 51 GB/s on the device, a packed sync of the same bytes at 53.4)? hf's
     # 7B rows with one second between the engine's wake-up and each sync (COLO_BENCH_SETTLE_S; limit: arg 2)
