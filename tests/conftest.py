@@ -58,7 +58,8 @@ def _mark_what_this_process_held():
 
 #: units of work (xdist groups) that took minutes in the last fresh-clone run under load,
 #: longest first: tools/test hands these out before the rest
-LONGEST_FIRST = ("tests/vllm/test_ranks.py", "tests/vllm/test_demo.py", "ray", "tests/docs/test_code_blocks.py",
+LONGEST_FIRST = ("tests/vllm/test_ranks.py", "tests/vllm/test_demo.py", "tests/vllm/test_lora_demo.py",
+                 "tests/vllm/test_ray.py", "tests/vllm/test_ranks_tp.py", "ray", "tests/docs/test_code_blocks.py",
                  "tests/apps/test_interrupt.py", "tests/apps/test_demo_multi.py", "tests/proc/test_shm_room.py",
                  "tests/test_examples.py", "tests/apps/test_bench_trainers.py", "tests/bench/test_multi_gpu.py",
                  "tests/apps/test_demo.py")
@@ -102,7 +103,10 @@ def pytest_xdist_node_collection_finished(node, ids):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
-    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them)."""
+    for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them).
+    ``matrix`` cases complete a fault matrix whose other cases run every time and cover what
+    these would (each says which): skipped unless COLO_MATRIX=1, to keep the README's test
+    command within CI's budget on a busy two-core machine."""
     import os
 
     import torch
@@ -118,6 +122,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "soak" in item.keywords:
                 item.add_marker(skip_soak)
+    if os.environ.get("COLO_MATRIX") != "1":
+        skip_matrix = pytest.mark.skip(reason="the rest of a fault matrix: COLO_MATRIX=1 runs it")
+        for item in items:
+            if item.get_closest_marker("matrix") is not None:
+                item.add_marker(skip_matrix)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if have >= 2:
         return

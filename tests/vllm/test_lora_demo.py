@@ -53,7 +53,12 @@ def test_thirty_adapter_syncs_learn_with_every_one_verified_and_the_base_never_m
     assert "mean reward: first 5 steps" in proc.stdout
 
 
-@pytest.mark.parametrize("fault,extra", [("raise@sync", ()), ("kill-engine@sync", ("--vllm-processes",))])
+#: a vLLM killed mid-stage and replaced from the base weights, its adapter staged again by the
+#: recovery: the two-rank test below does that every time (on rank 1, both ranks verified);
+#: COLO_MATRIX=1 adds it at one rank, against the fault-free run's digests
+@pytest.mark.parametrize("fault,extra", [("raise@sync", ()),
+                                         pytest.param("kill-engine@sync", ("--vllm-processes",),
+                                                      marks=pytest.mark.matrix)])
 def test_a_failed_adapter_stage_recovers_to_the_fault_free_adapter(tmp_path, learned, fault, extra):
     """A stage that fails mid-transfer (raised after the first bucket, or vLLM's worker killed
     there): the adapter never activates, the engine is stale until the recovery re-stages it as
