@@ -25,7 +25,7 @@ def test_the_readme_test_command_is_what_ci_runs():
     # tests/vllm in vLLM's own environment
     script = (REPO / "tools" / "test").read_text()
     assert "\ncolo_suite=(python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm)\n" in script
-    assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider --durations=10 tests/vllm)\n" in script
+    assert "\nvllm_suite=(tools/vllm-env python -m pytest -q -p no:cacheprovider --durations=30 tests/vllm)\n" in script
     assert '\n  "${vllm_suite[@]}" "${spread[@]}"\n  vllm_status=$?\n' in script
     # colo's suite on three pytest workers by default, then the tests marked serial alone
     assert "\nworkers=${COLO_TEST_WORKERS:-3}\n" in script and "spread=(-n \"$workers\" --dist loadgroup --no-loadscope-reorder)" in script
