@@ -138,10 +138,11 @@ def _wait_for(path: Path, proc: subprocess.Popen, done, limit_s: float = 1200.0)
 
 #: a SIGKILLed vLLM is found dead by the next call into it, as the injected kills find it (the
 #: module's ``faulted`` run under the process launcher, tests/vllm/test_ray.py's ``ray.kill`` of an
-#: actor: both replace that rank only and reach the fault-free digests); a stopped one answers
+#: actor: both replace that rank only and reach the fault-free digests), and a worker killed
+#: from outside leaves no process of vLLM's (tests/vllm/test_signals.py); a stopped one answers
 #: nothing and is found only by the stop watch, a path of each launcher's own that nothing else
-#: takes. So CI runs the two stops; COLO_MATRIX=1 adds the two kills (each 4-7 minutes on a busy
-#: two-core machine, a third of this half's time between them)
+#: takes here. So CI runs the two stops; COLO_MATRIX=1 adds the two kills (332 and 263 s of a
+#: pytest worker in the fresh-clone run under load of 2026-11-30)
 _SIGNALLED = [pytest.param("process", "SIGKILL", marks=pytest.mark.matrix), ("process", "SIGSTOP"),
               pytest.param("ray", "SIGKILL", marks=pytest.mark.matrix), ("ray", "SIGSTOP")]
 
