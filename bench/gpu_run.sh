@@ -72,6 +72,13 @@ for t in json.load(open(sys.argv[1]))['trainers']:
             print('   engine', ms(c))
 " "$1"
 }
+settled_rows() {  # settled_rows TRAINER LIMIT: the trainer's Qwen2-7B rows with one second between the engine's
+  # wake-up and each sync (COLO_BENCH_SETTLE_S), each cycle's engine account
+  COLO_BENCH_SETTLE_S=1 timeout "$2" python3 -m colo.cli bench --device cuda --model qwen2-7b \
+    --transports packed --trainers "$1" --reps 3 --out "$OUT/colo-bench-trainers-7b-$1-settled.json" 2>&1 \
+    | tee "$OUT/trainers-7b-$1-settled.log" | grep -E "^\| qwen2-7b \| "
+  engine_rows "$OUT/colo-bench-trainers-7b-$1-settled.json"
+}
 ab_base() {  # ab_base TGZ: this tree's bench and colo copied to /tmp/base, TGZ's files over them (an A/B's "before")
   rm -rf /tmp/base && mkdir -p /tmp/base && cp -r bench colo /tmp/base/ && tar xzf "$1" -C /tmp/base
 }
@@ -311,21 +318,15 @@ case "${1:-tests}" in
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
     ;;
-  call53a)  # issue 44, 2026-11-30 (twelfth session), one GPU: call52a for another real trainer (arg 2: fsdp or megatron):
-    # its 7B rows with one second between the engine's wake-up and each sync (limit: arg 3)
-    COLO_BENCH_SETTLE_S=1 timeout "${3:-480}" python3 -m colo.cli bench --device cuda --model qwen2-7b \
-      --transports packed --trainers "$2" --reps 3 --out "$OUT/colo-bench-trainers-7b-$2-settled.json" 2>&1 \
-      | tee "$OUT/trainers-7b-$2-settled.log" | grep -E "^\| qwen2-7b \| "
-    engine_rows "$OUT/colo-bench-trainers-7b-$2-settled.json"
+  call53a)  # issue 44, 2026-11-30 (twelfth session), one GPU: call52a for another real trainer (arg 2: fsdp or megatron;
+    # limit: arg 3)
+    settled_rows "$2" "${3:-480}"
     ;;
   call52a)  # issue 44, run in the twelfth session (2026-11-30): is the driver's clearing of
     # the 91 GB of optimizer state and 15 GB of weights the trainer just released what keeps the one-copy 7B
     # offload-first sync at 1.10 (its copies at 51 GB/s on the device, a packed sync of the same bytes at 53.4)? hf's
     # 7B rows with one second between the engine's wake-up and each sync (COLO_BENCH_SETTLE_S; limit: arg 2)
-    COLO_BENCH_SETTLE_S=1 timeout "${2:-440}" python3 -m colo.cli bench --device cuda --model qwen2-7b \
-      --transports packed --trainers hf --reps 3 --out "$OUT/colo-bench-trainers-7b-hf-settled.json" 2>&1 \
-      | tee "$OUT/trainers-7b-hf-settled.log" | grep -E "^\| qwen2-7b \| "
-    engine_rows "$OUT/colo-bench-trainers-7b-hf-settled.json"
+    settled_rows hf "${2:-440}"
     ;;
   call51c)  # issue 44, 2026-11-30 (eleventh session), one GPU, run at 73c2e2a: the copying kernel told that its table
     # is 16-byte aligned (colo.digest.Copies.aligned, reverted after: 1.787 / 8.903 ms against 1.784 / 9.015 at
