@@ -104,8 +104,8 @@ def pytest_xdist_node_collection_finished(node, ids):
 def pytest_collection_modifyitems(config, items):
     """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
     for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them).
-    ``matrix`` cases complete a fault matrix whose other cases run every time and cover what
-    these would (each says which): skipped unless COLO_MATRIX=1, to keep the README's test
+    ``matrix`` cases complete a matrix of cases (faults, architectures) whose other cases run
+    every time and cover what these would (each says which): skipped unless COLO_MATRIX=1, to keep the README's test
     command within CI's budget on a busy two-core machine."""
     import os
 
@@ -123,7 +123,7 @@ def pytest_collection_modifyitems(config, items):
             if "soak" in item.keywords:
                 item.add_marker(skip_soak)
     if os.environ.get("COLO_MATRIX") != "1":
-        skip_matrix = pytest.mark.skip(reason="the rest of a fault matrix: COLO_MATRIX=1 runs it")
+        skip_matrix = pytest.mark.skip(reason="the rest of a matrix of cases: COLO_MATRIX=1 runs it")
         for item in items:
             if item.get_closest_marker("matrix") is not None:
                 item.add_marker(skip_matrix)

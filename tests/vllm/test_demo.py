@@ -29,8 +29,8 @@ def replay(trace: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_a_short_demo_verifies_every_sync_and_its_trace_replays_clean(tmp_path):
-    proc, events = run_demo(tmp_path, "--steps", "3")
+def test_a_short_demo_verifies_every_sync_and_its_trace_replays_clean(fault_free_run):
+    tmp, proc, events = fault_free_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     syncs = [e for e in events if e["event"] == "sync.finished"]
     probes = [e for e in events if e["event"] == "probe.finished"]
@@ -43,7 +43,7 @@ def test_a_short_demo_verifies_every_sync_and_its_trace_replays_clean(tmp_path):
     # on a CPU vLLM's sleep moves nothing: the ledger says so and keeps the bytes counted
     paused = [e for e in events if e["event"] == "memory.paused" and e["owner"] == "engine"]
     assert paused and all(e["freed"] is False and "is_sleep_mode_available" in e["engine_note"] for e in paused)
-    assert replay(tmp_path / "run.jsonl")["valid"] is True
+    assert replay(tmp / "run.jsonl")["valid"] is True
     assert "engine log:" in proc.stdout and not [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
 
 
@@ -68,9 +68,16 @@ def _sync_digests(events: list[dict]) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
+def fault_free_run(tmp_path_factory):
+    """One fault-free run of three steps, the short demo's test's and the fault kinds' reference
+    (one vLLM start fewer than a run for each)."""
     tmp = tmp_path_factory.mktemp("vllm-fault-free")
-    proc, events = run_demo(tmp, "--steps", "3", "--bucket-mib", "2")
+    return tmp, *run_demo(tmp, "--steps", "3", "--bucket-mib", "2")
+
+
+@pytest.fixture(scope="module")
+def fault_free(fault_free_run):
+    _, proc, events = fault_free_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return _sync_digests(events)
 
