@@ -76,6 +76,12 @@ def blocks() -> list[Block]:
 #: about a minute on a busy two-core machine) and holds it to what it prints, so the block test
 #: does not run it a second time
 README_DEMO = "pip install torch==2.13.0 -e . && colo demo"
+#: the README's LoRA command: ``tests/apps/test_demo_lora.py`` runs it as written (thirty adapter
+#: syncs) and holds it to what it does, so the block test does not run it a second time
+README_LORA = "colo demo --lora-rank 8 --steps 30"
+#: command lines of the docs that another test runs exactly as written, and which test: the block
+#: test leaves them to it (tests/docs/test_code_blocks.py checks each test still runs its line)
+HELD = {README_DEMO: "tests/apps/test_demo.py", README_LORA: "tests/apps/test_demo_lora.py"}
 
 
 def ci_test_command() -> str:
@@ -118,11 +124,16 @@ def run_python(block: Block, cwd: Path, timeout: int = 900) -> subprocess.Comple
                           timeout=timeout)
 
 
-def run_command(cmd: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
-    # the python that runs the tests, also behind `python` and `colo` in a block
+def command_env() -> dict:
+    """A block's command line's environment: the python that runs the tests is also behind
+    ``python`` and ``colo`` in a block."""
     bindir = str(Path(sys.executable).parent)
-    e = {**env(), "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
-    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    return {**env(), "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}
+
+
+def run_command(cmd: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", cmd], cwd=cwd, env=command_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def colo_argv(cmd: str) -> list[str] | None:

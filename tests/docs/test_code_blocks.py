@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colo.cli import build_parser
-from tests.docs.blocks import README_DEMO, REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
+from tests.docs.blocks import HELD, README_DEMO, README_LORA, REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
 
 #: blocks run, and held to what they print, by a test of their own (run once, not twice)
 ELSEWHERE = {"docs/embedding.md": "tests/test_handoff.py"}
@@ -42,6 +42,17 @@ def test_the_readmes_first_command_is_run_by_the_default_demos_test():
     assert "run_command(README_DEMO.split(\" && \")[-1]" in source
 
 
+def test_every_line_the_block_test_leaves_to_another_test_is_a_docs_line_that_test_runs():
+    # the README's LoRA command too: that test runs the constant through bash as a block would
+    assert set(HELD) == {README_DEMO, README_LORA}
+    readme = (REPO / "README.md").read_text().splitlines()
+    for line in HELD:
+        assert line in readme, line
+    source = (REPO / HELD[README_LORA]).read_text()
+    assert "def test_thirty_adapter_syncs_into_colos_engine_learn_with_every_one_verified" in source
+    assert '["bash", "-c", README_LORA]' in source
+
+
 def test_the_docs_have_the_blocks_this_test_expects():
     # a guide with no code would pass vacuously: the README's four python examples (the user's
     # loop on vLLM, colo's own loop, an in-process engine, vLLM's own) and the command blocks
@@ -73,8 +84,8 @@ def test_block_runs_as_written(block, tmp_path):
     for cmd, want in commands(block):
         if cmd == ci_test_command():
             continue  # CI runs exactly this line (test_the_readme_test_command_is_what_ci_runs)
-        if cmd == README_DEMO:
-            held += 1  # run as written, and held to what it prints, by tests/apps/test_demo.py
+        if cmd in HELD:
+            held += 1  # run as written, and held to what it does, by the test HELD names
             continue
         for part in cmd.split(" && "):
             if part.startswith("pip install") or part.startswith("tools/vllm-env"):
