@@ -72,7 +72,9 @@ def check_bucket_tensors(bucket: Bucket, tensors: Sequence[tuple[str, Any]], upl
     if len(tensors) != len(bucket.entries):
         raise ValueError(f"bucket {bucket.index}: extractor gave {len(tensors)} tensors, "
                          f"planned {len(bucket.entries)}")
-    devices = {str(canonical_device(t.device)) for _, t in tensors}
+    # the distinct devices first (a bucket's tensors share one or two): canonicalising
+    # every tensor's was most of this check's time, repeated at every bucket
+    devices = {str(canonical_device(d)) for d in {t.device for _, t in tensors}}
     if upload_to is not None and devices == {"cpu", str(canonical_device(upload_to))}:
         devices = {"cpu"}  # the host's tensors are uploaded into the buffer beside the device's
     # One bucket is one buffer on one device: a tensor elsewhere (another GPU,
