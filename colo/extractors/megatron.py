@@ -734,16 +734,17 @@ class MegatronExtractor:
         another bucket is gathered there), and which they are follows from the names
         and the metadata every rank shares."""
         jobs = []
+        copies, gathers, fresh = [], {}, False
+        ready: dict[str, dict[str, torch.Tensor]] = {}
         for name in names:
             src = self._sources[self._by_target[name]]
             if not self._in_place(src) or src.meta.partition_dim != 0:
+                self._copy_whole(src, name, into, copies, ready)
                 continue
             part = self._part(src, src.targets.index(name))
             step = part.numel() * self._engine_dtype(src.meta).itemsize  # one rank's part, in bytes
             if self._specs[name].nbytes == src.gather_size * step:  # else padding is cut: by broadcasts
                 jobs.append((src, name, part, step))
-        ready: dict[str, dict[str, torch.Tensor]] = {}
-        copies, gathers, fresh = [], {}, False
         for src, name, part, step in jobs:
             out = self._out(name, into)
             fresh = fresh or out is not into.get(name)  # new memory: the caller's stream may still read it
@@ -763,6 +764,27 @@ class MegatronExtractor:
         for group, pairs in gathers.items():
             _all_gather_coalesced([o for o, _ in pairs], [i for _, i in pairs], group)
         return ready
+
+    def _copy_whole(self, src: _Source, name: str, into: Mapping[Any, torch.Tensor], copies: list,
+                    ready: dict[str, dict[str, torch.Tensor]]) -> None:
+        """A replicated tensor (a norm) that lies on the caller's device in the engine's
+        dtype goes into the caller's view of it (a staging slot's) by the call's one
+        batched copy; anything else is left to :meth:`_materialize`.
+
+        Why: yielded as the trainer's own tensor, it made its bucket not "gathered in
+        place", so the sender packed the whole bucket (a check and a byte view of every
+        tensor, a hop to a worker thread) for two norms of a few KB (issue 46: 57 of
+        Qwen2-7B's 339 tensors, in every bucket of a TP=2 ``sync-first`` sync)."""
+        view = into.get(name)
+        if view is None or src.gather is not None or src.broadcasts or not src.local \
+                or src.rule.split != "none" or src.rule.vocab:
+            return
+        t = self._local_tensor(src).detach()
+        if t.dtype != self._engine_dtype(src.meta) or self._out(name, into) is not view \
+                or t.device != view.device:
+            return
+        copies.append((view, t))
+        ready[src.name] = {name: view}
 
     def _gather_rows(self, src: _Source, k: int, out: torch.Tensor, start: int, fresh: bool = False) -> None:
         """Bytes ``[start, start + out.numel())`` of output ``k`` into ``out`` (flat uint8).
