@@ -657,18 +657,22 @@ class MegatronExtractor:
             return view
         return torch.empty(s.shape, dtype=dtype, device=device)
 
+    def _parts(self, src: _Source) -> tuple[torch.Tensor, ...]:
+        """:meth:`_part` of every output of ``src``, cut from its tensor once."""
+        t = self._local_tensor(src).detach()
+        if src.rule.split == "glu":
+            return t.chunk(2, dim=0)
+        if src.rule.split == "qkv":
+            return tuple(self._qkv_parts(src.name, t, self.attention[1] // src.gather_size))
+        return (t,)
+
     def _part(self, src: _Source, k: int) -> torch.Tensor:
         """This rank's part of output ``k`` of a source gathered on its rows, as it lies in
         its tensor (a view: a GLU half is a row range; a q, k or v of several query groups
         is strided, one run per group, shaped ``(groups, rows of a group, ...)``: not
         flattened, which would copy it). Output k is the ranks' parts back to back, and
         the vocabulary padding is the last rows of the last parts."""
-        t = self._local_tensor(src).detach()
-        if src.rule.split == "glu":
-            return t.chunk(2, dim=0)[k]
-        if src.rule.split == "qkv":
-            return self._qkv_parts(src.name, t, self.attention[1] // src.gather_size)[k]
-        return t
+        return self._parts(src)[k]
 
     def _upload_stream(self, device: torch.device) -> Any:
         """This GPU's upload stream (made once)."""
@@ -736,12 +740,17 @@ class MegatronExtractor:
         jobs = []
         copies, gathers, fresh = [], {}, False
         ready: dict[str, dict[str, torch.Tensor]] = {}
+        # a source's parts, cut once for all its outputs asked for (q, k and v; gate and up)
+        parts: dict[str, tuple[torch.Tensor, ...]] = {}
         for name in names:
             src = self._sources[self._by_target[name]]
             if not self._in_place(src) or src.meta.partition_dim != 0:
                 self._copy_whole(src, name, into, copies, ready)
                 continue
-            part = self._part(src, src.targets.index(name))
+            cut = parts.get(src.name)
+            if cut is None:
+                cut = parts[src.name] = self._parts(src)
+            part = cut[src.targets.index(name)]
             step = part.numel() * self._engine_dtype(src.meta).itemsize  # one rank's part, in bytes
             if self._specs[name].nbytes == src.gather_size * step:  # else padding is cut: by broadcasts
                 jobs.append((src, name, part, step))
