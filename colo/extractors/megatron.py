@@ -874,15 +874,18 @@ class MegatronExtractor:
                 buf.record_stream(caller)
         else:
             bufs = [torch.empty(size * held * width, dtype=target, device=out.device) for _ in range(nbuf)]
+        # each buffer's bytes viewed once: a block's collective takes slices of them
+        raw = [buf.view(torch.uint8) for buf in bufs]
         for j, a in enumerate(range(lo_row, hi_row, step)):
             n, b = min(step, hi_row - a), j % nbuf
             block = bufs[b][:size * n * width].view(size, n, width)
+            mine = block[me]
             if uploads:
-                self._upload([(block[me], local[a:a + n])], after=read[b])
+                self._upload([(mine, local[a:a + n])], after=read[b])
             else:
-                block[me].copy_(local[a:a + n])
-            _all_gather_single(block.view(-1).view(torch.uint8), block[me].view(-1).view(torch.uint8),
-                               group=src.gather)
+                mine.copy_(local[a:a + n])
+            part = n * width * target.itemsize  # one rank's bytes of the block
+            _all_gather_single(raw[b][:size * part], raw[b][me * part:(me + 1) * part], group=src.gather)
             lo, hi = max(first, a * row), min(last, (a + n) * row)
             _put_rows(flat[lo - first:hi - first], block, lo - a * row, hi - a * row)
             if uploads:
