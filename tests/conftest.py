@@ -57,10 +57,11 @@ def _mark_what_this_process_held():
 
 
 #: units of work (xdist groups) that took minutes in the last fresh-clone run under load,
-#: longest first: tools/test hands these out before the rest
+#: longest first: tools/test hands these out before the rest (tests/apps/test_demo_multi.py is
+#: in the ``ray`` group)
 LONGEST_FIRST = ("tests/vllm/test_ranks.py", "tests/vllm/test_demo.py", "tests/vllm/test_lora_demo.py",
                  "tests/vllm/test_ray.py", "tests/vllm/test_ranks_tp.py", "ray", "tests/docs/test_code_blocks.py",
-                 "tests/apps/test_interrupt.py", "tests/apps/test_demo_multi.py", "tests/proc/test_shm_room.py",
+                 "tests/apps/test_interrupt.py", "tests/proc/test_shm_room.py",
                  "tests/test_examples.py", "tests/apps/test_bench_trainers.py", "tests/bench/test_multi_gpu.py",
                  "tests/apps/test_demo.py")
 

@@ -16,6 +16,12 @@ from colo.offline.replay import replay
 
 from tests.multirank import shared_run, two_rank_run
 
+#: on the Ray modules' pytest worker (tools/test): the hf run here is the process run that
+#: tests/ranks/test_ray.py compares its Ray run with, made once per worker (shared_run), so
+#: once, not once on each of two workers
+pytestmark = pytest.mark.xdist_group("ray")
+
+
 def _events(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f]
