@@ -222,6 +222,35 @@ def test_given_views_to_fill_a_fused_qkv_of_several_query_groups_is_split_straig
     assert not into[wrong].any()  # untouched
 
 
+def test_given_views_a_replicated_tensor_in_the_engines_dtype_is_copied_into_its_view():
+    """A norm that needs no gather or conversion goes into the caller's view (a staging slot's)
+    and is yielded as it, so the sender's bucket counts as gathered in place (nothing to pack);
+    bit for bit the trainer's tensor. A view the norm does not fit (another dtype) is left
+    alone, and one that needs a conversion goes the old way too (a new tensor)."""
+    ref = {n: t.to(torch.bfloat16) for n, t in hf_reference().items()}
+    params = megatron_params(ref)
+    ex = MegatronExtractor(params, dtype=torch.bfloat16, attention=ATTENTION, vocab_size=T.VOCAB)
+    specs = {sp.name: sp for sp in ex.specs()}
+    names = ["model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight",
+             "model.norm.weight"]
+    into = {n: torch.full(specs[n].shape, 7.0, dtype=torch.bfloat16) for n in names}
+    wrong = names[1]
+    into[wrong] = torch.zeros(specs[wrong].shape, dtype=torch.float32)
+    got = dict(ex.extract(names, into))
+    assert list(got) == names
+    for n in names:
+        assert_bit_equal(got[n], ref[n], n)
+        assert (got[n] is into[n]) == (n != wrong), n
+    assert not into[wrong].any()  # untouched
+    # a source in another dtype than the engine's is converted, not copied into the view
+    conv = MegatronExtractor([(k, v.detach().float()) for k, v in params], dtype=torch.bfloat16,
+                             attention=ATTENTION, vocab_size=T.VOCAB)
+    view = torch.full(specs[names[0]].shape, 7.0, dtype=torch.bfloat16)
+    (name, t), = conv.extract(names[:1], {names[0]: view})
+    assert t is not view and (view == 7).all()
+    assert_bit_equal(t, ref[names[0]], name)
+
+
 def test_device_and_upload_to_together_are_refused():
     with pytest.raises(ValueError, match="device .*or upload_to"):
         MegatronExtractor({}, device="cpu", upload_to="cpu")
