@@ -432,8 +432,8 @@ def slot_views(flat: torch.Tensor, plan: Any) -> dict:
     """The views of ``plan`` (:func:`view_plan`) into ``flat`` (a slot's uint8 bytes): one
     ``as_strided`` each from the slot viewed once per dtype. Why: a slice and two views
     per tensor (1,017 view ops for Qwen2-7B's 339 tensors) on the event loop before every
-    bucket's gather, rebuilt at every sync whose slots are not kept (buckets of 32 MiB or
-    more); as the same views: contiguous, at the entry's bytes."""
+    bucket's gather, rebuilt at every sync whose slots are not kept (on a GPU, buckets over
+    32 MiB: :data:`KEEP_STAGING_BYTES`); the same views: contiguous, at the entry's bytes."""
     typed: dict = {}
     views: dict = {}
     for key, dtype, shape, strides, at in plan:
