@@ -41,7 +41,7 @@ from colo.core.interfaces import SyncContext
 from colo.transports.base import (EVENT_POLL_S, BucketSender, EmptyInitInfo, RequestError, Staged, TensorMeta,
                                   parse_tensors, timed_ack, views, wait_event)
 from colo.transports.pack import pack_and_settle, queue_pack
-from colo.transports.wire import PADDED, LayoutCache, LayoutMemo, is_layout_not_cached, relayout
+from colo.transports.wire import PADDED, LayoutCache, LayoutMemo, contiguous_strides, is_layout_not_cached, relayout
 
 #: attachments the receiver keeps open across buckets: the sender double-buffers,
 #: so two live segments is the steady state; a few more cover a restarted sync.
@@ -420,11 +420,8 @@ def view_plan(laid: Bucket) -> tuple[tuple[Any, torch.dtype, tuple[int, ...], tu
             key: Any = e.spec.name
         else:
             dtype, shape, key = torch.uint8, (e.nbytes,), (e.spec.name, e.offset)
-        strides, n = [], 1
-        for d in reversed(shape):
-            strides.append(n)
-            n *= max(int(d), 1)
-        plan.append((key, dtype, tuple(shape), tuple(reversed(strides)), e.start // dtype.itemsize))
+        shape = tuple(int(d) for d in shape)
+        plan.append((key, dtype, shape, contiguous_strides(shape), e.start // dtype.itemsize))
     return tuple(plan)
 
 
