@@ -1,5 +1,7 @@
 """Shared test fixtures: a small real engine process, and a leak check for /dev/shm."""
 
+import os
+
 import pytest
 
 from colo.engine.reference.client import EngineClient
@@ -135,6 +137,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu2" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """``COLO_TEST_TIMELINE=DIR``: every pytest process appends a line per test phase to
+    ``DIR/<its xdist worker, or main>.jsonl`` (the test, the phase, its start and stop in
+    seconds since the epoch, the outcome). tools/test prints each test's duration but not
+    which worker ran it when, and a run under several workers ends with its slowest one:
+    this says which unit of work a run waited on. Nothing is written without the variable."""
+    where = os.environ.get("COLO_TEST_TIMELINE")
+    if not where or hasattr(report, "node"):  # xdist's controller sees its workers' reports again
+        return
+    import json
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(where, f"{worker}.jsonl"), "a") as f:
+        f.write(json.dumps({"test": report.nodeid, "when": report.when, "start": report.start,
+                            "stop": report.stop, "outcome": report.outcome}) + "\n")
 
 
 _EXIT_STATUS: list[int] = []
