@@ -37,7 +37,7 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.wire import Piece
+from colo.transports.wire import Piece, Strided, views
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -121,13 +121,16 @@ class _LayoutPlan:
     time on the host, 5-8 ms a sync at Qwen2-1.5B on an H200 (issue 44); with the layout
     planned once a load is the buffer's address plus the offsets, and one launch."""
 
-    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels")
+    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels", "strided")
 
     def __init__(self, layout: Any, dests: dict, names: list[str], starts: list[int], blocks: list[torch.Tensor],
-                 labels: Labels):
+                 labels: Labels, strided: tuple = ()):
         import numpy as np
 
         self.layout, self.dests, self.labels = layout, dests, labels
+        #: the layout's strided entries (``TensorMeta``\ s with a ``view``): each its own copy,
+        #: after the launch (``names`` has them too, in the layout's order)
+        self.strided = strided
         self.names, self.name_set = names, frozenset(names)
         self.starts = np.array(starts, dtype=np.int64)
         self.dst = np.array([b.data_ptr() for b in blocks], dtype=np.int64)
@@ -208,6 +211,17 @@ class _LoadDigest:
         return self.received.digest(names)
 
 
+def _runs(dst: torch.Tensor, src: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst piece, src piece)`` pairs covering ``src`` (``dst`` shaped alike), each piece of
+    ``src`` contiguous: split along leading dimensions until it is (q of a fused QKV: one
+    run per query group)."""
+    if src.is_contiguous() or src.dim() <= 1:
+        yield dst, src
+        return
+    for i in range(src.shape[0]):
+        yield from _runs(dst[i], src[i])
+
+
 class EngineModel:
     """The dense forward, batched generation over a preallocated KV pool, and a sync loader.
 
@@ -215,6 +229,11 @@ class EngineModel:
     that releasing the ``weights`` region drops every reference at once and
     re-allocating it produces fresh, uninitialised storage.
     """
+
+    #: takes a :class:`~colo.transports.wire.Strided` in place of a whole tensor (copied into
+    #: its row block as it lies); a tensor-parallel rank cuts its slice out of the tensor's
+    #: own shape, so it is given the tensor (``colo.engine.reference.tp``)
+    loads_strided = True
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float, saver: Any = None) -> None:
@@ -460,17 +479,28 @@ class EngineModel:
                 plan.copies(named_tensors.flat, self._dests, session)
             if copies is not None:
                 self._run_batched(copies, plan.labels)
+                if plan.strided:
+                    self._write_strided(params, views(named_tensors.flat, plan.strided).sources())
                 return session.advance_whole(plan.names)
-        items = _named_items(named_tensors)
+        # tensors lying strided in the sender's buffer (a one-copy sync out of a trainer's fused
+        # QKV) are taken as they lie, each copied straight into its row block: the receiver's
+        # own pairs would be copies of them made first (a strided view has no shape of its own)
+        strided = self.loads_strided and layout is not None and getattr(named_tensors, "strided", False)
+        items = named_tensors.sources() if strided else _named_items(named_tensors)
         session.check(items)
-        batched = self._batched(params, items)
+        whole = [(n, t) for n, t in items if not isinstance(t, Strided)] if strided else items
+        batched = self._batched(params, whole) if whole else None
         if batched is not None:
             self._run_batched(*batched)
+            rest = [(n, t) for n, t in items if isinstance(t, Strided)] if strided else []
+            if rest:
+                self._write_strided(params, rest)
             done = session.advance_whole([n for n, _ in items])
             if type(named_tensors) is list:
                 self._batch_memo = _BatchMemo(items, self._dests, [], [], [], batched)
             if layout is not None and len(layout) == len(items):
-                self._plan_layout(layout, named_tensors.flat, items, batched[1])
+                self._plan_layout(layout, named_tensors.flat, whole, batched[1],
+                                  tuple(m for m in layout if m.view is not None) if rest else ())
             return done
         done = 0
         # small whole tensors (norms, biases, k/v projections) are copied in one foreach
@@ -483,7 +513,7 @@ class EngineModel:
         other: list[int] = []
         with torch.no_grad():
             for i, (name, tensor) in enumerate(items):
-                dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
+                dest = None if isinstance(tensor, (Piece, Strided)) else self._whole_dest(params, name)
                 if (dest is not None and tensor.dtype == dest.dtype and tensor.device == dest.device
                         and tensor.numel() * tensor.element_size() < FOREACH_BYTES):
                     small_dst.append(dest)
@@ -525,9 +555,10 @@ class EngineModel:
             return None
         return Copies(pairs), Labels([(n, d) for (n, _), (d, _) in zip(items, pairs)])
 
-    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, labels: Labels) -> None:
+    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, labels: Labels, strided: tuple = ()) -> None:
         """Keep how a request of ``layout`` was just loaded in one launch (``_LayoutPlan``):
-        each view's offset in ``flat`` and its row block, for the next request of it."""
+        each view's offset in ``flat`` and its row block, for the next request of it; the
+        ``strided`` entries (``TensorMeta``\ s) are copied one by one after it."""
         starts, blocks = [], []
         base = flat.data_ptr()
         for name, t in items:
@@ -535,8 +566,16 @@ class EngineModel:
             blocks.append(self._dests[name])
         if len(self._layout_plans) >= MAX_LAYOUT_PLANS:
             self._layout_plans.clear()  # a sender that changed its buckets: plan them again
-        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, [n for n, _ in items], starts, blocks,
-                                                     labels)
+        names = [m.name for m in layout] if strided else [n for n, _ in items]
+        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, names, starts, blocks, labels, strided)
+
+    def _write_strided(self, params: dict[str, torch.Tensor], items: Sequence[tuple[str, Strided]]) -> None:
+        """Copy each checked :class:`~colo.transports.wire.Strided` tensor into its row block
+        (one copy each, from where it lies) and, a load being summed, sum the blocks."""
+        with torch.no_grad():
+            for name, tensor in items:
+                self._write(params, name, tensor)
+        self._sum_written(params, [n for n, _ in items])
 
     def _run_batched(self, copies: Copies, labels: Labels) -> None:
         """Queue a batch's copies; a load being summed takes their lanes from the same launch."""
@@ -579,12 +618,19 @@ class EngineModel:
         """Copy one checked HF tensor (or a piece of it: its run of elements, in
         place) into its row block (a TP rank copies out its slice)."""
         dest = self._whole_dest(params, name)
-        src = tensor.data if isinstance(tensor, Piece) else tensor
+        src = tensor.data if isinstance(tensor, (Piece, Strided)) else tensor
         # From host memory, queued, not one copy and one host wait per tensor: the copy
         # engine then streams a few hundred tensors out of a pinned backup back to back
         # (the server waits for the device before it acknowledges). A pageable source
         # is still read before the call returns (CUDA stages it), so it may go at once.
         queued = src.device.type == "cpu" and dest.device.type == "cuda"
+        if isinstance(tensor, Strided):
+            # into the block viewed in the source's shape: the same elements in the same
+            # row-major order. From the host run by run: torch copies a strided host
+            # source to the device through a pageable temporary made first, synchronously
+            for d, h in _runs(dest.view(src.shape), src) if queued else ((dest.view(src.shape), src),):
+                d.copy_(h, non_blocking=queued)
+            return
         if isinstance(tensor, Piece):
             # a row block of a contiguous parameter is contiguous: the tensor's
             # row-major elements are the block's, one for one
