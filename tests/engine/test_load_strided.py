@@ -149,12 +149,12 @@ def test_a_tensor_parallel_rank_is_given_the_tensors_in_their_own_shapes(config)
     assert model.digest() == expected_shard_digest(state, config, torch.float32, 0, 1)
 
 
-def test_a_strided_layout_loaded_in_one_launch_is_planned_once_with_one_copy_per_strided_tensor(config,
-                                                                                                 monkeypatch):
-    """On a GPU the whole tensors go in one launch (``colo.digest.Copies``, here its host
-    stand-in) and each strided one is one copy from where it lies, both planned once per layout:
-    the next buffers of the same layout are neither checked again nor viewed per tensor. The
-    weights and the digest (the launch's lanes, the strided blocks summed) are the trainer's."""
+def test_a_strided_layout_loads_in_one_launch_a_run_per_query_group_planned_once(config, monkeypatch):
+    """On a GPU every tensor goes in one launch (``colo.digest.Copies``, here its host stand-in),
+    a strided one as its contiguous runs (one per query group), each into its place in the row
+    block, its lanes counted from the run's first word in the tensor and summed per tensor; the
+    layout is planned once: the next buffers of it are neither checked again nor viewed per
+    tensor. The weights and the digest (from the launch's lanes alone) are the trainer's."""
     import colo.digest as D
     from colo.engine.kit import LoadSession
     from tests.test_digest import _copy_on_the_host
@@ -173,6 +173,9 @@ def test_a_strided_layout_loaded_in_one_launch_is_planned_once_with_one_copy_per
         return real_write(self, params, name, tensor)
 
     monkeypatch.setattr(model_mod.EngineModel, "_write", write)
+    blocks = []
+    real_blocks = model_mod.Blocks.__init__
+    monkeypatch.setattr(model_mod.Blocks, "__init__", lambda self, named: blocks.append(len(named)) or real_blocks(self, named))
     core = _core(config)
     states = [_state(config, s) for s in (4, 5, 6)]
     nbytes, layout, fill = megatron_layout(states[0], config)
@@ -189,5 +192,6 @@ def test_a_strided_layout_loaded_in_one_launch_is_planned_once_with_one_copy_per
         assert core.digest() == expected_digest(state, config, torch.float32), i
         assert all(torch.equal(core.model._row_block(core.model._params, n), state[n]) for n in state), i
     assert checks == [len(layout)]  # the first buffer only
-    assert launches == [len(layout) - len(strided)] * 3
-    assert writes == [(n, "Strided") for n in strided] * 3  # one copy each, nothing else on its own
+    groups = config.num_key_value_heads
+    assert launches == [len(layout) - len(strided) + groups * len(strided)] * 3  # rows: one per run
+    assert writes == [] and blocks == []  # nothing copied on its own, no block read again to sum it

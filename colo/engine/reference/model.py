@@ -37,7 +37,7 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.wire import Piece, Strided, views
+from colo.transports.wire import Piece, Strided
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +47,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 #: bucket layouts an engine keeps planned (``_LayoutPlan``): a sync's buckets, a few times over
 MAX_LAYOUT_PLANS = 64
+#: a strided tensor in more contiguous runs than this is copied on its own, not in the launch
+#: (q of a fused QKV has one per query group: 8 at most in Qwen2 and Llama 3)
+MAX_RUNS = 256
 #: whole tensors below this many bytes are loaded together by one ``torch._foreach_copy_``
 #: (torch's multi-tensor copy, what its optimizers use); larger ones by their own copy_
 FOREACH_BYTES = 16 << 20
@@ -121,20 +124,17 @@ class _LayoutPlan:
     time on the host, 5-8 ms a sync at Qwen2-1.5B on an H200 (issue 44); with the layout
     planned once a load is the buffer's address plus the offsets, and one launch."""
 
-    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels", "strided")
+    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels", "firsts", "owners")
 
-    def __init__(self, layout: Any, dests: dict, names: list[str], starts: list[int], blocks: list[torch.Tensor],
-                 labels: Labels, strided: tuple = ()):
-        import numpy as np
-
+    def __init__(self, layout: Any, dests: dict, names: list[str], copies: Copies, base: int, labels: Labels):
         self.layout, self.dests, self.labels = layout, dests, labels
-        #: the layout's strided entries (``TensorMeta``\ s with a ``view``): each its own copy,
-        #: after the launch (``names`` has them too, in the layout's order)
-        self.strided = strided
         self.names, self.name_set = names, frozenset(names)
-        self.starts = np.array(starts, dtype=np.int64)
-        self.dst = np.array([b.data_ptr() for b in blocks], dtype=np.int64)
-        self.nbytes = np.array([b.numel() * b.element_size() for b in blocks], dtype=np.int64)
+        # the launch's own table, its sources made offsets into the buffer: a tensor lying
+        # strided there (a one-copy sync's q, k, v) is one row per run, ``owners`` saying whose
+        n = copies.count
+        sources, self.dst, words, firsts = (copies.meta[k * n:(k + 1) * n] for k in range(4))
+        self.starts, self.nbytes = sources - base, words * 4
+        self.firsts, self.owners = (None, None) if copies.owners is None else (firsts, copies.owners)
 
     def copies(self, flat: torch.Tensor, dests: dict, session: LoadSession) -> Copies | None:
         """This sync's copies out of ``flat`` (the request's buffer), or None where the plan
@@ -145,7 +145,7 @@ class _LayoutPlan:
         base = flat.data_ptr()
         if base % 4 or not Copies.reads(flat):
             return None
-        return Copies.at(self.starts + base, self.dst, self.nbytes, flat.device)
+        return Copies.at(self.starts + base, self.dst, self.nbytes, flat.device, self.firsts, self.owners)
 
 
 #: bytes of written blocks checksummed per launch during a load (see ``_LoadDigest``)
@@ -479,28 +479,21 @@ class EngineModel:
                 plan.copies(named_tensors.flat, self._dests, session)
             if copies is not None:
                 self._run_batched(copies, plan.labels)
-                if plan.strided:
-                    self._write_strided(params, views(named_tensors.flat, plan.strided).sources())
                 return session.advance_whole(plan.names)
         # tensors lying strided in the sender's buffer (a one-copy sync out of a trainer's fused
-        # QKV) are taken as they lie, each copied straight into its row block: the receiver's
-        # own pairs would be copies of them made first (a strided view has no shape of its own)
+        # QKV) are taken as they lie, each copied straight into its row block (in the launch, one
+        # run per query group): the receiver's own pairs would be copies of them made first
         strided = self.loads_strided and layout is not None and getattr(named_tensors, "strided", False)
         items = named_tensors.sources() if strided else _named_items(named_tensors)
         session.check(items)
-        whole = [(n, t) for n, t in items if not isinstance(t, Strided)] if strided else items
-        batched = self._batched(params, whole) if whole else None
+        batched = self._batched(params, items)
         if batched is not None:
             self._run_batched(*batched)
-            rest = [(n, t) for n, t in items if isinstance(t, Strided)] if strided else []
-            if rest:
-                self._write_strided(params, rest)
             done = session.advance_whole([n for n, _ in items])
             if type(named_tensors) is list:
                 self._batch_memo = _BatchMemo(items, self._dests, [], [], [], batched)
             if layout is not None and len(layout) == len(items):
-                self._plan_layout(layout, named_tensors.flat, whole, batched[1],
-                                  tuple(m for m in layout if m.view is not None) if rest else ())
+                self._plan_layout(layout, named_tensors.flat, items, *batched)
             return done
         done = 0
         # small whole tensors (norms, biases, k/v projections) are copied in one foreach
@@ -545,37 +538,39 @@ class EngineModel:
         the same pass over the bytes (2.9 ms) rather than reading every block again after."""
         if not Copies.available():
             return None
-        pairs = []
-        for name, tensor in items:
+        pairs, dests, firsts, owners = [], [], [], []
+        for i, (name, tensor) in enumerate(items):
             dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
             if dest is None:
                 return None
-            pairs.append((dest, tensor))
+            dests.append(dest)
+            if not isinstance(tensor, Strided):
+                pairs.append((dest, tensor))
+                firsts.append(0)
+                owners.append(i)
+                continue
+            # its contiguous runs (one per query group of a fused QKV), each into its place in
+            # the block, its lanes counted from its first word in the tensor (16-bit words)
+            runs = list(_runs(dest.view(tensor.data.shape), tensor.data))
+            if len(runs) > MAX_RUNS:
+                return None
+            for d, src in runs:
+                pairs.append((d, src))
+                firsts.append((d.data_ptr() - dest.data_ptr()) // 2)
+                owners.append(i)
         if not Copies.fits(pairs):
             return None
-        return Copies(pairs), Labels([(n, d) for (n, _), (d, _) in zip(items, pairs)])
+        split = len(pairs) != len(items)
+        copies = Copies(pairs, firsts=firsts if split else None, owners=owners if split else None)
+        return copies, Labels([(n, d) for (n, _), d in zip(items, dests)])
 
-    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, labels: Labels, strided: tuple = ()) -> None:
+    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, copies: Copies, labels: Labels) -> None:
         """Keep how a request of ``layout`` was just loaded in one launch (``_LayoutPlan``):
-        each view's offset in ``flat`` and its row block, for the next request of it; the
-        ``strided`` entries (``TensorMeta``\ s) are copied one by one after it."""
-        starts, blocks = [], []
-        base = flat.data_ptr()
-        for name, t in items:
-            starts.append(t.data_ptr() - base)
-            blocks.append(self._dests[name])
+        each view's (or run's) offset in ``flat`` and where it went, for the next request of it."""
         if len(self._layout_plans) >= MAX_LAYOUT_PLANS:
             self._layout_plans.clear()  # a sender that changed its buckets: plan them again
-        names = [m.name for m in layout] if strided else [n for n, _ in items]
-        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, names, starts, blocks, labels, strided)
-
-    def _write_strided(self, params: dict[str, torch.Tensor], items: Sequence[tuple[str, Strided]]) -> None:
-        """Copy each checked :class:`~colo.transports.wire.Strided` tensor into its row block
-        (one copy each, from where it lies) and, a load being summed, sum the blocks."""
-        with torch.no_grad():
-            for name, tensor in items:
-                self._write(params, name, tensor)
-        self._sum_written(params, [n for n, _ in items])
+        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, [n for n, _ in items], copies,
+                                                     flat.data_ptr(), labels)
 
     def _run_batched(self, copies: Copies, labels: Labels) -> None:
         """Queue a batch's copies; a load being summed takes their lanes from the same launch."""
