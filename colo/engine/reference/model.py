@@ -21,6 +21,7 @@ it. Nothing here touches ``torch.cuda`` at import; the device is a parameter.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -551,7 +552,7 @@ class EngineModel:
                 continue
             # its contiguous runs (one per query group of a fused QKV), each into its place in
             # the block, its lanes counted from its first word in the tensor (16-bit words)
-            runs = list(_runs(dest.view(tensor.data.shape), tensor.data))
+            runs = list(itertools.islice(_runs(dest.view(tensor.data.shape), tensor.data), MAX_RUNS + 1))
             if len(runs) > MAX_RUNS:
                 return None
             for d, src in runs:
@@ -621,10 +622,16 @@ class EngineModel:
         queued = src.device.type == "cpu" and dest.device.type == "cuda"
         if isinstance(tensor, Strided):
             # into the block viewed in the source's shape: the same elements in the same
-            # row-major order. From the host run by run: torch copies a strided host
+            # row-major order. From the host run by run, queued: torch copies a strided host
             # source to the device through a pageable temporary made first, synchronously
-            for d, h in _runs(dest.view(src.shape), src) if queued else ((dest.view(src.shape), src),):
-                d.copy_(h, non_blocking=queued)
+            # (which it still does for a view of more than MAX_RUNS runs)
+            into = dest.view(src.shape)
+            runs = list(itertools.islice(_runs(into, src), MAX_RUNS + 1)) if queued else []
+            if not runs or len(runs) > MAX_RUNS:
+                into.copy_(src)
+                return
+            for d, h in runs:
+                d.copy_(h, non_blocking=True)
             return
         if isinstance(tensor, Piece):
             # a row block of a contiguous parameter is contiguous: the tensor's
