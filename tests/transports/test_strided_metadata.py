@@ -115,3 +115,18 @@ def test_no_strided_view_reaches_past_the_buffer():
     lying = TensorMeta(m.name, m.shape, m.dtype, m.start, m.start + 4, 0, m.view)
     with pytest.raises(RequestError, match=rf"bytes \[\d+, {meta['end_idx']}\) do not fit"):
         views(flat[:short], [lying])
+
+
+def test_sglangs_flattened_bucket_refuses_a_strided_entry_by_name():
+    """SGLang reads ``[start_idx, end_idx)`` as a tensor's row-major bytes: a strided entry
+    would be read wrong, so it is refused before a payload is made (only a one-copy bucket
+    has them, and the SGLang transport plans its own buckets)."""
+    from colo.engine.sglang.payload import bucket_metadata
+
+    s = spec("q_proj.weight", (GROUPS * PER * HD, HIDDEN), "float32")
+    view = ((GROUPS, PER * HD, HIDDEN), (ROW * HIDDEN, HIDDEN, 1))
+    e = Entry(s, 16, 16 + strided_span(*view) * 4, 0, view)
+    with pytest.raises(ValueError, match=r"no strided tensors: q_proj\.weight must be packed"):
+        bucket_metadata(Bucket(0, (e,), 1024))
+    whole = Entry(spec("norm.weight", (4,), "float32"), 0, 16)
+    assert bucket_metadata(Bucket(0, (whole,), 16)) == [TensorMeta.of_bucket(Bucket(0, (whole,), 16))[0].to_json()]
