@@ -111,6 +111,29 @@ def test_megatron_at_one_rank_is_one_bucket_whose_strided_entries_the_receiver_v
     assert torch.equal(again["model.layers.1.self_attn.v_proj.bias"], want["model.layers.1.self_attn.v_proj.bias"] + 1)
 
 
+def test_the_real_extractors_source_views_share_the_parameters_memory_and_equal_extract(megatron_flat):
+    """Through megatron-core's own GPTModel parameters at TP=1: every output ``source_views``
+    gives is a view of its parameter (the same storage, inside the parameter's bytes), bit for
+    bit what ``extract`` (the packed path's source) yields, and not a copy: written through the
+    parameter, the view shows it."""
+    trainer, flat, config = megatron_flat
+    ex = trainer.extractor()
+    names = [s.name for s in trainer.param_specs()]
+    old = {n: t.clone() for n, t in ex.extract(names)}
+    params = dict(trainer.model.named_parameters())
+    for name, view in ex.source_views(names):
+        p = params[ex._by_target[name]].detach()
+        assert view is not None and view.untyped_storage().data_ptr() == p.untyped_storage().data_ptr(), name
+        lo = p.storage_offset()
+        assert lo <= view.storage_offset() and view.storage_offset() - lo + 1 <= p.numel(), name
+        assert torch.equal(view.reshape(old[name].shape), old[name]), name
+    k = "model.layers.1.self_attn.k_proj.bias"
+    with torch.no_grad():
+        params["decoder.layers.1.self_attention.linear_qkv.bias"].mul_(-1)
+    (_, view), = ex.source_views([k])
+    assert torch.equal(view.reshape(-1), -old[k])
+
+
 def test_a_conversion_is_not_one_copy(megatron_flat):
     from colo.extractors.megatron import MegatronExtractor
 
