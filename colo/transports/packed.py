@@ -10,8 +10,9 @@ held — reusing it earlier would overwrite weights the engine is still reading.
 
 One copy (issue 18, items 1 and 2): when the trainer keeps its weights in one
 flat, exportable buffer (``trainer.flat_weights``, :mod:`colo.device.flat_weights`) and
-every tensor the extractor yields is a contiguous view of it (same dtype as the
-engine's, nothing gathered or converted), there is nothing to pack: the
+every tensor the extractor yields is a view of it (same dtype as the engine's,
+nothing gathered or converted; a strided one, Megatron's q, k and v cut from the
+fused QKV, carries its strides: :func:`one_copy_bucket`), there is nothing to pack: the
 buffer's one handle goes to the engine in ONE request whose metadata gives each
 tensor's byte range in it, and the engine copies straight out of the trainer's
 memory into its parameters. No staging buffer, one copy of the model: a device
