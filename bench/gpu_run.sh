@@ -168,6 +168,13 @@ case "${1:-tests}" in
       | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
     engine_rows "$OUT/colo-bench-trainers-1.5b.json"
     ;;
+  call64c)  # issue 44, branch megatron-one-copy, one GPU: Megatron's rows at Qwen2-7B with one rep each (the device
+    # time left), its sync in one request out of the flat buffer (limit: arg 2)
+    timeout "${2:-330}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers megatron --reps 1 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 | tee "$OUT/trainers-7b-megatron.log" \
+      | grep -E "^qwen2-7b |^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    ;;
   named)  # the GPU tests named after the limit: named LIMIT TEST... (a failure's whole report in gpu-tests.log)
     timeout "$2" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=long "${@:3}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
     ;;
