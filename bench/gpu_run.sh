@@ -157,6 +157,27 @@ case "${1:-tests}" in
     timeout "${4:-180}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
       --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" | tail -20
     ;;
+  call64a)  # issue 44, 2026-11-30 (fourteenth session), one GPU, branch megatron-one-copy: the Megatron trainer at one
+    # rank syncs out of its flat buffer in one request (q, k, v as strided views of the fused QKV): its GPU tests,
+    # then Megatron's and hf's rows at Qwen2-1.5B (limit of the rows: arg 2)
+    gpu_tests 240 tests/gpu/test_real_trainers.py tests/device/test_one_copy_megatron.py \
+      "tests/gpu/test_digest_cuda.py::test_copies_of_strided_tensors_runs_on_the_device_give_the_whole_tensors_lanes" \
+      tests/device/test_one_copy.py
+    timeout "${2:-240}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers megatron,hf --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    ;;
+  call64c)  # issue 44, branch megatron-one-copy, one GPU: Megatron's rows at Qwen2-7B with one rep each (the device
+    # time left), its sync in one request out of the flat buffer (limit: arg 2)
+    timeout "${2:-330}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers megatron --reps 1 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 | tee "$OUT/trainers-7b-megatron.log" \
+      | grep -E "^qwen2-7b |^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    ;;
+  named)  # the GPU tests named after the limit: named LIMIT TEST... (a failure's whole report in gpu-tests.log)
+    timeout "$2" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=long "${@:3}" 2>&1 | tee "$OUT/gpu-tests.log" | tail -60
+    ;;
   gpu1rest)  # the one-GPU tests gpu1 did not reach within 540 s on 2026-11-30 (thirteenth session: 54 of 60 passed, then
     # its limit): fsdp's one-copy sync-first over several steps, adapters through CUDA IPC, the one-copy tests (the
     # packed path through device staging among them). Limit: arg 2

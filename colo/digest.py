@@ -542,14 +542,21 @@ class Copies:
     elements of at least 2 bytes (checksum words of 16 bits), of one dtype per pair;
     :meth:`fits` says whether pairs are all that. The addresses are read once and the
     tensors are not held: run it only while every one of them is alive where it was (an
-    engine's batch memo knows that by its views' weak references)."""
+    engine's batch memo knows that by its views' weak references).
 
-    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    ``owners``, where given: pair ``i`` is a run of tensor ``owners[i]``'s bytes starting at
+    its checksum word ``firsts[i]`` (a tensor lying strided in the source, q of a fused QKV:
+    one contiguous run per query group, each copied into its place in the destination), and
+    the lanes are each owner's, its runs' summed (the checksum is a sum over words that each
+    know their place in the tensor, so the runs' lanes add up to the whole's)."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, firsts: Sequence[int] | None = None,
+                 owners: Sequence[int] | None = None):
         if not self.fits(pairs):
             raise ValueError("copies: every pair must be contiguous tensors of the same bytes on one CUDA device, "
                              "4-byte aligned and sized, elements of at least 2 bytes")
         self._table([s.data_ptr() for _, s in pairs], [d.data_ptr() for d, _ in pairs],
-                    [s.numel() * s.element_size() for _, s in pairs], pairs[0][0].device)
+                    [s.numel() * s.element_size() for _, s in pairs], pairs[0][0].device, firsts, owners)
 
     @classmethod
     def into(cls, buffer: torch.Tensor, starts: Sequence[int], sources: Sequence[torch.Tensor]) -> Copies | None:
@@ -574,15 +581,17 @@ class Copies:
         return out
 
     @classmethod
-    def at(cls, sources: Any, dests: Any, nbytes: Any, device: torch.device) -> Copies:
+    def at(cls, sources: Any, dests: Any, nbytes: Any, device: torch.device, firsts: Any = None,
+           owners: Any = None) -> Copies:
         """Copies from addresses the caller has already found fit (``sources``, ``dests`` and
         ``nbytes`` as int64 arrays, all multiples of 4, one dtype of 2 bytes or more per pair,
         on ``device``): a layout derived once, laid on a buffer mapped anew this sync."""
         out = cls.__new__(cls)
-        out._table(sources, dests, nbytes, device)
+        out._table(sources, dests, nbytes, device, firsts, owners)
         return out
 
-    def _table(self, sources: Sequence[int], dests: Sequence[int], nbytes: Sequence[int], device: torch.device) -> None:
+    def _table(self, sources: Sequence[int], dests: Sequence[int], nbytes: Sequence[int], device: torch.device,
+               firsts: Any = None, owners: Any = None) -> None:
         self.count = len(sources)
         self.device = device
         words = np.array(nbytes, dtype=np.int64) // 4
@@ -591,8 +600,15 @@ class Copies:
         item = np.repeat(np.arange(len(words), dtype=np.int64), counts)
         starts = (np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * span
         self.programs = len(item)
+        first = np.zeros(len(words), dtype=np.int64) if firsts is None else np.asarray(firsts, dtype=np.int64)
+        #: each pair's tensor, where pairs are runs of tensors (None: each pair its own tensor)
+        self.owners = None if owners is None else np.asarray(owners, dtype=np.int64)
+        if self.owners is not None and (len(self.owners) != self.count or len(first) != self.count):
+            raise ValueError(f"copies: {self.count} pairs, {len(self.owners)} owners and {len(first)} first words")
+        #: how many tensors the lanes are of
+        self.tensors = self.count if self.owners is None else int(self.owners.max(initial=-1)) + 1
         self.meta = np.concatenate([np.array(sources, dtype=np.int64), np.array(dests, dtype=np.int64),
-                                    words, np.zeros(len(words), dtype=np.int64), item, starts])
+                                    words, first, item, starts])
 
     @staticmethod
     def available() -> bool:
@@ -620,9 +636,17 @@ class Copies:
 
     def run(self, lanes: bool = False) -> torch.Tensor | None:
         """Queue the copies on the current stream; with ``lanes``, ``[len(pairs), 2]`` lanes of
-        each pair's bytes (those of ``colo.digest.lanes`` of its source, whole) on the device."""
+        each pair's bytes (those of ``colo.digest.lanes`` of its source, whole) on the device;
+        with ``owners``, ``[tensors, 2]``, each tensor's runs summed."""
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            return _launch_copy(self.meta, self.count, self.programs, lanes, self.device)
+            got = _launch_copy(self.meta, self.count, self.programs, lanes, self.device)
+            if got is None or self.owners is None:
+                return got
+            index = torch.from_numpy(self.owners)
+            if self.device.type == "cuda":
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            out = torch.zeros(self.tensors, 2, dtype=torch.int64, device=got.device)
+            return out.index_add_(0, index.to(got.device), got) & _MASK
 
 
 class Labels:

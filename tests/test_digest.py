@@ -359,6 +359,34 @@ def test_copies_move_every_tensor_through_one_table_and_give_the_lanes_of_what_t
         D.Copies([(a.half(), a)])
 
 
+def test_copies_of_a_tensors_runs_give_that_tensors_lanes(monkeypatch):
+    """A tensor lying strided in the source (q of a fused QKV: one run per query group) goes as
+    its contiguous runs, each into its place in the destination (``owners``: whose run it is;
+    ``firsts``: the run's first checksum word in that tensor): the destination ends as the
+    tensor, and the lanes are the whole tensor's, the runs' summed, beside a whole tensor's."""
+    import colo.digest as D
+
+    span = D._COPY_BLOCK * D._COPY_ITERS
+    run = _copy_on_the_host(span)
+    monkeypatch.setattr(D, "_copy_kernel", lambda: run)
+    monkeypatch.setattr(D, "_batchable", lambda t: True)
+    monkeypatch.setattr(D, "_launch_copy", run)
+    g = torch.Generator().manual_seed(6)
+    fused = torch.randn(3, 2 * span + 5, 2, generator=g).to(torch.bfloat16)  # 3 groups: [q rows; other rows]
+    q = fused[:, :span + 1]  # strided: one run per group, the other rows between
+    other = torch.randn(9, 4, generator=g)
+    want_q = q.contiguous()
+    dest_q, dest_other = torch.zeros_like(want_q), torch.zeros_like(other)
+    pairs = [(dest_other, other)] + [(dest_q[i], q[i]) for i in range(3)]
+    firsts = [0] + [(dest_q[i].data_ptr() - dest_q.data_ptr()) // 2 for i in range(3)]
+    copies = D.Copies(pairs, firsts=firsts, owners=[0, 1, 1, 1])
+    got = copies.run(lanes=True)
+    assert torch.equal(dest_q, want_q) and torch.equal(dest_other, other)
+    assert got.tolist() == [D.lanes(other, 0, "host"), D.lanes(want_q, 0, "host")]
+    with pytest.raises(ValueError, match="4 pairs, 3 owners"):
+        D.Copies(pairs, firsts=firsts, owners=[0, 1, 1])
+
+
 class _Event:
     """A stand-in for a CUDA event: done when the test says; what waited on it, in order."""
 

@@ -59,6 +59,12 @@ dsts = [torch.zeros_like(t) for t in srcs]
 lanes = D.Copies(list(zip(dsts, srcs))).run(lanes=True)
 assert lanes.tolist() == [D.lanes(t, 0, "host") for t in srcs]
 assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+# a tensor lying strided (q of a fused QKV): its runs, each from its first word, summed as the whole's
+q = torch.randn(3, 300, 2, generator=g).to(torch.bfloat16)[:, :101]
+dq = torch.zeros(3, 101, 2, dtype=torch.bfloat16)
+runs = D.Copies([(dq[i], q[i]) for i in range(3)], firsts=[(dq[i].data_ptr() - dq.data_ptr()) // 2 for i in range(3)],
+                owners=[0, 0, 0])
+assert runs.run(lanes=True).tolist() == [D.lanes(q.contiguous(), 0, "host")] and torch.equal(dq, q)
 print("ok")
 '''
 

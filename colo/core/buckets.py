@@ -64,16 +64,25 @@ def spec(name: str, shape: Sequence[int], dtype: str) -> TensorSpec:
 @dataclass(frozen=True)
 class Entry:
     """Bytes ``[offset, offset + end - start)`` of tensor ``spec`` at ``[start, end)`` of
-    the bucket: the whole tensor (``offset`` 0, ``end - start == spec.nbytes``) or a piece."""
+    the bucket: the whole tensor (``offset`` 0, ``end - start == spec.nbytes``) or a piece.
+
+    Or, with ``view``, the whole tensor lying strided in ``[start, end)``: ``view`` is
+    ``(shape, strides)`` in elements, from the element at ``start``, a shape whose
+    row-major elements are the tensor's (q of a fused QKV of several query groups is
+    ``(groups, rows of a group, hidden)``: one run per group, k and v between them). Only
+    a one-copy bucket has such entries (the trainer's own buffer, read where it lies);
+    a planned bucket's tensors are packed back to back."""
 
     spec: TensorSpec
     start: int  # byte offset in the bucket
     end: int
     offset: int = 0  # byte offset in the tensor (a piece of a tensor larger than the budget)
+    view: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.end - self.start
+        """The tensor's bytes this entry carries (a strided one's span holds others' too)."""
+        return self.spec.nbytes if self.view is not None else self.end - self.start
 
     @property
     def whole(self) -> bool:

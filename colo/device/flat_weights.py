@@ -222,6 +222,27 @@ class FlatWeights:
         end = start + t.numel() * t.element_size()
         return (start, end) if end <= self.nbytes else None
 
+    def locate_view(self, t: torch.Tensor) -> tuple[int, int, tuple[int, ...]] | None:
+        """Where a view of :meth:`readable` lies, contiguous or not: ``(start, end, strides)``,
+        ``start`` the byte of its first element, ``end`` past its last, ``strides`` in
+        elements (a one-copy entry's ``view``: q of a fused QKV of several query groups is
+        one run per group, other tensors' rows between). None where ``t`` is not a view of
+        it or reaches outside it."""
+        buf = self.readable()
+        if buf is None or t.device != buf.device:
+            return None
+        if t.untyped_storage()._cdata != buf.untyped_storage()._cdata:
+            return None
+        from colo.transports.wire import strided_span
+
+        strides = tuple(int(s) for s in t.stride())
+        if any(s < 0 for s in strides):
+            return None
+        size = t.element_size()
+        start = t.storage_offset() * size - buf.storage_offset() * buf.element_size()
+        end = start + strided_span(t.shape, strides) * size
+        return (start, end, strides) if 0 <= start and end <= self.nbytes else None
+
     def export(self) -> dict:
         """One handle for the whole of :meth:`readable`.
 

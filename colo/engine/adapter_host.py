@@ -148,7 +148,7 @@ class AdapterStage:
         # transport); an equal one where each stage is sent afresh (stage_adapter)
         if held is not None and held[1] is self.shapes and (held[0] is layout or held[0] == layout):
             return held[2]
-        if any(not m.whole for m in layout) or not layout:
+        if any(not m.whole or m.view is not None for m in layout) or not layout:  # byte spans only
             return None
         session.check(list(named))  # refused as ever; accepted once, the same layout is the same answer
         plan = _Plan(layout)

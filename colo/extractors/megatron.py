@@ -583,6 +583,43 @@ class MegatronExtractor:
             else:
                 yield name, check_against_spec("megatron extractor", name, t, self._specs[name])
 
+    def source_views(self, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """``(HF name, view)`` for each name, in order: the output as a view of this rank's own
+        tensor as it lies (nothing copied, gathered or converted), in a shape whose row-major
+        elements are the output's; ``None`` for an output that is not one (a tensor-parallel
+        gather, a broadcast, a conversion to the engine's dtype, a tensor this rank does not
+        hold). What a one-copy sync reads (:func:`colo.transports.packed.one_copy_bucket`):
+        a whole tensor, a GLU half (a row range), the embedding without its padding rows (a
+        row range) are in their own shapes; q, k and v of a fused QKV of several query groups
+        are ``(groups, rows of a group, *rest)``, one run per group with the other parts'
+        rows between, since no view of them has the output's shape (``extract`` copies them).
+        Plain views, made anew at each call: the parameters' storage is read as it is now."""
+        names = check_request(names, self._specs, "megatron extractor")
+        cut: dict[str, tuple[torch.Tensor, ...] | None] = {}
+        for name in names:
+            src = self._sources[self._by_target[name]]
+            if src.name not in cut:
+                cut[src.name] = self._views_of(src)
+            parts = cut[src.name]
+            yield name, None if parts is None else parts[src.targets.index(name)]
+
+    def _views_of(self, src: _Source) -> tuple[torch.Tensor, ...] | None:
+        """Every output of ``src`` as a view of this rank's tensor (see :meth:`source_views`),
+        or None where they are not views of it."""
+        if not src.local or src.gather is not None or src.broadcasts \
+                or self._engine_dtype(src.meta) != getattr(torch, src.meta.dtype):
+            return None
+        t = self._local_tensor(src).detach()
+        if src.rule.split == "glu":
+            outs: tuple[torch.Tensor, ...] = tuple(t.chunk(2, dim=0))
+        elif src.rule.split == "qkv":
+            outs = tuple(self._qkv_parts(src.name, t, self.attention[1]))
+        else:
+            outs = (t,)
+        if src.rule.vocab and self.vocab_size is not None:
+            outs = tuple(o[:self.vocab_size] for o in outs)
+        return outs
+
     def _as_it_lies(self, src: _Source) -> bool:
         """Whether ``src``'s outputs are cuts of this rank's own tensor as it lies (views; no
         copy): nothing to gather, broadcast or convert, and for a fused QKV a single query

@@ -405,9 +405,14 @@ class MegatronTrainer(PolicyTrainer):
         self.model = model
         #: one rank on a GPU: the :class:`~colo.device.flat_weights.FlatWeights` the parameters
         #: were adopted into, which the memory backend pauses as the weights tag (one copy of
-        #: one buffer, not the memory saver's allocation at a time). Not the engine's to read:
-        #: the fused QKV and linear_fc1 are split on the way, so it is not ``flat_weights``.
+        #: one buffer, not the memory saver's allocation at a time).
         self._flat = flat
+        #: and what the engine reads in a one-copy sync (:func:`colo.transports.packed.one_copy_bucket`):
+        #: the extractor's ``source_views`` say where each HF tensor lies in it, the fused QKV's
+        #: q, k and v strided (rows interleaved per query group), linear_fc1's gate and up as
+        #: row ranges. Its slots are Megatron's names, so the digest is the extractor's
+        #: (``flat.digest`` finds no HF name there and ``sent_digest`` reads ``hf_state()``).
+        self.flat_weights = flat
         self.hf_config = hf_config
         self.runtime = runtime
         self.config = config or ReinforceConfig()

@@ -113,6 +113,44 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Strided:
+    """A whole tensor lying strided in the sender's buffer (a :class:`TensorMeta` with a
+    ``view``): ``data`` is it in the view's shape, whose row-major elements are the
+    tensor's (q of a fused QKV of several query groups: ``(groups, rows of a group,
+    hidden)``), ``shape`` the tensor's own. An engine that copies it straight into its
+    contiguous weight takes it (:meth:`copy_into`: one copy, no tensor in between) from
+    :meth:`Views.sources`; every other receiver gets the tensor itself from :func:`views`
+    (a copy of it made there: a strided view has no row-major shape of its own)."""
+
+    data: Any
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def device(self) -> Any:
+        return self.data.device
+
+    def copy_into(self, dest: Any, *, non_blocking: bool = False) -> None:
+        """``dest`` (contiguous, of the tensor's shape) gets the tensor's elements."""
+        dest.view(self.data.shape).copy_(self.data, non_blocking=non_blocking)
+
+    def tensor(self) -> Any:
+        """The tensor in its own shape (a copy where the view cannot be reshaped in place)."""
+        return self.data.reshape(self.shape)
+
+
+def strided_span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a strided view's first to its last, both counted (0 when it has none):
+    the view reads nothing outside ``[first, first + span)``."""
+    if any(int(d) == 0 for d in shape):
+        return 0
+    return 1 + sum((int(d) - 1) * int(s) for d, s in zip(shape, strides))
+
+
+@dataclass(frozen=True)
 class TensorMeta:
     """One tensor of a bucket: where its bytes are in the flat uint8 buffer.
 
@@ -132,6 +170,16 @@ class TensorMeta:
     piece's bytes in this bucket. A whole tensor never carries the field, so
     its entry stays SGLang's exactly; SGLang's dataclass refuses the extra
     keyword, so a piece can never be read by it as a whole tensor.
+
+    A whole tensor that lies strided in the buffer (a one-copy sync out of a
+    trainer's own buffer: q, k and v of a fused QKV of several query groups, rows
+    interleaved per group) carries ``strides`` instead: its element strides from
+    the element at ``start_idx``, for ``view_shape`` (given where it is not
+    ``shape``; a shape whose row-major elements are the tensor's, e.g. ``(groups,
+    rows of a group, hidden)``). ``end_idx`` is then the end of its last element,
+    so ``[start_idx, end_idx)`` is every byte the view can read (others' bytes
+    between its runs too) and ``numel`` that span. Without ``strides`` an entry is
+    row-major, as ever; SGLang's dataclass refuses the field, as it does a piece.
     """
 
     name: str
@@ -140,6 +188,8 @@ class TensorMeta:
     start: int
     end: int
     offset: int = 0  # byte offset of these bytes in the whole tensor
+    #: ``(view shape, element strides)`` of a whole tensor lying strided in the buffer
+    view: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -147,12 +197,16 @@ class TensorMeta:
 
     @property
     def whole(self) -> bool:
-        return self.offset == 0 and self.nbytes == numel(self.shape) * itemsize(self.dtype)
+        return self.offset == 0 and (self.view is not None or self.nbytes == numel(self.shape) * itemsize(self.dtype))
 
     def to_json(self) -> dict:
         out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                "start_idx": self.start, "end_idx": self.end, "numel": self.nbytes}
-        if not self.whole:
+        if self.view is not None:
+            if tuple(self.view[0]) != tuple(self.shape):
+                out["view_shape"] = list(self.view[0])
+            out["strides"] = list(self.view[1])
+        elif not self.whole:
             out["piece_offset"] = self.offset
         return out
 
@@ -175,7 +229,13 @@ class TensorMeta:
         offset = d.get("piece_offset", 0)
         if isinstance(offset, bool) or not isinstance(offset, int):
             raise RequestError(f"{what}: piece_offset must be an integer, got {offset!r}")
-        if "piece_offset" in d:
+        view = None
+        if "strides" in d:
+            view = _parse_view(d, what, shape, dtype, start, end, limit)
+        elif "view_shape" in d:
+            raise RequestError(f"{what}: view_shape without strides; a strided entry gives both "
+                               f"(or strides alone, for a view of the tensor's own shape)")
+        elif "piece_offset" in d:
             if not 0 <= start <= end <= limit:
                 raise RequestError(f"bucket entry {name!r}: bytes [{start}, {end}) do not fit "
                                    f"in a {limit} B buffer")
@@ -195,11 +255,44 @@ class TensorMeta:
         if start % itemsize(dtype):
             raise RequestError(f"{what}: start_idx {start} is not a multiple of {dtype}'s "
                                f"{itemsize(dtype)} bytes; the tensor cannot be viewed in place")
-        return cls(name, shape, dtype, start, end, offset)
+        return cls(name, shape, dtype, start, end, offset, view)
 
     @classmethod
     def of_bucket(cls, bucket: Bucket) -> list[TensorMeta]:
-        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end, e.offset) for e in bucket.entries]
+        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end, e.offset, e.view)
+                for e in bucket.entries]
+
+
+def _int_list(value: Any, what: str, field: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                              for x in value):
+        raise RequestError(f"{what}: {field} must be a list of non-negative integers, got {value!r}")
+    return tuple(value)
+
+
+def _parse_view(d: dict, what: str, shape: tuple[int, ...], dtype: str, start: int, end: int,
+                limit: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A strided entry's ``(view_shape, strides)``, checked: the view holds the tensor's
+    elements (as many as ``shape``), its strides are one per dimension, and every byte it
+    can read lies in ``[start_idx, end_idx)``, which lies in the buffer. A view is never
+    made past the buffer's end, whatever the request says."""
+    if "piece_offset" in d:
+        raise RequestError(f"{what}: a strided entry is a whole tensor; it cannot be a piece (piece_offset)")
+    strides = _int_list(d["strides"], what, "strides")
+    view_shape = _int_list(d["view_shape"], what, "view_shape") if "view_shape" in d else shape
+    if len(strides) != len(view_shape):
+        raise RequestError(f"{what}: {len(strides)} strides {list(strides)} for the {len(view_shape)} "
+                           f"dimensions of view_shape {list(view_shape)}; expected one stride per dimension")
+    if numel(view_shape) != numel(shape):
+        raise RequestError(f"{what}: view_shape {list(view_shape)} holds {numel(view_shape)} elements; "
+                           f"expected the {numel(shape)} of shape {list(shape)}")
+    size = itemsize(dtype)
+    span = strided_span(view_shape, strides) * size
+    if not 0 <= start <= end <= limit or end - start != span:
+        raise RequestError(f"{what}: view_shape {list(view_shape)} with strides {list(strides)} from byte "
+                           f"{start} reads bytes [{start}, {start + span}); expected end_idx {start + span} "
+                           f"(got {end}) inside the {limit} B buffer")
+    return view_shape, strides
 
 
 def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = None) -> tuple[TensorMeta, ...]:
@@ -258,6 +351,17 @@ class Views(Sequence):
             self._pairs = _make_views(self.flat, self.layout)
         return self._pairs
 
+    @property
+    def strided(self) -> bool:
+        """Some tensor lies strided in the buffer (a ``TensorMeta`` with a ``view``)."""
+        return any(m.view is not None for m in self.layout)
+
+    def sources(self) -> list[tuple[str, Any]]:
+        """The pairs with each strided tensor as it lies, a :class:`Strided` (not copied into a
+        tensor of its own, as the pairs have it): for an engine that copies it straight into
+        its weight. Made anew at each call."""
+        return _make_views(self.flat, self.layout, strided_as_is=True)
+
     def __len__(self) -> int:
         return len(self.layout)
 
@@ -277,16 +381,20 @@ def views(flat: Any, tensors: Sequence[TensorMeta]) -> Views:
     it): a uint8 slice can be viewed as a wider dtype only from such an offset."""
     total = flat.numel()
     for m in tensors:
-        if m.end > total:
-            raise RequestError(f"bucket entry {m.name!r}: bytes [{m.start}, {m.end}) do not fit "
+        # a strided entry's end_idx is its last element's end (checked on parse); one built
+        # here is checked by its own view, so that no view ever reaches past the buffer
+        end = m.end if m.view is None else max(m.end, m.start + strided_span(*m.view) * itemsize(m.dtype))
+        if end > total:
+            raise RequestError(f"bucket entry {m.name!r}: bytes [{m.start}, {end}) do not fit "
                                f"shape {m.shape} {m.dtype} in a {total} B buffer")
     return Views(flat, tensors)
 
 
-def _make_views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any]]:
+def _make_views(flat: Any, tensors: Sequence[TensorMeta], *, strided_as_is: bool = False) -> list[tuple[str, Any]]:
     """The pairs of :func:`views`. The buffer is viewed once per dtype and each tensor is
     one ``as_strided`` of that view: one torch call per tensor instead of three (slice,
-    dtype view, shape view)."""
+    dtype view, shape view). A strided tensor is a :class:`Strided` where
+    ``strided_as_is``, else the tensor in its own shape (copied where its view has none)."""
     import torch
 
     out: list[tuple[str, Any]] = []
@@ -295,6 +403,15 @@ def _make_views(flat: Any, tensors: Sequence[TensorMeta]) -> list[tuple[str, Any
         base = typed.get(m.dtype)
         if base is None:
             base = typed[m.dtype] = _typed_base(flat, getattr(torch, m.dtype), itemsize(m.dtype))
+        if m.view is not None:
+            if base is False:
+                data = flat[m.start:m.end].view(getattr(torch, m.dtype))
+                data = data.as_strided(m.view[0], m.view[1], data.storage_offset())
+            else:
+                data = base.as_strided(m.view[0], m.view[1], base.storage_offset() + m.start // itemsize(m.dtype))
+            s = Strided(data, m.shape)
+            out.append((m.name, s if strided_as_is else s.tensor()))
+            continue
         if base is False:  # the buffer cannot be viewed as this dtype as a whole
             data = flat[m.start:m.end].view(getattr(torch, m.dtype))
             out.append((m.name, data.view(m.shape) if m.whole else piece_of(m, data)))

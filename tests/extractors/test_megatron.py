@@ -222,6 +222,53 @@ def test_given_views_to_fill_a_fused_qkv_of_several_query_groups_is_split_straig
     assert not into[wrong].any()  # untouched
 
 
+def test_source_views_at_one_rank_are_views_of_the_sources_equal_to_what_extract_yields():
+    """What a one-copy sync reads (``source_views``): at one rank, with nothing to convert, every
+    output is a view of its own source's memory, in a shape whose row-major elements are the
+    output's, bit for bit what ``extract`` yields; q, k and v of a fused QKV of several query
+    groups are strided ``(groups, rows of a group, *rest)`` views, gate and up row ranges."""
+    ref = hf_reference()
+    params = megatron_params(ref)
+    ex = MegatronExtractor(params, dtype=torch.float32, attention=ATTENTION, vocab_size=T.VOCAB)
+    names = [sp.name for sp in ex.specs()]
+    want = dict(ex.extract(names))
+    got = list(ex.source_views(names))
+    assert [n for n, _ in got] == names
+    source_of = {n: ex._by_target[n] for n in names}
+    by_name = dict(params)
+    per, hd = T.HEADS // T.GROUPS, T.HEAD_DIM
+    for name, view in got:
+        src = by_name[source_of[name]]
+        assert view is not None and _shares_memory(view, src), name
+        assert torch.equal(view.reshape(want[name].shape), want[name]), name
+        if ".self_attn." in name and "o_proj" not in name:
+            rows = per * hd if "q_proj" in name else hd
+            assert tuple(view.shape) == (T.GROUPS, rows, *want[name].shape[1:]), name
+            assert not view.is_contiguous(), name  # the other parts' rows lie between the groups
+            # the first group's rows start where Megatron put them: [q; k; v] per group
+            first = {"q_proj": 0, "k_proj": per * hd, "v_proj": (per + 1) * hd}[name.split(".")[-2]]
+            inner = 1 if view.dim() == 2 else view.shape[-1]
+            assert view.storage_offset() - src.detach().storage_offset() == first * inner, name
+        else:
+            assert view.is_contiguous(), name
+    # the views are the memory, not a copy: a change to a source shows in them
+    qkv = by_name["decoder.layers.0.self_attention.linear_qkv.weight"]
+    with torch.no_grad():
+        qkv.mul_(2)
+    again = dict(ex.source_views(["model.layers.0.self_attn.k_proj.weight"]))
+    assert torch.equal(again["model.layers.0.self_attn.k_proj.weight"].reshape(-1, T.HIDDEN),
+                       2 * want["model.layers.0.self_attn.k_proj.weight"])
+
+
+def test_source_views_are_none_where_the_output_is_converted():
+    ref = hf_reference()
+    ex = MegatronExtractor(megatron_params(ref), dtype=torch.bfloat16, attention=ATTENTION, vocab_size=T.VOCAB)
+    names = [sp.name for sp in ex.specs()]
+    assert [v for _, v in ex.source_views(names)] == [None] * len(names)  # float32 sources, bf16 engine
+    with pytest.raises(KeyError):
+        list(ex.source_views(["model.layers.9.mlp.up_proj.weight"]))
+
+
 def test_given_views_a_replicated_tensor_in_the_engines_dtype_is_copied_into_its_view():
     """A norm that needs no gather or conversion goes into the caller's view (a staging slot's)
     and is yielded as it, so the sender's bucket counts as gathered in place (nothing to pack);

@@ -181,6 +181,40 @@ def test_copies_on_the_device_move_exact_bytes_and_give_the_hosts_lanes():
     assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host))
 
 
+def test_copies_of_strided_tensors_runs_on_the_device_give_the_whole_tensors_lanes():
+    """A one-copy sync's q, k and v of a fused QKV (Qwen2-7B's shapes: 4 query groups of 7 q heads,
+    head_dim 128, hidden 3584; weight and bias) lie strided in the trainer's buffer: copied as
+    one run per group, each from its first word in the tensor, in one launch beside a whole
+    tensor, the destinations are the tensors and the lanes each tensor's, as the host has them."""
+    g = torch.Generator().manual_seed(12)
+    groups, per, hd, hidden = 4, 7, 128, 3584
+    row = (per + 2) * hd
+    host_w = (torch.randn(groups * row, hidden, generator=g) * 100).to(torch.bfloat16)
+    host_b = (torch.randn(groups * row, generator=g) * 100).to(torch.bfloat16)
+    other = (torch.randn(3584, generator=g) * 100).to(torch.bfloat16).cuda()
+    items, want = [], []
+    for fused in (host_w.cuda(), host_b.cuda()):
+        rest = fused.shape[1:]
+        grouped = fused.view(groups, row, *rest)
+        for first, rows in ((0, per * hd), (per * hd, hd), ((per + 1) * hd, hd)):
+            items.append(grouped[:, first:first + rows])
+            want.append(grouped[:, first:first + rows].cpu().contiguous())
+    pairs, firsts, owners, dests = [(torch.zeros_like(other), other)], [0], [0], []
+    for i, src in enumerate(items, 1):
+        dest = torch.full(src.shape, 7, dtype=src.dtype, device=src.device)
+        dests.append(dest)
+        for k in range(groups):
+            pairs.append((dest[k], src[k]))
+            firsts.append((dest[k].data_ptr() - dest.data_ptr()) // 2)
+            owners.append(i)
+    copies = D.Copies(pairs, firsts=firsts, owners=owners)
+    lanes = copies.run(lanes=True).cpu().tolist()
+    assert torch.equal(pairs[0][0], other) and lanes[0] == D.lanes(other.cpu(), 0, "host")
+    for i, (dest, w) in enumerate(zip(dests, want), 1):
+        assert torch.equal(dest.cpu(), w), i
+        assert lanes[i] == D.lanes(w, 0, "host"), i
+
+
 def test_an_engine_load_of_device_tensors_is_one_launch_that_sums_it_and_catches_a_flipped_bit():
     """A sync-first load on CUDA (whole tensors of the engine's dtype on its GPU, from one
     buffer as a trainer's flat weights or a packed bucket lie): one copying launch per batch,

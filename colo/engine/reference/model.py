@@ -21,6 +21,7 @@ it. Nothing here touches ``torch.cuda`` at import; the device is a parameter.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -37,7 +38,7 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.wire import Piece
+from colo.transports.wire import Piece, Strided
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 #: bucket layouts an engine keeps planned (``_LayoutPlan``): a sync's buckets, a few times over
 MAX_LAYOUT_PLANS = 64
+#: a strided tensor in more contiguous runs than this is copied on its own, not in the launch
+#: (q of a fused QKV has one per query group: 8 at most in Qwen2 and Llama 3)
+MAX_RUNS = 256
 #: whole tensors below this many bytes are loaded together by one ``torch._foreach_copy_``
 #: (torch's multi-tensor copy, what its optimizers use); larger ones by their own copy_
 FOREACH_BYTES = 16 << 20
@@ -121,17 +125,17 @@ class _LayoutPlan:
     time on the host, 5-8 ms a sync at Qwen2-1.5B on an H200 (issue 44); with the layout
     planned once a load is the buffer's address plus the offsets, and one launch."""
 
-    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels")
+    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels", "firsts", "owners")
 
-    def __init__(self, layout: Any, dests: dict, names: list[str], starts: list[int], blocks: list[torch.Tensor],
-                 labels: Labels):
-        import numpy as np
-
+    def __init__(self, layout: Any, dests: dict, names: list[str], copies: Copies, base: int, labels: Labels):
         self.layout, self.dests, self.labels = layout, dests, labels
         self.names, self.name_set = names, frozenset(names)
-        self.starts = np.array(starts, dtype=np.int64)
-        self.dst = np.array([b.data_ptr() for b in blocks], dtype=np.int64)
-        self.nbytes = np.array([b.numel() * b.element_size() for b in blocks], dtype=np.int64)
+        # the launch's own table, its sources made offsets into the buffer: a tensor lying
+        # strided there (a one-copy sync's q, k, v) is one row per run, ``owners`` saying whose
+        n = copies.count
+        sources, self.dst, words, firsts = (copies.meta[k * n:(k + 1) * n] for k in range(4))
+        self.starts, self.nbytes = sources - base, words * 4
+        self.firsts, self.owners = (None, None) if copies.owners is None else (firsts, copies.owners)
 
     def copies(self, flat: torch.Tensor, dests: dict, session: LoadSession) -> Copies | None:
         """This sync's copies out of ``flat`` (the request's buffer), or None where the plan
@@ -142,7 +146,7 @@ class _LayoutPlan:
         base = flat.data_ptr()
         if base % 4 or not Copies.reads(flat):
             return None
-        return Copies.at(self.starts + base, self.dst, self.nbytes, flat.device)
+        return Copies.at(self.starts + base, self.dst, self.nbytes, flat.device, self.firsts, self.owners)
 
 
 #: bytes of written blocks checksummed per launch during a load (see ``_LoadDigest``)
@@ -208,6 +212,17 @@ class _LoadDigest:
         return self.received.digest(names)
 
 
+def _runs(dst: torch.Tensor, src: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst piece, src piece)`` pairs covering ``src`` (``dst`` shaped alike), each piece of
+    ``src`` contiguous: split along leading dimensions until it is (q of a fused QKV: one
+    run per query group)."""
+    if src.is_contiguous() or src.dim() <= 1:
+        yield dst, src
+        return
+    for i in range(src.shape[0]):
+        yield from _runs(dst[i], src[i])
+
+
 class EngineModel:
     """The dense forward, batched generation over a preallocated KV pool, and a sync loader.
 
@@ -215,6 +230,11 @@ class EngineModel:
     that releasing the ``weights`` region drops every reference at once and
     re-allocating it produces fresh, uninitialised storage.
     """
+
+    #: takes a :class:`~colo.transports.wire.Strided` in place of a whole tensor (copied into
+    #: its row block as it lies); a tensor-parallel rank cuts its slice out of the tensor's
+    #: own shape, so it is given the tensor (``colo.engine.reference.tp``)
+    loads_strided = True
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float, saver: Any = None) -> None:
@@ -461,7 +481,11 @@ class EngineModel:
             if copies is not None:
                 self._run_batched(copies, plan.labels)
                 return session.advance_whole(plan.names)
-        items = _named_items(named_tensors)
+        # tensors lying strided in the sender's buffer (a one-copy sync out of a trainer's fused
+        # QKV) are taken as they lie, each copied straight into its row block (in the launch, one
+        # run per query group): the receiver's own pairs would be copies of them made first
+        strided = self.loads_strided and layout is not None and getattr(named_tensors, "strided", False)
+        items = named_tensors.sources() if strided else _named_items(named_tensors)
         session.check(items)
         batched = self._batched(params, items)
         if batched is not None:
@@ -470,7 +494,7 @@ class EngineModel:
             if type(named_tensors) is list:
                 self._batch_memo = _BatchMemo(items, self._dests, [], [], [], batched)
             if layout is not None and len(layout) == len(items):
-                self._plan_layout(layout, named_tensors.flat, items, batched[1])
+                self._plan_layout(layout, named_tensors.flat, items, *batched)
             return done
         done = 0
         # small whole tensors (norms, biases, k/v projections) are copied in one foreach
@@ -483,7 +507,7 @@ class EngineModel:
         other: list[int] = []
         with torch.no_grad():
             for i, (name, tensor) in enumerate(items):
-                dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
+                dest = None if isinstance(tensor, (Piece, Strided)) else self._whole_dest(params, name)
                 if (dest is not None and tensor.dtype == dest.dtype and tensor.device == dest.device
                         and tensor.numel() * tensor.element_size() < FOREACH_BYTES):
                     small_dst.append(dest)
@@ -512,31 +536,43 @@ class EngineModel:
 
         One launch instead of one ``copy_`` per tensor: 338 of those were 3.7 ms of host time
         for 1.7 ms of copying on an H200 (issue 44), and a summed load computes its lanes in
-        the same pass over the bytes (2.9 ms) rather than reading every block again after."""
+        the same pass over the bytes (2.9 ms) rather than reading every block again after. A
+        :class:`~colo.transports.wire.Strided` tensor is its contiguous runs in the same launch."""
         if not Copies.available():
             return None
-        pairs = []
-        for name, tensor in items:
+        pairs, dests, firsts, owners = [], [], [], []
+        for i, (name, tensor) in enumerate(items):
             dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
             if dest is None:
                 return None
-            pairs.append((dest, tensor))
+            dests.append(dest)
+            if not isinstance(tensor, Strided):
+                pairs.append((dest, tensor))
+                firsts.append(0)
+                owners.append(i)
+                continue
+            # its contiguous runs (one per query group of a fused QKV), each into its place in
+            # the block, its lanes counted from its first word in the tensor (16-bit words)
+            runs = list(itertools.islice(_runs(dest.view(tensor.data.shape), tensor.data), MAX_RUNS + 1))
+            if len(runs) > MAX_RUNS:
+                return None
+            for d, src in runs:
+                pairs.append((d, src))
+                firsts.append((d.data_ptr() - dest.data_ptr()) // 2)
+                owners.append(i)
         if not Copies.fits(pairs):
             return None
-        return Copies(pairs), Labels([(n, d) for (n, _), (d, _) in zip(items, pairs)])
+        split = len(pairs) != len(items)
+        copies = Copies(pairs, firsts=firsts if split else None, owners=owners if split else None)
+        return copies, Labels([(n, d) for (n, _), d in zip(items, dests)])
 
-    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, labels: Labels) -> None:
+    def _plan_layout(self, layout: Any, flat: torch.Tensor, items: list, copies: Copies, labels: Labels) -> None:
         """Keep how a request of ``layout`` was just loaded in one launch (``_LayoutPlan``):
-        each view's offset in ``flat`` and its row block, for the next request of it."""
-        starts, blocks = [], []
-        base = flat.data_ptr()
-        for name, t in items:
-            starts.append(t.data_ptr() - base)
-            blocks.append(self._dests[name])
+        each view's (or run's) offset in ``flat`` and where it went, for the next request of it."""
         if len(self._layout_plans) >= MAX_LAYOUT_PLANS:
             self._layout_plans.clear()  # a sender that changed its buckets: plan them again
-        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, [n for n, _ in items], starts, blocks,
-                                                     labels)
+        self._layout_plans[id(layout)] = _LayoutPlan(layout, self._dests, [n for n, _ in items], copies,
+                                                     flat.data_ptr(), labels)
 
     def _run_batched(self, copies: Copies, labels: Labels) -> None:
         """Queue a batch's copies; a load being summed takes their lanes from the same launch."""
@@ -579,12 +615,25 @@ class EngineModel:
         """Copy one checked HF tensor (or a piece of it: its run of elements, in
         place) into its row block (a TP rank copies out its slice)."""
         dest = self._whole_dest(params, name)
-        src = tensor.data if isinstance(tensor, Piece) else tensor
+        src = tensor.data if isinstance(tensor, (Piece, Strided)) else tensor
         # From host memory, queued, not one copy and one host wait per tensor: the copy
         # engine then streams a few hundred tensors out of a pinned backup back to back
         # (the server waits for the device before it acknowledges). A pageable source
         # is still read before the call returns (CUDA stages it), so it may go at once.
         queued = src.device.type == "cpu" and dest.device.type == "cuda"
+        if isinstance(tensor, Strided):
+            # into the block viewed in the source's shape: the same elements in the same
+            # row-major order. From the host run by run, queued: torch copies a strided host
+            # source to the device through a pageable temporary made first, synchronously
+            # (which it still does for a view of more than MAX_RUNS runs)
+            into = dest.view(src.shape)
+            runs = list(itertools.islice(_runs(into, src), MAX_RUNS + 1)) if queued else []
+            if not runs or len(runs) > MAX_RUNS:
+                into.copy_(src)
+                return
+            for d, h in runs:
+                d.copy_(h, non_blocking=True)
+            return
         if isinstance(tensor, Piece):
             # a row block of a contiguous parameter is contiguous: the tensor's
             # row-major elements are the block's, one for one

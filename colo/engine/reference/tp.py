@@ -315,6 +315,10 @@ def expected_shard_digest(full_state: Mapping[str, torch.Tensor] | Iterable[tupl
 class TPEngineModel(EngineModel):
     """``EngineModel`` on the rank's shard, with the TP group's collectives in its forward."""
 
+    #: a strided tensor (a one-copy sync's q, k, v) arrives in its own shape: ``write_slice``
+    #: cuts the rank's slice out of that
+    loads_strided = False
+
     def __init__(self, config: Any, *, tp_rank: int, tp_size: int, group: Any = None,
                  dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float, saver: Any = None) -> None:

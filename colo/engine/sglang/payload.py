@@ -93,6 +93,9 @@ def bucket_metadata(laid: Bucket) -> list[dict]:
     pieces = [m["name"] for m in metas if "piece_offset" in m]
     if pieces:
         raise ValueError(f"SGLang's flattened_bucket has no pieces: {', '.join(pieces)} must travel whole")
+    strided = [m["name"] for m in metas if "strides" in m]
+    if strided:  # SGLang reads [start_idx, end_idx) as the tensor's row-major bytes
+        raise ValueError(f"SGLang's flattened_bucket has no strided tensors: {', '.join(strided)} must be packed")
     return metas
 
 
