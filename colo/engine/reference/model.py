@@ -216,6 +216,10 @@ class EngineModel:
     re-allocating it produces fresh, uninitialised storage.
     """
 
+    #: a sync may deliver a tensor already cut for this engine (``RankSlice``): not to a
+    #: whole model, whose load session refuses it by name; a TP rank takes its own block
+    takes_rank_slices = False
+
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float, saver: Any = None) -> None:
         # With a memory saver (the GPU backend), release pauses the region and
@@ -428,7 +432,7 @@ class EngineModel:
         if self._load is not None:
             raise EngineStateError("a load is already in progress (begin_load called twice without end_load)")
         self._load = LoadSession({n: s.shape for n, s in self.sync_map.shards.items()},
-                                 describe_unexpected=self.sync_map.unexpected)
+                                 describe_unexpected=self.sync_map.unexpected, rank_slices=self.takes_rank_slices)
         self._digested = None
         self._load_digest = _LoadDigest(self.device, self._sum_tables) if self._digest_asked else None
         self._digest_asked = False
@@ -463,6 +467,7 @@ class EngineModel:
                 return session.advance_whole(plan.names)
         items = _named_items(named_tensors)
         session.check(items)
+        self._check_slices(items, session)
         batched = self._batched(params, items)
         if batched is not None:
             self._run_batched(*batched)
@@ -503,6 +508,11 @@ class EngineModel:
         if type(named_tensors) is list and done == len(items) and not any(isinstance(t, Piece) for _, t in items):
             self._batch_memo = _BatchMemo(items, self._dests, small, small_dst, other)
         return done
+
+    def _check_slices(self, items: list, session: LoadSession) -> None:
+        """Where the engine takes tensors cut for one rank (``takes_rank_slices``), refuse the
+        batch if one is not this rank's block: a TP rank does (``colo.engine.reference.tp``).
+        This engine holds every tensor whole, and its session refused any slice already."""
 
     def _batched(self, params: dict[str, torch.Tensor], items: list) -> tuple[Copies, Labels] | None:
         """A checked batch of whole tensors already on this engine's GPU in its dtype (a
