@@ -218,8 +218,12 @@ class SyntheticMegatron:
             self.params[name] = _with_attrs(t, attrs)
         # gloo: the extractor's metadata exchange must not create NCCL buffers for a few KB
         self.meta_group = dist.new_group(list(range(self.size)), backend="gloo")
-        self._extractors: dict[str, Any] = {}
-        self._specs = list(self.extractor().specs())
+        self._extractors: dict[tuple[str, bool], Any] = {}
+        #: colo's rows send each engine rank its slice of every expert (the extractor's
+        #: ``expert_scatter``); the slime-style baseline and the expected digests take the
+        #: whole tensors, as slime's broadcast does
+        self.expert_scatter = is_moe(config) and self.size > 1
+        self._specs = list(self.extractor(whole=True).specs())
         self.shard_bytes = sum(t.numel() * t.element_size() for t in self.params.values())
 
     # -- TrainerSide -----------------------------------------------------------------
@@ -232,23 +236,30 @@ class SyntheticMegatron:
     def num_params(self) -> int:
         return sum(_numel(s.shape) for s in self._specs)
 
-    def extractor(self) -> Any:
+    def extractor(self, whole: bool = False) -> Any:
         """Built once per source on every rank together (it exchanges metadata); it reads
-        its mapping again at every extract, so onload/offload swap what it reads."""
-        from colo.extractors.megatron import MegatronExtractor
+        its mapping again at every extract, so onload/offload swap what it reads.
 
-        mode = "host" if self.offloaded else "device"
+        A MoE's experts are expert-parallel over the world (EP=N, expert TP 1), and the
+        engine is TP-MoE over the same N ranks: colo's sender (this, unless ``whole``)
+        gets each rank's slice of every expert from its owner by all_to_all
+        (``expert_scatter``); ``whole``: every expert whole on every rank, broadcast from
+        its owner, as slime does (the baseline's rows, the expected digests)."""
+        from colo.extractors.megatron import MegatronExtractor
+        from colo.engine.reference.moe import expert_split_dims
+
+        scatter = self.expert_scatter and not whole
+        mode = ("host" if self.offloaded else "device", scatter)
         if mode not in self._extractors:
             c = self.config
             source = self.host if self.offloaded else self.params
             device = "cuda" if self.offloaded and self.device == "cuda" else None
             world = dist.group.WORLD if self.size > 1 else None
-            # a MoE's experts are expert-parallel over the world (EP=N, expert TP 1): each is
-            # broadcast from its owner, as slime's and the extractor's EP path do
             self._extractors[mode] = MegatronExtractor(
                 source, dtype=self.engine_dtype, device=device, group=self.meta_group, tp_group=self.tp_group,
                 ep_group=world if is_moe(c) else None,
-                attention=(c.num_attention_heads, c.num_key_value_heads), vocab_size=c.vocab_size)
+                attention=(c.num_attention_heads, c.num_key_value_heads), vocab_size=c.vocab_size,
+                expert_scatter=expert_split_dims(c, self.size) if scatter else None)
         return self._extractors[mode]
 
     async def onload(self, tags: Any) -> None:
@@ -299,7 +310,7 @@ class SyntheticMegatron:
     # -- verification ----------------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
         """Every full tensor under its HF name (a collective: every rank calls it)."""
-        ex = self.extractor()
+        ex = self.extractor(whole=True)
         return dict(ex.extract([s.name for s in ex.specs()]))
 
     def logits(self, tokens: Any) -> Any:
@@ -418,6 +429,12 @@ def streamed_shard_entries(ex: Any, config: Any, dtype: torch.dtype, rank: int, 
         for name, t in ex.extract(names):
             write_slice(out, plan.slices[name], t)
     return {n: e.hex() for n, e in weights_entries(out.items())}
+
+
+def _whole_extractor(trainer: Any) -> Any:
+    """The trainer's extractor of whole tensors (the synthetic one's, without the expert
+    scatter; a real trainer's has only that)."""
+    return trainer.extractor(whole=True) if isinstance(trainer, SyntheticMegatron) else trainer.extractor()
 
 
 # -- the worker's verbs ------------------------------------------------------------
@@ -541,7 +558,9 @@ class BenchHost(RankHost):
         parity = self.trainer.steps % 2
         if parity not in self._expected:
             def compute() -> dict[str, str]:
-                return streamed_shard_entries(self.trainer.extractor(), self.model_config,
+                # the whole tensors, through the broadcast (not the path a colo row took), each
+                # cut here as the engine rank's loader would cut it
+                return streamed_shard_entries(_whole_extractor(self.trainer), self.model_config,
                                               getattr(torch, self.spec.engine_dtype), self.spec.rank,
                                               self.spec.world_size)
 
@@ -608,7 +627,7 @@ class BenchHost(RankHost):
         from colo.core.buckets import plan_buckets
 
         self._check_source(source)
-        ex = self.trainer.extractor()
+        ex = _whole_extractor(self.trainer)  # slime broadcasts every expert whole
         specs = list(ex.specs())
         # colo's bucket boundaries, but a tensor larger than the bucket whole in its own, as slime sends it
         buckets = plan_buckets(specs, bucket_bytes, split=False)
