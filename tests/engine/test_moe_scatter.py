@@ -218,7 +218,7 @@ def test_an_engine_of_whole_tensors_refuses_a_rank_slice_by_name_and_writes_noth
     core = MoEEngineCore(cfg, dtype=torch.bfloat16, total_bytes=64 << 20, mem_fraction_static=0.5)
     name = "model.layers.0.mlp.experts.2.gate_proj.weight"
     norm = "model.layers.0.input_layernorm.weight"
-    before = core.model._params[norm].clone()
+    before = core.model._params[norm].fill_(3.0).clone()  # (fresh weights are uninitialised: NaNs)
     core.begin_load()
     with pytest.raises(WeightMismatch) as e:
         core.load_weights([(norm, torch.ones(32, dtype=torch.bfloat16)),

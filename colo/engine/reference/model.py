@@ -37,7 +37,12 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.wire import Piece
+from colo.transports.wire import Piece, RankSlice
+
+
+def _source(t: Any) -> torch.Tensor:
+    """The tensor a batch item's bytes are in: a rank's slice's data, else the item itself."""
+    return t.data if isinstance(t, RankSlice) else t
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +107,7 @@ class _BatchMemo:
                 model._write(params, *batch[i])
                 model._sum_one(params, batch[i][0])
             if self.small:
-                torch._foreach_copy_(self.small_dst, [batch[i][1] for i in self.small])
+                torch._foreach_copy_(self.small_dst, [_source(batch[i][1]) for i in self.small])
             model._sum_written(params, [self.names[i] for i in self.small])
         session.loaded |= self.name_set
         session.order += self.names
@@ -488,11 +493,11 @@ class EngineModel:
         other: list[int] = []
         with torch.no_grad():
             for i, (name, tensor) in enumerate(items):
-                dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
-                if (dest is not None and tensor.dtype == dest.dtype and tensor.device == dest.device
-                        and tensor.numel() * tensor.element_size() < FOREACH_BYTES):
+                dest, src = self._direct(params, name, tensor) or (None, None)
+                if (dest is not None and src.dtype == dest.dtype and src.device == dest.device
+                        and src.numel() * src.element_size() < FOREACH_BYTES):
                     small_dst.append(dest)
-                    small_src.append(tensor)
+                    small_src.append(src)
                     small.append(i)
                     advanced = session.advance(name, tensor)
                 else:
@@ -527,10 +532,10 @@ class EngineModel:
             return None
         pairs = []
         for name, tensor in items:
-            dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
-            if dest is None:
+            pair = self._direct(params, name, tensor)
+            if pair is None:
                 return None
-            pairs.append((dest, tensor))
+            pairs.append(pair)
         if not Copies.fits(pairs):
             return None
         return Copies(pairs), Labels([(n, d) for (n, _), (d, _) in zip(items, pairs)])
@@ -541,7 +546,7 @@ class EngineModel:
         starts, blocks = [], []
         base = flat.data_ptr()
         for name, t in items:
-            starts.append(t.data_ptr() - base)
+            starts.append(_source(t).data_ptr() - base)
             blocks.append(self._dests[name])
         if len(self._layout_plans) >= MAX_LAYOUT_PLANS:
             self._layout_plans.clear()  # a sender that changed its buckets: plan them again
@@ -570,6 +575,16 @@ class EngineModel:
         for name in names:
             self._sum_one(params, name)
         self._load_digest.flush()
+
+    def _direct(self, params: dict[str, torch.Tensor], name: str, tensor: Any
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(block, source)`` where ``tensor`` (checked) is copied into a block of the
+        parameters as it is, so it can join a batched copy; None where it is written some
+        other way (a piece; on a TP rank, a whole tensor it cuts its slice from)."""
+        if isinstance(tensor, Piece):
+            return None
+        dest = self._whole_dest(params, name)
+        return None if dest is None else (dest, tensor)
 
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """The row block a whole HF tensor is copied into as it is (made once per

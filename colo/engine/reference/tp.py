@@ -422,6 +422,20 @@ class TPEngineModel(EngineModel):
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> None:
         return None  # every tensor is cut to this rank's slice by _write
 
+    def _direct(self, params: dict[str, torch.Tensor], name: str, tensor: Any
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A slice cut for this rank (checked: ``_check_slices``) is its row block's bytes as
+        they are, so a bucket of expert slices is copied in one batched call (one launch on
+        a GPU) rather than one ``copy_`` each (Qwen3-30B-A3B: 18,432 a sync); a whole
+        tensor is cut by ``_write``."""
+        if not isinstance(tensor, RankSlice):
+            return None
+        dest = self._dests.get(name)  # made once per allocation of the weights, dropped with them
+        if dest is None:
+            s = self.plan.slices[name]
+            dest = self._dests[name] = params[s.param][s.row_offset:s.row_offset + s.local_shape[0]]
+        return dest, tensor.data
+
     def _check_slices(self, items: list, session: Any) -> None:
         """A tensor cut for one rank must be this rank's block of it (:func:`slice_mismatch`):
         otherwise the batch is refused before anything of it is written, every such tensor
