@@ -350,11 +350,12 @@ class MegatronExtractor:
                                    "is not initialized")
             self.rank = 0
             axes = {a: [0] for a in _AXES}
-            return [{"rank": 0, "axes": axes, "params": [(n, m) for n, m in metas.items()]}]
+            return [{"rank": 0, "axes": axes, "scatter": self._scatter_key(),
+                     "params": [(n, m) for n, m in metas.items()]}]
         self.rank = dist.get_rank()
         axes = {a: (dist.get_process_group_ranks(g) if g is not None else [self.rank])
                 for a, g in self._groups.items()}
-        mine = {"rank": self.rank, "axes": axes,
+        mine = {"rank": self.rank, "axes": axes, "scatter": self._scatter_key(),
                 "params": [(n, (m.shape, m.dtype, m.tp, m.partition_dim, m.partition_stride, m.shared_embedding))
                            for n, m in metas.items()]}
         out: list[Any] = [None] * dist.get_world_size(group)
@@ -413,9 +414,20 @@ class MegatronExtractor:
             # one error naming every parameter that cannot be mapped, not the first
             raise ValueError(f"{who}: " + "; ".join(problems))
 
+    def _scatter_key(self) -> str:
+        """``expert_scatter`` as a short string every rank can compare (Qwen3-30B-A3B's has 18,432 names)."""
+        import hashlib
+
+        return hashlib.sha256(repr(sorted(self._expert_scatter.items())).encode()).hexdigest()
+
     def _plan_scatter(self, everyone: list[dict]) -> list[str]:
         """Mark the experts of ``expert_scatter`` as scattered and make their specs the slices
         this rank receives; what cannot be scattered, named (one error with the others)."""
+        differ = sorted(r["rank"] for r in everyone if r["scatter"] != self._scatter_key())
+        if differ:
+            # each rank's collectives follow its own mapping: different ones would hang or mix bytes
+            return [f"expert_scatter differs between rank {self.rank} and rank(s) {differ}; every rank must "
+                    f"pass the same mapping"]
         if not self._expert_scatter:
             return []
         group = self._groups["ep"]

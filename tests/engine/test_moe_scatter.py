@@ -100,7 +100,9 @@ def scatter_worker(rank: int, world: int, tmp_path, bucket_bytes: int) -> dict:
 
     refused = []
     for bad in ({"model.layers.0.self_attn.o_proj.weight": 1}, {"model.layers.0.mlp.experts.99.up_proj.weight": 0},
-                {"model.layers.0.mlp.experts.0.up_proj.weight": 2}):
+                {"model.layers.0.mlp.experts.0.up_proj.weight": 2},
+                # rank 0 alone: every rank refuses (each one's collectives would follow its own)
+                {"model.layers.0.mlp.experts.0.up_proj.weight": 0} if rank == 0 else {}):
         try:
             MegatronExtractor(trainer.params, dtype=torch.bfloat16, group=trainer.meta_group,
                               tp_group=trainer.tp_group, ep_group=dist.group.WORLD, attention=(4, 2),
@@ -147,7 +149,8 @@ def _check(results: list[dict], world: int) -> None:
         # the end names the refusal again, beside every tensor the refused load left missing
         assert "model.layers.0.mlp.experts.1.down_proj.weight" in r["errors"][2]
         assert "model.norm.weight" in replicated and "expected the whole tensor" in replicated
-        dense, unknown, dim = r["refused"]
+        dense, unknown, dim, differ = r["refused"]
+        assert "expert_scatter differs between rank" in differ and "every rank must pass the same mapping" in differ
         assert "model.layers.0.self_attn.o_proj.weight (not an expert's)" in dense
         assert "model.layers.0.mlp.experts.99.up_proj.weight (no parameter becomes it)" in unknown
         assert "model.layers.0.mlp.experts.0.up_proj.weight (dimension 2 of (8, 32) does not split" in dim
