@@ -42,6 +42,7 @@ saying which block each is, and the transport marks them on the wire.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -281,7 +282,9 @@ class MegatronExtractor:
     without it. Every rank must pass the same mapping.
 
     ``specs()`` lists every HF tensor of the whole model (every rank gets the
-    same list), in rank-major order of first appearance. Every rank must
+    same list), in rank-major order of first appearance (the scattered experts
+    round-robin over their owners, in the places they held: see
+    ``_interleave_owners``). Every rank must
     call ``extract`` with the same names in the same order; every rank then
     yields the full tensors.
     """
@@ -464,7 +467,28 @@ class MegatronExtractor:
         if bad:
             return [f"cannot scatter expert tensor(s) {bad}"]
         self._scatter_group, self._scatter_size, self._scatter_me = group, size, me
+        self._interleave_owners(size)
         return []
+
+    def _interleave_owners(self, size: int) -> None:
+        """List the scattered tensors round-robin over their owners, in the places of the spec
+        list they held (the same order on every rank: it follows from shared metadata).
+
+        Why: the list is rank-major, so each owner's experts came one after the other (rank
+        0's among its dense tensors, then all of rank 1's, ...), and a bucket held one
+        owner's: its all_to_all was that one rank sending to all the others while they sent
+        nothing, a scatter from one root at a time (with N = 4, a quarter of the links'
+        bandwidth). Round-robin (layer, expert within its owner, owner), every bucket's
+        collectives have every rank sending its share at once."""
+        names = list(self._specs)
+        spots = [i for i, n in enumerate(names) if n in self._scattered]
+        queues: list[list[str]] = [[] for _ in range(size)]
+        for i in spots:
+            queues[self._scattered[names[i]].owner].append(names[i])
+        robin = [n for turn in itertools.zip_longest(*queues) for n in turn if n is not None]
+        for i, n in zip(spots, robin):
+            names[i] = n
+        self._specs = {n: self._specs[n] for n in names}
 
     def _route(self, src: _Source, holders: set[int], ranks: list[int], axes_of: dict) -> None:
         """Decide this rank's broadcasts and gather for ``src``, from metadata every rank shares."""

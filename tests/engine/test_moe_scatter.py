@@ -117,7 +117,8 @@ def scatter_worker(rank: int, world: int, tmp_path, bucket_bytes: int) -> dict:
             "experts": sorted(n for n in whole_specs if _is_expert(n)),
             "wire_expert": wire_expert, "wire_marked": sorted(wire_marked),
             "stats": dict(scatter.scatter_stats), "errors": errors,
-            "spec_slices": {s.name: list(s.rank_slice) for s in scatter.specs() if s.rank_slice is not None}}
+            "spec_slices": {s.name: list(s.rank_slice) for s in scatter.specs() if s.rank_slice is not None},
+            "expert_order": [s.name for s in scatter.specs() if _is_expert(s.name)]}
 
 
 def _check(results: list[dict], world: int) -> None:
@@ -149,6 +150,10 @@ def _check(results: list[dict], world: int) -> None:
         # the end names the refusal again, beside every tensor the refused load left missing
         assert "model.layers.0.mlp.experts.1.down_proj.weight" in r["errors"][2]
         assert "model.norm.weight" in replicated and "expected the whole tensor" in replicated
+        # the experts are listed round-robin over their owners (rank r holds experts r*E/N ..), so
+        # every bucket's all_to_all has every rank sending
+        owners = [int(n.split(".")[5]) // (8 // world) for n in r["expert_order"]]
+        assert owners == [i % world for i in range(len(owners))]
         dense, unknown, dim, differ = r["refused"]
         assert "expert_scatter differs between rank" in differ and "every rank must pass the same mapping" in differ
         assert "model.layers.0.self_attn.o_proj.weight (not an expert's)" in dense
