@@ -787,20 +787,17 @@ class BenchHost(RankHost):
         model, or a trainer that does not scatter, moves none this way."""
         n, dev = self.spec.world_size, ("cuda" if self._cuda else "cpu")
         per_rank = expert_bytes // n if getattr(self.trainer, "expert_scatter", False) else 0
+        if not per_rank or n < 2:
+            return {"expert_bytes_per_rank": 0, "model_all_to_all_s": 0.0, "model_all_to_all_calls": 0}
         part = max(1, bucket_bytes // n)
         send = torch.ones(part * n, dtype=torch.uint8, device=dev)
         recv = torch.empty_like(send)
         one = lambda: dist.all_to_all_single(recv, send)  # noqa: E731
-        a2a_s = self._time(one, reps) if n > 1 else float("inf")
-        out = {"all_to_all_bytes": part * n, "all_to_all_GBps": part * n / a2a_s / 1e9,
-               "expert_bytes_per_rank": per_rank}
-        if per_rank and n > 1:
-            calls = -(-per_rank // (part * n))
-            out.update(model_all_to_all_s=self._time(lambda: [one() for _ in range(calls)], reps),
-                       model_all_to_all_calls=calls)
-        else:
-            out.update(model_all_to_all_s=0.0, model_all_to_all_calls=0)
-        return out
+        a2a_s = self._time(one, reps)
+        calls = -(-per_rank // (part * n))
+        return {"all_to_all_bytes": part * n, "all_to_all_GBps": part * n / a2a_s / 1e9,
+                "expert_bytes_per_rank": per_rank, "model_all_to_all_calls": calls,
+                "model_all_to_all_s": self._time(lambda: [one() for _ in range(calls)], reps)}
 
     def _copy_limits(self, copy_bytes: int, reps: int) -> dict:
         """Host->device (pinned on a GPU) on every rank at once, and device->device."""
@@ -1207,8 +1204,9 @@ def table(result: dict) -> str:
                      f"| {r['buckets']} | {peak} | {stag} | {'ok' if r['digest_ok'] else 'MISMATCH'} |")
     lim = result["limits"]
     lines.append(f"limits (slowest rank): all_gather {min(x['all_gather_GBps'] for x in lim):.1f} GB/s, "
-                 f"broadcast {min(x.get('broadcast_GBps', float('nan')) for x in lim):.1f} GB/s, all_to_all "
-                 f"{min(x.get('all_to_all_GBps', float('nan')) for x in lim):.1f} GB/s, host->device "
+                 f"broadcast {min(x.get('broadcast_GBps', float('nan')) for x in lim):.1f} GB/s, "
+                 + (f"all_to_all {min(x['all_to_all_GBps'] for x in lim):.1f} GB/s, "
+                    if all("all_to_all_GBps" in x for x in lim) else "") + "host->device "
                  f"on every GPU at once {min(x['h2d_GBps_all_at_once'] for x in lim):.1f} GB/s")
     f = result["floors"]
     lines.append(f"floors: sync-first {f['sync-first']:.4f} s, offload-first {f['offload-first']:.4f} s "
