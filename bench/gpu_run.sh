@@ -346,6 +346,13 @@ case "${1:-tests}" in
     # (collcost_runs); limit per run: arg 2
     collcost_runs "${2:-90}"
     ;;
+  call64b)  # issue 46, 2026-11-30 (fourteenth session), two GPUs, branch moe-expert-scatter: every gpu2 test on the
+    # changed TP engine load (limit: arg 2), then the Qwen3-30B-A3B shape cut to 4 layers (128 experts of 768), trainer
+    # TP=2 + EP=2, engine TP-MoE over 2, its experts sent by all_to_all as each engine rank's slice (limit: arg 3)
+    gpu2_suite "${2:-260}"
+    timeout "${3:-200}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen3-30b-a3b --layers 4 --reps 3 \
+      --out "$OUT/bench-moe2.json" 2>&1 | tee "$OUT/bench-moe2.log" | grep -v '^{' | tail -30
+    ;;
   call63c)  # issue 46, 2026-11-30 (thirteenth session), two GPUs, after call63a: every gpu2 test on the changed
     # extractor and packed slots (limit: arg 2), then colo's real megatron-core trainer's packed rows at 2048 MiB
     # (limit: arg 3; the ninth session's were at 1024 MiB: 0.0891 / 0.2297 s)

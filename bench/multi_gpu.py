@@ -39,14 +39,22 @@ nothing cannot pass on the previous row's weights.
 Qwen3-MoE shapes (``--model qwen3-30b-a3b``, issue 15; ``qwen3-moe-tiny`` on the CPU):
 the synthetic trainer is megatron-core's TP=N + EP=N layout (expert TP 1: rank r holds
 experts ``r * E/N ..`` whole; ``tests/engine/test_moe.py`` checks it against megatron-core's
-own model), so every expert reaches every rank by a broadcast from its owner (the
-extractor's EP path) and the rest by all_gather; the engine is colo's TP-MoE
-(:mod:`colo.engine.reference.moe`). The limits add broadcast bandwidth (the root turning
-over the ranks) and the time to broadcast every expert's bytes in bucket-sized
-calls; the floors add that time. The rows are colo-packed and slime-style, the
-targets issue 15's (the sync within 1.0 s, the anchor's IPC loop being 3.0 s; at
-least half the floor). The expected shard digests are taken one full tensor at a
-time (:func:`streamed_shard_entries`): 61 GB per rank would not fit 8 times in host memory.
+own model) and the engine colo's TP-MoE over the same N ranks
+(:mod:`colo.engine.reference.moe`: each rank holds 1/N of every expert). colo's rows
+send each engine rank only its slice of every expert, from the expert's owner by
+``all_to_all_single`` (the extractor's ``expert_scatter``, issue 46): each rank
+receives 1/N of the experts' bytes, marked on the wire as its slices; the rest goes by
+all_gather as for a dense model. The slime-style row broadcasts every expert whole
+from its owner, as slime does, and each engine rank keeps its slice. The limits add
+all_to_all bandwidth and the time to bring every rank its 1/N of the experts in
+bucket-sized all_to_alls (what colo's rows move; the floors add that time), and, for
+comparison, broadcast bandwidth (the root turning over the ranks) with the time to
+broadcast every expert whole (the path slime's row takes, and colo's took before
+issue 46; in no floor). The targets are issue 15's (the sync within 1.0 s, the
+anchor's IPC loop being 3.0 s; at least half the floor). The expected shard digests
+are taken one full tensor at a time (:func:`streamed_shard_entries`), through the
+broadcast of whole experts (not the path colo's rows took): 61 GB per rank would not
+fit 8 times in host memory.
 """
 
 from __future__ import annotations
@@ -218,8 +226,12 @@ class SyntheticMegatron:
             self.params[name] = _with_attrs(t, attrs)
         # gloo: the extractor's metadata exchange must not create NCCL buffers for a few KB
         self.meta_group = dist.new_group(list(range(self.size)), backend="gloo")
-        self._extractors: dict[str, Any] = {}
-        self._specs = list(self.extractor().specs())
+        self._extractors: dict[tuple[str, bool], Any] = {}
+        #: colo's rows send each engine rank its slice of every expert (the extractor's
+        #: ``expert_scatter``); the slime-style baseline and the expected digests take the
+        #: whole tensors, as slime's broadcast does
+        self.expert_scatter = is_moe(config) and self.size > 1
+        self._specs = list(self.extractor(whole=True).specs())
         self.shard_bytes = sum(t.numel() * t.element_size() for t in self.params.values())
 
     # -- TrainerSide -----------------------------------------------------------------
@@ -232,23 +244,30 @@ class SyntheticMegatron:
     def num_params(self) -> int:
         return sum(_numel(s.shape) for s in self._specs)
 
-    def extractor(self) -> Any:
+    def extractor(self, whole: bool = False) -> Any:
         """Built once per source on every rank together (it exchanges metadata); it reads
-        its mapping again at every extract, so onload/offload swap what it reads."""
-        from colo.extractors.megatron import MegatronExtractor
+        its mapping again at every extract, so onload/offload swap what it reads.
 
-        mode = "host" if self.offloaded else "device"
+        A MoE's experts are expert-parallel over the world (EP=N, expert TP 1), and the
+        engine is TP-MoE over the same N ranks: colo's sender (this, unless ``whole``)
+        gets each rank's slice of every expert from its owner by all_to_all
+        (``expert_scatter``); ``whole``: every expert whole on every rank, broadcast from
+        its owner, as slime does (the baseline's rows, the expected digests)."""
+        from colo.extractors.megatron import MegatronExtractor
+        from colo.engine.reference.moe import expert_split_dims
+
+        scatter = self.expert_scatter and not whole
+        mode = ("host" if self.offloaded else "device", scatter)
         if mode not in self._extractors:
             c = self.config
             source = self.host if self.offloaded else self.params
             device = "cuda" if self.offloaded and self.device == "cuda" else None
             world = dist.group.WORLD if self.size > 1 else None
-            # a MoE's experts are expert-parallel over the world (EP=N, expert TP 1): each is
-            # broadcast from its owner, as slime's and the extractor's EP path do
             self._extractors[mode] = MegatronExtractor(
                 source, dtype=self.engine_dtype, device=device, group=self.meta_group, tp_group=self.tp_group,
                 ep_group=world if is_moe(c) else None,
-                attention=(c.num_attention_heads, c.num_key_value_heads), vocab_size=c.vocab_size)
+                attention=(c.num_attention_heads, c.num_key_value_heads), vocab_size=c.vocab_size,
+                expert_scatter=expert_split_dims(c, self.size) if scatter else None)
         return self._extractors[mode]
 
     async def onload(self, tags: Any) -> None:
@@ -299,7 +318,7 @@ class SyntheticMegatron:
     # -- verification ----------------------------------------------------------------
     def hf_state(self) -> dict[str, torch.Tensor]:
         """Every full tensor under its HF name (a collective: every rank calls it)."""
-        ex = self.extractor()
+        ex = self.extractor(whole=True)
         return dict(ex.extract([s.name for s in ex.specs()]))
 
     def logits(self, tokens: Any) -> Any:
@@ -418,6 +437,12 @@ def streamed_shard_entries(ex: Any, config: Any, dtype: torch.dtype, rank: int, 
         for name, t in ex.extract(names):
             write_slice(out, plan.slices[name], t)
     return {n: e.hex() for n, e in weights_entries(out.items())}
+
+
+def _whole_extractor(trainer: Any) -> Any:
+    """The trainer's extractor of whole tensors (the synthetic one's, without the expert
+    scatter; a real trainer's has only that)."""
+    return trainer.extractor(whole=True) if isinstance(trainer, SyntheticMegatron) else trainer.extractor()
 
 
 # -- the worker's verbs ------------------------------------------------------------
@@ -541,7 +566,9 @@ class BenchHost(RankHost):
         parity = self.trainer.steps % 2
         if parity not in self._expected:
             def compute() -> dict[str, str]:
-                return streamed_shard_entries(self.trainer.extractor(), self.model_config,
+                # the whole tensors, through the broadcast (not the path a colo row took), each
+                # cut here as the engine rank's loader would cut it
+                return streamed_shard_entries(_whole_extractor(self.trainer), self.model_config,
                                               getattr(torch, self.spec.engine_dtype), self.spec.rank,
                                               self.spec.world_size)
 
@@ -608,7 +635,7 @@ class BenchHost(RankHost):
         from colo.core.buckets import plan_buckets
 
         self._check_source(source)
-        ex = self.trainer.extractor()
+        ex = _whole_extractor(self.trainer)  # slime broadcasts every expert whole
         specs = list(ex.specs())
         # colo's bucket boundaries, but a tensor larger than the bucket whole in its own, as slime sends it
         buckets = plan_buckets(specs, bucket_bytes, split=False)
@@ -711,9 +738,10 @@ class BenchHost(RankHost):
         inp = torch.ones(part, dtype=torch.uint8, device=dev)
         flat = torch.empty(part * n, dtype=torch.uint8, device=dev)
         outs = list(flat.chunk(n))
-        specs = self.trainer.param_specs()
+        specs = self.trainer.param_specs()  # the whole tensors
         model_bytes = sum(s.nbytes for s in specs)
-        # a MoE's experts are broadcast from their expert-parallel owner, the rest all-gathered
+        # a MoE's experts go from their expert-parallel owner (each rank's slice by all_to_all in
+        # colo's rows, whole by broadcast in slime's), the rest is all-gathered
         expert_bytes = sum(s.nbytes for s in specs if is_expert(s.name))
         gathered = model_bytes - expert_bytes
         calls = -(-gathered // (part * n))
@@ -742,12 +770,34 @@ class BenchHost(RankHost):
         bcast_s = self._time(bcast, reps)
         out.update(broadcast_bytes=buf.numel(), broadcast_GBps=buf.numel() / bcast_s / 1e9)
         if expert_bytes:
+            # every expert whole to every rank: slime's row (and colo's before issue 46), in no floor
             bcalls = -(-expert_bytes // buf.numel())
             out.update(model_broadcast_s=self._time(lambda: [bcast() for _ in range(bcalls)], reps),
                        model_broadcast_calls=bcalls)
         else:
             out.update(model_broadcast_s=0.0, model_broadcast_calls=0)
+        out.update(self._scatter_limits(expert_bytes, gather_bytes, reps))
         return out
+
+    def _scatter_limits(self, expert_bytes: int, bucket_bytes: int, reps: int) -> dict:
+        """all_to_all_single over the world in which every rank receives a bucket, 1/N of it from
+        each rank, once alone and as many times as it takes to bring each rank its slice of
+        every expert (``expert_bytes / N``): the bytes colo's rows move for the experts
+        (:class:`~colo.extractors.megatron.MegatronExtractor`'s ``expert_scatter``). A dense
+        model, or a trainer that does not scatter, moves none this way."""
+        n, dev = self.spec.world_size, ("cuda" if self._cuda else "cpu")
+        per_rank = expert_bytes // n if getattr(self.trainer, "expert_scatter", False) else 0
+        if not per_rank or n < 2:
+            return {"expert_bytes_per_rank": 0, "model_all_to_all_s": 0.0, "model_all_to_all_calls": 0}
+        part = max(1, bucket_bytes // n)
+        send = torch.ones(part * n, dtype=torch.uint8, device=dev)
+        recv = torch.empty_like(send)
+        one = lambda: dist.all_to_all_single(recv, send)  # noqa: E731
+        a2a_s = self._time(one, reps)
+        calls = -(-per_rank // (part * n))
+        return {"all_to_all_bytes": part * n, "all_to_all_GBps": part * n / a2a_s / 1e9,
+                "expert_bytes_per_rank": per_rank, "model_all_to_all_calls": calls,
+                "model_all_to_all_s": self._time(lambda: [one() for _ in range(calls)], reps)}
 
     def _copy_limits(self, copy_bytes: int, reps: int) -> dict:
         """Host->device (pinned on a GPU) on every rank at once, and device->device."""
@@ -1034,13 +1084,14 @@ def summarize_row(plan: str, label: str, replies: list[dict], checks: list[dict]
 def floors(limits: list[dict]) -> dict:
     """The floors of the issue's targets, from the limits measured in this run (the slowest rank)."""
     gather = max(x["model_all_gather_s"] for x in limits)
-    # a MoE's experts reach every rank by broadcast from their owner (0 for a dense model)
-    bcast = max(x.get("model_broadcast_s", 0.0) for x in limits)
+    # a MoE's experts: each rank's slice of every expert from its owner by all_to_all, what
+    # colo's rows move (0 for a dense model); the broadcast of whole experts is in no floor
+    scatter = max(x.get("model_all_to_all_s", 0.0) for x in limits)
     copy = max(x["engine_shard_bytes"] / (x["d2d_copy_GBps_read_plus_write"] / 2 * 1e9) for x in limits)
     upload = max(x["trainer_shard_bytes"] / (x["h2d_GBps_all_at_once"] * 1e9) for x in limits)
-    return {"model_all_gather_s": gather, "model_broadcast_s": bcast, "engine_shard_copy_s": copy,
-            "trainer_shard_upload_s": upload, "sync-first": gather + bcast + copy,
-            "offload-first": upload + gather + bcast}
+    return {"model_all_gather_s": gather, "model_all_to_all_s": scatter, "engine_shard_copy_s": copy,
+            "trainer_shard_upload_s": upload, "sync-first": gather + scatter + copy,
+            "offload-first": upload + gather + scatter}
 
 
 def ratios(rows: list[dict], floor: dict, bucket_bytes: int) -> dict:
@@ -1124,7 +1175,9 @@ async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, 
                   "trainer": ("colo's Megatron trainer: a real megatron-core GPTModel, TP=N, bf16 parameters, "
                               "no optimizer state" if trainer == "megatron" else
                               "synthetic megatron-core TP layout (random bf16 shards)"
-                              + (", experts EP=N (expert TP 1), broadcast from their owner" if is_moe(config) else "")),
+                              + (", experts EP=N (expert TP 1): colo's rows send each engine rank its slice "
+                                 "from the owner by all_to_all, slime-style broadcasts them whole"
+                                 if is_moe(config) else "")),
                   "trainer_tp": trainer_tp(config, gpus), "trainer_dp": gpus // trainer_tp(config, gpus),
                   "trainer_ep": gpus if is_moe(config) else 1, "engine_tp": gpus,
                   "engine_moe": "TP-MoE: every expert's intermediate split over the engine's TP ranks"
@@ -1151,11 +1204,13 @@ def table(result: dict) -> str:
                      f"| {r['buckets']} | {peak} | {stag} | {'ok' if r['digest_ok'] else 'MISMATCH'} |")
     lim = result["limits"]
     lines.append(f"limits (slowest rank): all_gather {min(x['all_gather_GBps'] for x in lim):.1f} GB/s, "
-                 f"broadcast {min(x.get('broadcast_GBps', float('nan')) for x in lim):.1f} GB/s, host->device "
+                 f"broadcast {min(x.get('broadcast_GBps', float('nan')) for x in lim):.1f} GB/s, "
+                 + (f"all_to_all {min(x['all_to_all_GBps'] for x in lim):.1f} GB/s, "
+                    if all("all_to_all_GBps" in x for x in lim) else "") + "host->device "
                  f"on every GPU at once {min(x['h2d_GBps_all_at_once'] for x in lim):.1f} GB/s")
     f = result["floors"]
     lines.append(f"floors: sync-first {f['sync-first']:.4f} s, offload-first {f['offload-first']:.4f} s "
-                 f"(gather {f['model_all_gather_s']:.4f} s, broadcast {f.get('model_broadcast_s', 0.0):.4f} s)")
+                 f"(gather {f['model_all_gather_s']:.4f} s, experts' all_to_all {f.get('model_all_to_all_s', 0.0):.4f} s)")
     for k, t in result["targets"].items():
         v = "-" if t["value"] is None else f"{t['value']:.3f}"
         lines.append(f"target {k}: {v} (want {t['target']}) {'met' if t['met'] else 'MISSED' if t['met'] is False else ''}")

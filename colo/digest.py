@@ -1041,6 +1041,11 @@ class ReceivedDigest:
 
     def add_many(self, items: Sequence[tuple[str, Any]]) -> None:
         """Record a batch as it arrived (whole tensors and pieces): the device ones in one launch."""
+        cut = [n for n, t in items if not isinstance(t, torch.Tensor) and not hasattr(t, "offset")]
+        if cut:
+            # a rank's slice (colo.transports.wire.RankSlice) is not the tensor the name says
+            raise ValueError(f"{', '.join(cut[:5])} arrived cut for one engine rank: a received digest covers "
+                             f"whole tensors; compare the engine rank's shard digest instead")
         parts = [(t, 0) if isinstance(t, torch.Tensor) else (t.data, t.offset) for _, t in items]
         for (name, tensor), (data, _), got in zip(items, parts, lanes_many(parts)):
             if isinstance(tensor, torch.Tensor):

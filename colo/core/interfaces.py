@@ -18,12 +18,46 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What a bucket planner needs to know of one tensor: no data."""
+    """What a bucket planner needs to know of one tensor: no data.
+
+    ``rank_slice``: None, the whole tensor travels. ``(dim, start, length)``: only the
+    block ``[start, start + shape[dim])`` of dimension ``dim`` travels, already cut by the
+    sender for the one engine rank that holds it (a TP-MoE rank's slice of an expert, which
+    the expert's owner sends to each rank instead of broadcasting the whole expert to all);
+    ``length`` is that dimension's size in the whole tensor. ``shape`` and ``nbytes`` are
+    always what travels (the block's), so planning, packing and the staging views need
+    nothing new; :meth:`whole` is the tensor an engine's preflight checks.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the prefix, e.g. "bfloat16"
     nbytes: int
+    rank_slice: tuple[int, int, int] | None = None
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape (``shape`` itself unless a rank's slice travels)."""
+        if self.rank_slice is None:
+            return self.shape
+        dim, _, length = self.rank_slice
+        return (*self.shape[:dim], length, *self.shape[dim + 1:])
+
+    def whole(self) -> TensorSpec:
+        """The spec of the whole tensor (an engine's preflight checks HF names and their whole
+        shapes; where it is cut is said per tensor on the wire, ``colo.transports.wire``)."""
+        if self.rank_slice is None:
+            return self
+        per = self.nbytes // max(1, _prod(self.shape)) if _prod(self.shape) else 0
+        return TensorSpec(name=self.name, shape=self.whole_shape, dtype=self.dtype,
+                          nbytes=per * _prod(self.whole_shape))
+
+
+def _prod(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 @dataclass(frozen=True)

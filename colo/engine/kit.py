@@ -32,7 +32,7 @@ from colo.core.errors import EngineStateError, WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.proc.collector import collector_paused
 from colo.proc.lifecycle import log
-from colo.transports.wire import Piece, PreflightNotCached, layout_key
+from colo.transports.wire import Piece, PreflightNotCached, RankSlice, layout_key
 
 
 class LoadSession:
@@ -43,12 +43,19 @@ class LoadSession:
     whole once, or as pieces whose element ranges continue where the last one
     stopped (:meth:`advance`); :meth:`finish` refuses a sync that left a name
     out or half done. Refusals are remembered, so the end names them too.
+
+    ``rank_slices``: the engine takes a tensor cut for one of its ranks
+    (:class:`~colo.transports.wire.RankSlice`, checked against its shape like a
+    whole tensor; the engine checks that it is its own block). Off by default:
+    every other loader (vLLM's, SGLang's, a user's sink) holds whole tensors, and
+    a slice is refused by name before anything of its batch is written.
     """
 
     def __init__(self, expected: Mapping[str, tuple[int, ...]], *,
-                 describe_unexpected: Callable[[str], str] = str) -> None:
+                 describe_unexpected: Callable[[str], str] = str, rank_slices: bool = False) -> None:
         self.expected = expected
         self._describe_unexpected = describe_unexpected
+        self.rank_slices = rank_slices
         self.loaded: set[str] = set()
         #: names in the order they were completed
         self.order: list[str] = []
@@ -74,6 +81,9 @@ class LoadSession:
                 unexpected.append(self._describe_unexpected(name))
             elif tuple(tensor.shape) != tuple(shape):
                 wrong_shape.append(f"{name} {tuple(tensor.shape)} (expected {tuple(shape)})")
+            elif isinstance(tensor, RankSlice) and not self.rank_slices:
+                wrong_shape.append(f"{name}: arrived as the {tensor.describe()} (cut for one engine rank), "
+                                   f"expected the whole tensor: this engine loads whole tensors")
             elif piece and (tensor.offset != self.partial.get(name, 0) or tensor.end > numel(shape)
                             or tensor.data.dim() != 1):
                 wrong_shape.append(f"{name}: a piece of elements [{tensor.offset}, {tensor.end}) where the "

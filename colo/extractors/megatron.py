@@ -27,10 +27,22 @@ A tensor-parallel tensor is gathered into its output in place (``extract(names,
 into)``: a transport's staging view), and one cut on its rows can be gathered by
 byte range (``extract_range``: a piece of a tensor larger than the bucket); see
 ``docs/multi-gpu.md``.
+
+Experts scattered, not broadcast (``expert_scatter``, issue 46): when the engine is
+TP-MoE over the ranks of the expert-parallel group (engine rank r = rank r of that
+group; every engine rank holds its 1/N of each expert's intermediate axis), a rank
+needs only its slice of each expert, so the owner cuts each expert it holds into the
+N slices and one ``all_to_all_single`` per call (in blocks of at most
+:data:`SCATTER_CHUNK_BYTES`, each owner's share in every block) delivers slice r to
+rank r. Each rank receives 1/N of the expert bytes a broadcast brought it, in a few
+collectives a bucket rather than one broadcast per expert tensor, every rank sending
+at once; the slices are yielded under their HF names with ``TensorSpec.rank_slice``
+saying which block each is, and the transport marks them on the wire.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from colo.core.buckets import spec
+from colo.core.buckets import ALIGN, rank_slice_spec, spec
 from colo.device import canonical_device
 from colo.extractors.plain import (DTypeLike, UnknownTensor, check_against_spec, check_request, dtype_name,
                                    engine_dtype_of, resolve_dtype, to_engine)
@@ -202,9 +214,20 @@ class _Source:
     #: construction (torch.distributed's lookups ran for every gather, a few hundred a sync)
     gather_rank: int = 0
     gather_ranks: tuple[int, ...] = ()
+    #: scattered (``expert_scatter``): the owner's rank in the expert-parallel group, and
+    #: per target the dimension the engine's ranks split it on
+    owner: int = -1
+    scatter: dict[str, int] = field(default_factory=dict)
 
 
 _AXES = ("tp", "pp", "ep", "etp")
+
+#: the most one scatter collective's send and receive buffers hold together (the staging
+#: bound's 64 MiB beside two buckets, as GATHER_CHUNK_BYTES). Each owner's share of a block
+#: is at most 1/(2N) of it, so every block has every owner sending: one block holding only
+#: consecutive experts (one owner's, in a layer) would be a scatter from one rank, the
+#: other ranks' links idle
+SCATTER_CHUNK_BYTES = 48 << 20
 
 #: one all-gather into one output tensor (torch 2.13 renamed ``all_gather_into_tensor``)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -248,8 +271,20 @@ class MegatronExtractor:
     Megatron's padding off the embedding and output layer. ``rules``: the
     name table (``LLAMA_RULES``).
 
+    ``expert_scatter``: HF name -> the dimension the engine's tensor-parallel ranks
+    split it on (``colo.engine.reference.tp.split_dims``: 0 for an expert's gate and up
+    rows, 1 for its down columns), for experts that should reach each rank as that
+    rank's slice only (module docstring). The engine spans the ranks of ``ep_group``
+    in its order (engine rank r = rank r of ``ep_group``); each such expert must be
+    held whole by one rank of the group (expert TP 1, one pipeline stage). Its spec is
+    then the slice (``TensorSpec.rank_slice``): this extractor no longer yields the whole
+    tensor, so a caller that needs whole tensors (a digest of the model) builds one
+    without it. Every rank must pass the same mapping.
+
     ``specs()`` lists every HF tensor of the whole model (every rank gets the
-    same list), in rank-major order of first appearance. Every rank must
+    same list), in rank-major order of first appearance (the scattered experts
+    round-robin over their owners, in the places they held: see
+    ``_interleave_owners``). Every rank must
     call ``extract`` with the same names in the same order; every rank then
     yields the full tensors.
     """
@@ -260,8 +295,16 @@ class MegatronExtractor:
                  dtype: DTypeLike = None, device: torch.device | str | None = None,
                  tp_group: Any = None, pp_group: Any = None, ep_group: Any = None, expert_tp_group: Any = None,
                  group: Any = None, attention: tuple[int, int] | None = None, vocab_size: int | None = None,
-                 rules: Sequence[NameRule] = LLAMA_RULES, upload_to: torch.device | str | None = None):
+                 rules: Sequence[NameRule] = LLAMA_RULES, upload_to: torch.device | str | None = None,
+                 expert_scatter: Mapping[str, int] | None = None):
         self.dtype = resolve_dtype(dtype)
+        self._expert_scatter = dict(expert_scatter or {})
+        #: HF name -> its source, for the scattered ones (a dict: each name looked up once a call)
+        self._scattered: dict[str, _Source] = {}
+        #: bytes and collectives of the scatter so far (``received``: slices that arrived here,
+        #: this rank's own included; ``from_others``: of those, from other ranks; ``sent``: to
+        #: other ranks; ``calls``): counted, so a test or a benchmark can say what moved
+        self.scatter_stats = {"received": 0, "from_others": 0, "sent": 0, "calls": 0}
         if upload_to is not None and device is not None:
             raise ValueError("megatron extractor: give device (upload here) or upload_to (the transport "
                              "uploads into its own buffer), not both")
@@ -310,11 +353,12 @@ class MegatronExtractor:
                                    "is not initialized")
             self.rank = 0
             axes = {a: [0] for a in _AXES}
-            return [{"rank": 0, "axes": axes, "params": [(n, m) for n, m in metas.items()]}]
+            return [{"rank": 0, "axes": axes, "scatter": self._scatter_key(),
+                     "params": [(n, m) for n, m in metas.items()]}]
         self.rank = dist.get_rank()
         axes = {a: (dist.get_process_group_ranks(g) if g is not None else [self.rank])
                 for a, g in self._groups.items()}
-        mine = {"rank": self.rank, "axes": axes,
+        mine = {"rank": self.rank, "axes": axes, "scatter": self._scatter_key(),
                 "params": [(n, (m.shape, m.dtype, m.tp, m.partition_dim, m.partition_stride, m.shared_embedding))
                            for n, m in metas.items()]}
         out: list[Any] = [None] * dist.get_world_size(group)
@@ -364,7 +408,7 @@ class MegatronExtractor:
                 self._by_target[target] = name
                 self._specs[target] = spec(target, shape, dtype_name(self._engine_dtype(meta)))
             self._sources[name] = src
-        problems = []
+        problems = self._plan_scatter(everyone)
         if unmatched:
             problems.append(f"no name rule matches parameter(s) {unmatched}; add a NameRule for them")
         if strided:
@@ -372,6 +416,79 @@ class MegatronExtractor:
         if problems:
             # one error naming every parameter that cannot be mapped, not the first
             raise ValueError(f"{who}: " + "; ".join(problems))
+
+    def _scatter_key(self) -> str:
+        """``expert_scatter`` as a short string every rank can compare (Qwen3-30B-A3B's has 18,432 names)."""
+        import hashlib
+
+        return hashlib.sha256(repr(sorted(self._expert_scatter.items())).encode()).hexdigest()
+
+    def _plan_scatter(self, everyone: list[dict]) -> list[str]:
+        """Mark the experts of ``expert_scatter`` as scattered and make their specs the slices
+        this rank receives; what cannot be scattered, named (one error with the others)."""
+        differ = sorted(r["rank"] for r in everyone if r["scatter"] != self._scatter_key())
+        if differ:
+            # each rank's collectives follow its own mapping: different ones would hang or mix bytes
+            return [f"expert_scatter differs between rank {self.rank} and rank(s) {differ}; every rank must "
+                    f"pass the same mapping"]
+        if not self._expert_scatter:
+            return []
+        group = self._groups["ep"]
+        size = len(everyone[[r["rank"] for r in everyone].index(self.rank)]["axes"]["ep"])
+        if group is None or size < 2:
+            return [f"expert_scatter needs an expert-parallel group of 2 or more ranks (the engine's ranks); "
+                    f"got {'none' if group is None else 'one of 1'}"]
+        members = list(dist.get_process_group_ranks(group))
+        me = members.index(self.rank)
+        bad: list[str] = []
+        for name, dim in self._expert_scatter.items():
+            source = self._by_target.get(name)
+            if source is None:
+                bad.append(f"{name} (no parameter becomes it)")
+                continue
+            src = self._sources[source]
+            ep = [(o, g) for o, g in src.broadcasts if g is group]
+            why = ("not an expert's" if not src.rule.expert else
+                   "sharded over expert tensor parallelism" if src.gather is not None else
+                   "not held whole by exactly one rank of its expert-parallel group (or held on another "
+                   "pipeline stage)" if len(src.broadcasts) != 1 or len(ep) != 1 else None)
+            if why is not None:
+                bad.append(f"{name} ({why})")
+                continue
+            whole = self._specs[name].shape
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(whole) or whole[dim] % size:
+                bad.append(f"{name} (dimension {dim!r} of {whole} does not split into {size} equal blocks)")
+                continue
+            length = whole[dim] // size
+            self._specs[name] = rank_slice_spec(name, whole, self._specs[name].dtype, dim, me * length, length)
+            src.owner = members.index(ep[0][0])
+            src.scatter[name] = dim
+            self._scattered[name] = src
+        if bad:
+            return [f"cannot scatter expert tensor(s) {bad}"]
+        self._scatter_group, self._scatter_size, self._scatter_me = group, size, me
+        self._interleave_owners(size)
+        return []
+
+    def _interleave_owners(self, size: int) -> None:
+        """List the scattered tensors round-robin over their owners, in the places of the spec
+        list they held (the same order on every rank: it follows from shared metadata).
+
+        Why: the list is rank-major, so each owner's experts came one after the other (rank
+        0's among its dense tensors, then all of rank 1's, ...), and a bucket held one
+        owner's: its all_to_all was that one rank sending to all the others while they sent
+        nothing, a scatter from one root at a time (with N = 4, a quarter of the links'
+        bandwidth). Round-robin (layer, expert within its owner, owner), every bucket's
+        collectives have every rank sending its share at once."""
+        names = list(self._specs)
+        spots = [i for i, n in enumerate(names) if n in self._scattered]
+        queues: list[list[str]] = [[] for _ in range(size)]
+        for i in spots:
+            queues[self._scattered[names[i]].owner].append(names[i])
+        robin = [n for turn in itertools.zip_longest(*queues) for n in turn if n is not None]
+        for i, n in zip(spots, robin):
+            names[i] = n
+        self._specs = {n: self._specs[n] for n in names}
 
     def _route(self, src: _Source, holders: set[int], ranks: list[int], axes_of: dict) -> None:
         """Decide this rank's broadcasts and gather for ``src``, from metadata every rank shares."""
@@ -567,8 +684,9 @@ class MegatronExtractor:
     def _extract(self, names: list[str], into: Mapping[Any, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         self._call_streams.clear()  # a new call: its first upload waits for the trainer's writes (_upload)
         last_use = {self._by_target[n]: i for i, n in enumerate(names)}
-        # every rank reaches this line with the same names: the same collectives, in the same order
-        ready = self._gather_together(names, into)
+        # every rank reaches these lines with the same names: the same collectives, in the same order
+        ready = self._scatter_together(names, into) if self._scattered else {}
+        ready.update(self._gather_together(names, into))
         for i, name in enumerate(names):
             source = self._by_target[name]
             if source not in ready:
@@ -810,6 +928,102 @@ class MegatronExtractor:
         for group, pairs in gathers.items():
             _all_gather_coalesced([o for o, _ in pairs], [i for _, i in pairs], group)
         return ready
+
+    def _scatter_together(self, names: list[str], into: Mapping[Any, torch.Tensor]
+                          ) -> dict[str, dict[str, torch.Tensor]]:
+        """The scattered outputs among ``names`` (``expert_scatter``): this rank's slice of each,
+        ``{source: {target: slice}}``, in a few ``all_to_all_single`` collectives.
+
+        The blocks follow from the names and the metadata alone, the same on every rank:
+        each owner's outputs in order, cut where its share of a block would pass
+        1/(2N) of :data:`SCATTER_CHUNK_BYTES`, so every block has every owner sending."""
+        size = self._scatter_size
+        share = max(1, SCATTER_CHUNK_BYTES // (2 * size))
+        by_owner: list[list[str]] = [[] for _ in range(size)]
+        for name in names:
+            src = self._scattered.get(name)
+            if src is not None:
+                by_owner[src.owner].append(name)
+        blocks: list[list[list[str]]] = []
+        for q, mine in enumerate(by_owner):
+            k, held = 0, 0
+            for name in mine:
+                n = self._specs[name].nbytes
+                if held and held + n > share:
+                    k, held = k + 1, 0
+                while len(blocks) <= k:
+                    blocks.append([[] for _ in range(size)])
+                blocks[k][q].append(name)
+                held += n
+        ready: dict[str, dict[str, torch.Tensor]] = {}
+        for block in blocks:
+            self._scatter_block(block, into, ready)
+        return ready
+
+    def _scatter_block(self, block: list[list[str]], into: Mapping[Any, torch.Tensor],
+                       ready: dict[str, dict[str, torch.Tensor]]) -> None:
+        """One ``all_to_all_single``: rank q's outputs ``block[q]`` go from q to every rank as
+        that rank's slice. Rank q sends rank r its slice r of each, back to back (each at a
+        16-byte offset); rank r receives them from every owner and copies each into its
+        output (the caller's view of it, else it is yielded as the received bytes)."""
+        size, me, group = self._scatter_size, self._scatter_me, self._scatter_group
+        device = self._comm_device()
+        places: list[list[tuple[str, int]]] = []  # per owner: (name, byte offset in its region)
+        region = []  # per owner: the bytes it sends each rank
+        for names in block:
+            at, laid = 0, []
+            for name in names:
+                at = -(-at // ALIGN) * ALIGN
+                laid.append((name, at))
+                at += self._specs[name].nbytes
+            places.append(laid)
+            region.append(-(-at // ALIGN) * ALIGN)
+        send = torch.empty(size * region[me], dtype=torch.uint8, device=device)
+        dsts, srcs = [], []
+        parts: dict[str, tuple[torch.Tensor, ...]] = {}
+        for name, at in places[me]:
+            src = self._scattered[name]
+            spec_ = self._specs[name]
+            cut = parts.get(src.name)
+            if cut is None:
+                cut = parts[src.name] = self._scatter_parts(src)
+            whole = cut[src.targets.index(name)]
+            dim, n = src.scatter[name], spec_.nbytes
+            # (size, slice) views of both: slice r of the whole tensor, rank r's bytes of the region
+            blocks_ = whole.reshape(*whole.shape[:dim], size, whole.shape[dim] // size, *whole.shape[dim + 1:])
+            dsts.append(send.view(size, region[me])[:, at:at + n].view(whole.dtype).view(size, *spec_.shape))
+            srcs.append(blocks_.movedim(dim, 0))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        recv = torch.empty(sum(region), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(recv, send, output_split_sizes=region, input_split_sizes=[region[me]] * size,
+                               group=group)
+        out_dst, out_src = [], []
+        base = 0
+        for q in range(size):
+            for name, at in places[q]:
+                s = self._specs[name]
+                got = recv[base + at:base + at + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
+                out = self._out(name, into) if into.get(name) is not None else got
+                if out is not got:
+                    out_dst.append(out)
+                    out_src.append(got)
+                ready.setdefault(self._scattered[name].name, {})[name] = out
+            base += region[q]
+        if out_dst:
+            torch._foreach_copy_(out_dst, out_src)
+        st = self.scatter_stats
+        st["received"] += sum(self._specs[n].nbytes for names in block for n in names)
+        st["from_others"] += sum(self._specs[n].nbytes for q, names in enumerate(block) if q != me for n in names)
+        st["sent"] += (size - 1) * sum(self._specs[n].nbytes for n in block[me])
+        st["calls"] += 1
+
+    def _scatter_parts(self, src: _Source) -> tuple[torch.Tensor, ...]:
+        """The owner's whole outputs of a scattered source in the engine's dtype on the
+        communicator's device (uploaded from a pinned host copy, as the broadcast did):
+        gate and up of a GLU weight (row ranges of it), else the tensor."""
+        t = to_engine(self._local_tensor(src), self.dtype, self._comm_device())
+        return t.chunk(2, dim=0) if src.rule.split == "glu" else (t,)
 
     def _copy_whole(self, src: _Source, name: str, into: Mapping[Any, torch.Tensor], copies: list,
                     ready: dict[str, dict[str, torch.Tensor]]) -> None:

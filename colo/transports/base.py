@@ -189,6 +189,10 @@ class BucketSender:
     #: the sync's last load request carries its end (the transport passes ``_end_of``'s
     #: keywords to ``transport_load`` and its reply to ``_loaded``)
     ends_on_last_load = False
+    #: its requests say which tensors are one engine rank's slice (``TensorSpec.rank_slice``,
+    #: the wire's ``rank_slice``); a transport that does not would hand a slice to the engine
+    #: as a whole tensor of the slice's shape, so :meth:`sync` refuses such specs first
+    carries_rank_slices = False
 
     # -- hooks ---------------------------------------------------------------
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
@@ -231,8 +235,14 @@ class BucketSender:
         # the previous bucket's acknowledgement meanwhile: a small model's sync is
         # mostly such fixed costs (issue 18). Large buckets keep the hop.
         self._inline = _gpu_process() and (len(buckets) == 1 or max(b.nbytes for b in buckets) <= INLINE_BYTES)
-        # The engine checks every name, shape and dtype before the first byte moves.
-        await engine.preflight(specs)
+        sliced = [s.name for s in specs if s.rank_slice is not None]
+        if sliced and not self.carries_rank_slices:
+            raise ValueError(f"transport {self.name!r} cannot carry tensors cut for one engine rank "
+                             f"({len(sliced)} of them, e.g. {sliced[0]!r}): use 'packed', or extract "
+                             f"them whole")
+        # The engine checks every name, shape and dtype before the first byte moves: the
+        # whole tensors' (a rank's slice is checked against what the rank holds as it loads)
+        await engine.preflight([s.whole() for s in specs] if sliced else specs)
         self._last_bucket, self._ended = buckets[-1].index, False
         try:
             await self._begin(engine, ctx, buckets)

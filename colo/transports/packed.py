@@ -144,6 +144,8 @@ class PackedTransport(BucketSender):
 
     name = "packed"
     ends_on_last_load = True
+    #: its entries carry ``rank_slice`` (``TensorMeta.of_bucket``), which colo's TP engine takes
+    carries_rank_slices = True
 
     def __init__(self, *, pipelined: bool = True, align: int = PADDED, one_copy: bool = True,
                  keep_staging_bytes: int | None = None):

@@ -151,6 +151,32 @@ def strided_span(shape: Sequence[int], strides: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
+class RankSlice:
+    """A tensor that arrives already cut for the receiving engine rank: ``data`` is the block
+    ``[start, start + data.shape[dim])`` of dimension ``dim`` of the whole tensor, whose shape
+    is ``shape`` (as a :class:`Piece`'s, the whole tensor's: an engine's accounting of names
+    and shapes stays the one it has). Only an engine that holds that block as it is (colo's
+    TP engine, ``colo.engine.reference.tp``) takes it, after checking that the block is the
+    one this rank holds; any other loader refuses it by name."""
+
+    data: Any
+    dim: int
+    start: int
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self) -> Any:
+        return self.data.dtype
+
+    @property
+    def length(self) -> int:
+        return int(self.data.shape[self.dim])
+
+    def describe(self) -> str:
+        return f"block [{self.start}, {self.start + self.length}) of dimension {self.dim} of {tuple(self.shape)}"
+
+
+@dataclass(frozen=True)
 class TensorMeta:
     """One tensor of a bucket: where its bytes are in the flat uint8 buffer.
 
@@ -180,6 +206,15 @@ class TensorMeta:
     so ``[start_idx, end_idx)`` is every byte the view can read (others' bytes
     between its runs too) and ``numel`` that span. Without ``strides`` an entry is
     row-major, as ever; SGLang's dataclass refuses the field, as it does a piece.
+
+    One engine rank's slice of a tensor (``TensorSpec.rank_slice``: an expert
+    its owner cut for each TP-MoE rank) carries ``rank_slice``: ``{"dim": d,
+    "start": s, "length": L}``, the block ``[s, s + shape[d])`` of dimension d
+    of a tensor whose dimension d is L long. Here ``shape`` is the block's (the
+    bytes are that contiguous tensor, so every size check is the same); the
+    receiver hands it on as a :class:`RankSlice` of the whole shape. Never with
+    ``piece_offset`` (a slice is never cut into pieces), and refused by SGLang
+    for the same reason as a piece.
     """
 
     name: str
@@ -190,6 +225,7 @@ class TensorMeta:
     offset: int = 0  # byte offset of these bytes in the whole tensor
     #: ``(view shape, element strides)`` of a whole tensor lying strided in the buffer
     view: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    rank_slice: tuple[int, int, int] | None = None  # (dim, start, whole length): see above
 
     @property
     def nbytes(self) -> int:
@@ -208,7 +244,18 @@ class TensorMeta:
             out["strides"] = list(self.view[1])
         elif not self.whole:
             out["piece_offset"] = self.offset
+        if self.rank_slice is not None:
+            dim, start, length = self.rank_slice
+            out["rank_slice"] = {"dim": dim, "start": start, "length": length}
         return out
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        """The whole tensor's shape: ``shape``, but for a rank's slice."""
+        if self.rank_slice is None:
+            return self.shape
+        dim, _, length = self.rank_slice
+        return (*self.shape[:dim], length, *self.shape[dim + 1:])
 
     @classmethod
     def from_json(cls, d: Any, *, buffer_nbytes: int | None = None) -> TensorMeta:
@@ -255,11 +302,14 @@ class TensorMeta:
         if start % itemsize(dtype):
             raise RequestError(f"{what}: start_idx {start} is not a multiple of {dtype}'s "
                                f"{itemsize(dtype)} bytes; the tensor cannot be viewed in place")
-        return cls(name, shape, dtype, start, end, offset, view)
+        if "strides" in d and "rank_slice" in d:
+            raise RequestError(f"{what}: a rank's slice (rank_slice) travels contiguous; it cannot also lie "
+                               f"strided (strides)")
+        return cls(name, shape, dtype, start, end, offset, view, _rank_slice(d, what, shape))
 
     @classmethod
     def of_bucket(cls, bucket: Bucket) -> list[TensorMeta]:
-        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end, e.offset, e.view)
+        return [cls(e.spec.name, e.spec.shape, e.spec.dtype, e.start, e.end, e.offset, e.view, e.spec.rank_slice)
                 for e in bucket.entries]
 
 
@@ -293,6 +343,22 @@ def _parse_view(d: dict, what: str, shape: tuple[int, ...], dtype: str, start: i
                            f"{start} reads bytes [{start}, {start + span}); expected end_idx {start + span} "
                            f"(got {end}) inside the {limit} B buffer")
     return view_shape, strides
+
+
+def _rank_slice(d: dict, what: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """An entry's ``rank_slice`` field (:class:`TensorMeta`), checked: a block inside the whole
+    tensor, of a whole entry (not a piece)."""
+    if "rank_slice" not in d:
+        return None
+    raw = d["rank_slice"]
+    if "piece_offset" in d:
+        raise RequestError(f"{what}: a rank's slice cannot also be a piece (piece_offset); a slice "
+                           f"travels whole")
+    dim, start, length = (get_field(raw, k, int, f"{what} rank_slice") for k in ("dim", "start", "length"))
+    if not 0 <= dim < len(shape) or start < 0 or start + shape[dim] > length:
+        raise RequestError(f"{what}: rank_slice {{'dim': {dim}, 'start': {start}, 'length': {length}}} is not "
+                           f"a block of a whole tensor holding its shape {shape}")
+    return dim, start, length
 
 
 def parse_tensors(d: Any, key: str, what: str, *, buffer_nbytes: int | None = None) -> tuple[TensorMeta, ...]:
@@ -414,12 +480,12 @@ def _make_views(flat: Any, tensors: Sequence[TensorMeta], *, strided_as_is: bool
             continue
         if base is False:  # the buffer cannot be viewed as this dtype as a whole
             data = flat[m.start:m.end].view(getattr(torch, m.dtype))
-            out.append((m.name, data.view(m.shape) if m.whole else piece_of(m, data)))
+            out.append((m.name, _sliced(m, data.view(m.shape)) if m.whole else piece_of(m, data)))
             continue
         size = itemsize(m.dtype)
         at = base.storage_offset() + m.start // size
         if m.whole:
-            out.append((m.name, base.as_strided(m.shape, contiguous_strides(m.shape), at)))
+            out.append((m.name, _sliced(m, base.as_strided(m.shape, contiguous_strides(m.shape), at))))
         else:
             out.append((m.name, piece_of(m, base.as_strided(((m.end - m.start) // size,), (1,), at))))
     return out
@@ -444,6 +510,14 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def _sliced(m: TensorMeta, data: Any) -> Any:
+    """``data`` (the entry's tensor) as it goes to the loader: a :class:`RankSlice` where the
+    entry is one rank's slice, else the tensor itself."""
+    if m.rank_slice is None:
+        return data
+    return RankSlice(data, m.rank_slice[0], m.rank_slice[1], m.whole_shape)
 
 
 def piece_of(m: TensorMeta, data: Any) -> Piece:

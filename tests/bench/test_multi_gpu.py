@@ -10,7 +10,9 @@ ROWS = {(p, t) for p in ("sync-first", "offload-first")
         for t in ("colo-packed", "colo-packed-serial", "slime-style", "ipc-per-tensor")}
 
 
-def _check(result: dict, rows: set = ROWS) -> None:
+def _check(result: dict, rows: set = ROWS, colo_bytes: int | None = None) -> None:
+    """``colo_bytes``: what colo's rows move per rank where it is not the whole model (a MoE's
+    experts, each rank's slice only)."""
     assert {(r["plan"], r["transport"]) for r in result["rows"]} == rows
     for key in ("device", "gpu_count", "torch", "date", "limits", "floors", "rows", "ratios", "targets",
                 "model", "bucket_mib", "digest_verified"):
@@ -18,9 +20,11 @@ def _check(result: dict, rows: set = ROWS) -> None:
     assert result["gpu_count"] == 2 and len(result["limits"]) == 2
     model_bytes = result["model"]["bytes"]
     for r in result["rows"]:
-        # every row moved the whole model and every engine rank holds its shard of the trainer's weights
+        # every row moved the whole model (colo's, of a MoE: each rank's slice of the experts) and
+        # every engine rank holds its shard of the trainer's weights
         assert r["digest_ok"] and r["digest_ok_by_rank"] == [True, True], r
-        assert r["bytes"] == model_bytes, r
+        colo = r["transport"].startswith("colo-packed") and colo_bytes is not None
+        assert r["bytes"] == (colo_bytes if colo else model_bytes), r
         assert r["tensors"] == result["model"]["tensors"]
         assert len(r["sync_s_all"]) == result["reps"] and all(s > 0 for s in r["sync_s_all"])
         if r["transport"].startswith("colo-packed"):
@@ -127,14 +131,17 @@ def test_bench_gpus_2_moe_cpu(tmp_path, no_leftover_segments):
                        "--bucket-mib", "0.05", "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
-    _check(result, MOE_ROWS)
+    experts = result["model"]["expert_bytes"]
+    # colo's rows: each engine rank gets its half of every expert (issue 46), slime's every expert whole
+    _check(result, MOE_ROWS, colo_bytes=result["model"]["bytes"] - experts // 2)
     assert result["model"]["trainer_ep"] == 2 and result["anchor"]["ipc_loop_s"] == 3.0
-    # the experts are most of the bytes, broadcast from their owner: the floor counts them
-    assert 0 < result["model"]["expert_bytes"] < result["model"]["bytes"]
+    # the experts are most of the bytes; the floor counts the half each rank receives by all_to_all
+    assert 0 < experts < result["model"]["bytes"] and experts % 2 == 0
     for lim in result["limits"]:
-        assert lim["expert_bytes"] == result["model"]["expert_bytes"] and lim["model_broadcast_calls"] > 0
+        assert lim["expert_bytes"] == experts and lim["expert_bytes_per_rank"] == experts // 2
+        assert lim["model_all_to_all_calls"] > 0 and lim["model_broadcast_calls"] > 0
         assert lim["gathered_bytes"] + lim["expert_bytes"] == lim["model_bytes"]
-    assert result["floors"]["model_broadcast_s"] > 0
+    assert result["floors"]["model_all_to_all_s"] > 0 and "model_broadcast_s" not in result["floors"]
     assert set(result["targets"]) >= {"sync_first_s", "sync_first_vs_floor"}
 
 
@@ -188,7 +195,8 @@ def test_bench_gpus_2_moe_cuda(tmp_path):
     from bench.multi_gpu import run_bench_multi
 
     result, _ = run_bench_multi("cuda", 2, "qwen3-30b-a3b", 64, 1, str(tmp_path / "moe.json"), layers=2)
-    _check(result, MOE_ROWS)
+    # colo's rows: each engine rank gets its half of every expert (as on the CPU); slime's every expert whole
+    _check(result, MOE_ROWS, colo_bytes=result["model"]["bytes"] - result["model"]["expert_bytes"] // 2)
     assert all(r["device_peak_extra_max"] is not None for r in result["rows"])
 
 

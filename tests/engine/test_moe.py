@@ -132,7 +132,28 @@ def worker(rank: int, world: int, tmp_path, fields: dict) -> dict:
                              **_engine_build())
     g = torch.Generator().manual_seed(3)
     greedy, _ = engine.model.generate(tok[:, :4], NEW, temperature=0.0, generator=g)
+
+    # the same experts, each sent to every engine rank as that rank's slice only (issue 46): an
+    # engine rank loaded from them holds the same shard, bit for bit
+    from colo.engine.reference.moe import expert_split_dims
+    from colo.transports.wire import RankSlice
+
+    scatter = MegatronExtractor(params, tp_group=ps.get_tensor_model_parallel_group(),
+                                ep_group=ps.get_expert_model_parallel_group(),
+                                expert_tp_group=ps.get_expert_tensor_parallel_group(),
+                                attention=(cfg.num_attention_heads, cfg.num_key_value_heads),
+                                vocab_size=cfg.vocab_size, expert_scatter=expert_split_dims(cfg, world))
+    specs = list(scatter.specs())
+    got = dict(scatter.extract([s.name for s in specs]))
+    sliced = MoETPEngineCore(cfg, tp_rank=rank, tp_size=world, group=dist.group.WORLD, **_engine_build())
+    sliced.begin_load()
+    sliced.load_weights([(s.name, RankSlice(got[s.name], s.rank_slice[0], s.rank_slice[1], s.whole_shape)
+                          if s.rank_slice is not None else got[s.name]) for s in specs])
+    sliced.end_load()
+    experts = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".mlp.experts." in n)
     return {"megatron": logits.clone(), "tensors": tensors if rank == 0 else {},
+            "scatter_digest": sliced.digest(), "scatter_received": scatter.scatter_stats["received"],
+            "expert_bytes": experts, "sliced_specs": sum(s.rank_slice is not None for s in specs),
             "local": {n: (tuple(p.shape), dict((k, getattr(p, k)) for k in
                                               ("tensor_model_parallel", "partition_dim", "partition_stride")
                                               if getattr(p, "tensor_model_parallel", False)))
@@ -234,6 +255,16 @@ def test_tp2_greedy_tokens_equal_tp1_engine_and_transformers(ranks, hf):
     with torch.no_grad():
         ref = hf["model"].generate(prompts, max_new_tokens=NEW, do_sample=False, pad_token_id=0)[:, 4:]
     assert torch.equal(tp1, ref)
+
+
+def test_megatron_cores_experts_scattered_to_each_engine_rank_load_the_same_shard(ranks):
+    """``expert_scatter`` on megatron-core's own EP=2 model: each rank receives half of every
+    expert's bytes, and the engine rank loaded from those slices holds the shard the engine
+    loaded from the whole tensors (its digest, bit for bit)."""
+    for rank, r in enumerate(ranks):
+        assert r["sliced_specs"] == 2 * 8 * 3  # qwen3-moe-tiny: 2 layers, 8 experts, gate/up/down
+        assert r["scatter_received"] * 2 == r["expert_bytes"] > 0
+        assert r["scatter_digest"] == r["engine_digest"], rank
 
 
 def test_bench_synthetic_layout_is_megatron_cores_own(ranks):

@@ -38,7 +38,12 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.wire import Piece, Strided
+from colo.transports.wire import Piece, RankSlice, Strided
+
+
+def _source(t: Any) -> torch.Tensor:
+    """The tensor a batch item's bytes are in: a rank's slice's data, else the item itself."""
+    return t.data if isinstance(t, RankSlice) else t
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +111,7 @@ class _BatchMemo:
                 model._write(params, *batch[i])
                 model._sum_one(params, batch[i][0])
             if self.small:
-                torch._foreach_copy_(self.small_dst, [batch[i][1] for i in self.small])
+                torch._foreach_copy_(self.small_dst, [_source(batch[i][1]) for i in self.small])
             model._sum_written(params, [self.names[i] for i in self.small])
         session.loaded |= self.name_set
         session.order += self.names
@@ -235,6 +240,9 @@ class EngineModel:
     #: its row block as it lies); a tensor-parallel rank cuts its slice out of the tensor's
     #: own shape, so it is given the tensor (``colo.engine.reference.tp``)
     loads_strided = True
+    #: a sync may deliver a tensor already cut for this engine (``RankSlice``): not to a
+    #: whole model, whose load session refuses it by name; a TP rank takes its own block
+    takes_rank_slices = False
 
     def __init__(self, config: Any, *, dtype: DTypeLike = torch.bfloat16, device: str | torch.device = "cpu",
                  total_bytes: int, mem_fraction_static: float, saver: Any = None) -> None:
@@ -448,7 +456,7 @@ class EngineModel:
         if self._load is not None:
             raise EngineStateError("a load is already in progress (begin_load called twice without end_load)")
         self._load = LoadSession({n: s.shape for n, s in self.sync_map.shards.items()},
-                                 describe_unexpected=self.sync_map.unexpected)
+                                 describe_unexpected=self.sync_map.unexpected, rank_slices=self.takes_rank_slices)
         self._digested = None
         self._load_digest = _LoadDigest(self.device, self._sum_tables) if self._digest_asked else None
         self._digest_asked = False
@@ -487,6 +495,7 @@ class EngineModel:
         strided = self.loads_strided and layout is not None and getattr(named_tensors, "strided", False)
         items = named_tensors.sources() if strided else _named_items(named_tensors)
         session.check(items)
+        self._check_slices(items, session)
         batched = self._batched(params, items)
         if batched is not None:
             self._run_batched(*batched)
@@ -507,11 +516,11 @@ class EngineModel:
         other: list[int] = []
         with torch.no_grad():
             for i, (name, tensor) in enumerate(items):
-                dest = None if isinstance(tensor, (Piece, Strided)) else self._whole_dest(params, name)
-                if (dest is not None and tensor.dtype == dest.dtype and tensor.device == dest.device
-                        and tensor.numel() * tensor.element_size() < FOREACH_BYTES):
+                dest, src = self._direct(params, name, tensor) or (None, None)
+                if (dest is not None and src.dtype == dest.dtype and src.device == dest.device
+                        and src.numel() * src.element_size() < FOREACH_BYTES):
                     small_dst.append(dest)
-                    small_src.append(tensor)
+                    small_src.append(src)
                     small.append(i)
                     advanced = session.advance(name, tensor)
                 else:
@@ -528,6 +537,11 @@ class EngineModel:
             self._batch_memo = _BatchMemo(items, self._dests, small, small_dst, other)
         return done
 
+    def _check_slices(self, items: list, session: LoadSession) -> None:
+        """Where the engine takes tensors cut for one rank (``takes_rank_slices``), refuse the
+        batch if one is not this rank's block: a TP rank does (``colo.engine.reference.tp``).
+        This engine holds every tensor whole, and its session refused any slice already."""
+
     def _batched(self, params: dict[str, torch.Tensor], items: list) -> tuple[Copies, Labels] | None:
         """A checked batch of whole tensors already on this engine's GPU in its dtype (a
         ``sync-first`` bucket, a trainer's flat weights read in place) as one launch
@@ -542,15 +556,19 @@ class EngineModel:
             return None
         pairs, dests, firsts, owners = [], [], [], []
         for i, (name, tensor) in enumerate(items):
-            dest = None if isinstance(tensor, Piece) else self._whole_dest(params, name)
-            if dest is None:
-                return None
-            dests.append(dest)
             if not isinstance(tensor, Strided):
-                pairs.append((dest, tensor))
+                pair = self._direct(params, name, tensor)
+                if pair is None:
+                    return None
+                dests.append(pair[0])
+                pairs.append(pair)
                 firsts.append(0)
                 owners.append(i)
                 continue
+            dest = self._whole_dest(params, name)
+            if dest is None:
+                return None
+            dests.append(dest)
             # its contiguous runs (one per query group of a fused QKV), each into its place in
             # the block, its lanes counted from its first word in the tensor (16-bit words)
             runs = list(itertools.islice(_runs(dest.view(tensor.data.shape), tensor.data), MAX_RUNS + 1))
@@ -596,6 +614,17 @@ class EngineModel:
         for name in names:
             self._sum_one(params, name)
         self._load_digest.flush()
+
+    def _direct(self, params: dict[str, torch.Tensor], name: str, tensor: Any
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(block, source)`` where ``tensor`` (checked) is copied into a block of the
+        parameters as it is, so it can join a batched copy; None where it is written some
+        other way (a piece; a strided tensor, copied as its runs; on a TP rank, a whole
+        tensor it cuts its slice from)."""
+        if isinstance(tensor, (Piece, Strided)):
+            return None
+        dest = self._whole_dest(params, name)
+        return None if dest is None else (dest, tensor)
 
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
         """The row block a whole HF tensor is copied into as it is (made once per

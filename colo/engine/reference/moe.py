@@ -43,7 +43,7 @@ from colo.engine.reference.core import EngineCore
 from colo.dtypes import DTypeLike
 from colo.engine.reference.dims import MoEDims, is_moe_config  # noqa: F401 (re-exported)
 from colo.engine.reference.model import EngineModel
-from colo.engine.reference.tp import TPEngineCore, TPEngineModel
+from colo.engine.reference.tp import TPEngineCore, TPEngineModel, split_dims
 
 
 class _MoEForward:
@@ -107,6 +107,13 @@ class MoETPEngineCore(TPEngineCore):
         self._start(MoETPEngineModel(config, tp_rank=tp_rank, tp_size=tp_size, group=group, dtype=dtype,
                                      device=device, total_bytes=total_bytes,
                                      mem_fraction_static=mem_fraction_static, saver=saver), init_state)
+
+
+def expert_split_dims(config: Any, tp_size: int) -> dict[str, int]:
+    """Each expert tensor's HF name -> the dimension a TP-MoE engine of ``tp_size`` ranks splits
+    it on (0: gate and up rows, 1: down columns; the intermediate axis), what an extractor
+    needs to send each rank only its slice (``MegatronExtractor(expert_scatter=...)``)."""
+    return {n: d for n, d in split_dims(config, tp_size).items() if ".mlp.experts." in n}
 
 
 def core_class(config: Any, *, tp: bool) -> type:

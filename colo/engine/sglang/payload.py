@@ -88,7 +88,9 @@ class _Pickler(pickle._Pickler):
 
 def bucket_metadata(laid: Bucket) -> list[dict]:
     """The bucket's entries as SGLang's metadata fields (JSON: name, shape, dtype, start_idx,
-    end_idx, numel in bytes). SGLang loads whole tensors only: a piece is refused here."""
+    end_idx, numel in bytes). SGLang loads whole tensors only: a piece, or one rank's slice
+    (``rank_slice``: its metadata would read as a whole tensor of the slice's shape), is
+    refused here."""
     metas = [m.to_json() for m in TensorMeta.of_bucket(laid)]
     pieces = [m["name"] for m in metas if "piece_offset" in m]
     if pieces:
@@ -96,6 +98,10 @@ def bucket_metadata(laid: Bucket) -> list[dict]:
     strided = [m["name"] for m in metas if "strides" in m]
     if strided:  # SGLang reads [start_idx, end_idx) as the tensor's row-major bytes
         raise ValueError(f"SGLang's flattened_bucket has no strided tensors: {', '.join(strided)} must be packed")
+    sliced = [m["name"] for m in metas if "rank_slice" in m]
+    if sliced:
+        raise ValueError(f"SGLang's flattened_bucket takes whole tensors: {', '.join(sliced[:5])} arrived cut "
+                         f"for one engine rank (rank_slice); extract them whole (no expert scatter)")
     return metas
 
 
