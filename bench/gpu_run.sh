@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -106,6 +106,30 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call65a)  # 2026-11-30 (fifteenth session), two GPUs, main after both branches merged (megatron-one-copy for issue 44,
+    # moe-expert-scatter for issue 46): every gpu2 test (limit: arg 2; call64b's MoE cuda test failed on the branch,
+    # fixed since), then on GPU 0 the one-copy tests call64a's limit cut before pytest's summary, each test's verdict
+    # as it ends and pytest's exit with the time (limit: arg 3)
+    gpu2_suite "${2:-240}"
+    t0=$(date +%s)
+    CUDA_VISIBLE_DEVICES=0 timeout "${3:-330}" python3 -m pytest -v -p no:cacheprovider -m gpu -rf --tb=short \
+      --durations=15 tests/gpu/test_real_trainers.py tests/device/test_one_copy_megatron.py \
+      "tests/gpu/test_digest_cuda.py::test_copies_of_strided_tensors_runs_on_the_device_give_the_whole_tensors_lanes" \
+      tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|s call" | tail -40
+    echo "one-copy GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    ;;
+  call65b)  # 2026-11-30 (fifteenth session), one GPU, main after both branches merged: Megatron's and hf's rows at
+    # Qwen2-1.5B (Megatron's sync in one request out of its flat buffer; limit: arg 2), then Megatron's rows at
+    # Qwen2-7B with one rep each (call64c's 320 s limit cut them; limit: arg 3)
+    timeout "${2:-150}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers megatron,hf --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    timeout "${3:-400}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers megatron --reps 1 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 | tee "$OUT/trainers-7b-megatron.log" \
+      | grep -E "^qwen2-7b |^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    ;;
   all)
     bash "$0" tests
     bash "$0" demos
