@@ -5,6 +5,7 @@ import json
 import pytest
 
 from bench.multi_gpu import main as bench_main
+from tests.docs.blocks import MULTI_GPU_TINY, REPO, run_command
 
 ROWS = {(p, t) for p in ("sync-first", "offload-first")
         for t in ("colo-packed", "colo-packed-serial", "slime-style", "ipc-per-tensor")}
@@ -38,12 +39,14 @@ def _check(result: dict, rows: set = ROWS, colo_bytes: int | None = None) -> Non
     assert set(result["floors"]) >= {"sync-first", "offload-first"}
 
 
-def test_bench_gpus_2_cpu(tmp_path, capsys, no_leftover_segments):
-    out = tmp_path / "multi.json"
-    code = bench_main(["--device", "cpu", "--gpus", "2", "--model", "tiny", "--reps", "1",
-                       "--bucket-mib", "0.5", "--out", str(out)])
-    assert code == 0
-    result = json.loads(out.read_text())
+def test_bench_gpus_2_cpu(tmp_path, no_leftover_segments):
+    """docs/multi-gpu.md's command line exactly as written (``MULTI_GPU_TINY``, as the docs' block
+    test would run it: in a scratch directory, through bash), so the block test leaves that line
+    to this test instead of running the benchmark twice."""
+    assert MULTI_GPU_TINY in (REPO / "docs" / "multi-gpu.md").read_text().splitlines()
+    proc = run_command(MULTI_GPU_TINY, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "multi-gpu-tiny.json").read_text())
     _check(result)
     assert result["device"] == "cpu" and result["model"]["name"] == "tiny"
     by = {(r["plan"], r["transport"]): r for r in result["rows"]}
@@ -51,7 +54,7 @@ def test_bench_gpus_2_cpu(tmp_path, capsys, no_leftover_segments):
         # the slime-style baseline moved the same bytes in the same buckets as colo
         assert by[(plan, "slime-style")]["bytes"] == by[(plan, "colo-packed")]["bytes"]
         assert by[(plan, "slime-style")]["buckets"] == by[(plan, "colo-packed")]["buckets"] > 1
-    assert "| sync-first | slime-style |" in capsys.readouterr().out
+    assert "| sync-first | slime-style |" in proc.stdout
 
 
 

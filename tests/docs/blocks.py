@@ -79,9 +79,15 @@ README_DEMO = "pip install torch==2.13.0 -e . && colo demo"
 #: the README's LoRA command: ``tests/apps/test_demo_lora.py`` runs it as written (thirty adapter
 #: syncs) and holds it to what it does, so the block test does not run it a second time
 README_LORA = "colo demo --lora-rank 8 --steps 30"
+#: docs/multi-gpu.md's CPU run of the multi-rank benchmark: ``tests/bench/test_multi_gpu.py`` runs
+#: it as written and checks every row it writes (282 s of a pytest worker as a block of its own, beside
+#: the same benchmark in that test, in the fresh-clone run under load of 2026-11-30)
+MULTI_GPU_TINY = ("python -m bench.multi_gpu --device cpu --gpus 2 --model tiny --reps 1 --bucket-mib 0.5 "
+                  "--out multi-gpu-tiny.json")
 #: command lines of the docs that another test runs exactly as written, and which test: the block
 #: test leaves them to it (tests/docs/test_code_blocks.py checks each test still runs its line)
-HELD = {README_DEMO: "tests/apps/test_demo.py", README_LORA: "tests/apps/test_demo_lora.py"}
+HELD = {README_DEMO: "tests/apps/test_demo.py", README_LORA: "tests/apps/test_demo_lora.py",
+        MULTI_GPU_TINY: "tests/bench/test_multi_gpu.py"}
 
 
 def ci_test_command() -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colo.cli import build_parser
-from tests.docs.blocks import HELD, README_DEMO, README_LORA, REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
+from tests.docs.blocks import HELD, MULTI_GPU_TINY, README_DEMO, README_LORA, REPO, blocks, ci_test_command, colo_argv, commands, run_command, run_python, scratch
 
 #: blocks run, and held to what they print, by a test of their own (run once, not twice)
 ELSEWHERE = {"docs/embedding.md": "tests/test_handoff.py"}
@@ -44,13 +44,16 @@ def test_the_readmes_first_command_is_run_by_the_default_demos_test():
 
 def test_every_line_the_block_test_leaves_to_another_test_is_a_docs_line_that_test_runs():
     # the README's LoRA command too: that test runs the constant through bash as a block would
-    assert set(HELD) == {README_DEMO, README_LORA}
+    assert set(HELD) == {README_DEMO, README_LORA, MULTI_GPU_TINY}
     readme = (REPO / "README.md").read_text().splitlines()
-    for line in HELD:
+    for line in (README_DEMO, README_LORA):
         assert line in readme, line
+    assert MULTI_GPU_TINY in (REPO / "docs" / "multi-gpu.md").read_text().splitlines()
     source = (REPO / HELD[README_LORA]).read_text()
     assert "def test_thirty_adapter_syncs_into_colos_engine_learn_with_every_one_verified" in source
     assert '["bash", "-c", README_LORA]' in source
+    source = (REPO / HELD[MULTI_GPU_TINY]).read_text()
+    assert "def test_bench_gpus_2_cpu" in source and "run_command(MULTI_GPU_TINY" in source
 
 
 def test_the_docs_have_the_blocks_this_test_expects():
