@@ -49,6 +49,16 @@ def numel(shape: Sequence[int]) -> int:
     return n
 
 
+def strided_span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """Elements from a strided view's first to its last, both counted (0 when it has none):
+    the view reads nothing outside ``[first, first + span)``. Here, under the layers that use
+    it (an ``Entry``'s ``view``; ``colo.device.flat_weights`` locating a view in its buffer, the
+    wire's check of one), so that none of them imports another's layer for it."""
+    if any(int(d) == 0 for d in shape):
+        return 0
+    return 1 + sum((int(d) - 1) * int(s) for d, s in zip(shape, strides))
+
+
 def _check_shape(name: str, shape: tuple[int, ...]) -> None:
     if any(d < 0 for d in shape):
         raise ValueError(f"tensor {name!r}: shape {shape} has a negative dimension")

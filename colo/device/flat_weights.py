@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from colo.core.buckets import ALIGN
+from colo.core.buckets import ALIGN, strided_span
 from colo.device import canonical_device
 from colo.dtypes import dtype_name
 
@@ -233,8 +233,6 @@ class FlatWeights:
             return None
         if t.untyped_storage()._cdata != buf.untyped_storage()._cdata:
             return None
-        from colo.transports.wire import strided_span
-
         strides = tuple(int(s) for s in t.stride())
         if any(s < 0 for s in strides):
             return None

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from colo.core.buckets import ALIGN, ITEMSIZE, Bucket, Entry, itemsize, numel
+from colo.core.buckets import ALIGN, ITEMSIZE, Bucket, Entry, itemsize, numel, strided_span
 from colo.core.errors import RequestError
 
 
@@ -140,14 +140,6 @@ class Strided:
     def tensor(self) -> Any:
         """The tensor in its own shape (a copy where the view cannot be reshaped in place)."""
         return self.data.reshape(self.shape)
-
-
-def strided_span(shape: Sequence[int], strides: Sequence[int]) -> int:
-    """Elements from a strided view's first to its last, both counted (0 when it has none):
-    the view reads nothing outside ``[first, first + span)``."""
-    if any(int(d) == 0 for d in shape):
-        return 0
-    return 1 + sum((int(d) - 1) * int(s) for d, s in zip(shape, strides))
 
 
 @dataclass(frozen=True)
