@@ -15,9 +15,10 @@ import torch
 import colo.engine.reference.model as model_mod
 from colo.engine.reference.core import EngineCore
 from colo.engine.reference.weights import expected_digest
-from colo.trainers.models import build_trainer_model, demo_config
+from colo.trainers.models import demo_config
 from colo.transports.wire import Strided, TensorMeta, views
 from tests.conftest import SMALL_CFG
+from tests.engine.test_load_digest import _state  # a model's state with every tensor its own bytes
 
 MiB = 1 << 20
 
@@ -25,15 +26,6 @@ MiB = 1 << 20
 @pytest.fixture(scope="module")
 def config():
     return demo_config(**SMALL_CFG)
-
-
-def _state(config, seed):
-    model = build_trainer_model(config, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for p in model.parameters():  # no all-ones norms or zero biases: every tensor its own bytes
-            p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def megatron_layout(state, config):
