@@ -287,6 +287,11 @@ class EngineKit:
                  "wait_s": done - queued, "begin_s": t0 - began, "tensors": n}
         if marks is not None:
             reply["device_s"] = marks[0].elapsed_time(marks[1]) / 1e3
+        route = getattr(self.sink, "last_route", None)
+        if isinstance(route, str):
+            # the queueing's seconds again under the route the sink took (colo's engine: a layout
+            # planned before, one launch, tensor by tensor...), summed per sync like every ``_s``
+            reply[f"route_{route}_s"] = queued - opened
         if end_load is True:
             # a refused end (a tensor missing) answers this request with its error: the
             # load above happened, the sync did not, and the sender treats it as failed

@@ -137,7 +137,9 @@ def test_no_digest_asked_no_sums_and_weights_that_changed_are_read_again(config,
     real = model_mod.Blocks.lanes
     monkeypatch.setattr(model_mod.Blocks, "lanes", lambda self: summed.append(len(self.names)) or real(self))
     _load(core, list(state.items()))
+    assert core.last_route == "tensors"  # host tensors, no kernel: one by one and one foreach call
     _load(core, list(state.items()))
+    assert core.last_route == "memo"  # the same tensors again: the batch as it was written before
     assert summed == [], "a load summed its blocks though no digest was asked for"
     want = expected_digest(state, config, torch.float32)
     assert core.digest() == want and len(fresh_passes) == 1
@@ -216,13 +218,16 @@ def test_whole_tensors_on_the_engines_device_load_in_one_launch_that_also_sums_t
     core = _core(config)
     states = [_state(config, s) for s in (0, 1, 2)]
     views = _views_of_one_buffer(states[0])
+    routes = []
     for i, state in enumerate(states):
         for name, v in views:
             v.copy_(state[name])
         _load(core, views)
+        routes.append(core.last_route)
         assert core.digest() == expected_digest(state, config, torch.float32), i
         assert all(torch.equal(core.model._row_block(core.model._params, n), state[n]) for n in state)
     assert launches == [len(views)] * 3 and made == [] and len(fresh_passes) == 1
+    assert routes == ["launch", "memo_launch", "memo_launch"]
     bad = dict(states[2])
     name = "model.layers.0.self_attn.q_proj.weight"
     flat_view = dict(views)[name]
@@ -261,7 +266,7 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     states = [_state(config, s) for s in (0, 1, 2)]
     (bucket,) = plan_buckets(PlainExtractor(states[0]).specs(), 1 << 30)
     layout = tuple(TensorMeta.of_bucket(bucket))
-    made = []
+    made, routes = [], []
     for i, state in enumerate(states):
         flat = torch.zeros(bucket.nbytes + 64 * i, dtype=torch.uint8)[64 * i:]  # a new buffer each sync
         pack_into(flat, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
@@ -269,10 +274,12 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
         request = views(flat, layout)
         assert core.load_weights(request) == len(layout)
         made.append(request._pairs is not None)
+        routes.append(core.last_route)
         core.end_load()
         assert core.digest() == expected_digest(state, config, torch.float32), i
     assert checks == [len(layout)]  # the first buffer only
     assert made == [True, False, False]  # a planned layout's views are never made: flat and layout only
+    assert routes == ["launch", "plan", "plan"]  # and the engine says so in its reply
     core.begin_load()
     first = bucket.entries[0].spec.name
     core.load_weights([(first, states[0][first])])

@@ -176,6 +176,11 @@ class EngineCore:
         self._refuse_if_weights_released("load weights")
         return self.model.load_weights(named_tensors)
 
+    @property
+    def last_route(self) -> str | None:
+        """How the model wrote the last batch (``colo.engine.reference.model.LOAD_ROUTES``)."""
+        return self.model.last_route
+
     def end_load(self) -> int:
         self._refuse_if_weights_released("end a load")
         n = self.model.end_load()

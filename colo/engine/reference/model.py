@@ -56,6 +56,12 @@ MAX_LAYOUT_PLANS = 64
 #: a strided tensor in more contiguous runs than this is copied on its own, not in the launch
 #: (q of a fused QKV has one per query group: 8 at most in Qwen2 and Llama 3)
 MAX_RUNS = 256
+#: the ways ``EngineModel.load_weights`` writes a batch, fastest first: the same views as the last
+#: batch (``memo_launch`` in one launch, ``memo`` by the foreach call and copies it used), a layout
+#: planned before (``plan``: one launch from the buffer's address), a batch planned now and loaded
+#: in one launch (``launch``), or tensor by tensor (``tensors``: host sources, pieces, conversions,
+#: no Triton)
+LOAD_ROUTES = ("memo_launch", "memo", "plan", "launch", "tensors")
 #: whole tensors below this many bytes are loaded together by one ``torch._foreach_copy_``
 #: (torch's multi-tensor copy, what its optimizers use); larger ones by their own copy_
 FOREACH_BYTES = 16 << 20
@@ -283,6 +289,10 @@ class EngineModel:
         self._layout_plans: dict[int, _LayoutPlan] = {}
         #: the last whole batch loaded, checked (see ``_BatchMemo``)
         self._batch_memo: _BatchMemo | None = None
+        #: how the last ``load_weights`` call wrote its batch, one of ``LOAD_ROUTES`` (the engine's
+        #: reply times its load under this name: which route a sync's loads took, on a GPU, is
+        #: otherwise a guess from its host time, issue 44)
+        self.last_route: str | None = None
         self._pool: torch.Tensor | None = None
         self._load: LoadSession | None = None
         #: the HF names of the last complete load, in the order they arrived (the digest's
@@ -480,6 +490,7 @@ class EngineModel:
             raise EngineStateError("load_weights called outside begin_load() / end_load()")
         memo = self._batch_memo
         if memo is not None and memo.fits(named_tensors, self._dests, session):
+            self.last_route = "memo" if memo.batched is None else "memo_launch"
             return memo.load(self, params, named_tensors, session)
         layout = getattr(named_tensors, "layout", None)  # a receiver's views (colo.transports.wire.Views)
         if layout is not None:
@@ -487,6 +498,7 @@ class EngineModel:
             copies = None if plan is None or plan.layout is not layout else \
                 plan.copies(named_tensors.flat, self._dests, session)
             if copies is not None:
+                self.last_route = "plan"
                 self._run_batched(copies, plan.labels)
                 return session.advance_whole(plan.names)
         # tensors lying strided in the sender's buffer (a one-copy sync out of a trainer's fused
@@ -498,6 +510,7 @@ class EngineModel:
         self._check_slices(items, session)
         batched = self._batched(params, items)
         if batched is not None:
+            self.last_route = "launch"
             self._run_batched(*batched)
             done = session.advance_whole([n for n, _ in items])
             if type(named_tensors) is list:
@@ -505,6 +518,7 @@ class EngineModel:
             if layout is not None and len(layout) == len(items):
                 self._plan_layout(layout, named_tensors.flat, items, *batched)
             return done
+        self.last_route = "tensors"
         done = 0
         # small whole tensors (norms, biases, k/v projections) are copied in one foreach
         # call: one host call instead of one per tensor, whose host cost (about 10 us
