@@ -315,9 +315,8 @@ class ActorEngineClient(EngineClient):
         out of band by Ray (the engine actor must be a :class:`TensorEngineActor`)."""
         if tensors is None:
             return await super().transport_load(transport, request, on_sent, end=end, flush_cache=flush_cache)
-        ends = {"end_load": True, "flush_cache": bool(flush_cache)} if end else {}
-        return await self.call("transport_load", transport=transport, request=request, on_sent=on_sent, **ends,
-                               **{OUT_OF_BAND: tensors})
+        return self._ended(await self.call("transport_load", transport=transport, request=request, on_sent=on_sent,
+                                           **self._ends(end, flush_cache), **{OUT_OF_BAND: tensors}))
 
     async def _call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
         # the wire-level request (EngineClient.call adds the deferred begin on top)

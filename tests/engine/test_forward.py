@@ -103,11 +103,13 @@ def test_the_serving_side_takes_only_declared_verbs_and_arguments():
 
 def test_colos_client_and_a_ranks_proxy_forward_no_verb_of_their_own():
     """One forwarding, not two: the verbs are ForwardedEngine's; colo's client keeps only its
-    rollout (the task lives on the client's side) and the proxy none."""
+    rollout (the task lives on the client's side) and its digest (the load's end may have
+    answered it), and the proxy none."""
     from colo.engine.reference.client import EngineClient
     from colo.ranks.proxy import RemoteEngine
 
-    for cls, own in ((EngineClient, {"generate"}), (RemoteEngine, set())):
+    # (colo's client's digest answers from the load's end where it can, else forwards: EngineClient.digest)
+    for cls, own in ((EngineClient, {"generate", "digest"}), (RemoteEngine, set())):
         assert issubclass(cls, ForwardedEngine)
         assert {v for v in ENGINE_VERBS if v in vars(cls)} == own, cls
     # and they are what the declared protocols say, lifecycle and probe included

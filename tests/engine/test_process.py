@@ -117,6 +117,9 @@ async def test_packed_buckets_through_shared_memory_load_the_trainers_weights(en
             request = PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(b)))
             reply = await client.transport_load("packed", request.to_json())
             assert reply["tensors"] == len(b.entries)
+            # the engine names its route with the load's seconds: host tensors go one by one
+            assert [k for k in reply if k.startswith("route_")] == ["route_tensors_s"], reply
+            assert 0 <= reply["route_tensors_s"] == reply["queue_s"]
         await client.end_load()
     finally:
         seg.close()
@@ -175,3 +178,64 @@ def test_an_engine_on_the_cpu_computes_on_one_thread_unless_its_build_names_more
         assert use_engine_threads(build) == torch.get_num_threads() == (before if want is None else want)
     finally:
         torch.set_num_threads(before)
+
+
+async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands_only_until_the_next_request(engine):
+    """Issue 44: verification asks for the engine's digest right after every sync, and as a
+    request of its own that was most of what verifying cost. Once a digest was asked, the next
+    load's end answers it too; the digest right after costs no request and is the one a request
+    would answer (the trainer's, of what the engine wrote). Any request in between (here a
+    version set) makes the next digest a request again, and a digest in another order is
+    always asked."""
+    client, config = engine
+    from colo.core.buckets import spec as mkspec
+
+    full = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
+    (bucket,) = plan_buckets(full, 1 << 30)
+    seg = ShmSegment.create(bucket.nbytes)
+    ops = []
+    real = client._call
+
+    async def spy(op, **fields):
+        ops.append((op, fields.get("digest", False)))
+        return await real(op, **fields)
+
+    client._call = spy
+    try:
+        for seed in (3, 4, 5):
+            state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
+            pack_into(seg.tensor, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
+            await client.preflight(full)
+            await client.begin_load()
+            ops.clear()
+            reply = await client.transport_load("packed", PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json(),
+                                                end=True)
+            want = expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
+            got = await client.digest()
+            if seed == 3:  # no digest asked before: the end carries none, the digest is a request
+                assert ops == [("transport_load", False), ("digest", False)] and "digest" not in reply
+            else:
+                assert ops == [("transport_load", True)] and reply["digest"] == want, ops
+                assert reply["digest_s"] >= 0
+            assert got == want
+        # asked twice, the second goes to the engine (only the first follows the end directly)
+        ops.clear()
+        assert await client.digest() == want and ops == [("digest", False)]
+        await client.preflight(full)
+        await client.begin_load()
+        await client.transport_load("packed", PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json(),
+                                    end=True)
+        ops.clear()
+        await client.set_weight_version(7)
+        assert await client.digest() == want and ops == [("set_weight_version", False), ("digest", False)]
+        # a digest in an order of its own is always the engine's answer to that order
+        ops.clear()
+        await client.preflight(full)
+        await client.begin_load()
+        await client.transport_load("packed", PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json(),
+                                    end=True)
+        order = [s.name for s in reversed(full)]
+        assert await client.digest(order=order) != want and ops[-1] == ("digest", False)
+    finally:
+        client._call = real
+        seg.close()

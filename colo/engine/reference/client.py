@@ -130,6 +130,13 @@ class EngineClient(ForwardedEngine, AdapterVersions):
         #: begin_load() was asked for and not yet sent: the sync's first transport_load
         #: carries it (another round trip saved); any other request sends it first
         self._begin_due = False
+        #: the engine answers a load's end with its digest where asked (colo's engine server says
+        #: so in its hello): verification then costs no request of its own (see :meth:`digest`)
+        self._ends_with_digest = hello.get("ends_with_digest") is True
+        #: a digest was asked since the last end: the next end asks for one
+        self._digest_wanted = False
+        #: the digest the last request (a load's end) answered, until any other request
+        self._end_digest: str | None = None
         #: the TP group's store when spawn_tp served it (colo.proc.rendezvous): kept while
         #: any rank's client lives, since NCCL meets there again to make its communicators
         self._rendezvous: Any = None
@@ -276,6 +283,9 @@ class EngineClient(ForwardedEngine, AdapterVersions):
         self._ch = await AsyncChannel.connect(self.socket_path, self._key)
 
     async def call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
+        # a digest answered with a load's end stands for the weights until the next request:
+        # whatever it is, the next digest asks the engine
+        self._end_digest = None
         if self._begin_due and op != "begin_load":
             if op == "transport_load":  # the sync's first load carries its begin
                 return await self._with_begin(op, on_sent, fields)
@@ -442,14 +452,45 @@ class EngineClient(ForwardedEngine, AdapterVersions):
         """One request through the transport's receiver into the engine's parameters;
         ``end``: the sync's last, which ends the load too (and flushes the prefix cache
         with ``flush_cache``): its reply says ``ended``."""
-        ends = {"end_load": True, "flush_cache": bool(flush_cache)} if end else {}
-        return await self.call("transport_load", transport=transport, request=request, on_sent=on_sent, **ends)
+        reply = await self.call("transport_load", transport=transport, request=request, on_sent=on_sent,
+                                **self._ends(end, flush_cache))
+        return self._ended(reply)
 
     async def transport_close(self, transport: str) -> None:
         await self.call("transport_close", transport=transport)
 
     async def end_load(self, flush_cache: bool = False) -> None:
-        await self.call("end_load", flush_cache=bool(flush_cache))
+        fields = self._ends(True, flush_cache)
+        del fields["end_load"]  # the request is the end itself
+        self._ended(await self.call("end_load", **fields))
+
+    def _ends(self, end: bool, flush_cache: bool) -> dict:
+        """The fields of a request that ends the load: the flush where asked, and the digest
+        where one was asked since the last end (the scheduler verifies every sync, or the first)."""
+        if not end:
+            return {}
+        fields = {"end_load": True, "flush_cache": bool(flush_cache)}
+        if self._ends_with_digest and self._digest_wanted:
+            self._digest_wanted = False
+            fields["digest"] = True
+        return fields
+
+    def _ended(self, reply: dict) -> dict:
+        if "digest" in reply:
+            self._end_digest = str(reply["digest"])
+        return reply
+
+    async def digest(self, order: Sequence[str] | None = None) -> str:
+        """The engine's digest (``ForwardedEngine.digest``); right after a load's end that
+        answered it, that answer, with no request: nothing reached the engine in between, so it
+        is what the engine would answer now, its sums of the weights it wrote (the load's end
+        answering it cost 0.1-0.4 ms in the engine where a request of its own took 1.3-2.4 ms at
+        Qwen2-1.5B on an H200, issue 44). The next load's end is asked for it again."""
+        self._digest_wanted = True
+        held, self._end_digest = self._end_digest, None
+        if order is None and held is not None:
+            return held
+        return await super().digest(order)
 
     # -- lifetime --------------------------------------------------------------
     @property
