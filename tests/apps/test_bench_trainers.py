@@ -82,7 +82,14 @@ def test_every_real_trainer_row_delivers_the_trainers_own_weights_verified(tmp_p
         # sender's load (request out, ack back), which also holds the round trip
         parts = row["engine_s"]
         assert {"queue_s", "wait_s", "handoff_s", "load_s"} <= set(parts), parts
-        assert 0 < parts["load_s"] <= row["stage_s"]["load"] and set(row["verified_engine_s"]) == set(parts)
+        # (each positive, not ordered: the sender stamps a request sent after its write returns, and
+        # on a busy machine the engine can have loaded it before the sender runs again)
+        assert parts["load_s"] > 0 and row["stage_s"]["load"] > 0
+        # a verified cycle's engine account has the same parts, and the digest its load's end answered
+        # (the route each load took, route_*_s, may differ: a summed load is planned anew)
+        plain, verified = ({k for k in d if not k.startswith("route_")} for d in (parts, row["verified_engine_s"]))
+        assert plain <= verified and verified - plain <= {"digest_s"}, row["verified_engine_s"]
+        assert any(k.startswith("route_") for k in parts), parts
         # and each plain cycle's, whose median per key is the row's
         cycles = row["engine_s_all"]
         assert len(cycles) == row["cycles"] == len(row["sync_s_all"])
