@@ -106,6 +106,42 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call66c)  # issue 44, 2026-11-30 (sixteenth session), one GPU: call66b's GPU tests whole (its 190 s limit cut them
+    # after 33 of 41 passed, before pytest's summary): the real trainers' verified syncs, the device digest, the
+    # handoff around a user's loop, with pytest's exit and time (limit: arg 2)
+    t0=$(date +%s)
+    timeout "${2:-320}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_real_trainers.py \
+      tests/gpu/test_digest_cuda.py tests/gpu/test_handoff_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    ;;
+  call66d)  # issue 44, 2026-11-30 (sixteenth session), one GPU: Megatron's rows at Qwen2-7B, three reps, with the
+    # digest answered by the load's end (what --verify every adds at 7B now; limit: arg 2)
+    timeout "${2:-420}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers megatron --reps 3 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 \
+      | tee "$OUT/trainers-7b-megatron.log" | grep -E "^qwen2-7b |^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    ;;
+  call66b)  # issue 44, 2026-11-30 (sixteenth session), one GPU: verification after the engine answers its digest
+    # with the load's end (colo.engine.reference.client.EngineClient.digest: no request of its own once one was
+    # asked): every real trainer's rows at Qwen2-1.5B with each cycle's engine account (limit: arg 2), then the GPU
+    # tests of the real trainers' verified syncs and of the device digest (limit: arg 3)
+    timeout "${2:-400}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    t0=$(date +%s)
+    gpu_tests "${3:-300}" tests/gpu/test_real_trainers.py tests/gpu/test_digest_cuda.py tests/gpu/test_handoff_gpu.py
+    echo "GPU tests: exit after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    ;;
+  call66a)  # issue 44, 2026-11-30 (sixteenth session), one GPU: hf's and fsdp's rows at Qwen2-1.5B with the route
+    # each engine load took (route_*_s: colo.engine.reference.model.LOAD_ROUTES) beside its queueing: baseline44's
+    # hf sync-first queued 4.5 ms a load in its plain cycles and 1.1 ms in its verified ones, call51c 1 ms in both
+    # (limit: arg 2)
+    timeout "${2:-300}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    ;;
   call65a)  # 2026-11-30 (fifteenth session), two GPUs, main after both branches merged (megatron-one-copy for issue 44,
     # moe-expert-scatter for issue 46): every gpu2 test (limit: arg 2; call64b's MoE cuda test failed on the branch,
     # fixed since), then on GPU 0 the one-copy tests call64a's limit cut before pytest's summary, each test's verdict
