@@ -106,6 +106,10 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call66e)  # 2026-11-30 (sixteenth session), two GPUs: every gpu2 test after the engine answers its digest with the
+    # load's end (a TP engine's ranks each answer their shards' digest there; limit: arg 2)
+    gpu2_suite "${2:-240}"
+    ;;
   call66c)  # issue 44, 2026-11-30 (sixteenth session), one GPU: call66b's GPU tests whole (its 190 s limit cut them
     # after 33 of 41 passed, before pytest's summary): the real trainers' verified syncs, the device digest, the
     # handoff around a user's loop, with pytest's exit and time (limit: arg 2)
