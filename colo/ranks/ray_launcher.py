@@ -316,7 +316,8 @@ class ActorEngineClient(EngineClient):
         if tensors is None:
             return await super().transport_load(transport, request, on_sent, end=end, flush_cache=flush_cache)
         return self._ended(await self.call("transport_load", transport=transport, request=request, on_sent=on_sent,
-                                           **self._ends(end, flush_cache), **{OUT_OF_BAND: tensors}))
+                                           **({"end_load": True, **self._end_fields(flush_cache)} if end else {}),
+                                           **{OUT_OF_BAND: tensors}))
 
     async def _call(self, op: str, *, on_sent: Any = None, **fields: Any) -> dict:
         # the wire-level request (EngineClient.call adds the deferred begin on top)

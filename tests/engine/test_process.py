@@ -193,6 +193,7 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
     full = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
     (bucket,) = plan_buckets(full, 1 << 30)
     seg = ShmSegment.create(bucket.nbytes)
+    request = PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json()  # the same segment every sync
     ops = []
     real = client._call
 
@@ -208,8 +209,7 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
             await client.preflight(full)
             await client.begin_load()
             ops.clear()
-            reply = await client.transport_load("packed", PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json(),
-                                                end=True)
+            reply = await client.transport_load("packed", request, end=True)
             want = expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
             got = await client.digest()
             if seed == 3:  # no digest asked before: the end carries none, the digest is a request
@@ -223,8 +223,7 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
         assert await client.digest() == want and ops == [("digest", False)]
         await client.preflight(full)
         await client.begin_load()
-        await client.transport_load("packed", PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json(),
-                                    end=True)
+        await client.transport_load("packed", request, end=True)
         ops.clear()
         await client.set_weight_version(7)
         assert await client.digest() == want and ops == [("set_weight_version", False), ("digest", False)]
@@ -232,8 +231,7 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
         ops.clear()
         await client.preflight(full)
         await client.begin_load()
-        await client.transport_load("packed", PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json(),
-                                    end=True)
+        await client.transport_load("packed", request, end=True)
         order = [s.name for s in reversed(full)]
         assert await client.digest(order=order) != want and ops[-1] == ("digest", False)
     finally:

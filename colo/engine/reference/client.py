@@ -453,23 +453,19 @@ class EngineClient(ForwardedEngine, AdapterVersions):
         ``end``: the sync's last, which ends the load too (and flushes the prefix cache
         with ``flush_cache``): its reply says ``ended``."""
         reply = await self.call("transport_load", transport=transport, request=request, on_sent=on_sent,
-                                **self._ends(end, flush_cache))
+                                **({"end_load": True, **self._end_fields(flush_cache)} if end else {}))
         return self._ended(reply)
 
     async def transport_close(self, transport: str) -> None:
         await self.call("transport_close", transport=transport)
 
     async def end_load(self, flush_cache: bool = False) -> None:
-        fields = self._ends(True, flush_cache)
-        del fields["end_load"]  # the request is the end itself
-        self._ended(await self.call("end_load", **fields))
+        self._ended(await self.call("end_load", **self._end_fields(flush_cache)))
 
-    def _ends(self, end: bool, flush_cache: bool) -> dict:
-        """The fields of a request that ends the load: the flush where asked, and the digest
-        where one was asked since the last end (the scheduler verifies every sync, or the first)."""
-        if not end:
-            return {}
-        fields = {"end_load": True, "flush_cache": bool(flush_cache)}
+    def _end_fields(self, flush_cache: bool) -> dict:
+        """What a load's end carries: the flush where asked, and the digest where one was asked
+        since the last end (the scheduler verifies every sync, or the first)."""
+        fields = {"flush_cache": bool(flush_cache)}
         if self._ends_with_digest and self._digest_wanted:
             self._digest_wanted = False
             fields["digest"] = True
