@@ -52,6 +52,7 @@ import functools
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -513,22 +514,37 @@ def _launch_copy(meta: np.ndarray, tensors: int, programs: int, lanes: bool, dev
     use, and the one with lanes is first used by the first verified sync's summed load,
     which took 100 ms longer for it on an H200 (one of three verified syncs in a row)."""
     kernel = _copy_kernel()
+    t0 = time.perf_counter()
     if device.type == "cuda" and device not in _COPY_PRIMED:
         _COPY_PRIMED.add(device)
         scratch = torch.zeros(8, dtype=torch.int64, device=device)  # 4 bytes copied onto themselves
         primer = np.array([scratch.data_ptr(), scratch.data_ptr(), 1, 0, 0, 0], dtype=np.int64)
         for variant in (False, True):
             _launch_copy(primer, 1, 1, variant, device)
+    t1 = time.perf_counter()
     meta_dev = _to_device(meta, device)  # queued from pinned memory (see _launch_batch)
+    t2 = time.perf_counter()
     partial = torch.empty(programs if lanes else 1, 2, dtype=torch.int64, device=device)
+    t3 = time.perf_counter()
     (s1, k1), (s2, k2) = LANE_SEEDS
     kernel[(programs,)](meta_dev, tensors, programs, partial, LANES=lanes, S1=s1, K1=k1, S2=s2, K2=k2,
                         LOW_BITS=BLOCK_BITS, BLOCK=_COPY_BLOCK, ITERS=_COPY_ITERS, num_warps=8)
-    if not lanes:
-        return None
-    out = torch.zeros(tensors, 2, dtype=torch.int64, device=device)
-    out.index_add_(0, meta_dev[4 * tensors:4 * tensors + programs], partial)
-    return out & _MASK
+    t4 = time.perf_counter()
+    out = None
+    if lanes:
+        out = torch.zeros(tensors, 2, dtype=torch.int64, device=device)
+        out.index_add_(0, meta_dev[4 * tensors:4 * tensors + programs], partial)
+        out &= _MASK
+    COPY_LAUNCH_PARTS.update(prime=t1 - t0, upload=t2 - t1, scratch=t3 - t2, kernel=t4 - t3,
+                             lanes=time.perf_counter() - t4)
+    return out
+
+
+#: the host's seconds in each part of the last launch of the copying kernel (``_launch_copy``):
+#: compiling it on a device's first launch, the table's upload, the scratch's allocation, the
+#: launch itself, the lanes' reduction. Issue 44: an engine's planned load queued its one launch
+#: in 0.8 ms in one run and 4.4 ms in another, with nothing to say which part took the rest
+COPY_LAUNCH_PARTS: dict[str, float] = {}
 
 
 class Copies:
@@ -638,6 +654,7 @@ class Copies:
         """Queue the copies on the current stream; with ``lanes``, ``[len(pairs), 2]`` lanes of
         each pair's bytes (those of ``colo.digest.lanes`` of its source, whole) on the device;
         with ``owners``, ``[tensors, 2]``, each tensor's runs summed."""
+        COPY_LAUNCH_PARTS.clear()
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             got = _launch_copy(self.meta, self.count, self.programs, lanes, self.device)
             if got is None or self.owners is None:
@@ -1074,8 +1091,8 @@ class ReceivedDigest:
             raise ValueError(f"no complete tensor received under {len(missing)} name(s) of the spec list: "
                              f"{', '.join(missing[:5])}" + (f" ({', '.join(partial[:5])} only in part)" if partial else ""))
         whole = iter(entries_of([self._done[n] for n in order if n in self._done]))
-        # each batch's lanes read back once, as 8 little-endian bytes a tensor
-        blobs = [(spans, _lane_bytes(got)) for spans, got in self._spans]
+        # every batch's lanes read back together, as 8 little-endian bytes a tensor
+        blobs = list(zip((spans for spans, _ in self._spans), _lane_blobs([got for _, got in self._spans])))
         out = []
         for n in order:
             b = self._in_spans.get(n)
@@ -1094,6 +1111,27 @@ def _lane_bytes(got: torch.Tensor | list[list[int]]) -> bytes:
     return (rows & _MASK).astype("<u4").tobytes()
 
 
-__all__ = ["BLOCK_BITS", "Blocks", "combine", "Copies", "Labels", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
+def _lane_blobs(tables: Sequence[torch.Tensor | list[list[int]]]) -> list[bytes]:
+    """:func:`_lane_bytes` of each of ``tables``, the tensors read back in one copy per device:
+    each read-back waits for the device and is a copy of its own, and a 7B model's load sums
+    its blocks in about 12 groups (issue 44: the engine's end digest took 2.8 ms)."""
+    out: list[bytes | None] = [None] * len(tables)
+    on: dict[torch.device, list[int]] = {}
+    for i, got in enumerate(tables):
+        if isinstance(got, torch.Tensor):
+            on.setdefault(got.device, []).append(i)
+        else:
+            out[i] = _lane_bytes(got)
+    for idx in on.values():
+        rows = (torch.cat([tables[i] for i in idx]).cpu().numpy() & _MASK).astype("<u4")
+        at = 0
+        for i in idx:
+            n = tables[i].shape[0]
+            out[i] = rows[at:at + n].tobytes()
+            at += n
+    return out
+
+
+__all__ = ["BLOCK_BITS", "Blocks", "COPY_LAUNCH_PARTS", "combine", "Copies", "Labels", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
            "LANE_SEEDS", "lanes", "lanes_many", "multiplier", "ReceivedDigest", "Spans", "tensor_entry", "TensorHash",
            "weights_digest", "word_size"]

@@ -221,6 +221,38 @@ def _lanes_on_the_host(meta, n, programs, word_bytes, device):
     return torch.tensor(out, dtype=torch.int64)
 
 
+def test_many_tables_of_lanes_read_back_together_digest_as_the_tensors_one_by_one():
+    """A load records its lanes a table at a time (a 7B model's in about 12 groups), tensors
+    or rows; the digest reads every tensor table back in one copy and cuts it up again, so
+    each name must still get its own table's row: tables of different lengths, a table of
+    rows among them, names asked in an order that crosses the tables, and whole tensors."""
+    import colo.digest as D
+
+    g = torch.Generator().manual_seed(5)
+    named = [(f"t{i}", torch.randn(3 + 5 * i, generator=g).to(torch.bfloat16 if i % 2 else torch.float32))
+             for i in range(9)]
+    received = ReceivedDigest()
+    tables = [named[0:1], named[1:4], named[4:6], named[6:8]]
+    for k, table in enumerate(tables):
+        rows = [D.lanes(t, 0, "host") for _, t in table]
+        # the third table as rows of ints (lanes summed on the host), the others as tensors
+        received.add_lanes(D.Labels(table), rows if k == 2 else torch.tensor(rows, dtype=torch.int64))
+    received.add(*named[8])  # a whole tensor, recorded on its own
+    order = ["t5", "t8", "t0", "t3", "t7", "t1", "t4", "t6", "t2"]
+    by_name = dict(named)
+    assert received.digest(order) == weights_digest([(n, by_name[n]) for n in order])
+    # a flipped bit in one table's row is that digest's change alone, not its neighbours'
+    swapped = ReceivedDigest()
+    for k, table in enumerate(tables):
+        rows = torch.tensor([D.lanes(t, 0, "host") for _, t in table], dtype=torch.int64)
+        if k == 1:
+            rows[2, 0] ^= 1
+        swapped.add_lanes(D.Labels(table), rows)
+    swapped.add(*named[8])
+    assert swapped.digest(["t0", "t1", "t2", "t4", "t6"]) == received.digest(["t0", "t1", "t2", "t4", "t6"])
+    assert swapped.digest(["t3"]) != received.digest(["t3"])
+
+
 def test_the_batched_kernels_tables_read_every_tensor_where_it_lies(monkeypatch):
     """The tables the CUDA kernel is given (each tensor's address, words and first word; each
     program's tensor and start), checked on the host: a stand-in for the kernel reads exactly
