@@ -292,6 +292,8 @@ class EngineKit:
             # the queueing's seconds again under the route the sink took (colo's engine: a layout
             # planned before, one launch, tensor by tensor...), summed per sync like every ``_s``
             reply[f"route_{route}_s"] = queued - opened
+            for part, seconds in (getattr(self.sink, "last_route_parts", None) or {}).items():
+                reply[f"route_{route}_{part}_s"] = seconds
         if end_load is True:
             # a refused end (a tensor missing) answers this request with its error: the
             # load above happened, the sync did not, and the sender treats it as failed

@@ -266,7 +266,7 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     states = [_state(config, s) for s in (0, 1, 2)]
     (bucket,) = plan_buckets(PlainExtractor(states[0]).specs(), 1 << 30)
     layout = tuple(TensorMeta.of_bucket(bucket))
-    made, routes = [], []
+    made, routes, parts = [], [], []
     for i, state in enumerate(states):
         flat = torch.zeros(bucket.nbytes + 64 * i, dtype=torch.uint8)[64 * i:]  # a new buffer each sync
         pack_into(flat, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
@@ -275,11 +275,15 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
         assert core.load_weights(request) == len(layout)
         made.append(request._pairs is not None)
         routes.append(core.last_route)
+        parts.append(dict(core.last_route_parts))
         core.end_load()
         assert core.digest() == expected_digest(state, config, torch.float32), i
     assert checks == [len(layout)]  # the first buffer only
     assert made == [True, False, False]  # a planned layout's views are never made: flat and layout only
     assert routes == ["launch", "plan", "plan"]  # and the engine says so in its reply
+    # the planned route's host time in its parts: the table laid on the buffer, and the launch
+    # (its own parts on a GPU only: the stand-in here is the whole launch)
+    assert parts[0] == {} and all(sorted(p) == ["launch", "table"] and min(p.values()) >= 0 for p in parts[1:])
     core.begin_load()
     first = bucket.entries[0].spec.name
     core.load_weights([(first, states[0][first])])

@@ -181,6 +181,11 @@ class EngineCore:
         """How the model wrote the last batch (``colo.engine.reference.model.LOAD_ROUTES``)."""
         return self.model.last_route
 
+    @property
+    def last_route_parts(self) -> dict[str, float]:
+        """The host's seconds in the parts of that route, where the model splits it."""
+        return self.model.last_route_parts
+
     def end_load(self) -> int:
         self._refuse_if_weights_released("end a load")
         n = self.model.end_load()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from colo.core.errors import EngineStateError, WeightMismatch
-from colo.digest import Blocks, Copies, Labels, ReceivedDigest, weights_digest, weights_entries
+from colo.digest import COPY_LAUNCH_PARTS, Blocks, Copies, Labels, ReceivedDigest, weights_digest, weights_entries
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.reference.dims import Dims, dims_from_config
@@ -293,6 +294,8 @@ class EngineModel:
         #: reply times its load under this name: which route a sync's loads took, on a GPU, is
         #: otherwise a guess from its host time, issue 44)
         self.last_route: str | None = None
+        #: the host's seconds in the parts of the last batch's route, where it was ``plan``
+        self.last_route_parts: dict[str, float] = {}
         self._pool: torch.Tensor | None = None
         self._load: LoadSession | None = None
         #: the HF names of the last complete load, in the order they arrived (the digest's
@@ -493,13 +496,19 @@ class EngineModel:
             self.last_route = "memo" if memo.batched is None else "memo_launch"
             return memo.load(self, params, named_tensors, session)
         layout = getattr(named_tensors, "layout", None)  # a receiver's views (colo.transports.wire.Views)
+        self.last_route_parts = {}
         if layout is not None:
+            t0 = time.perf_counter()
             plan = self._layout_plans.get(id(layout))
             copies = None if plan is None or plan.layout is not layout else \
                 plan.copies(named_tensors.flat, self._dests, session)
             if copies is not None:
                 self.last_route = "plan"
+                t1 = time.perf_counter()
                 self._run_batched(copies, plan.labels)
+                # where the route's host time went: the table laid on this buffer, the launch
+                # and its parts (colo.digest.COPY_LAUNCH_PARTS; a GPU's launch only)
+                self.last_route_parts = {"table": t1 - t0, "launch": time.perf_counter() - t1, **COPY_LAUNCH_PARTS}
                 return session.advance_whole(plan.names)
         # tensors lying strided in the sender's buffer (a one-copy sync out of a trainer's fused
         # QKV) are taken as they lie, each copied straight into its row block (in the launch, one
