@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -106,6 +106,28 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call67a)  # issue 44, 2026-11-30 (seventeenth session), one GPU: every real trainer at Qwen2-1.5B, 3 reps, with the
+    # engine's end digest reading every group of lanes back in one copy, and each planned load's host time split
+    # into its parts (route_plan_<part>_s: the table laid on the buffer, the launch's upload, scratch, kernel;
+    # call66b's fsdp queued that launch 4.1-4.4 ms, call66a's 0.8-1.5) (limit: arg 2); then the device digest's
+    # GPU tests with pytest's exit and time (limit: arg 3)
+    timeout "${2:-420}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    t0=$(date +%s)
+    timeout "${3:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    ;;
+  call67b)  # issue 44, 2026-11-30 (seventeenth session), one GPU: one real trainer's rows at Qwen2-7B (arg 2:
+    # megatron, hf or fsdp), three reps, with call67a's code: what --verify every adds at 7B with one read-back
+    # of the load's lanes (call66d: 0.051, the end's digest 2.8 ms) (limit: arg 3)
+    timeout "${3:-420}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers "${2:-megatron}" --reps 3 --out "$OUT/colo-bench-trainers-7b-${2:-megatron}.json" 2>&1 \
+      | tee "$OUT/trainers-7b-${2:-megatron}.log" | grep -E "^qwen2-7b |^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-${2:-megatron}.json"
+    ;;
   call66e)  # 2026-11-30 (sixteenth session), two GPUs: every gpu2 test after the engine answers its digest with the
     # load's end (a TP engine's ranks each answer their shards' digest there; limit: arg 2)
     gpu2_suite "${2:-240}"
