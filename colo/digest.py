@@ -369,6 +369,12 @@ class _UploadRing:
         self.device = device
         self.buf = buffer if buffer is not None else torch.empty(self.NBYTES, dtype=torch.uint8, pin_memory=True)
         self.nbytes = self.buf.numel()
+        # written through numpy: one memcpy on this thread. torch's copy_ of a table above
+        # its grain size (32 K elements: a 1.5B model's table is 107 KB) splits it over the
+        # process's OpenMP threads, and the upload then waits for the slowest of them: 3.2-3.7
+        # ms of a 7B load's planned launch in two of three syncs on an H200 (call67b), 0.3-0.6
+        # in the others, with the allocations after it at 0.01-0.02 ms
+        self._host = self.buf.numpy()
         self.head = 0
         #: (start, end, event) of uploads that may still be reading, oldest first
         self.pending: collections.deque = collections.deque()
@@ -391,9 +397,8 @@ class _UploadRing:
             # the oldest uploads are the ones this slice overwrites first
             while self.pending and self.pending[0][0] < end and start < self.pending[0][1]:
                 self.pending.popleft()[2].synchronize()
-            host = self.buf[start:start + n]
-            host.copy_(torch.from_numpy(meta.view(np.uint8)))
-            out = host.view(torch.int64).to(self.device, non_blocking=True)
+            self._host[start:start + n] = meta.view(np.uint8)
+            out = self.buf[start:start + n].view(torch.int64).to(self.device, non_blocking=True)
             event = self._new_event()
             # behind the copy, on the stream it was queued on (the device's current one)
             event.record(torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None)
@@ -414,19 +419,7 @@ def _to_device(meta: np.ndarray, device: torch.device) -> torch.Tensor:
     if ring is None:
         with _RINGS_LOCK:
             ring = _RINGS.get(device) or _RINGS.setdefault(device, _UploadRing(device))
-            _SMALL_SEGMENT.setdefault(device, torch.empty(_SMALL_KEEP_BYTES, dtype=torch.uint8, device=device))
     return ring.upload(np.ascontiguousarray(meta, dtype=np.int64))
-
-
-#: one small allocation kept on each device for the process, so that the caching allocator's
-#: segment it lies in (2 MiB, where torch puts blocks of 1 MiB or less) outlives every
-#: ``torch.cuda.empty_cache()``. An engine empties the cache whenever it gives memory back
-#: (release), and the next load's first small allocations (the upload of the kernel's table,
-#: its scratch, its lanes) then each waited for a new segment from the driver: the table's
-#: upload took 0.4-3.7 ms of a planned load's 1.0-4.4 ms queueing at Qwen2-1.5B on an H200
-#: (call67a), its 107 KB copy microseconds of that. Those allocations fit in the segment kept.
-_SMALL_SEGMENT: dict[torch.device, torch.Tensor] = {}
-_SMALL_KEEP_BYTES = 512
 
 
 def _launch_batch(meta: np.ndarray, tensors: int, programs: int, word_bytes: int, device: torch.device) -> torch.Tensor:
