@@ -60,14 +60,14 @@ def _mark_what_this_process_held():
 
 #: units of work (xdist groups) that took minutes in the last fresh-clone run under load,
 #: longest first: tools/test hands these out before the rest (tests/apps/test_demo_multi.py is
-#: in the ``ray`` group). vLLM's files in the order of their time in the run of 2026-11-30 (1,539
-#: s for test_ranks down to 219 s for test_http): listed after colo's units, test_signals began
-#: last and one worker idled the last ~500 s of that part
+#: in the ``ray`` group). vLLM's files in the order of their time in the run of 2026-11-30, less
+#: the cases moved to COLO_MATRIX=1 since (test_ranks 873 s down to test_tp 97 s): listed after
+#: colo's units, test_signals began last and one worker idled the last ~500 s of that part
 LONGEST_FIRST = ("tests/vllm/test_ranks.py", "tests/vllm/test_demo.py", "tests/vllm/test_lora_demo.py",
-                 "tests/vllm/test_embedding.py", "tests/vllm/test_examples.py", "tests/vllm/test_docs.py",
-                 "tests/vllm/test_signals.py", "tests/vllm/test_tp.py", "tests/vllm/test_ray.py",
-                 "tests/vllm/test_checkpoints.py", "tests/vllm/test_ranks_tp.py", "tests/vllm/test_engine.py",
-                 "tests/vllm/test_http.py", "ray", "tests/docs/test_code_blocks.py",
+                 "tests/vllm/test_docs.py", "tests/vllm/test_examples.py", "tests/vllm/test_ray.py",
+                 "tests/vllm/test_signals.py", "tests/vllm/test_checkpoints.py", "tests/vllm/test_embedding.py",
+                 "tests/vllm/test_engine.py", "tests/vllm/test_http.py", "tests/vllm/test_ranks_tp.py",
+                 "tests/vllm/test_tp.py", "ray", "tests/docs/test_code_blocks.py",
                  "tests/apps/test_interrupt.py", "tests/proc/test_shm_room.py",
                  "tests/test_examples.py", "tests/apps/test_bench_trainers.py", "tests/bench/test_multi_gpu.py",
                  "tests/apps/test_demo.py")

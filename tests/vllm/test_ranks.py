@@ -139,11 +139,18 @@ def _wait_for(path: Path, proc: subprocess.Popen, done, limit_s: float = 1200.0)
 #: a SIGKILLed vLLM is found dead by the next call into it, as the injected kills find it (the
 #: module's ``faulted`` run under the process launcher, tests/vllm/test_ray.py's ``ray.kill`` of an
 #: actor: both replace that rank only and reach the fault-free digests), and a worker killed
-#: from outside leaves no process of vLLM's (tests/vllm/test_signals.py); a stopped one answers
-#: nothing and is found only by the stop watch, a path of each launcher's own that nothing else
-#: takes here. So CI runs the two stops; COLO_MATRIX=1 adds the two kills (332 and 263 s of a
-#: pytest worker in the fresh-clone run under load of 2026-11-30)
-_SIGNALLED = [pytest.param("process", "SIGKILL", marks=pytest.mark.matrix), ("process", "SIGSTOP"),
+#: from outside leaves no process of vLLM's (tests/vllm/test_signals.py). A stopped one answers
+#: nothing and is found only by a stop watch. Under ``--launcher ray`` rank 1's vLLM is an actor
+#: of its own, watched by colo's engine client over the actor's process (``ActorEngineClient``):
+#: a path nothing else takes, so CI runs it. Under the process launcher the watch is the one
+#: inside ``VllmEngine`` (the rank's worker runs it), which tests/vllm/test_signals.py[SIGSTOP]
+#: stops and sees report the engine dead; its ``EngineDied`` crosses the rank's channel as the
+#: ``faulted`` run's does; and the run's recovery from a death it did not inject is the ray
+#: case's. The three together are that case, so COLO_MATRIX=1 adds it with the two kills (327,
+#: 332 and 263 s of a pytest worker in the fresh-clone runs under load of 2026-11-30, on the
+#: worker that ends part 2)
+_SIGNALLED = [pytest.param("process", "SIGKILL", marks=pytest.mark.matrix),
+              pytest.param("process", "SIGSTOP", marks=pytest.mark.matrix),
               pytest.param("ray", "SIGKILL", marks=pytest.mark.matrix), ("ray", "SIGSTOP")]
 
 
