@@ -491,12 +491,12 @@ class EngineModel:
         session = self._load
         if session is None:
             raise EngineStateError("load_weights called outside begin_load() / end_load()")
+        self.last_route_parts = {}  # only a planned load splits its time (below)
         memo = self._batch_memo
         if memo is not None and memo.fits(named_tensors, self._dests, session):
             self.last_route = "memo" if memo.batched is None else "memo_launch"
             return memo.load(self, params, named_tensors, session)
         layout = getattr(named_tensors, "layout", None)  # a receiver's views (colo.transports.wire.Views)
-        self.last_route_parts = {}
         if layout is not None:
             t0 = time.perf_counter()
             plan = self._layout_plans.get(id(layout))
