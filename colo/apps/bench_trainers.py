@@ -169,9 +169,15 @@ def _settle_s() -> float:
     return value
 
 
-async def _profiled(where: str, clock: _Clock, step: Callable[[], Any]) -> tuple[float, Any]:
+async def _profiled(where: str, clock: _Clock, step: Callable[[], Any], engine: Any = None) -> tuple[float, Any]:
     """``clock.time(step)`` under torch.profiler; its tables (by self device time and by self
-    CPU time) and its Chrome trace written to ``where`` + ``.txt`` / ``.json``."""
+    CPU time) and its Chrome trace written to ``where`` + ``.txt`` / ``.json``. An ``engine``
+    that records itself (colo's: ``profile_start``) records the same sync in its own process,
+    its trace at ``where`` + ``-engine.json`` and its summary at ``-engine-summary.json``: the
+    copies a load queues run there (issue 44: which of Megatron's copies out of the host
+    backup run slower than hf's, a device span 4 ms longer for the same bytes)."""
+    import json
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -180,8 +186,15 @@ async def _profiled(where: str, clock: _Clock, step: Callable[[], Any]) -> tuple
         extra = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
     except (AttributeError, TypeError):
         extra = {}
+    records = callable(getattr(engine, "profile_start", None))
+    if records:
+        await engine.profile_start()
     with profile(activities=activities, **extra) as prof:
         took, out = await clock.time(step)
+    if records:
+        summary = await engine.profile_stop(where + "-engine.json")
+        with open(where + "-engine-summary.json", "w") as f:
+            json.dump(summary, f, indent=1)
     table = prof.key_averages()
     with open(where + ".txt", "w") as f:
         f.write(f"one sync, {took * 1e3:.1f} ms (torch {torch.__version__})\n\n")
@@ -230,7 +243,8 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     if profile_to is None:
         out["sync_s"], result = await clock.time(lambda: transport.sync(trainer, engine, ctx))
     else:
-        out["sync_s"], result = await _profiled(profile_to, clock, lambda: transport.sync(trainer, engine, ctx))
+        out["sync_s"], result = await _profiled(profile_to, clock, lambda: transport.sync(trainer, engine, ctx),
+                                                engine)
     out.update(bytes=result.bytes, buckets=result.buckets, tensors=result.tensors, source=source,
                peak_staging_bytes=ctx.staging.peak_bytes, stage_s=stage_sums(result.stages),
                engine_s=dict(ctx.engine_s))

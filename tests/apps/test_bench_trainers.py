@@ -227,3 +227,28 @@ def test_the_trainer_rows_pause_in_the_cycles_order_unless_told_and_settle_only_
         monkeypatch.setenv(SETTLE_ENV, bad)
         with pytest.raises(ValueError, match=SETTLE_ENV):
             _settle_s()
+
+
+def test_a_profiled_sync_records_the_engines_own_process_beside_the_trainers(tmp_path, monkeypatch):
+    # the copies a load queues run in the engine's process: its trace is written beside the trainer's
+    monkeypatch.setitem(bench.MODELS, "tiny", TINY)
+    real = bench.measure_limits
+    monkeypatch.setattr(bench, "measure_limits", lambda: real(nbytes=4 << 20, reps=1, directory=str(tmp_path)))
+    prof = tmp_path / "prof"
+    monkeypatch.setenv("COLO_BENCH_PROFILE", str(prof))
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--transports", "packed", "--trainers", "hf",
+                 "--reps", "1", "--out", str(tmp_path / "r.json")]) == 0
+    where = prof / "sync-hf-tiny-sync-first"
+    assert (where.parent / (where.name + ".txt")).read_text().startswith("one sync, ")
+    trainer = json.loads((where.parent / (where.name + ".json")).read_text())
+    engine = json.loads((where.parent / (where.name + "-engine.json")).read_text())
+    summary = json.loads((where.parent / (where.name + "-engine-summary.json")).read_text())
+    # two processes, each its own recording: the engine's holds the engine's pid only
+    pids = lambda trace: {e["pid"] for e in trace["traceEvents"]  # noqa: E731
+                          if e.get("ph") == "X" and isinstance(e["pid"], int)}  # ("Spans": the profiler's own)
+    assert pids(engine) and pids(trainer) and not pids(engine) & pids(trainer)
+    # the engine wrote the sync's tensors into its parameters while it recorded
+    names = {e["name"] for e in engine["traceEvents"] if e.get("ph") == "X"}
+    assert any("copy" in n for n in names), sorted(names)[:40]
+    assert summary["trace"] == str(where.parent / (where.name + "-engine.json")) and summary["wall_s"] > 0
+    assert set(summary["device_s_by_kind"]) == {"nccl", "memcpy", "other"}
