@@ -446,6 +446,9 @@ _COPY_KERNEL: Any = None
 #: span (twice as many checksum words) meets at most two blocks of the multiplier
 _COPY_BLOCK, _COPY_ITERS = 2048, 64
 assert 2 * _COPY_BLOCK * _COPY_ITERS <= 1 << BLOCK_BITS
+#: the copying kernel's warps per program, and whether a table of 16-byte aligned pairs runs its
+#: 16-byte variant (``_unit``; bench/copy_kernel.py sweeps both and the launch's shape on a GPU)
+_COPY_WARPS, _COPY_ALIGNED = 8, True
 
 
 def _copy_kernel() -> Any:
@@ -462,17 +465,24 @@ def _copy_kernel() -> Any:
         import triton
         import triton.language as tl
 
-        @triton.jit(do_not_specialize=["N", "P"])  # as the batched kernel's: one variant per LANES
-        def copy_kernel(meta, N, P, out, LANES: tl.constexpr, S1: tl.constexpr, K1: tl.constexpr,
-                        S2: tl.constexpr, K2: tl.constexpr, LOW_BITS: tl.constexpr, BLOCK: tl.constexpr,
-                        ITERS: tl.constexpr):
+        # one variant per LANES and UNIT (as the batched kernel's: not one per table size). The
+        # table holds each pair's source and destination as offsets in units of UNIT int32s from
+        # ``sbase`` and ``dbase`` (pointer arguments, so Triton knows their alignment), its size
+        # in units and each program's start in blocks: with 16-byte units every address the loop
+        # makes is known to start a 16-byte run, and its loads and stores are 16 bytes wide, not 4.
+        # Offsets from a base, not addresses, so that a table of copies out of a buffer mapped
+        # anew every sync is made and uploaded once (PlannedCopies)
+        @triton.jit(do_not_specialize=["N", "P"])
+        def copy_kernel(meta, N, P, out, sbase, dbase, LANES: tl.constexpr, UNIT: tl.constexpr,
+                        S1: tl.constexpr, K1: tl.constexpr, S2: tl.constexpr, K2: tl.constexpr,
+                        LOW_BITS: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
             pid = tl.program_id(0)
             t = tl.load(meta + 4 * N + pid)
-            start = tl.load(meta + 4 * N + P + pid)
-            src = tl.load(meta + t).to(tl.pointer_type(tl.int32))
-            dst = tl.load(meta + N + t).to(tl.pointer_type(tl.int32))
-            n = tl.load(meta + 2 * N + t)
             first = tl.load(meta + 3 * N + t)
+            src = sbase + tl.load(meta + t) * UNIT
+            dst = dbase + tl.load(meta + N + t) * UNIT
+            units = tl.load(meta + 2 * N + t)
+            start = tl.load(meta + 4 * N + P + pid) * BLOCK
             if LANES:
                 base = ((2 * start + first) >> LOW_BITS).to(tl.uint32)
                 here = tl.full((BLOCK,), 0, tl.uint32) + base
@@ -484,7 +494,7 @@ def _copy_kernel() -> Any:
                 acc2 = tl.zeros((BLOCK,), tl.uint32)
             for k in range(ITERS):
                 offs = start + k * BLOCK + tl.arange(0, BLOCK)
-                keep = offs < n
+                keep = offs // UNIT < units  # known constant over each unit's words
                 x = tl.load(src + offs, mask=keep, other=0)
                 tl.store(dst + offs, x, mask=keep)
                 if LANES:
@@ -506,34 +516,40 @@ def _copy_kernel() -> Any:
     return _COPY_KERNEL or None
 
 
-#: devices on which both of the copying kernel's variants (with and without lanes) are compiled
+#: devices on which the copying kernel's four variants (lanes or not, 4- or 16-byte units) are compiled
 _COPY_PRIMED: set[torch.device] = set()
 
 
-def _launch_copy(meta: np.ndarray, tensors: int, programs: int, lanes: bool, device: torch.device) -> torch.Tensor | None:
-    """Run the copying kernel over a meta table ``[sources, destinations, 4-byte words, first
-    checksum words, item, starts]`` (the first four ``tensors`` long, the last two ``programs``
-    long), one launch on the current stream; ``[tensors, 2]`` lanes where ``lanes``.
+def _launch_copy(table: np.ndarray | torch.Tensor, tensors: int, programs: int, lanes: bool, device: torch.device,
+                 sbase: torch.Tensor, dbase: torch.Tensor, unit: int) -> torch.Tensor | None:
+    """Run the copying kernel over a table ``[sources, destinations, sizes, first checksum
+    words, item, starts]`` (the first four ``tensors`` long, the last two ``programs`` long) as
+    :func:`_relative_table` writes it: sources and destinations as offsets from ``sbase`` and
+    ``dbase`` (int32 tensors, the kernel's pointer arguments) and sizes in ``unit``-byte units
+    (4 or 16), starts in blocks. A host table is uploaded first (queued, through the device's
+    ring); a device one (a plan's, uploaded once) is used as it is. One launch on the current
+    stream; ``[tensors, 2]`` lanes where ``lanes``.
 
-    The first launch on a device compiles both variants: Triton compiles each on its first
+    The first launch on a device compiles every variant: Triton compiles each on its first
     use, and the one with lanes is first used by the first verified sync's summed load,
     which took 100 ms longer for it on an H200 (one of three verified syncs in a row)."""
     kernel = _copy_kernel()
     t0 = time.perf_counter()
     if device.type == "cuda" and device not in _COPY_PRIMED:
         _COPY_PRIMED.add(device)
-        scratch = torch.zeros(8, dtype=torch.int64, device=device)  # 4 bytes copied onto themselves
-        primer = np.array([scratch.data_ptr(), scratch.data_ptr(), 1, 0, 0, 0], dtype=np.int64)
-        for variant in (False, True):
-            _launch_copy(primer, 1, 1, variant, device)
+        scratch = torch.zeros(8, dtype=torch.int32, device=device)  # its first unit copied onto itself
+        for u in (4, 16):
+            for variant in (False, True):
+                _launch_copy(np.array([0, 0, 1, 0, 0, 0], dtype=np.int64), 1, 1, variant, device, scratch, scratch, u)
     t1 = time.perf_counter()
-    meta_dev = _to_device(meta, device)  # queued from pinned memory (see _launch_batch)
+    meta_dev = table if isinstance(table, torch.Tensor) else _to_device(table, device)  # queued (see _launch_batch)
     t2 = time.perf_counter()
     partial = torch.empty(programs if lanes else 1, 2, dtype=torch.int64, device=device)
     t3 = time.perf_counter()
     (s1, k1), (s2, k2) = LANE_SEEDS
-    kernel[(programs,)](meta_dev, tensors, programs, partial, LANES=lanes, S1=s1, K1=k1, S2=s2, K2=k2,
-                        LOW_BITS=BLOCK_BITS, BLOCK=_COPY_BLOCK, ITERS=_COPY_ITERS, num_warps=8)
+    kernel[(programs,)](meta_dev, tensors, programs, partial, sbase, dbase, LANES=lanes, UNIT=unit // 4,
+                        S1=s1, K1=k1, S2=s2, K2=k2, LOW_BITS=BLOCK_BITS, BLOCK=_COPY_BLOCK, ITERS=_COPY_ITERS,
+                        num_warps=_COPY_WARPS)
     t4 = time.perf_counter()
     out = None
     if lanes:
@@ -542,6 +558,31 @@ def _launch_copy(meta: np.ndarray, tensors: int, programs: int, lanes: bool, dev
         out &= _MASK
     COPY_LAUNCH_PARTS.update(prime=t1 - t0, upload=t2 - t1, scratch=t3 - t2, kernel=t4 - t3,
                              lanes=time.perf_counter() - t4)
+    return out
+
+
+def _unit(meta: np.ndarray, tensors: int, *bases: int) -> int:
+    """The copying kernel's unit for a table of absolute addresses and its bases: 16 bytes
+    where every source, destination, size and base allows it (and ``_COPY_ALIGNED``), else 4."""
+    n = tensors
+    if _COPY_ALIGNED and not any(b % 16 for b in bases) and not np.any(meta[:2 * n] % 16) \
+            and not np.any(meta[2 * n:3 * n] % 4):
+        return 16
+    return 4
+
+
+def _relative_table(meta: np.ndarray, tensors: int, programs: int, sbase: int, dbase: int, unit: int) -> np.ndarray:
+    """The kernel's table (see :func:`_launch_copy`) from ``meta`` (``Copies``' own: sources and
+    destinations as addresses, sizes in 4-byte words, starts in words): addresses become
+    ``unit``-byte offsets from ``sbase`` and ``dbase``, sizes ``unit``-byte units, each program's
+    start a count of blocks; the checksum words and items stay. Every address, size and base is
+    a multiple of ``unit`` (``_unit`` says which unit a table allows)."""
+    n = tensors
+    out = meta.copy()
+    out[:n] = (meta[:n] - sbase) // unit
+    out[n:2 * n] = (meta[n:2 * n] - dbase) // unit
+    out[2 * n:3 * n] = meta[2 * n:3 * n] * 4 // unit
+    out[4 * n + programs:] //= _COPY_BLOCK
     return out
 
 
@@ -661,14 +702,72 @@ class Copies:
         with ``owners``, ``[tensors, 2]``, each tensor's runs summed."""
         COPY_LAUNCH_PARTS.clear()
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            got = _launch_copy(self.meta, self.count, self.programs, lanes, self.device)
-            if got is None or self.owners is None:
-                return got
+            # the table's base: a fresh small block (the caching allocator's start on 512-byte
+            # boundaries), every address an offset from it
+            anchor = torch.empty(4, dtype=torch.int32, device=self.device)
+            at = anchor.data_ptr()
+            unit = _unit(self.meta, self.count, at)
+            table = _relative_table(self.meta, self.count, self.programs, at, at, unit)
+            return self._owned(_launch_copy(table, self.count, self.programs, lanes, self.device, anchor, anchor, unit))
+
+    def _owned(self, got: torch.Tensor | None, index: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Lanes per pair summed per owner, where pairs are runs of tensors (``index``: the
+        owners on the lanes' device, where the caller holds them there)."""
+        if got is None or self.owners is None:
+            return got
+        if index is None:
             index = torch.from_numpy(self.owners)
             if self.device.type == "cuda":
                 index = index.pin_memory().to(self.device, non_blocking=True)
-            out = torch.zeros(self.tensors, 2, dtype=torch.int64, device=got.device)
-            return out.index_add_(0, index.to(got.device), got) & _MASK
+        out = torch.zeros(self.tensors, 2, dtype=torch.int64, device=got.device)
+        return out.index_add_(0, index.to(got.device), got) & _MASK
+
+
+class PlannedCopies(Copies):
+    """:class:`Copies` out of a buffer mapped anew every sync at the same offsets (a sender's
+    bucket, the same layout sync after sync) into the same destinations: the kernel's table is
+    made and uploaded once, its sources offsets from the buffer given to :meth:`run_from`, so a
+    sync's launch is the launch alone.
+
+    Why: laying the table on each sync's buffer and uploading it took 0.4-0.7 ms of host time
+    before the launch at Qwen2-1.5B on an H200 (route_plan_table_s and route_plan_upload_s,
+    call68b), the device idle meanwhile, in a one-copy ``sync-first`` load of 2.3 ms.
+
+    ``starts``: each pair's byte offset in the buffer; ``dests``, ``nbytes``, ``firsts``,
+    ``owners`` as :meth:`Copies.at`. The destinations must stay where they are while this is
+    used (an engine's plan is dropped with the allocation of its weights)."""
+
+    def __init__(self, starts: Any, dests: Any, nbytes: Any, device: torch.device, firsts: Any = None,
+                 owners: Any = None) -> None:
+        self._table(starts, dests, nbytes, device, firsts, owners)
+        # the sources' unit as offsets; a buffer whose own address does not allow it is copied
+        # through a table laid on it (Copies.at), as before plans were kept
+        self.unit = _unit(self.meta, self.count)
+        self._anchor: torch.Tensor | None = None
+        self._uploaded: torch.Tensor | None = None
+        self._owners_dev: torch.Tensor | None = None
+
+    def run_from(self, flat: torch.Tensor, lanes: bool = False) -> torch.Tensor | None:
+        """Queue the copies out of ``flat`` (a contiguous uint8 buffer on the device, at least as
+        large as the layout); lanes as :meth:`Copies.run`."""
+        base = flat.data_ptr()
+        if base % self.unit:
+            laid = Copies.at(self.meta[:self.count] + base, self.meta[self.count:2 * self.count],
+                             self.meta[2 * self.count:3 * self.count] * 4, self.device,
+                             None if self.owners is None else self.meta[3 * self.count:4 * self.count], self.owners)
+            return laid.run(lanes)
+        COPY_LAUNCH_PARTS.clear()
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if self._uploaded is None:
+                self._anchor = torch.empty(4, dtype=torch.int32, device=self.device)
+                table = _relative_table(self.meta, self.count, self.programs, 0, self._anchor.data_ptr(), self.unit)
+                self._uploaded = _to_device(table, self.device) if self.device.type == "cuda" else torch.from_numpy(table)
+                if self.owners is not None:
+                    self._owners_dev = torch.from_numpy(self.owners).to(self.device)
+            source = flat[:flat.numel() // 4 * 4].view(torch.int32)  # the buffer as the kernel's int32 pointer
+            got = _launch_copy(self._uploaded, self.count, self.programs, lanes, self.device, source, self._anchor,
+                               self.unit)
+            return self._owned(got, self._owners_dev)
 
 
 class Labels:
@@ -1129,6 +1228,6 @@ def _lane_blobs(tables: Sequence[torch.Tensor | list[list[int]]]) -> list[bytes]
     return [(r & _MASK).astype("<u4").tobytes() for r in rows]
 
 
-__all__ = ["BLOCK_BITS", "Blocks", "COPY_LAUNCH_PARTS", "combine", "Copies", "Labels", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
+__all__ = ["BLOCK_BITS", "Blocks", "COPY_LAUNCH_PARTS", "combine", "Copies", "PlannedCopies", "Labels", "CONVERT_BYTES", "entries_of", "expected_weights_digest", "hash_many",
            "LANE_SEEDS", "lanes", "lanes_many", "multiplier", "ReceivedDigest", "Spans", "tensor_entry", "TensorHash",
            "weights_digest", "word_size"]

@@ -335,10 +335,17 @@ def _copy_on_the_host(span):
 
     import colo.digest as D
 
-    def run(meta, n, programs, lanes, device):
-        srcs, dsts, words, firsts = (meta[k * n:(k + 1) * n].tolist() for k in range(4))
-        item, starts = meta[4 * n:4 * n + programs], meta[4 * n + programs:]
+    def run(table, n, programs, lanes, device, sbase, dbase, unit):
+        # the kernel's table (colo.digest._relative_table): offsets from the two bases in units,
+        # sizes in units, starts in blocks; a plan's is a tensor kept on its device
+        meta = table.cpu().numpy() if isinstance(table, torch.Tensor) else table
+        assert unit in (4, 16) and sbase.data_ptr() % unit == 0 == dbase.data_ptr() % unit
+        srcs = (sbase.data_ptr() + meta[:n] * unit).tolist()
+        dsts = (dbase.data_ptr() + meta[n:2 * n] * unit).tolist()
+        words, firsts = (meta[2 * n:3 * n] * unit // 4).tolist(), meta[3 * n:4 * n].tolist()
+        item, starts = meta[4 * n:4 * n + programs], meta[4 * n + programs:] * D._COPY_BLOCK
         assert len(starts) == programs
+        run.units.append(unit)
         out = []
         for i, (s, d, w, f) in enumerate(zip(srcs, dsts, words, firsts)):
             assert sorted(starts[item == i].tolist()) == list(range(0, max(w, 1), span)), i
@@ -346,6 +353,7 @@ def _copy_on_the_host(span):
             out.append(D._host_lanes_np(np.ctypeslib.as_array((ctypes.c_uint16 * (2 * w)).from_address(d)), f))
         return torch.tensor(out, dtype=torch.int64) if lanes else None
 
+    run.units = []  # each launch's unit, in order
     return run
 
 
@@ -389,6 +397,41 @@ def test_copies_move_every_tensor_through_one_table_and_give_the_lanes_of_what_t
         assert not D.Copies.fits(bad), bad
     with pytest.raises(ValueError, match="same bytes"):
         D.Copies([(a.half(), a)])
+
+
+def test_the_copying_kernels_table_names_the_same_bytes_in_units_from_its_bases():
+    """``_relative_table``: the kernel's table holds each pair's addresses as offsets from the
+    launch's two bases (below or above them) in units of 16 bytes where every address, size and
+    base allows it (``_unit``) and of 4 otherwise, its size in units and each program's start in
+    blocks, the checksum words and items as they were."""
+    import colo.digest as D
+
+    span = D._COPY_BLOCK * D._COPY_ITERS
+    g = torch.Generator().manual_seed(6)
+    srcs = [torch.randn(2 * span + 8, generator=g), torch.randn(8, 6, generator=g).bfloat16(),
+            torch.randn(4, generator=g)]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    nbytes = [t.numel() * t.element_size() for t in srcs]
+    sources, dests = [t.data_ptr() for t in srcs], [t.data_ptr() for t in dsts]
+    copies = D.Copies.at(np.array(sources), np.array(dests), np.array(nbytes), torch.device("cpu"),
+                         firsts=[0, 5, 9], owners=[0, 1, 2])
+    n, p = copies.count, copies.programs
+    assert (n, p) == (3, 3 + 1 + 1)
+    sbase, dbase = (sorted(sources + dests)[2] // 16) * 16, (max(dests) // 16 + 3) * 16  # pairs below and above
+    assert D._unit(copies.meta, n, sbase, dbase) == 16
+    for unit in (16, 4):
+        table = D._relative_table(copies.meta, n, p, sbase, dbase, unit)
+        assert (table[:n] * unit + sbase).tolist() == sources and (table[n:2 * n] * unit + dbase).tolist() == dests
+        assert (table[2 * n:3 * n] * unit).tolist() == nbytes
+        assert table[3 * n:4 * n + p].tolist() == copies.meta[3 * n:4 * n + p].tolist() == [0, 5, 9, 0, 0, 0, 1, 2]
+        assert (table[4 * n + p:] * D._COPY_BLOCK).tolist() == copies.meta[4 * n + p:].tolist() == \
+            [0, span, 2 * span, 0, 0]
+    # a base, a source, a destination off 16 bytes, or a size of 3 words: 4-byte units
+    assert D._unit(copies.meta, n, sbase + 4, dbase) == D._unit(copies.meta, n, sbase, dbase + 8) == 4
+    for i, bad in ((0, 4), (n, 8), (2 * n, -1)):
+        meta = copies.meta.copy()
+        meta[i] += bad
+        assert D._unit(meta, n, sbase, dbase) == 4, i
 
 
 def test_copies_of_a_tensors_runs_give_that_tensors_lanes(monkeypatch):

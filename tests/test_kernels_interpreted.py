@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = r'''
+import numpy as np
 import torch
 import triton.language as tl
 import colo.digest as D
@@ -65,6 +66,38 @@ dq = torch.zeros(3, 101, 2, dtype=torch.bfloat16)
 runs = D.Copies([(dq[i], q[i]) for i in range(3)], firsts=[(dq[i].data_ptr() - dq.data_ptr()) // 2 for i in range(3)],
                 owners=[0, 0, 0])
 assert runs.run(lanes=True).tolist() == [D.lanes(q.contiguous(), 0, "host")] and torch.equal(dq, q)
+# the kernel's 16-byte units (every pair 16-byte aligned and sized; the last block of the second
+# tensor 4 words long) and its 4-byte ones: the same bytes, the same lanes
+big = [torch.randn(s, generator=g).to(dt) for s, dt in [((40, 48), torch.bfloat16), ((4096 + 68,), torch.float32)]]
+probe = D.Copies(list(zip([torch.zeros_like(t) for t in big], big)))
+assert D._unit(probe.meta, probe.count, 0) == 16
+for flag in (True, False):
+    D._COPY_ALIGNED = flag
+    outs = [torch.zeros_like(t) for t in big]
+    got = D.Copies(list(zip(outs, big))).run(lanes=True)
+    assert got.tolist() == [D.lanes(t, 0, "host") for t in big], flag
+    assert all(torch.equal(o, t) for o, t in zip(outs, big)), flag
+    outs = [torch.zeros_like(t) for t in big]
+    assert D.Copies(list(zip(outs, big))).run() is None and all(torch.equal(o, t) for o, t in zip(outs, big)), flag
+D._COPY_ALIGNED = True
+# a plan's copies out of a buffer mapped anew each time: its table made once, each run given the buffer;
+# a buffer off 16 bytes is copied through a table laid on it
+nb = [t.numel() * t.element_size() for t in big]
+starts = [0, nb[0]]
+outs = [torch.zeros_like(t) for t in big]
+planned = D.PlannedCopies(np.array(starts), np.array([o.data_ptr() for o in outs]), np.array(nb), torch.device("cpu"))
+assert planned.unit == 16
+for shift in (0, 16, 4, 0):
+    buf = torch.zeros(sum(nb) + 64, dtype=torch.uint8)
+    flat = buf[shift:shift + sum(nb)]
+    for t, a in zip(big, starts):
+        flat[a:a + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+    for o in outs:
+        o.zero_()
+    got = planned.run_from(flat, lanes=True)
+    assert got.tolist() == [D.lanes(t, 0, "host") for t in big], shift
+    assert all(torch.equal(o, t) for o, t in zip(outs, big)), shift
+    assert (planned._uploaded is not None) and planned.run_from(flat) is None
 print("ok")
 '''
 

@@ -260,7 +260,8 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     run = _copy_on_the_host(D._COPY_BLOCK * D._COPY_ITERS)
     monkeypatch.setattr(D, "_copy_kernel", lambda: run)
     monkeypatch.setattr(D, "_batchable", lambda t: True)
-    monkeypatch.setattr(D, "_launch_copy", run)
+    tables = []  # what each launch was given
+    monkeypatch.setattr(D, "_launch_copy", lambda table, *a: tables.append(table) or run(table, *a))
     checks = []
     real_check = LoadSession.check
     monkeypatch.setattr(LoadSession, "check", lambda self, items: checks.append(len(items)) or real_check(self, items))
@@ -286,6 +287,9 @@ def test_a_layout_loaded_in_one_launch_is_planned_once_and_laid_on_each_new_buff
     # the planned route's host time in its parts: the table laid on the buffer, and the launch
     # (its own parts on a GPU only: the stand-in here is the whole launch)
     assert parts[0] == {} and all(sorted(p) == ["launch", "table"] and min(p.values()) >= 0 for p in parts[1:])
+    # the launch laid its table on the host; the plan's was made and put on the device once, with
+    # the sources as offsets: each planned load gives the kernel that same table and its buffer
+    assert type(tables[0]).__name__ == "ndarray" and isinstance(tables[1], torch.Tensor) and tables[2] is tables[1]
     core.begin_load()
     first = bucket.entries[0].spec.name
     core.load_weights([(first, states[0][first])])

@@ -1,6 +1,7 @@
 """The device checksum (colo.digest/2) on CUDA: the same lanes as the host's for the same bytes,
 every flipped bit caught, pieces equal to the whole, and no copy to the host."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,14 +156,17 @@ def test_spans_of_one_device_buffer_are_one_launch_per_word_size_and_equal_the_h
     assert received.digest(order) == weights_digest([(n, dict(named)[n]) for n in order])
 
 
-def test_copies_on_the_device_move_exact_bytes_and_give_the_hosts_lanes():
+@pytest.mark.parametrize("odd", [False, True], ids=["16-byte", "4-byte"])
+def test_copies_on_the_device_move_exact_bytes_and_give_the_hosts_lanes(odd):
     """The copying kernel (``colo.digest.Copies``) on CUDA: a model-like set of tensors (a few
     large, many small; bf16, fp32, fp16; one larger than several programs' span) copied in one
     launch into separate destinations, byte for byte, with the lanes the host computes of the
-    sources; run again without lanes, the same bytes."""
+    sources; run again without lanes, the same bytes. Every pair 16-byte aligned and sized, the
+    kernel's 16-byte variant; one tensor of 6,000,012 bytes, its 4-byte one for all."""
     g = torch.Generator().manual_seed(11)
     shapes = [((151936, 64), torch.bfloat16), ((1536,), torch.bfloat16), ((256, 1536), torch.bfloat16),
-              ((8960, 16), torch.float32), ((3, 1_000_002), torch.float16)] + [((1536,), torch.bfloat16)] * 100
+              ((8960, 16), torch.float32), ((3, 1_000_002 if odd else 1_000_000), torch.float16)] + \
+        [((1536,), torch.bfloat16)] * 100
     host = [(torch.randn(s, generator=g) * 100).to(dt) for s, dt in shapes]
     flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in host]).cuda()
     srcs, at = [], 0
@@ -172,6 +176,7 @@ def test_copies_on_the_device_move_exact_bytes_and_give_the_hosts_lanes():
         at += n
     dsts = [torch.full_like(s, 7) for s in srcs]
     copies = D.Copies(list(zip(dsts, srcs)))
+    assert D._unit(copies.meta, copies.count) == (4 if odd else 16)
     lanes = copies.run(lanes=True)
     assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host))
     assert lanes.cpu().tolist() == [D.lanes(h, 0, "host") for h in host]
@@ -179,6 +184,39 @@ def test_copies_on_the_device_move_exact_bytes_and_give_the_hosts_lanes():
         d.fill_(0)
     assert copies.run() is None
     assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host))
+
+
+def test_planned_copies_from_buffers_mapped_anew_move_exact_bytes_and_give_the_hosts_lanes():
+    """``PlannedCopies`` on CUDA: a table made and uploaded once, run from a new buffer each time
+    holding other bytes at the same offsets: every destination ends as that buffer's bytes with
+    the host's lanes of them; a buffer off 16 bytes goes through a table laid on it, the same."""
+    g = torch.Generator().manual_seed(12)
+    shapes = [((151936, 64), torch.bfloat16), ((256, 1536), torch.bfloat16), ((8960, 16), torch.float32)] + \
+        [((1536,), torch.bfloat16)] * 50
+    nbytes = [torch.Size(s).numel() * torch.empty((), dtype=dt).element_size() for s, dt in shapes]
+    starts = [sum(nbytes[:i]) for i in range(len(nbytes))]
+    dsts = [torch.empty(s, dtype=dt, device="cuda") for s, dt in shapes]
+    planned = D.PlannedCopies(np.array(starts), np.array([d.data_ptr() for d in dsts]), np.array(nbytes),
+                              torch.device("cuda", torch.cuda.current_device()))
+    assert planned.unit == 16
+    kept = None
+    for shift in (0, 512, 4):
+        host = [(torch.randn(s, generator=g) * 100).to(dt) for s, dt in shapes]
+        buf = torch.zeros(sum(nbytes) + 1024, dtype=torch.uint8, device="cuda")
+        flat = buf[shift:shift + sum(nbytes)]
+        flat.copy_(torch.cat([h.reshape(-1).view(torch.uint8) for h in host]).cuda())
+        for d in dsts:
+            d.fill_(7)
+        lanes = planned.run_from(flat, lanes=True)
+        assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host)), shift
+        assert lanes.cpu().tolist() == [D.lanes(h, 0, "host") for h in host], shift
+        if kept is None:
+            kept = planned._uploaded
+        assert planned._uploaded is kept  # made once
+        for d in dsts:
+            d.fill_(0)
+        assert planned.run_from(flat) is None
+        assert all(torch.equal(d.cpu().view(torch.uint8), h.view(torch.uint8)) for d, h in zip(dsts, host)), shift
 
 
 def test_copies_of_strided_tensors_runs_on_the_device_give_the_whole_tensors_lanes():

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from colo.core.errors import EngineStateError, WeightMismatch
-from colo.digest import COPY_LAUNCH_PARTS, Blocks, Copies, Labels, ReceivedDigest, weights_digest, weights_entries
+from colo.digest import (COPY_LAUNCH_PARTS, Blocks, Copies, Labels, PlannedCopies, ReceivedDigest, weights_digest,
+                         weights_entries)
 from colo.core.interfaces import TensorSpec
 from colo.dtypes import DTypeLike, as_dtype, dtype_name
 from colo.engine.reference.dims import Dims, dims_from_config
@@ -137,28 +138,41 @@ class _LayoutPlan:
     time on the host, 5-8 ms a sync at Qwen2-1.5B on an H200 (issue 44); with the layout
     planned once a load is the buffer's address plus the offsets, and one launch."""
 
-    __slots__ = ("layout", "dests", "names", "name_set", "starts", "dst", "nbytes", "labels", "firsts", "owners")
+    __slots__ = ("layout", "dests", "names", "name_set", "planned", "labels")
 
     def __init__(self, layout: Any, dests: dict, names: list[str], copies: Copies, base: int, labels: Labels):
         self.layout, self.dests, self.labels = layout, dests, labels
         self.names, self.name_set = names, frozenset(names)
         # the launch's own table, its sources made offsets into the buffer: a tensor lying
-        # strided there (a one-copy sync's q, k, v) is one row per run, ``owners`` saying whose
+        # strided there (a one-copy sync's q, k, v) is one row per run, ``owners`` saying whose;
+        # made and uploaded once (PlannedCopies), each sync's launch given its buffer
         n = copies.count
-        sources, self.dst, words, firsts = (copies.meta[k * n:(k + 1) * n] for k in range(4))
-        self.starts, self.nbytes = sources - base, words * 4
-        self.firsts, self.owners = (None, None) if copies.owners is None else (firsts, copies.owners)
+        sources, dst, words, firsts = (copies.meta[k * n:(k + 1) * n] for k in range(4))
+        split = copies.owners is not None
+        self.planned = PlannedCopies(sources - base, dst, words * 4, copies.device, firsts if split else None,
+                                     copies.owners)
 
-    def copies(self, flat: torch.Tensor, dests: dict, session: LoadSession) -> Copies | None:
+    def copies(self, flat: torch.Tensor, dests: dict, session: LoadSession) -> _FromBuffer | None:
         """This sync's copies out of ``flat`` (the request's buffer), or None where the plan
         does not hold: another allocation of the weights, a session that already has some of
         these names or a piece in progress, a buffer the kernel cannot read."""
         if dests is not self.dests or session.partial or not session.loaded.isdisjoint(self.name_set):
             return None
-        base = flat.data_ptr()
-        if base % 4 or not Copies.reads(flat):
+        if flat.data_ptr() % 4 or not Copies.reads(flat):
             return None
-        return Copies.at(self.starts + base, self.dst, self.nbytes, flat.device, self.firsts, self.owners)
+        return _FromBuffer(self.planned, flat)
+
+
+class _FromBuffer:
+    """A plan's copies out of one sync's buffer: ``run`` as ``Copies.run``."""
+
+    __slots__ = ("planned", "flat")
+
+    def __init__(self, planned: PlannedCopies, flat: torch.Tensor):
+        self.planned, self.flat = planned, flat
+
+    def run(self, lanes: bool = False) -> torch.Tensor | None:
+        return self.planned.run_from(self.flat, lanes)
 
 
 #: bytes of written blocks checksummed per launch during a load (see ``_LoadDigest``)
