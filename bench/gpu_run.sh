@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -106,6 +106,77 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call68d)  # 2026-12-01 (eighteenth session), two GPUs: every gpu2 test with the copying kernel's relative table
+    # (16-byte units, a plan's table uploaded once) (limit: arg 2)
+    gpu2_suite "${2:-240}"
+    ;;
+  call68c)  # issue 44, 2026-12-01 (eighteenth session), one GPU: a plan's copying-kernel table made and uploaded once
+    # (PlannedCopies: sources as offsets from each sync's buffer; call68b's planned loads spent 0.4-0.7 ms laying and
+    # uploading it, the device idle) beside the table laid at each launch, by bench/copy_kernel.py (limit: arg 2);
+    # the one-GPU tests of the device digest, the demos and the one-copy handoff, with pytest's exit and time (arg 3);
+    # every real trainer's rows at Qwen2-1.5B, three reps (arg 4)
+    timeout "${2:-120}" python3 -m bench.copy_kernel "$OUT/copy-kernel.json" 2>&1 | tee "$OUT/copy-kernel.log" \
+      | grep -E "WRONG|one copy [0-9]|laid|planned" | grep -E "WRONG|2048 iters   64|one copy [0-9]"
+    t0=$(date +%s)
+    timeout "${3:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=8 \
+      tests/gpu/test_digest_cuda.py tests/gpu/test_one_gpu.py tests/device/test_one_copy.py \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -14
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${4:-240}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json" | grep -E "sync-first|^   engine .*route_plan" | cut -c1-400
+    ;;
+  call68f)  # issue 44, 2026-12-01 (eighteenth session), one GPU: call68c's GPU tests cut at its 200 s limit after 40
+    # passed (the device digest's whole, 34, first): the one-GPU tests that load through a plan's kept table (one
+    # bucket, Megatron's strided runs, fifty syncs' memory) and the one-copy handoff's, with pytest's exit and time
+    # (limit: arg 2); then Megatron's rows at Qwen2-7B, three reps (arg 3)
+    t0=$(date +%s)
+    timeout "${2:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=8 \
+      tests/gpu/test_one_gpu.py tests/device/test_one_copy.py \
+      -k "one_bucket_verifies_every_sync or sync-first-megatron or fifty_syncs or test_one_copy" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -14
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${3:-300}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers megatron --reps 3 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 \
+      | tee "$OUT/trainers-7b-megatron.log" | grep -E "^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json" | cut -c1-400
+    ;;
+  call68e)  # issue 44, 2026-12-01 (eighteenth session), one GPU: Megatron's and hf's rows at Qwen2-7B with call68c's
+    # code, three reps (limit: arg 2 per trainer)
+    for trainer in megatron hf; do
+      timeout "${2:-280}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+        --trainers "$trainer" --reps 3 --out "$OUT/colo-bench-trainers-7b-$trainer.json" 2>&1 \
+        | tee "$OUT/trainers-7b-$trainer.log" | grep -E "^\| qwen2-7b \| |retain"
+      engine_rows "$OUT/colo-bench-trainers-7b-$trainer.json" | cut -c1-400
+    done
+    ;;
+  call68b)  # issue 44, 2026-12-01 (eighteenth session), one GPU: the copying kernel of a one-copy load (2.2-2.8 ms
+    # of device time at Qwen2-1.5B where one device copy is 1.46, call67d/call68a) swept by bench/copy_kernel.py over
+    # launch shapes, in its 4-byte and its new 16-byte variant (limit: arg 2); the device digest's GPU tests with the
+    # 16-byte variant (arg 3); every real trainer's rows at 1.5B, three reps, the 16-byte variant on (arg 4)
+    timeout "${2:-150}" python3 -m bench.copy_kernel "$OUT/copy-kernel.json" 2>&1 | tee "$OUT/copy-kernel.log"
+    t0=$(date +%s)
+    timeout "${3:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short tests/gpu/test_digest_cuda.py \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${4:-300}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b --transports packed \
+      --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 | tee "$OUT/trainers.log" \
+      | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json"
+    ;;
+  call68a)  # issue 44, 2026-12-01 (eighteenth session), one GPU: why Megatron's offload-first load keeps the engine's
+    # device busy 61-64 ms at Qwen2-1.5B where hf's same bytes take 57-59 (call67d): hf's and Megatron's rows, one rep,
+    # then one more plain sync per plan under torch.profiler in both processes (the engine's trace now recorded too),
+    # each engine trace's device work summed by bench/device_trace.py (limit: arg 2)
+    rm -rf /tmp/prof
+    COLO_BENCH_PROFILE=/tmp/prof timeout "${2:-300}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,megatron --reps 1 --out "$OUT/colo-bench-trainers-profiled.json" 2>&1 \
+      | tee "$OUT/trainers-profiled.log" | grep -E "^qwen2-1.5b |^\| qwen2-1.5b \| "
+    python3 -m bench.device_trace /tmp/prof/*-engine.json --json "$OUT/engine-device-work.json" 2>&1 \
+      | tee "$OUT/engine-device-work.log"
+    tar czf "$OUT/profiles.tgz" -C /tmp prof
+    ;;
   call67e)  # 2026-11-30 (seventeenth session), two GPUs: every gpu2 test with the engine's lanes read back in one copy
     # and the ring's table written by numpy (a TP engine's ranks each sum and read back their shards) (limit: arg 2)
     gpu2_suite "${2:-240}"
