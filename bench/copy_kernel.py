@@ -94,7 +94,7 @@ def measure(model: str, reps: int, shapes=SHAPES) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("out")
     ap.add_argument("--models", default="qwen2-1.5b,qwen2-7b")
     ap.add_argument("--reps", type=int, default=10)

@@ -65,7 +65,7 @@ def summarize(trace: dict, gaps: int = 8) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
