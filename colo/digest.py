@@ -647,7 +647,8 @@ class Copies:
            owners: Any = None) -> Copies:
         """Copies from addresses the caller has already found fit (``sources``, ``dests`` and
         ``nbytes`` as int64 arrays, all multiples of 4, one dtype of 2 bytes or more per pair,
-        on ``device``): a layout derived once, laid on a buffer mapped anew this sync."""
+        on ``device``): a plan's layout laid on a buffer whose address its kept table cannot
+        take (``PlannedCopies.run_from``)."""
         out = cls.__new__(cls)
         out._table(sources, dests, nbytes, device, firsts, owners)
         return out
