@@ -142,6 +142,8 @@ class Scheduler:
         #: the caller's phase now open (to_train/to_rollout entered it; the next call closes
         #: it), and when it was entered
         self._open: tuple[Phase, float] | None = None
+        #: what a phase settles before its memory effects, written out
+        self._before: dict[Phase, Callable[[], None]] = {Phase.TRAINER_OFFLOAD: self._want_probe_reference}
         #: the work each phase does beyond its memory effects, written out
         self._work: dict[Phase, Callable[[], Awaitable[Any]]] = {
             Phase.ROLLOUT: self._rollout, Phase.TRAIN: self._train, Phase.SYNC: self._sync,
@@ -348,6 +350,9 @@ class Scheduler:
         deadline = anyio.CancelScope()  # only for the question below: was it the deadline?
         try:
             with anyio.fail_after(self.config.deadline(target)) as deadline:
+                before = self._before.get(target)
+                if before is not None:
+                    before()
                 await self._memory_effects(target)
                 work = self._work.get(target)
                 result = await work() if work is not None else None
@@ -650,6 +655,37 @@ class Scheduler:
                   for r, res in enumerate(results)]
         self.last_sync = events[0]
         return self.last_sync
+
+    def _want_probe_reference(self) -> None:
+        """Before the trainer offloads: whether it takes the probe's reference logits as it goes
+        (the verifier's ``want_reference``, :func:`colo.verification.make_verifier`), which only a
+        probe while its weights are paused reads: one left for the KV cache's return, or that of
+        a verified sync before the trainer's next onload (``offload-first``, a recovery). Not at
+        a ``sync-first`` offload, after the sync probed the resident weights: a forward of the
+        probe batch and its logits to the host, with the weights' digest it made every verified
+        offload 30-110 ms longer than a plain pause at Qwen2-1.5B on an H200 (issue 44)."""
+        want = getattr(self._probe, "want_reference", None)
+        if want is None:
+            return
+        verifies = self.config.verify == "every" or (self.config.verify == "first" and not self._verified)
+        # Not only where the next sync probes: one that fails sends the run through a recovery
+        # that probes (the trainer paused all the while), and without its reference the probe
+        # would rebuild the model on the host to get it (seconds at 1.5B, the twin then held).
+        want(self._probe_due or (verifies and self._sync_before_onload()))
+
+    def _sync_before_onload(self) -> bool:
+        """From the trainer's offload: whether a sync comes before its next onload. In the plan's
+        order (``offload-first``: yes, ``sync-first``: no), or a recovery's, which syncs a stale
+        engine (``engine_version`` None) before anything else."""
+        if self.engine_version is None:
+            return True
+        i = self.order.index(Phase.TRAINER_OFFLOAD)
+        for phase in self.order[i + 1:] + self.order[:i]:
+            if phase is Phase.SYNC:
+                return True
+            if phase is Phase.TRAINER_ONLOAD:
+                return False
+        return False
 
     def _check_at_offload(self, source: str) -> bool:
         """Whether a verified sync's digests wait for the trainer's offload: a sync from the

@@ -99,7 +99,8 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str | Non
     batch = probe_batch(model_config.vocab_size, seed)
     columns = probe_columns(model_config.vocab_size, batch, seed)
     current = engine if callable(engine) else (lambda: engine)
-    if hasattr(trainer, "probe_logits"):
+    takes_reference = hasattr(trainer, "probe_logits")
+    if takes_reference:
         trainer.probe_tokens = batch  # its reference is then taken as it offloads, on the device
 
     async def verify(digests: list[str]) -> None:
@@ -117,6 +118,17 @@ def make_verifier(trainer: Any, engine: Any, model_config: Any, dtype: str | Non
         answer = await ask_probe(eng, eng.capabilities.probe, batch, columns)
         check_probe(eng.capabilities.probe, ref, answer, batch, columns, tolerance)
 
+    def want_reference(wanted: bool) -> None:
+        """Whether the trainer's next offload takes the probe's reference logits (a forward of
+        the batch on the device and its logits to the host). The scheduler says so before each
+        offload (:meth:`colo.scheduler.Scheduler._want_probe_reference`): only where a probe
+        may read them while the weights are paused. Taken at every verified offload, nothing
+        read them after a ``sync-first`` sync, whose probe ran on the resident weights."""
+        if takes_reference:
+            trainer.probe_tokens = batch if wanted else None
+
+    # beside the call, so (verify, probe) stays what make_verifier returns
+    probe.want_reference = want_reference  # type: ignore[attr-defined]
     return verify, probe
 
 

@@ -199,3 +199,76 @@ async def test_a_deferred_digest_mismatch_fails_trainer_offload_and_leaves_the_e
     assert [e["verify_parts"]["trainer_check_s"] is None for e in syncs] == [True, True, False]
     assert len(seen) == 3 and len([e for e in events if e["event"] == "digest.checked"]) == 1
     assert main(["replay", str(path)]) == 0
+
+
+class _Recording(FakeTrainer):
+    """A trainer that notes its offloads and onloads in a shared log, beside the probes."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    async def onload(self, tags):
+        self.log.append("onload")
+        await super().onload(tags)
+
+    async def offload(self, tags):
+        self.log.append("offload")
+        await super().offload(tags)
+
+
+class _KVProbedEngine(FakeEngine):
+    """An engine probed through its KV cache, on every verified sync (as vLLM and SGLang declare)."""
+    from colo.core.interfaces import EngineCapabilities
+    capabilities = EngineCapabilities(probe_needs_kv=True)
+
+
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first", "single-stage"])
+@pytest.mark.parametrize("engine_cls", [FakeEngine, _LiveDigestEngine, _KVProbedEngine])
+async def test_the_trainer_takes_the_probes_reference_as_it_offloads_only_where_a_probe_may_read_it(
+        plan, engine_cls, tmp_path):
+    """Before each offload the scheduler tells the verifier whether the trainer takes the probe's
+    reference logits as it goes (``want_reference``, a forward of the probe batch): every probe
+    that runs while the trainer is paused found it asked for at the offload before it, and a
+    sync-first offload, after the sync probed the resident weights, asks for it only where a
+    probe follows (the KV cache's, a recovery's): the trainer took it at every verified offload."""
+    from colo.core.errors import VerificationError
+
+    log: list = []
+    fail_next = []
+
+    async def verify(ds):
+        if fail_next:
+            fail_next.clear()
+            raise VerificationError("a digest mismatch, injected")
+
+    async def probe():
+        log.append("probe")
+
+    probe.want_reference = lambda wanted: log.append(("want", wanted))
+    s = Scheduler(_Recording(log), engine_cls(), MemoryLedger(total_bytes=10_000), FakeTransport(),
+                  trace=TraceWriter(tmp_path / "t.jsonl"), verify=verify, probe=probe,
+                  config=SchedulerConfig(plan=plan, bucket_bytes=50, verify="every"))
+    async with s:
+        for _ in range(3):
+            await s.cycle()
+        fail_next.append(1)
+        with pytest.raises(VerificationError):
+            await s.cycle()
+        await s.recover()
+        await s.cycle()
+    wants = [e[1] for e in log if isinstance(e, tuple)]
+    assert log.count("probe") >= 2 and wants  # probes ran, and the scheduler asked before offloads
+    # the ask comes right before each offload (and in a recovery's trainer_offload, where the
+    # trainer is already paused and does nothing)
+    assert all(isinstance(log[i - 1], tuple) for i, e in enumerate(log) if e == "offload")
+    # asked for where a probe may come before the trainer's next onload: at a sync-first offload
+    # exactly where one does (after the sync probed the resident weights, none does); before an
+    # offload-first or single-stage sync, at every verified one (it may fail, and the recovery probes)
+    for i, e in enumerate(log):
+        if isinstance(e, tuple):
+            rest = log[i + 1:]
+            until = rest.index("onload") if "onload" in rest else len(rest)
+            assert e[1] == (plan != "sync-first" or "probe" in rest[:until]), f"asked {e[1]} at event {i} of {log}"
+    if plan == "sync-first" and engine_cls is not _KVProbedEngine:
+        assert wants.count(True) == 1  # the recovery's, after the failed sync

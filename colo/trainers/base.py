@@ -126,10 +126,12 @@ class PolicyTrainer:
                 # While the weights are still on the device, where their checksum is one pass
                 # at memory speed; on the host backup it would be seconds per GB.
                 self._offloaded_digest = await self.compute(self.sent_digest, True)
-                if self.probe_tokens is not None:
-                    # likewise the probe's reference: one forward on the device now, where
-                    # paused it would load the whole model into a CPU twin (seconds at 1.5B)
-                    self._offloaded_logits = await self.compute(self.logits, self.probe_tokens)
+                # likewise the probe's reference, where a probe may read it while the weights are
+                # paused (the verifier says, colo.verification.make_verifier): one forward on the
+                # device now, where paused it would load the whole model into a CPU twin (seconds
+                # at 1.5B)
+                self._offloaded_logits = None if self.probe_tokens is None else \
+                    await self.compute(self.logits, self.probe_tokens)
             await self._memory_backend.pause("trainer", tags)
 
     def probe_logits(self, tokens: list[list[int]]) -> torch.Tensor:

@@ -173,6 +173,29 @@ def test_demo_on_cuda_in_one_bucket_verifies_every_sync(plan, tmp_path):
     assert all(s["buckets"] == 1 and s["tensors"] == s["params"] for s in syncs)
 
 
+@pytest.mark.parametrize("plan", ["offload-first", "sync-first"])
+def test_demo_on_cuda_recovers_a_failed_sync_and_probes_again_against_the_trainers_reference(plan, tmp_path):
+    # colo's engine is probed once (its digest is of its live weights) and again after a failure;
+    # a sync-first offload takes the probe's reference only for the recovery that follows a failed
+    # sync (Scheduler._want_probe_reference): that probe passes against it. In a process of its
+    # own, as demo() runs one, for the fault's step, which the command line does not take.
+    trace = tmp_path / "t.jsonl"
+    code = ("import anyio, sys\n"
+            "from colo.apps.demo import DemoConfig, run\n"
+            f"cfg = DemoConfig(device='cuda', plan='{plan}', steps=3, fault='raise@sync', fault_step=2, "
+            f"trace={str(trace)!r}, mem_fraction_static=0.5)\n"
+            "out = anyio.run(lambda: run(cfg, progress=False))\n"
+            "sys.exit(1 if out.error else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = replay_clean(trace)
+    assert [(e["phase"], e["step"]) for e in events if e["event"] == "phase.failed"] == [("sync", 2)]
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    # the first sync probed, the next did not, the recovery's did
+    assert [s["verify_parts"]["probe_s"] is not None for s in syncs] == [True, False, True]
+    assert [s["weight_version"] for s in syncs] == [1, 2, 3] and all(s["digest"] for s in syncs)
+
+
 def test_zero_copy_conversion_reads_pinned_host_bytes_exactly():
     from colo.device.cuda_memory import Saver
     from colo.device.zero_copy import convert_from_host, device_view

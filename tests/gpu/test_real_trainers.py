@@ -88,6 +88,29 @@ def test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_pl
         scale = float(resident_logits.abs().max())
         assert float((cached - resident_logits).abs().max()) <= 1e-6 * scale  # taken on the device
         assert float((twin - cached).abs().max()) <= 0.02 * scale  # bf16 GPU against fp32 CPU
+
+        # the verifier's want_reference, as the scheduler asks it before each offload: unasked, the
+        # offload takes the weights' digest and no forward; asked, the probe's reference again
+        from colo.verification import make_verifier
+
+        _, probe = make_verifier(trainer, lambda: None, config, "bfloat16")
+        batch = trainer.probe_tokens
+        resident_logits = trainer.logits(batch)
+
+        async def offloaded(wanted: bool):
+            probe.want_reference(wanted)
+            await trainer.offload(["weights", "optimizer"])
+            try:
+                return trainer._offloaded_logits, trainer.sent_digest()
+            finally:
+                await trainer.onload(["weights", "optimizer"])
+
+        want = trainer.sent_digest(fresh=True)
+        unasked, digest = anyio.run(offloaded, False)
+        assert unasked is None and trainer.probe_tokens is None and digest == want
+        asked, digest = anyio.run(offloaded, True)
+        assert trainer.probe_tokens == batch and digest == want
+        assert float((asked - resident_logits).abs().max()) <= 1e-6 * float(resident_logits.abs().max())
     finally:
         trainer.close()
 
