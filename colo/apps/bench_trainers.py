@@ -124,10 +124,18 @@ class _Clock:
         return time.perf_counter() - t0, out
 
 
+#: plain cycles of each plan run before the measured ones (see measure_trainer)
+WARMUPS = 2
 #: a directory: each trainer's child profiles one more plain sync per plan there (torch.profiler:
 #: the trainer process's operators and kernels, the engine's load is in its own process), to
 #: find where a sync's time goes before changing it (issue 44: sync-first at ten device copies)
 PROFILE_ENV = "COLO_BENCH_PROFILE"
+#: a directory: each trainer's child runs ``PYPROFILE_CYCLES`` more plain cycles per plan with
+#: their syncs under cProfile (the trainer process's Python: the sender, the engine client, the
+#: channel) and writes the functions by cumulative and by own time there, to find which host
+#: work a sync waits on (issue 44: 0.9 ms of a 5 ms sync-first sync outside its recorded stages)
+PYPROFILE_ENV = "COLO_BENCH_PYPROFILE"
+PYPROFILE_CYCLES = 10
 #: seconds to wait between the engine's wake-up and each sync (unset: none, as the scheduler
 #: runs them). A diagnosis, not a setting: whether the sync right after the trainer released
 #: its memory runs slower than the same sync a moment later (issue 44: the one-copy
@@ -204,9 +212,36 @@ async def _profiled(where: str, clock: _Clock, step: Callable[[], Any], engine: 
     return took, out
 
 
+def _pyprofiled(prof: Any, clock: _Clock, step: Callable[[], Any]) -> Any:
+    """``clock.time(step)`` with cProfile ``prof`` collecting while it runs."""
+
+    async def run() -> tuple[float, Any]:
+        prof.enable()
+        try:
+            return await clock.time(step)
+        finally:
+            prof.disable()
+
+    return run()
+
+
+def _pyprofile_write(prof: Any, where: str, cycles: int) -> None:
+    """``prof``'s functions by cumulative and by own time, at ``where``."""
+    import io
+    import pstats
+
+    out = io.StringIO()
+    out.write(f"{cycles} syncs under cProfile (its own overhead included in every figure)\n")
+    for key in ("cumulative", "tottime"):
+        out.write(f"\n== by {key}\n")
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(45)
+    with open(where, "w") as f:
+        f.write(out.getvalue())
+
+
 async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: list[str], clock: _Clock, step: int,
                  bucket_bytes: int, verifier: tuple[Callable, Callable] | None, probe_now: bool = True,
-                 profile_to: str | None = None) -> dict:
+                 profile_to: str | None = None, pyprofile: Any = None) -> dict:
     """One cycle of ``plan``, each transition timed; with ``verifier`` the demo's verification
     (the probe only where ``probe_now``: the scheduler probes an engine whose digest is of its
     live weights on its first verified sync only); with ``profile_to`` its sync profiled there
@@ -221,7 +256,12 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     async def pause() -> None:
         order = _pause_order(tags)
         if verifier is not None:
-            # as colo's trainer offloads: its digest and the probe's reference first, on the device
+            # as colo's trainer offloads: its digest first, on the device, and the probe's reference
+            # where a probe may read it while the weights are paused (the scheduler's rule,
+            # Scheduler._want_probe_reference): before an offload-first sync, not after a sync-first one
+            want = getattr(verifier[1], "want_reference", None)
+            if want is not None:
+                want(plan != "sync-first")
             out["trainer_offload_verified_s"], _ = await clock.time(lambda: trainer.offload(order))
         elif backend is not None:
             out["trainer_pause_s"], _ = await clock.time(lambda: backend.pause("trainer", order))
@@ -240,7 +280,9 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     source = "host" if backend is not None and not backend.resident("weights") else "device"
     ctx = SyncContext(step=step, weight_version=step, bucket_bytes=bucket_bytes, source=source,
                       staging=StagingBudget(None), flush_cache=True)
-    if profile_to is None:
+    if pyprofile is not None:
+        out["sync_s"], result = await _pyprofiled(pyprofile, clock, lambda: transport.sync(trainer, engine, ctx))
+    elif profile_to is None:
         out["sync_s"], result = await clock.time(lambda: transport.sync(trainer, engine, ctx))
     else:
         out["sync_s"], result = await _profiled(profile_to, clock, lambda: transport.sync(trainer, engine, ctx),
@@ -331,6 +373,11 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
         offload = [c["trainer_offload_verified_s"] for c in verified if "trainer_offload_verified_s" in c]
         if offload:
             row["trainer_offload_verified_s"] = _median(offload)
+            row["trainer_offload_verified_s_all"] = offload
+            if "trainer_pause_s" in row["step_s"]:
+                # what verification adds to the cycle outside the sync: the offload's digest (and,
+                # in a probing cycle, the probe's reference) against a plain pause
+                row["offload_verify_adds_s"] = row["trainer_offload_verified_s"] - row["step_s"]["trainer_pause_s"]
     return row
 
 
@@ -383,8 +430,12 @@ async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, see
         try:
             for plan in PLANS[device]:
                 say(f"{kind} at {name}: {plan}")
+                # two warm-ups: after the last plan's verified cycles, colo's engine client still
+                # asks the first load's end for a digest (it expects the next verify), and the
+                # engine sums the load after one it was asked at; nobody reads either, and the
+                # eighteenth session's first measured sync-first cycle was that summed load
                 plain = [await _cycle(plan, trainer, engine, transport, tags, clock, i, bucket_bytes, None)
-                         for i in range(1 + reps)][1:]
+                         for i in range(WARMUPS + reps)][WARMUPS:]
                 live = engine.capabilities.digest_live
                 verified = [await _cycle(plan, trainer, engine, transport, tags, clock, i, bucket_bytes, verifier,
                                          probe_now=i == 0 or not live)
@@ -393,9 +444,20 @@ async def measure_trainer(kind: str, model: dict, *, device: str, reps: int, see
                 if os.environ.get(PROFILE_ENV):  # after the rows: the profiler's own cost is in no figure
                     where = os.path.join(os.environ[PROFILE_ENV], f"sync-{kind}-{name}-{plan}")
                     os.makedirs(os.environ[PROFILE_ENV], exist_ok=True)
-                    await _cycle(plan, trainer, engine, transport, tags, clock, 1 + reps, bucket_bytes, None,
+                    await _cycle(plan, trainer, engine, transport, tags, clock, WARMUPS + reps, bucket_bytes, None,
                                  profile_to=where)
                     say(f"{kind} at {name}: {plan}: one sync profiled in {where}.txt")
+                if os.environ.get(PYPROFILE_ENV):
+                    import cProfile
+
+                    prof = cProfile.Profile()
+                    for i in range(PYPROFILE_CYCLES):
+                        await _cycle(plan, trainer, engine, transport, tags, clock, WARMUPS + reps + 1 + i,
+                                     bucket_bytes, None, pyprofile=prof)
+                    os.makedirs(os.environ[PYPROFILE_ENV], exist_ok=True)
+                    where = os.path.join(os.environ[PYPROFILE_ENV], f"pysync-{kind}-{name}-{plan}.txt")
+                    _pyprofile_write(prof, where, PYPROFILE_CYCLES)
+                    say(f"{kind} at {name}: {plan}: {PYPROFILE_CYCLES} syncs under cProfile in {where}")
         finally:
             await transport.aclose()
         return {"trainer": kind, "model": name, "params": params, "param_dtype": param_dtype,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import colo.apps.bench as bench
-from colo.apps.bench_trainers import OPTIMIZER_BYTES_PER_PARAM, HEADROOM_BYTES, optimizer_fits
+from colo.apps.bench_trainers import OPTIMIZER_BYTES_PER_PARAM, HEADROOM_BYTES, PYPROFILE_CYCLES, optimizer_fits
 from colo.cli import main
 from colo.core.buckets import plan_buckets
 from colo.digest import expected_weights_digest
@@ -252,3 +252,25 @@ def test_a_profiled_sync_records_the_engines_own_process_beside_the_trainers(tmp
     assert any("copy" in n for n in names), sorted(names)[:40]
     assert summary["trace"] == str(where.parent / (where.name + "-engine.json")) and summary["wall_s"] > 0
     assert set(summary["device_s_by_kind"]) == {"nccl", "memcpy", "other"}
+
+
+def test_python_profiled_syncs_name_the_senders_own_functions_with_their_calls(tmp_path, monkeypatch):
+    # COLO_BENCH_PYPROFILE: more plain cycles per plan, their syncs' Python under cProfile, written out
+    monkeypatch.setitem(bench.MODELS, "tiny", TINY)
+    real = bench.measure_limits
+    monkeypatch.setattr(bench, "measure_limits", lambda: real(nbytes=4 << 20, reps=1, directory=str(tmp_path)))
+    prof = tmp_path / "py"
+    monkeypatch.setenv("COLO_BENCH_PYPROFILE", str(prof))
+    assert main(["bench", "--device", "cpu", "--model", "tiny", "--transports", "packed", "--trainers", "hf",
+                 "--reps", "1", "--out", str(tmp_path / "r.json")]) == 0
+    plans = [r["plan"] for r in json.loads((tmp_path / "r.json").read_text())["trainers"][0]["rows"]]
+    assert plans and sorted(p.name for p in prof.iterdir()) == sorted(f"pysync-hf-tiny-{p}.txt" for p in plans)
+    for plan in plans:
+        text = (prof / f"pysync-hf-tiny-{plan}.txt").read_text()
+        assert text.startswith(f"{PYPROFILE_CYCLES} syncs under cProfile")
+        assert "== by cumulative" in text and "== by tottime" in text
+        # the sender's sync ran in every profiled cycle (a coroutine counts a call per resumption),
+        # and what it called is listed under it
+        sync = [line for line in text.splitlines() if "packed.py" in line and line.rstrip().endswith("(sync)")]
+        assert sync and int(sync[0].split()[0]) >= PYPROFILE_CYCLES, sync
+        assert "transport_load" in text
