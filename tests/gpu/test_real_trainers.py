@@ -90,7 +90,9 @@ def test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_pl
         assert float((twin - cached).abs().max()) <= 0.02 * scale  # bf16 GPU against fp32 CPU
 
         # the verifier's want_reference, as the scheduler asks it before each offload: unasked, the
-        # offload takes the weights' digest and no forward; asked, the probe's reference again
+        # offload takes the weights' digest and no forward; asked, the probe's reference again. In
+        # the cycle's order (the optimizer state first): taken while the optimizer state is paused
+        # beside them, then the weights paused, and everything back exactly after the onload
         from colo.verification import make_verifier
 
         _, probe = make_verifier(trainer, lambda: None, config, "bfloat16")
@@ -99,11 +101,13 @@ def test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_pl
 
         async def offloaded(wanted: bool):
             probe.want_reference(wanted)
-            await trainer.offload(["weights", "optimizer"])
+            start = free_bytes()
+            await trainer.offload(["optimizer", "weights"])
             try:
+                assert free_bytes() - start >= tags["weights"] + tags["optimizer"] - 4 * MiB
                 return trainer._offloaded_logits, trainer.sent_digest()
             finally:
-                await trainer.onload(["weights", "optimizer"])
+                await trainer.onload(["optimizer", "weights"])
 
         want = trainer.sent_digest(fresh=True)
         unasked, digest = anyio.run(offloaded, False)
@@ -111,6 +115,8 @@ def test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_pl
         asked, digest = anyio.run(offloaded, True)
         assert trainer.probe_tokens == batch and digest == want
         assert float((asked - resident_logits).abs().max()) <= 1e-6 * float(resident_logits.abs().max())
+        assert all(torch.equal(local(p.detach()), before[n]) for n, p in trainer.model.named_parameters())
+        assert all(torch.equal(local(m.detach()), w) for m, w in zip(trainer.opt.masters, masters))
     finally:
         trainer.close()
 
