@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call69c [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -72,6 +72,18 @@ for t in json.load(open(sys.argv[1]))['trainers']:
             print('   engine', ms(c))
 " "$1"
 }
+offload_rows() {  # offload_rows JSON: each row's plain pause, verified offloads and what verification adds (ms)
+  [ -f "$1" ] || return 0
+  python3 -c "
+import json, sys
+for t in json.load(open(sys.argv[1]))['trainers']:
+    for r in t['rows']:
+        print(t['trainer'], r['plan'], 'pause', round(r['step_s'].get('trainer_pause_s', 0) * 1e3, 1), 'verified offload',
+              [round(x * 1e3, 1) for x in r.get('trainer_offload_verified_s_all', [])], 'adds',
+              round(r.get('offload_verify_adds_s', 0) * 1e3, 1), 'sync adds', round(r.get('verify_adds_s', 0) * 1e3, 2),
+              'beside', r.get('digest_beside_offload'), 'engine digest', r.get('verify_parts', {}).get('engine_digest_s'))
+" "$1"
+}
 settled_rows() {  # settled_rows TRAINER LIMIT: the trainer's Qwen2-7B rows with one second between the engine's
   # wake-up and each sync (COLO_BENCH_SETTLE_S), each cycle's engine account
   COLO_BENCH_SETTLE_S=1 timeout "$2" python3 -m colo.cli bench --device cuda --model qwen2-7b \
@@ -106,6 +118,32 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call69b)  # issue 44, 2026-12-01 (nineteenth session), one GPU: a sync-first sync's engine digest taken beside the
+    # trainer's offload (EngineClient.live_digest) and the offload's checks beside the optimizer state's pause: the
+    # GPU tests of both (the demos of every plan, the recovery's probe, a real trainer's overlapped offload) with
+    # pytest's exit and time (limit: arg 2); every real trainer's rows at Qwen2-1.5B, three reps (arg 3)
+    t0=$(date +%s)
+    timeout "${2:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=8 \
+      tests/gpu/test_real_trainers.py::test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place \
+      tests/gpu/test_one_gpu.py -k "recovers_a_failed_sync or pauses_and_resumes or runs_each_plan" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -14
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${3:-280}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,fsdp,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+      | tee "$OUT/trainers.log" | grep -E "^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json" | grep -E "sync-first" | cut -c1-300
+    offload_rows "$OUT/colo-bench-trainers-1.5b.json"
+    ;;
+  call69c)  # issue 44, 2026-12-01 (nineteenth session), one GPU: the rest of the one-GPU tests call69b's change
+    # reaches (every framework trainer's demo in both plans, one bucket, the one-rank one-copy syncs over four steps,
+    # fifty syncs' memory, the one-copy handoff), with pytest's exit and time (limit: arg 2)
+    t0=$(date +%s)
+    timeout "${2:-480}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=12 \
+      tests/gpu/test_one_gpu.py tests/gpu/test_real_trainers.py tests/device/test_one_copy.py \
+      -k "each_framework_trainer or one_bucket or one_rank_trainers_one_copy or fifty_syncs or test_one_copy" \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -20
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    ;;
   call69a)  # issue 44, 2026-12-01 (nineteenth session), one GPU: the GPU tests of the probe's reference taken only
     # where a probe may read it (a real trainer's want_reference, a recovery's probe in both plans) with pytest's
     # exit and time (limit: arg 2); every real trainer's rows at Qwen2-1.5B, three reps after two warm-ups, ten more

@@ -272,3 +272,104 @@ async def test_the_trainer_takes_the_probes_reference_as_it_offloads_only_where_
             assert e[1] == (plan != "sync-first" or "probe" in rest[:until]), f"asked {e[1]} at event {i} of {log}"
     if plan == "sync-first" and engine_cls is not _KVProbedEngine:
         assert wants.count(True) == 1  # the recovery's, after the failed sync
+
+
+class _LiveDigestsBeside(_LiveDigestEngine):
+    """An engine of live digests that gives one on its own (colo's engine client: ``live_digest``),
+    noting when it was asked; it answers only once the trainer's offload has begun, and the
+    trainer's offload ends only once it was asked: taken one after the other, a cycle would hang."""
+
+    def __init__(self, trainer, log):
+        super().__init__()
+        self.trainer, self.log = trainer, log
+
+    async def digest(self):
+        self.log.append("digest")
+        return await super().digest()
+
+    async def live_digest(self):
+        self.log.append("live_digest")
+        self.trainer.asked.set()
+        import anyio
+
+        with anyio.fail_after(30):  # a hang guard
+            await self.trainer.offloading.wait()
+        return await super().digest()
+
+
+class _OffloadingTrainer(_DigestAtOffloadTrainer):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    async def offload(self, tags):
+        import anyio
+
+        self.log.append("offload")
+        self.offloading.set()
+        if "weights" in tags:
+            with anyio.fail_after(30):
+                await self.asked.wait()
+        await super().offload(tags)
+
+    async def onload(self, tags):
+        import anyio
+
+        self.offloading, self.asked = anyio.Event(), anyio.Event()
+        await super().onload(tags)
+
+
+@pytest.mark.parametrize("plan", ["sync-first", "offload-first"])
+async def test_a_sync_first_syncs_engine_digests_are_taken_beside_the_trainers_offload(plan, tmp_path):
+    """An engine whose digest reads its live weights, and which can give it without arming its
+    next load (``live_digest``), is digested beside the trainer's offload under ``sync-first``:
+    nothing of verification inside the sync (sync.finished carries no digest, ``digest.checked``
+    the engine's), the digest taken while the trainer offloads, checked after. A mismatch fails
+    ``trainer_offload`` as before. ``offload-first`` digests inside the sync, as before."""
+    from colo.core.errors import VerificationError
+
+    log: list = []
+    trainer = _OffloadingTrainer(log)
+    trainer.offloading = trainer.asked = None
+    engine = _LiveDigestsBeside(trainer, log)
+    checked, bad = [], []
+
+    async def verify(ds):
+        checked.append(list(ds))
+        if bad:
+            bad.clear()
+            raise VerificationError("a digest mismatch, injected")
+
+    path = tmp_path / "t.jsonl"
+    s = Scheduler(trainer, engine, MemoryLedger(total_bytes=10_000), FakeTransport(), trace=TraceWriter(path),
+                  verify=verify, config=SchedulerConfig(plan=plan, bucket_bytes=50, verify="every"))
+    if plan == "offload-first":  # nothing waits beside its offload: the trainer does not wait to be asked
+        trainer.offload = lambda tags, t=trainer: FakeTrainer.offload(t, tags)
+    async with s:
+        for _ in range(2):
+            await s.cycle()
+        if plan == "sync-first":
+            bad.append(1)
+            with pytest.raises(VerificationError, match="injected"):
+                await s.cycle()
+            assert s.engine_version is None and s.stale
+            await s.recover()
+    events = read_trace(path)
+    syncs = [e for e in events if e["event"] == "sync.finished"]
+    digests = [e for e in events if e["event"] == "digest.checked"]
+    if plan == "offload-first":
+        assert log.count("live_digest") == 0 and log.count("digest") == len(syncs) == 2
+        assert all(e["digest"] and e["verify_parts"]["engine_digest_s"] is not None for e in syncs) and not digests
+        return
+    # three syncs from the device, each digested beside its offload; the recovery's from the host, inside it
+    assert [e["source"] for e in syncs] == ["device"] * 3 + ["host"]
+    assert [e["digest"] is None for e in syncs] == [True, True, True, False]
+    assert [e["verify_parts"]["engine_digest_s"] is None for e in syncs] == [True, True, True, False]
+    assert log.count("live_digest") == 3 and log.count("digest") == 1
+    assert [e["digest"] for e in digests] == [c[0] for c in checked[:2]]  # the third failed: no event
+    assert all(e["engine_digest_s"] >= 0 for e in digests)
+    failed = [e for e in events if e["event"] == "phase.failed"]
+    assert [(e["phase"], e["error_type"]) for e in failed] == [("trainer_offload", "VerificationError")]
+    checker = InvariantChecker()
+    assert [str(v) for i, e in enumerate(events, 1) for v in checker.feed(e, i)] == []
+    assert main(["replay", str(path)]) == 0

@@ -252,8 +252,22 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
 
     out: dict[str, Any] = {}
     backend = trainer.memory_backend
+    #: the engine's digest where it is taken beside the trainer's offload (see below)
+    beside: list[tuple[str, float]] = []
 
-    async def pause() -> None:
+    async def offload_and_digest(order: list[str]) -> None:
+        """The trainer's offload, and beside it the engine's digest of its live weights, each
+        timed (the scheduler's Scheduler._digests_beside_offload)."""
+        from colo.scheduler import _together
+
+        async def digest() -> None:
+            t0 = time.perf_counter()
+            got = await engine.live_digest()
+            beside.append((got, time.perf_counter() - t0))
+
+        await _together(trainer.offload(order), digest())
+
+    async def pause(digest_beside: bool = False) -> None:
         order = _pause_order(tags)
         if verifier is not None:
             # as colo's trainer offloads: its digest first, on the device, and the probe's reference
@@ -262,7 +276,8 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
             want = getattr(verifier[1], "want_reference", None)
             if want is not None:
                 want(plan != "sync-first")
-            out["trainer_offload_verified_s"], _ = await clock.time(lambda: trainer.offload(order))
+            step = (lambda: offload_and_digest(order)) if digest_beside else (lambda: trainer.offload(order))
+            out["trainer_offload_verified_s"], _ = await clock.time(step)
         elif backend is not None:
             out["trainer_pause_s"], _ = await clock.time(lambda: backend.pause("trainer", order))
 
@@ -294,10 +309,13 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     # offloads next is checked against the digest that offload takes, not a second read inside it
     deferred = verifier is not None and source == "device" and trainer.digest_at_offload() \
         and offload_follows_sync(validate_plan(plan), effects_for("weights"))
+    # ... and the engine's digest, where it reads the live weights, taken beside that offload
+    # (Scheduler._digests_beside_offload): nothing of verification inside the sync
+    digest_beside = deferred and engine.capabilities.digest_live and callable(getattr(engine, "live_digest", None))
     if verifier is not None:
         verify, probe = verifier
         t0 = time.perf_counter()
-        digest = await engine.digest()
+        digest = None if digest_beside else await engine.digest()
         t1 = time.perf_counter()
         if not deferred:
             await verify([digest])  # raises VerificationError on a mismatch: the row fails, loudly
@@ -310,8 +328,13 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
                                "probe_s": t3 - t2 if probe_now else None}
         out["digest"] = digest
         out["checked_at_offload"] = deferred
+        out["digest_beside_offload"] = digest_beside
     if plan == "sync-first":
-        await pause()
+        await pause(digest_beside)
+    if beside:
+        digest = out["digest"] = beside[0][0]
+        # its own time, beside the offload's (trainer_offload_verified_s holds both)
+        out["verify_parts"]["engine_digest_s"] = beside[0][1]
     if deferred:
         t0 = time.perf_counter()
         await verify([digest])
@@ -370,6 +393,9 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
         # the trainer's digest was the one its offload takes (sync-first, Scheduler._check_at_offload):
         # trainer_check_s is then the comparison after the offload, the digest's pass in the verified offload
         row["checked_at_offload"] = all(c.get("checked_at_offload", False) for c in verified)
+        # ... and the engine's digest taken beside that offload, not inside the sync: what verification
+        # adds is then in offload_verify_adds_s (engine_digest_s: the digest's own time beside it)
+        row["digest_beside_offload"] = all(c.get("digest_beside_offload", False) for c in verified)
         offload = [c["trainer_offload_verified_s"] for c in verified if "trainer_offload_verified_s" in c]
         if offload:
             row["trainer_offload_verified_s"] = _median(offload)

@@ -361,3 +361,26 @@ def test_weights_paused_by_the_saver_keep_their_plans_and_tables_across_a_releas
         assert core.model._dests == blocks  # the same row blocks, cycle after cycle
     assert ("pause", "engine.weights") in saver.calls and ("resume", "engine.weights") in saver.calls
     assert checks == [len(layout)] and made == [] and len(fresh_passes) == 1
+
+
+def test_a_digest_that_does_not_arm_leaves_the_next_load_unsummed_and_reads_the_live_weights(
+        config, fresh_passes, monkeypatch):
+    """``digest(arm=False)``: the digest taken beside a trainer's offload (EngineClient.live_digest,
+    Scheduler._digests_beside_offload) is read from the weights, and asks no sums of the next load;
+    a digest that arms (every other) has the next load sum as it writes, as before."""
+    core = _core(config)
+    states = [_state(config, s) for s in (0, 1, 2)]
+    summed = []
+    real = model_mod.Blocks.lanes
+    monkeypatch.setattr(model_mod.Blocks, "lanes", lambda self: summed.append(len(self.names)) or real(self))
+    _load(core, list(states[0].items()))
+    assert core.digest() == expected_digest(states[0], config, torch.float32)  # arms
+    _load(core, list(states[1].items()))
+    assert sum(summed) == len(states[1])  # summed as it wrote
+    assert core.digest(arm=False) == expected_digest(states[1], config, torch.float32)  # the load's sums
+    summed.clear()
+    _load(core, list(states[2].items()))
+    assert summed == [], "a load summed its blocks after a digest that did not arm"
+    passes = len(fresh_passes)
+    assert core.digest(arm=False) == expected_digest(states[2], config, torch.float32)
+    assert len(fresh_passes) == passes + 1  # read from the live weights, one pass

@@ -237,3 +237,45 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
     finally:
         client._call = real
         seg.close()
+
+
+async def test_a_live_digest_is_a_request_of_its_own_that_asks_the_next_load_for_nothing(engine):
+    """``EngineClient.live_digest``, taken beside a trainer's offload (Scheduler._digests_beside_offload):
+    the engine's digest of what it holds, asked by a request of its own even right after a load
+    whose end could have answered it, and it arms nothing: the next load's end carries no digest
+    request. A digest asked with ``arm`` not a bool is refused, naming it."""
+    client, config = engine
+    from colo.core.buckets import spec as mkspec
+
+    full = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
+    (bucket,) = plan_buckets(full, 1 << 30)
+    seg = ShmSegment.create(bucket.nbytes)
+    request = PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json()
+    ops = []
+    real = client._call
+
+    async def spy(op, **fields):
+        ops.append((op, fields.get("digest", False), fields.get("arm")))
+        return await real(op, **fields)
+
+    client._call = spy
+    try:
+        await client.digest()  # an earlier verify armed the next end, as colo bench's plans leave it
+        for seed in (6, 7):
+            state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
+            pack_into(seg.tensor, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
+            await client.preflight(full)
+            await client.begin_load()
+            ops.clear()
+            reply = await client.transport_load("packed", request, end=True)
+            got = await client.live_digest()
+            assert got == expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
+            if seed == 6:  # the end the earlier digest armed answered one; live_digest asks anew anyway
+                assert "digest" in reply and ops == [("transport_load", True, None), ("digest", False, False)]
+            else:  # nothing armed the end since
+                assert "digest" not in reply and ops == [("transport_load", False, None), ("digest", False, False)]
+        with pytest.raises(EngineError, match="arm must be true or false"):
+            await client.call("digest", arm="yes")
+    finally:
+        client._call = real
+        seg.close()

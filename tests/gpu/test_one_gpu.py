@@ -29,12 +29,30 @@ def replay_clean(path):
 def checked_as_planned(events, plan):
     """Every verified sync's digest was checked: under ``sync-first`` against the digest the
     trainer's offload takes, in ``trainer_offload`` after the sync (one ``digest.checked`` per
-    sync, of its version); elsewhere inside the sync."""
+    sync, of its version), colo's engine digested beside that offload (the sync has no digest,
+    the check has the engine's); elsewhere inside the sync."""
     syncs = [e for e in events if e["event"] == "sync.finished"]
     checked = [e for e in events if e["event"] == "digest.checked"]
     deferred = plan == "sync-first"
     assert [s["verify_parts"]["trainer_check_s"] is None for s in syncs] == [deferred] * len(syncs)
     assert [e["weight_version"] for e in checked] == ([s["weight_version"] for s in syncs] if deferred else [])
+    assert [s["digest"] is None for s in syncs] == [deferred] * len(syncs)
+    assert all(e["digest"] and e["engine_digest_s"] >= 0 for e in checked)
+
+
+def sync_digests(events):
+    """Each sync's engine digest, in order: its own, or where it was taken beside the trainer's
+    offload (sync-first), the one its ``digest.checked`` carries."""
+    out = []
+    for i, e in enumerate(events):
+        if e["event"] == "sync.finished":
+            if e["digest"] is not None:
+                out.append(e["digest"])
+                continue
+            later = next(x for x in events[i + 1:] if x["event"] == "digest.checked")
+            assert later["weight_version"] == e["weight_version"]
+            out.append(later["digest"])
+    return out
 
 
 def free_bytes():
@@ -96,7 +114,8 @@ def test_demo_on_cuda_with_each_framework_trainer_verifies_every_sync(trainer, p
         pytest.skip("megatron-core is not installed")
     events = demo(tmp_path, "--trainer", trainer, "--plan", plan, "--steps", "2", "--mem-fraction-static", "0.5")
     syncs = [e for e in events if e["event"] == "sync.finished"]
-    assert [s["weight_version"] for s in syncs] == [1, 2] and len({s["digest"] for s in syncs}) == 2
+    assert [s["weight_version"] for s in syncs] == [1, 2] and len(set(sync_digests(events))) == 2
+    checked_as_planned(events, plan)
     assert all(s["tensors"] == s["params"] for s in syncs)
     checked_as_planned(events, plan)
 
@@ -169,7 +188,8 @@ def test_demo_on_cuda_in_one_bucket_verifies_every_sync(plan, tmp_path):
     events = demo(tmp_path, "--plan", plan, "--bucket-mib", "64", "--steps", "4", "--mem-fraction-static", "0.5",
                   "--trainer-dtype", "float32")
     syncs = [e for e in events if e["event"] == "sync.finished"]
-    assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len({s["digest"] for s in syncs}) == 4
+    assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len(set(sync_digests(events))) == 4
+    checked_as_planned(events, plan)
     assert all(s["buckets"] == 1 and s["tensors"] == s["params"] for s in syncs)
 
 
@@ -193,7 +213,7 @@ def test_demo_on_cuda_recovers_a_failed_sync_and_probes_again_against_the_traine
     syncs = [e for e in events if e["event"] == "sync.finished"]
     # the first sync probed, the next did not, the recovery's did
     assert [s["verify_parts"]["probe_s"] is not None for s in syncs] == [True, False, True]
-    assert [s["weight_version"] for s in syncs] == [1, 2, 3] and all(s["digest"] for s in syncs)
+    assert [s["weight_version"] for s in syncs] == [1, 2, 3] and all(sync_digests(events))
 
 
 def test_zero_copy_conversion_reads_pinned_host_bytes_exactly():

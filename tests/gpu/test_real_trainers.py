@@ -138,10 +138,13 @@ def test_a_one_rank_trainers_one_copy_sync_is_exact_over_several_steps(trainer, 
     # which fails in a process (this one) whose memory saver another test already started
     if trainer == "megatron" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
+    from tests.gpu.test_one_gpu import checked_as_planned, sync_digests
+
     events = demo(tmp_path, "--trainer", trainer, "--plan", plan, "--steps", "4", "--mem-fraction-static", "0.5")
     start = events[0]
     syncs = [e for e in events if e["event"] == "sync.finished"]
-    assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len({s["digest"] for s in syncs}) == 4
+    assert [s["weight_version"] for s in syncs] == [1, 2, 3, 4] and len(set(sync_digests(events))) == 4
+    checked_as_planned(events, plan)
     # one request out of the trainer's own buffer (or its shared host backup), nothing staged
     assert all(s["buckets"] == 1 and s["tensors"] == s["params"] for s in syncs)
     assert all(e["mem"]["by_tag"]["staging"] == 0 for e in events if e["event"] == "bucket.finished")

@@ -192,11 +192,11 @@ class EngineCore:
         self._complete = True
         return n
 
-    def digest(self, order: Sequence[str] | None = None) -> str:
+    def digest(self, order: Sequence[str] | None = None, *, arm: bool = True) -> str:
         """The digest of the HF-named tensors the engine holds, in ``order`` (the spec list the
-        last preflight accepted; see ``EngineModel.digest``)."""
+        last preflight accepted; see ``EngineModel.digest``, and ``arm`` there)."""
         self._refuse_if_weights_released("digest weights")
-        return self.model.digest(order)
+        return self.model.digest(order, arm=arm)
 
     def param_entries(self) -> dict[str, str]:
         """See ``EngineModel.param_entries``."""

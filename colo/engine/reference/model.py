@@ -723,16 +723,18 @@ class EngineModel:
     def loading(self) -> bool:
         return self._load is not None
 
-    def digest(self, order: Sequence[str] | None = None) -> str:
+    def digest(self, order: Sequence[str] | None = None, *, arm: bool = True) -> str:
         """The contract digest (:mod:`colo.digest`) of the HF-named tensors this engine holds,
         each its row block of a fused parameter, in ``order`` (the spec list a preflight
-        accepted), else in the order the last complete load delivered them."""
+        accepted), else in the order the last complete load delivered them. ``arm``: the next
+        load sums what it writes, for the digest the next sync will be asked (not where the
+        digests are taken beside the trainer's offload, from the live weights)."""
         params = self._require_weights("digest weights")
         names = list(order) if order is not None else (self._last_order or list(self.sync_map.shards))
         unknown = [n for n in names if n not in self.sync_map.shards]
         if unknown:
             raise WeightMismatch("digest asked for tensors the engine does not hold", unexpected=unknown)
-        self._digest_asked = True  # the next load sums as it writes
+        self._digest_asked = arm  # the next load sums as it writes
         summed = self._digested
         if summed is not None and summed.covers(names):
             return summed.digest(names)

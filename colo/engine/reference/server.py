@@ -93,10 +93,12 @@ class EngineServer:
         # bytes, and the verifier's comparison fails on them
         return encode_f32(out)  # the answer colo.engine.forward decodes
 
-    def op_digest(self, order: list[str] | None = None) -> dict:
+    def op_digest(self, order: list[str] | None = None, arm: bool = True) -> dict:
         # in the order asked (an adapter run's check of the base), else of the spec list the
         # last preflight accepted: the trainer's
-        return {"digest": self.core.digest(order or [s.name for s in self.kit.accepted] or None)}
+        if not isinstance(arm, bool):
+            raise ValueError(f"digest: arm must be true or false, got {arm!r}")
+        return {"digest": self.core.digest(order or [s.name for s in self.kit.accepted] or None, arm=arm)}
 
     def _with_digest(self, reply: dict, digest: bool, ended: bool) -> dict:
         """A load's end asked with ``digest``: the digest as ``op_digest`` would answer it next,

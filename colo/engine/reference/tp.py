@@ -417,9 +417,10 @@ class TPEngineModel(EngineModel):
     def _write(self, params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
         write_slice(params, self.plan.slices[name], tensor)
 
-    def digest(self, order: Any = None) -> str:
+    def digest(self, order: Any = None, *, arm: bool = True) -> str:
         """This rank's shard digest (:func:`expected_shard_digest`): a rank holds slices, not
-        the HF tensors it received, so the multi-rank check compares each rank's shard."""
+        the HF tensors it received, so the multi-rank check compares each rank's shard. Always
+        read from the weights (no load sums for it: ``arm`` changes nothing)."""
         return digest_tensors(self._require_weights("digest weights").items())
 
     def _whole_dest(self, params: dict[str, torch.Tensor], name: str) -> None:
