@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call69c [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -136,13 +136,18 @@ case "${1:-tests}" in
     ;;
   call69c)  # issue 44, 2026-12-01 (nineteenth session), one GPU: the rest of the one-GPU tests call69b's change
     # reaches (every framework trainer's demo in both plans, one bucket, the one-rank one-copy syncs over four steps,
-    # fifty syncs' memory, the one-copy handoff), with pytest's exit and time (limit: arg 2)
+    # fifty syncs' memory, the one-copy handoff) and a real trainer's offload with its checks on their own stream, with
+    # pytest's exit and time (limit: arg 2); hf's and Megatron's rows at Qwen2-1.5B, three reps (arg 3)
     t0=$(date +%s)
-    timeout "${2:-480}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=12 \
+    timeout "${2:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=12 \
       tests/gpu/test_one_gpu.py tests/gpu/test_real_trainers.py tests/device/test_one_copy.py \
-      -k "each_framework_trainer or one_bucket or one_rank_trainers_one_copy or fifty_syncs or test_one_copy" \
+      -k "each_framework_trainer or one_bucket or one_rank_trainers_one_copy or fifty_syncs or test_one_copy or pauses_and_resumes" \
       2>&1 | tee "$OUT/gpu-tests.log" | tail -20
     echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${3:-170}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,megatron --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+      | tee "$OUT/trainers.log" | grep -E "^\| qwen2-1.5b \| |retain"
+    offload_rows "$OUT/colo-bench-trainers-1.5b.json"
     ;;
   call69a)  # issue 44, 2026-12-01 (nineteenth session), one GPU: the GPU tests of the probe's reference taken only
     # where a probe may read it (a real trainer's want_reference, a recovery's probe in both plans) with pytest's

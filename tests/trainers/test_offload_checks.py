@@ -53,11 +53,11 @@ def _checks_release(trainer, backend, fail: bool = False):
     """The trainer's checks, which release the held pause once they are done (or fail)."""
     real = trainer._offload_checks
 
-    async def checks():
+    async def checks(ready=None):
         try:
             if fail:
                 raise RuntimeError("the digest failed, injected")
-            await real()
+            await real(ready)
         finally:
             backend.released.set()
 
