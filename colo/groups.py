@@ -26,6 +26,26 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+async def side_by_side(first: Awaitable[Any], second: Awaitable[Any]) -> None:
+    """Both at once, each to its end; then the first's failure (else the second's) raised as
+    itself, not as an ExceptionGroup: what a failed phase reports names it. (A trainer's offload
+    checks its weights beside the pause of its other tags; the scheduler digests the engines
+    beside that offload.)"""
+    failed: list[tuple[int, BaseException]] = []
+
+    async def run(i: int, step: Awaitable[Any]) -> None:
+        try:
+            await step
+        except Exception as e:  # cancellation is not caught
+            failed.append((i, e))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, 1, second)
+        await run(0, first)
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
+
+
 async def together(calls: Sequence[Callable[[], Awaitable[Any]]], side: str, verb: str
                    ) -> tuple[list[Any], dict[int, str]]:
     """Run one call per rank at once and wait for all; raise the first real error.

@@ -45,7 +45,7 @@ from colo.core.phases import (CALLER_PHASES, RECOVERY, UNDO, Effect, Phase, Phas
                               validate_plan)
 from colo.core.schema import RUN_ID_MAX
 from colo.core.errors import IllegalTransition, InvariantViolation, OutOfMemory, PhaseDeadline, RankFailed
-from colo.groups import EngineGroup, TrainerGroup, together
+from colo.groups import EngineGroup, TrainerGroup, side_by_side, together
 from colo.proc.collector import collector_paused
 from colo.trace.writer import TraceWriter, new_run_id
 
@@ -57,24 +57,6 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return "cancelled"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> None:
-    """Both at once, each to its end; then the first's failure (else the second's) raised as
-    itself, not as an ExceptionGroup: what a failed phase reports names it."""
-    failed: list[tuple[int, BaseException]] = []
-
-    async def run(i: int, step: Awaitable[Any]) -> None:
-        try:
-            await step
-        except Exception as e:
-            failed.append((i, e))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run, 1, second)
-        await run(0, first)
-    if failed:
-        raise min(failed, key=lambda f: f[0])[1]
 
 
 def _per_rank(value: Any, n: int, what: str) -> list:
@@ -380,7 +362,7 @@ class Scheduler:
                 if beside is None:
                     await self._memory_effects(target)
                 else:
-                    await _together(self._memory_effects(target), beside())
+                    await side_by_side(self._memory_effects(target), beside())
                 work = self._work.get(target)
                 result = await work() if work is not None else None
         except BaseException as exc:

@@ -258,14 +258,14 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
     async def offload_and_digest(order: list[str]) -> None:
         """The trainer's offload, and beside it the engine's digest of its live weights, each
         timed (the scheduler's Scheduler._digests_beside_offload)."""
-        from colo.scheduler import _together
+        from colo.groups import side_by_side
 
         async def digest() -> None:
             t0 = time.perf_counter()
             got = await engine.live_digest()
             beside.append((got, time.perf_counter() - t0))
 
-        await _together(trainer.offload(order), digest())
+        await side_by_side(trainer.offload(order), digest())
 
     async def pause(digest_beside: bool = False) -> None:
         order = _pause_order(tags)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from colo.core.interfaces import RolloutResult, TensorSpec
+from colo.groups import side_by_side
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,32 +135,24 @@ class PolicyTrainer:
             # began, the probe's forward made every verified offload-first offload 57-122 ms
             # longer than a plain pause at Qwen2-1.5B on an H200 (issue 44, call69a).
             first = tags[:-1] if tags[-1] == "weights" else []
-            failed: list[BaseException] = []
             paused: list[str] = []
 
-            async def caught(step: Callable[[], Any]) -> None:
-                try:
-                    await step()
-                except Exception as e:  # raised below as itself, not in an ExceptionGroup
-                    failed.append(e)
-
             async def pause_first() -> None:
-                await self._memory_backend.pause("trainer", first)
-                paused.extend(first)
+                if first:
+                    await self._memory_backend.pause("trainer", first)
+                    paused.extend(first)
 
             # what the trainer queued so far (its step), which the checks read after; recorded
             # before the pause queues its copies on the same stream
             ready = _recorded_event(self._params_device())
-            async with anyio.create_task_group() as tg:
-                if first:
-                    tg.start_soon(caught, pause_first)
-                await caught(lambda: self._offload_checks(ready))
-            if failed:
+            try:
+                await side_by_side(self._offload_checks(ready), pause_first())
+            except Exception:
                 if paused:
                     # the checks failed: nothing is offloaded, as before they ran beside the pause
                     with anyio.CancelScope(shield=True):
                         await self._memory_backend.resume("trainer", paused)
-                raise failed[0]
+                raise
             tags = [t for t in tags if t not in first]
         await self._memory_backend.pause("trainer", tags)
 

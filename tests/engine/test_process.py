@@ -180,6 +180,17 @@ def test_an_engine_on_the_cpu_computes_on_one_thread_unless_its_build_names_more
         torch.set_num_threads(before)
 
 
+def _one_bucket(client):
+    """The engine's spec list, its one bucket, a segment of that size and a packed request over it
+    (the same segment every sync)."""
+    from colo.core.buckets import spec as mkspec
+
+    full = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
+    (bucket,) = plan_buckets(full, 1 << 30)
+    seg = ShmSegment.create(bucket.nbytes)
+    return full, bucket, seg, PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json()
+
+
 async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands_only_until_the_next_request(engine):
     """Issue 44: verification asks for the engine's digest right after every sync, and as a
     request of its own that was most of what verifying cost. Once a digest was asked, the next
@@ -188,12 +199,7 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
     version set) makes the next digest a request again, and a digest in another order is
     always asked."""
     client, config = engine
-    from colo.core.buckets import spec as mkspec
-
-    full = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
-    (bucket,) = plan_buckets(full, 1 << 30)
-    seg = ShmSegment.create(bucket.nbytes)
-    request = PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json()  # the same segment every sync
+    full, bucket, seg, request = _one_bucket(client)
     ops = []
     real = client._call
 
@@ -245,12 +251,7 @@ async def test_a_live_digest_is_a_request_of_its_own_that_asks_the_next_load_for
     whose end could have answered it, and it arms nothing: the next load's end carries no digest
     request. A digest asked with ``arm`` not a bool is refused, naming it."""
     client, config = engine
-    from colo.core.buckets import spec as mkspec
-
-    full = [mkspec(s.name, s.shape, s.dtype) for s in client.specs]
-    (bucket,) = plan_buckets(full, 1 << 30)
-    seg = ShmSegment.create(bucket.nbytes)
-    request = PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json()
+    full, bucket, seg, request = _one_bucket(client)
     ops = []
     real = client._call
 
