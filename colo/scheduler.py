@@ -623,7 +623,7 @@ class Scheduler:
         digests: list[str | None] = [None] * self.world_size
         verify_s: float | None = None
         verify_parts: dict | None = None
-        if self.config.verify == "every" or (self.config.verify == "first" and not self._verified):
+        if self._verifies_next():
             t1 = self._clock()
             deferred = self._verify is not None and self._check_at_offload(source)
             digest_s: float | None = None
@@ -671,6 +671,10 @@ class Scheduler:
         self.last_sync = events[0]
         return self.last_sync
 
+    def _verifies_next(self) -> bool:
+        """Whether the next sync is verified (``SchedulerConfig.verify``: every one, the first only, none)."""
+        return self.config.verify == "every" or (self.config.verify == "first" and not self._verified)
+
     def _want_probe_reference(self) -> None:
         """Before the trainer offloads: whether it takes the probe's reference logits as it goes
         (the verifier's ``want_reference``, :func:`colo.verification.make_verifier`), which only a
@@ -682,7 +686,7 @@ class Scheduler:
         want = getattr(self._probe, "want_reference", None)
         if want is None:
             return
-        verifies = self.config.verify == "every" or (self.config.verify == "first" and not self._verified)
+        verifies = self._verifies_next()
         # Not only where the next sync probes: one that fails sends the run through a recovery
         # that probes (the trainer paused all the while), and without its reference the probe
         # would rebuild the model on the host to get it (seconds at 1.5B, the twin then held).

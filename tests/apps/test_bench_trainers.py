@@ -229,15 +229,22 @@ def test_the_trainer_rows_pause_in_the_cycles_order_unless_told_and_settle_only_
             _settle_s()
 
 
-def test_a_profiled_sync_records_the_engines_own_process_beside_the_trainers(tmp_path, monkeypatch):
-    # the copies a load queues run in the engine's process: its trace is written beside the trainer's
+def _tiny_hf_rows(tmp_path, monkeypatch, env: str, folder: str):
+    """``colo bench`` of the tiny model's hf rows (one rep, small limits) with ``env`` naming
+    ``tmp_path / folder``; that folder. The result is ``tmp_path / "r.json"``."""
     monkeypatch.setitem(bench.MODELS, "tiny", TINY)
     real = bench.measure_limits
     monkeypatch.setattr(bench, "measure_limits", lambda: real(nbytes=4 << 20, reps=1, directory=str(tmp_path)))
-    prof = tmp_path / "prof"
-    monkeypatch.setenv("COLO_BENCH_PROFILE", str(prof))
+    where = tmp_path / folder
+    monkeypatch.setenv(env, str(where))
     assert main(["bench", "--device", "cpu", "--model", "tiny", "--transports", "packed", "--trainers", "hf",
                  "--reps", "1", "--out", str(tmp_path / "r.json")]) == 0
+    return where
+
+
+def test_a_profiled_sync_records_the_engines_own_process_beside_the_trainers(tmp_path, monkeypatch):
+    # the copies a load queues run in the engine's process: its trace is written beside the trainer's
+    prof = _tiny_hf_rows(tmp_path, monkeypatch, "COLO_BENCH_PROFILE", "prof")
     where = prof / "sync-hf-tiny-sync-first"
     assert (where.parent / (where.name + ".txt")).read_text().startswith("one sync, ")
     trainer = json.loads((where.parent / (where.name + ".json")).read_text())
@@ -256,13 +263,7 @@ def test_a_profiled_sync_records_the_engines_own_process_beside_the_trainers(tmp
 
 def test_python_profiled_syncs_name_the_senders_own_functions_with_their_calls(tmp_path, monkeypatch):
     # COLO_BENCH_PYPROFILE: more plain cycles per plan, their syncs' Python under cProfile, written out
-    monkeypatch.setitem(bench.MODELS, "tiny", TINY)
-    real = bench.measure_limits
-    monkeypatch.setattr(bench, "measure_limits", lambda: real(nbytes=4 << 20, reps=1, directory=str(tmp_path)))
-    prof = tmp_path / "py"
-    monkeypatch.setenv("COLO_BENCH_PYPROFILE", str(prof))
-    assert main(["bench", "--device", "cpu", "--model", "tiny", "--transports", "packed", "--trainers", "hf",
-                 "--reps", "1", "--out", str(tmp_path / "r.json")]) == 0
+    prof = _tiny_hf_rows(tmp_path, monkeypatch, "COLO_BENCH_PYPROFILE", "py")
     plans = [r["plan"] for r in json.loads((tmp_path / "r.json").read_text())["trainers"][0]["rows"]]
     assert plans and sorted(p.name for p in prof.iterdir()) == sorted(f"pysync-hf-tiny-{p}.txt" for p in plans)
     for plan in plans:

@@ -191,6 +191,17 @@ def _one_bucket(client):
     return full, bucket, seg, PackedRequest(seg.handle(), tuple(TensorMeta.of_bucket(bucket))).to_json()
 
 
+async def _load_seed(client, config, full, bucket, seg, request, seed, before_load):
+    """The weights of ``seed``'s model packed into ``seg`` and loaded in one request that ends the
+    load (``before_load()`` called right before it); ``(state, reply)``."""
+    state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
+    pack_into(seg.tensor, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
+    await client.preflight(full)
+    await client.begin_load()
+    before_load()
+    return state, await client.transport_load("packed", request, end=True)
+
+
 async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands_only_until_the_next_request(engine):
     """Issue 44: verification asks for the engine's digest right after every sync, and as a
     request of its own that was most of what verifying cost. Once a digest was asked, the next
@@ -210,12 +221,7 @@ async def test_a_digest_asked_after_every_sync_rides_on_the_loads_end_and_stands
     client._call = spy
     try:
         for seed in (3, 4, 5):
-            state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
-            pack_into(seg.tensor, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
-            await client.preflight(full)
-            await client.begin_load()
-            ops.clear()
-            reply = await client.transport_load("packed", request, end=True)
+            state, reply = await _load_seed(client, config, full, bucket, seg, request, seed, ops.clear)
             want = expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
             got = await client.digest()
             if seed == 3:  # no digest asked before: the end carries none, the digest is a request
@@ -263,12 +269,7 @@ async def test_a_live_digest_is_a_request_of_its_own_that_asks_the_next_load_for
     try:
         await client.digest()  # an earlier verify armed the next end, as colo bench's plans leave it
         for seed in (6, 7):
-            state = {n: p.detach() for n, p in build_trainer_model(config, seed=seed).named_parameters()}
-            pack_into(seg.tensor, bucket, [(e.spec.name, state[e.spec.name]) for e in bucket.entries])
-            await client.preflight(full)
-            await client.begin_load()
-            ops.clear()
-            reply = await client.transport_load("packed", request, end=True)
+            state, reply = await _load_seed(client, config, full, bucket, seg, request, seed, ops.clear)
             got = await client.live_digest()
             assert got == expected_digest({s.name: state[s.name] for s in full}, config, torch.float32)
             if seed == 6:  # the end the earlier digest armed answered one; live_digest asks anew anyway
