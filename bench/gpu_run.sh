@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -84,6 +84,18 @@ for t in json.load(open(sys.argv[1]))['trainers']:
               'beside', r.get('digest_beside_offload'), 'engine digest', r.get('verify_parts', {}).get('engine_digest_s'))
 " "$1"
 }
+pause_rows() {  # pause_rows JSON: each row's pause and onload by tag and part (ms), each against the link
+  [ -f "$1" ] || return 0
+  python3 -c "
+import json, sys
+for t in json.load(open(sys.argv[1]))['trainers']:
+    for r in t['rows']:
+        ms = lambda d: {k: round(v * 1e3, 1) for k, v in d.items()}
+        print(t['trainer'], r['plan'], 'pause', ms(r.get('trainer_pause_parts_s', {})), 'onload',
+              ms(r.get('trainer_onload_parts_s', {})))
+        print('   of link', {k: round(v['of_link'], 3) for k, v in r.get('trainer_rates', {}).items()})
+" "$1"
+}
 settled_rows() {  # settled_rows TRAINER LIMIT: the trainer's Qwen2-7B rows with one second between the engine's
   # wake-up and each sync (COLO_BENCH_SETTLE_S), each cycle's engine account
   COLO_BENCH_SETTLE_S=1 timeout "$2" python3 -m colo.cli bench --device cuda --model qwen2-7b \
@@ -118,6 +130,15 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call70a)  # issue 44, 2026-12-01 (twentieth session), one GPU: hf's and fsdp's rows at Qwen2-7B with the code of
+    # the nineteenth session (a sync-first sync's engine digest beside the trainer's offload, the offload's checks on
+    # a stream of their own), not measured at 7B yet; one bench process for both, three reps (limit: arg 2)
+    timeout "${2:-560}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers hf,fsdp --reps 3 --out "$OUT/colo-bench-trainers-7b-hf-fsdp.json" 2>&1 \
+      | tee "$OUT/trainers-7b-hf-fsdp.log" | grep -E "^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-hf-fsdp.json" | grep -E "sync-first" | cut -c1-300
+    offload_rows "$OUT/colo-bench-trainers-7b-hf-fsdp.json"
+    ;;
   call69b)  # issue 44, 2026-12-01 (nineteenth session), one GPU: a sync-first sync's engine digest taken beside the
     # trainer's offload (EngineClient.live_digest) and the offload's checks beside the optimizer state's pause: the
     # GPU tests of both (the demos of every plan, the recovery's probe, a real trainer's overlapped offload) with

@@ -280,10 +280,12 @@ async def _cycle(plan: str, trainer: Any, engine: Any, transport: Any, tags: lis
             out["trainer_offload_verified_s"], _ = await clock.time(step)
         elif backend is not None:
             out["trainer_pause_s"], _ = await clock.time(lambda: backend.pause("trainer", order))
+            out["trainer_pause_parts_s"] = dict(getattr(backend, "last_pause_s", {}))
 
     out["engine_release_s"], _ = await clock.time(lambda: engine.release(["kv_cache", "weights"]))
     if backend is not None and not backend.resident("weights"):  # the first cycle finds it resident, as built
         out["trainer_onload_s"], _ = await clock.time(lambda: backend.resume("trainer", tags))
+        out["trainer_onload_parts_s"] = dict(getattr(backend, "last_resume_s", {}))
     if plan == "offload-first":
         await pause()
     out["engine_wake_weights_s"], _ = await clock.time(lambda: engine.resume(["weights"]))
@@ -374,6 +376,11 @@ def _summary(plan: str, plain: list[dict], verified: list[dict]) -> dict:
            "engine_s": {k: _median([c["engine_s"].get(k, 0.0) for c in plain])
                         for k in sorted({k for c in plain for k in c.get("engine_s", {})})}}
     row["sync_s"] = row["step_s"]["sync_s"]
+    for key in ("trainer_pause_parts_s", "trainer_onload_parts_s"):
+        # where the trainer's pause and onload go: each tag, each part of it (TrainerMemory.last_pause_s)
+        parts = [c[key] for c in plain if c.get(key)]
+        if parts:
+            row[key] = {k: _median([p[k] for p in parts if k in p]) for k in parts[-1]}
     if verified:
         row["verify_s"] = _median([c["verify_s"] for c in verified])
         row["verify_s_all"] = [c["verify_s"] for c in verified]
@@ -603,6 +610,15 @@ def against_limits(entry: dict, limits: dict, device: str) -> dict:
                 got = trainer_bytes / steps[step] / 1e9
                 rates[step.removesuffix("_s")] = {"bytes": trainer_bytes, "GBps": got, "link": link,
                                                   "of_link": got / limits[key]}
+                # each tag's own rate, and its copy's alone where its pauser timed it (the rest of
+                # the tag's time: waiting for the device, freeing the memory)
+                parts = row.get(step.removesuffix("_s") + "_parts_s", {})
+                for tag, nbytes in entry.get("tag_bytes", {}).items():
+                    for name in (tag, f"{tag}.copy"):
+                        if parts.get(name):
+                            got = nbytes / parts[name] / 1e9
+                            rates[f"{step.removesuffix('_s')}:{name}"] = {
+                                "bytes": nbytes, "GBps": got, "link": link, "of_link": got / limits[key]}
         row["trainer_rates"] = rates
     return entry
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,6 +69,8 @@ class Saver:
         self.retain_cpu_backup = retain_cpu_backup
         self._retain_set = False
         self.paused: set[str] = set()
+        #: the last pause's seconds: waiting for the device, then the saver's copies and unmapping
+        self.last_pause_s: dict[str, float] = {}
 
     @contextmanager
     def region(self, key: str, *, cpu_backup: bool = False) -> Iterator[None]:
@@ -86,9 +89,12 @@ class Saver:
         if key in self.paused:
             raise RuntimeError(f"cannot pause {key}: it is already paused (the memory saver would abort)")
         # Kernels still reading the region must finish before its pages go.
+        t0 = time.perf_counter()
         torch.cuda.synchronize()
+        t1 = time.perf_counter()
         self.tms.pause(key)
         self.paused.add(key)
+        self.last_pause_s = {"wait": t1 - t0, "copy": time.perf_counter() - t1}
 
     def resume(self, key: str) -> None:
         if key not in self.paused:
@@ -114,6 +120,13 @@ class TrainerMemory:
     def __init__(self, saver: Saver, *, flats: Any = None):
         self.saver = saver
         self.flats = dict(flats or {})
+        #: where the last pause's time went, in seconds: ``empty_cache`` (the allocator's cache
+        #: handed back, before and after), each tag's whole pause under its name, and its parts as
+        #: ``tag.part`` where its pauser reports them (``wait`` for the device, ``copy`` to the host,
+        #: ``free``); a diagnostic for the benchmark (issue 44: pauses at 0.94-0.95 of the link)
+        self.last_pause_s: dict[str, float] = {}
+        #: the same for the last resume: each tag's seconds
+        self.last_resume_s: dict[str, float] = {}
 
     def resident(self, tag: str) -> bool:
         if tag in self.flats:
@@ -130,23 +143,36 @@ class TrainerMemory:
         # 54 GB/s for the first 2 GB after 18 GiB were released); released before the
         # pauses, the clearing runs beside their device->host copies, which it did not
         # slow (the same run), and not beside an offload-first sync that comes next.
+        took: dict[str, float] = {}
+        t0 = time.perf_counter()
         torch.cuda.empty_cache()
+        cache = time.perf_counter() - t0
         for tag in tags:
+            pauser = self.flats.get(tag, self.saver)
+            t0 = time.perf_counter()
             if tag in self.flats:
-                await anyio.to_thread.run_sync(self.flats[tag].pause)
+                await anyio.to_thread.run_sync(pauser.pause)
             else:
-                await anyio.to_thread.run_sync(self.saver.pause, f"{owner}.{tag}")
+                await anyio.to_thread.run_sync(pauser.pause, f"{owner}.{tag}")
+            took[tag] = time.perf_counter() - t0
+            took.update({f"{tag}.{k}": v for k, v in getattr(pauser, "last_pause_s", {}).items()})
         # and whatever the pauses themselves left cached (normally nothing)
+        t0 = time.perf_counter()
         torch.cuda.empty_cache()
+        self.last_pause_s = {"empty_cache": cache + time.perf_counter() - t0, **took}
 
     async def resume(self, owner: str, tags: Any) -> None:
         import anyio.to_thread
 
+        took: dict[str, float] = {}
         for tag in tags:
+            t0 = time.perf_counter()
             if tag in self.flats:
                 await anyio.to_thread.run_sync(self.flats[tag].resume)
             else:
                 await anyio.to_thread.run_sync(self.saver.resume, f"{owner}.{tag}")
+            took[tag] = time.perf_counter() - t0
+        self.last_resume_s = took
 
 
 @dataclass

@@ -34,6 +34,7 @@ a paused buffer is still what the engine reads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,6 +109,9 @@ class FlatWeights:
         #: views of the host copy, made once: it is allocated once and kept
         self._host_views: dict[str, torch.Tensor] | None = None
         self.paused = False
+        #: the last pause's seconds on a GPU: ``wait`` for the device (and, the first time, the
+        #: host backup made), ``copy`` to the host, ``free`` (the block back to the driver)
+        self.last_pause_s: dict[str, float] = {}
         #: the digest's spans of the last order and dtype asked (:meth:`digest`)
         self._spans: tuple[tuple[tuple[str, ...], torch.dtype], Any] | None = None
 
@@ -274,10 +278,13 @@ class FlatWeights:
         self.check()
         if self.device.type == "cuda":
             # kernels still reading or writing the weights finish before the copy
+            t0 = time.perf_counter()
             torch.cuda.synchronize(self.device)
-            if self._host is None:
+            if self._host is None:  # the first pause only
                 self._host = self._new_host()
+            t1 = time.perf_counter()
             self._host.copy_(self._flat)
+            t2 = time.perf_counter()
             before = torch.cuda.memory_allocated(self.device)
             self._flat.untyped_storage().resize_(0)
             # the IPC reference counts of earlier exports, closed by the engine: freed now,
@@ -286,6 +293,7 @@ class FlatWeights:
             held = self.nbytes - (before - torch.cuda.memory_allocated(self.device))
             torch.cuda.empty_cache()
             self.paused = True
+            self.last_pause_s = {"wait": t1 - t0, "copy": t2 - t1, "free": time.perf_counter() - t2}
             if held > 0:
                 # the weights are safe in the host copy; the memory is not back, and a
                 # ledger that counted it free would let the engine's wake-up run out

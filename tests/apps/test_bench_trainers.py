@@ -169,6 +169,37 @@ def test_a_one_copy_offload_first_row_is_set_beside_the_rate_of_the_registered_s
     assert "sync_over_registered_shm_h2d" not in entry["rows"][0]
 
 
+def test_a_rows_pause_is_set_beside_the_link_tag_by_tag_and_each_copy_alone():
+    """Where a trainer's pause goes (issue 44: 0.94-0.95 of the link): each tag's bytes over its
+    pause and over its copy alone, where the trainer's memory backend timed them
+    (``trainer_pause_parts_s``, medians over the plain cycles by ``_summary``)."""
+    from colo.apps.bench_trainers import _summary, against_limits
+
+    def cycle(optimizer_copy):
+        return {"source": "host", "bytes": 10, "buckets": 1, "tensors": 1, "peak_staging_bytes": 0,
+                "sync_s": 0.1, "stage_s": {}, "trainer_pause_s": 0.5, "trainer_onload_s": 0.45,
+                "trainer_pause_parts_s": {"empty_cache": 0.01, "optimizer": 0.4, "optimizer.copy": optimizer_copy,
+                                          "weights": 0.09, "weights.copy": 0.08},
+                "trainer_onload_parts_s": {"optimizer": 0.36, "weights": 0.09}}
+
+    row = _summary("offload-first", [cycle(0.36), cycle(0.32), cycle(0.38)], [])
+    assert row["trainer_pause_parts_s"]["optimizer.copy"] == 0.36  # the median of three
+    entry = {"model": "m", "trainer": "hf", "trainer_bytes": 25_000_000_000, "optimizer_state": True,
+             "tag_bytes": {"weights": 4_000_000_000, "optimizer": 21_000_000_000}, "rows": [row]}
+    limits = {"pinned_h2d_GBps": 50.0, "pinned_d2h_GBps": 50.0, "d2d_copy_GBps_read_plus_write": 4000.0}
+    rates = against_limits(entry, limits, "cuda")["rows"][0]["trainer_rates"]
+    assert rates["trainer_pause"]["of_link"] == pytest.approx(1.0)  # 25 GB in 0.5 s at 50 GB/s
+    assert rates["trainer_pause:optimizer"]["of_link"] == pytest.approx(21 / 0.4 / 50)
+    assert rates["trainer_pause:optimizer.copy"]["of_link"] == pytest.approx(21 / 0.36 / 50)
+    assert rates["trainer_pause:weights.copy"]["GBps"] == pytest.approx(50.0)
+    assert rates["trainer_onload:weights"]["of_link"] == pytest.approx(4 / 0.09 / 50)
+    assert "trainer_onload:weights.copy" not in rates  # the onload's parts are its tags only
+    # a row without parts (a trainer on a backend that times none) has the whole rates only
+    del row["trainer_pause_parts_s"], row["trainer_onload_parts_s"]
+    assert sorted(against_limits(entry, limits, "cuda")["rows"][0]["trainer_rates"]) == \
+        ["trainer_onload", "trainer_pause"]
+
+
 def test_flat_spans_lay_tensors_out_as_a_flat_buffer_does_up_to_the_cap():
     from colo.apps.bench import MiB, flat_spans
 

@@ -291,9 +291,46 @@ async def test_the_trainer_memory_backend_returns_the_allocator_cache_before_its
         resume = pause
 
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
-    await TrainerMemory(Saver()).pause("trainer", ["optimizer", "weights"])
+    memory = TrainerMemory(Saver())
+    await memory.pause("trainer", ["optimizer", "weights"])
     assert calls == [("empty_cache",), ("pause", "trainer.optimizer"), ("pause", "trainer.weights"),
                      ("empty_cache",)]
+    # where the pause went: the cache, each tag whole (a pauser that reports no parts has none)
+    assert sorted(memory.last_pause_s) == ["empty_cache", "optimizer", "weights"]
+    assert all(v >= 0 for v in memory.last_pause_s.values())
+
+
+async def test_the_trainer_memory_backend_reports_each_tags_pause_and_its_parts(monkeypatch):
+    """``TrainerMemory.last_pause_s``: each tag's whole pause, and the parts its pauser timed under
+    ``tag.part`` (the benchmark's rate of each tag's copy alone, issue 44), the last pause's only."""
+    import time as _time
+
+    from colo.device.cuda_memory import TrainerMemory
+
+    class Saver:
+        paused: set = set()
+
+        def pause(self, key):
+            _time.sleep(0.02)
+            self.last_pause_s = {"wait": 0.001, "copy": 0.015 if key.endswith("optimizer") else 0.005}
+
+        def resume(self, key):
+            _time.sleep(0.01)
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    memory = TrainerMemory(Saver())
+    await memory.pause("trainer", ["optimizer", "weights"])
+    got = memory.last_pause_s
+    assert sorted(got) == ["empty_cache", "optimizer", "optimizer.copy", "optimizer.wait", "weights",
+                           "weights.copy", "weights.wait"]
+    assert (got["optimizer.copy"], got["weights.copy"], got["weights.wait"]) == (0.015, 0.005, 0.001)
+    # a tag's whole pause holds the pauser's own time (it slept 20 ms), parts and all
+    assert got["optimizer"] >= 0.02 and got["weights"] >= 0.02
+    await memory.pause("trainer", ["weights"])
+    assert sorted(memory.last_pause_s) == ["empty_cache", "weights", "weights.copy", "weights.wait"]
+    await memory.resume("trainer", ["optimizer", "weights"])
+    assert sorted(memory.last_resume_s) == ["optimizer", "weights"]
+    assert min(memory.last_resume_s.values()) >= 0.01
 
 
 def test_flat_weights_refuse_bad_input():
