@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -130,6 +130,45 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call70d)  # issue 44, 2026-12-01 (twentieth session), one GPU: the GPU test of a real trainer's pause (each pause now
+    # timed by tag and part) with pytest's exit and time (limit: arg 2); fsdp's rows at Qwen2-7B with the nineteenth
+    # session's code, three reps (call70a's limit ended it after hf's; arg 3)
+    t0=$(date +%s)
+    timeout "${2:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=4 \
+      tests/gpu/test_real_trainers.py::test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place \
+      2>&1 | tee "$OUT/gpu-tests.log" | tail -8
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${3:-400}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers fsdp --reps 3 --out "$OUT/colo-bench-trainers-7b-fsdp.json" 2>&1 \
+      | tee "$OUT/trainers-7b-fsdp.log" | grep -E "^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-fsdp.json" | grep -E "sync-first" | cut -c1-300
+    offload_rows "$OUT/colo-bench-trainers-7b-fsdp.json"
+    pause_rows "$OUT/colo-bench-trainers-7b-fsdp.json"
+    ;;
+  call70b)  # issue 44, 2026-12-01 (twentieth session), one GPU: Megatron's rows at Qwen2-7B with the nineteenth
+    # session's code, three reps, each pause and onload by tag and part (TrainerMemory.last_pause_s; limit: arg 2)
+    timeout "${2:-450}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
+      --trainers megatron --reps 3 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 \
+      | tee "$OUT/trainers-7b-megatron.log" | grep -E "^\| qwen2-7b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json" | grep -E "sync-first" | cut -c1-300
+    offload_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    pause_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    ;;
+  call70c)  # issue 44, 2026-12-01 (twentieth session), one GPU: the GPU tests of a real trainer's pause and of the flat
+    # weights' (each pause now timed by tag and part) with pytest's exit and time (limit: arg 2); every real trainer's
+    # rows at Qwen2-1.5B, five reps (three did not settle a 5 % target), each pause by tag and part (arg 3)
+    t0=$(date +%s)
+    timeout "${2:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --durations=8 \
+      tests/gpu/test_real_trainers.py::test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place \
+      tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -14
+    echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
+    timeout "${3:-330}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,fsdp,megatron --reps 5 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+      | tee "$OUT/trainers.log" | grep -E "^\| qwen2-1.5b \| |retain"
+    engine_rows "$OUT/colo-bench-trainers-1.5b.json" | grep -E "sync-first" | cut -c1-300
+    offload_rows "$OUT/colo-bench-trainers-1.5b.json"
+    pause_rows "$OUT/colo-bench-trainers-1.5b.json"
+    ;;
   call70a)  # issue 44, 2026-12-01 (twentieth session), one GPU: hf's and fsdp's rows at Qwen2-7B with the code of
     # the nineteenth session (a sync-first sync's engine digest beside the trainer's offload, the offload's checks on
     # a stream of their own), not measured at 7B yet; one bench process for both, three reps (limit: arg 2)

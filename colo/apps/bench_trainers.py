@@ -610,9 +610,10 @@ def against_limits(entry: dict, limits: dict, device: str) -> dict:
                 got = trainer_bytes / steps[step] / 1e9
                 rates[step.removesuffix("_s")] = {"bytes": trainer_bytes, "GBps": got, "link": link,
                                                   "of_link": got / limits[key]}
-                # each tag's own rate, and its copy's alone where its pauser timed it (the rest of
-                # the tag's time: waiting for the device, freeing the memory)
-                parts = row.get(step.removesuffix("_s") + "_parts_s", {})
+                # the pause's each tag, and its copy alone where its pauser timed it (the rest of the
+                # tag's time: waiting for the device, freeing the memory). Not the onload's: the flat
+                # weights' resume queues its copy, which the next tag's resume then waits behind
+                parts = row.get("trainer_pause_parts_s", {}) if step == "trainer_pause_s" else {}
                 for tag, nbytes in entry.get("tag_bytes", {}).items():
                     for name in (tag, f"{tag}.copy"):
                         if parts.get(name):

@@ -125,7 +125,8 @@ class TrainerMemory:
         #: ``tag.part`` where its pauser reports them (``wait`` for the device, ``copy`` to the host,
         #: ``free``); a diagnostic for the benchmark (issue 44: pauses at 0.94-0.95 of the link)
         self.last_pause_s: dict[str, float] = {}
-        #: the same for the last resume: each tag's seconds
+        #: the last resume's seconds, by tag (the flat weights' resume queues its copy: the tag
+        #: resumed after it waits for that too)
         self.last_resume_s: dict[str, float] = {}
 
     def resident(self, tag: str) -> bool:

@@ -192,8 +192,8 @@ def test_a_rows_pause_is_set_beside_the_link_tag_by_tag_and_each_copy_alone():
     assert rates["trainer_pause:optimizer"]["of_link"] == pytest.approx(21 / 0.4 / 50)
     assert rates["trainer_pause:optimizer.copy"]["of_link"] == pytest.approx(21 / 0.36 / 50)
     assert rates["trainer_pause:weights.copy"]["GBps"] == pytest.approx(50.0)
-    assert rates["trainer_onload:weights"]["of_link"] == pytest.approx(4 / 0.09 / 50)
-    assert "trainer_onload:weights.copy" not in rates  # the onload's parts are its tags only
+    # the onload's tags are timed but not set beside the link: the weights' resume only queues its copy
+    assert sorted(k for k in rates if k.startswith("trainer_onload")) == ["trainer_onload"]
     # a row without parts (a trainer on a backend that times none) has the whole rates only
     del row["trainer_pause_parts_s"], row["trainer_onload_parts_s"]
     assert sorted(against_limits(entry, limits, "cuda")["rows"][0]["trainer_rates"]) == \

@@ -71,6 +71,14 @@ def test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_pl
         # the device got both tags back (the flat buffer, the saver's region) and took them again
         assert paused - start >= tags["weights"] + tags["optimizer"] - 4 * MiB, (start, paused)
         assert abs(resumed - start) <= 4 * MiB, (start, resumed)
+        # where the pause went (the benchmark's rates by tag): each tag, the flat buffer's and the
+        # saver's parts, each within its tag's whole; the onload's by tag
+        parts = trainer.memory_backend.last_pause_s
+        assert sorted(parts) == ["empty_cache", "optimizer", "optimizer.copy", "optimizer.wait", "weights",
+                                 "weights.copy", "weights.free", "weights.wait"], parts
+        for tag, named in (("weights", ("wait", "copy", "free")), ("optimizer", ("wait", "copy"))):
+            assert 0 < sum(parts[f"{tag}.{k}"] for k in named) <= parts[tag], parts
+        assert sorted(trainer.memory_backend.last_resume_s) == ["optimizer", "weights"]
         flat.check()  # every parameter is still its view of the buffer
         assert all(torch.equal(local(p.detach()), before[n]) for n, p in trainer.model.named_parameters())
         assert all(torch.equal(local(m.detach()), w) for m, w in zip(trainer.opt.masters, masters))
