@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call70e [S]|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -130,6 +130,13 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call70e)  # issue 44, 2026-12-01 (twentieth session), one GPU: hf's and fsdp's rows at Qwen2-1.5B, three reps, each
+    # pause by tag and part (where 0.936-0.951 of the link goes at 1.5B; limit: arg 2)
+    timeout "${2:-170}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
+      --transports packed --trainers hf,fsdp --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
+      | tee "$OUT/trainers.log" | grep -E "^\| qwen2-1.5b \| |retain"
+    pause_rows "$OUT/colo-bench-trainers-1.5b.json"
+    ;;
   call70d)  # issue 44, 2026-12-01 (twentieth session), one GPU: the GPU test of a real trainer's pause (each pause now
     # timed by tag and part) with pytest's exit and time (limit: arg 2); fsdp's rows at Qwen2-7B with the nineteenth
     # session's code, three reps (call70a's limit ended it after hf's; arg 3)
