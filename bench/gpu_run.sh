@@ -96,6 +96,16 @@ for t in json.load(open(sys.argv[1]))['trainers']:
         print('   of link', {k: round(v['of_link'], 3) for k, v in r.get('trainer_rates', {}).items()})
 " "$1"
 }
+trainer_bench() {  # trainer_bench MODEL TRAINERS REPS LIMIT NAME: colo bench's real-trainer rows into
+  # colo-bench-trainers-NAME.json and trainers-NAME.log, then each row's sync-first engine account, offloads and pauses
+  local json="$OUT/colo-bench-trainers-$5.json"
+  timeout "$4" python3 -m colo.cli bench --device cuda --model "$1" --transports packed --trainers "$2" \
+    --reps "$3" --out "$json" 2>&1 | tee "$OUT/trainers-$5.log" | grep -E "^\| $1 \| |retain"
+  engine_rows "$json" | grep -E "sync-first" | cut -c1-300
+  offload_rows "$json"
+  pause_rows "$json"
+}
+
 settled_rows() {  # settled_rows TRAINER LIMIT: the trainer's Qwen2-7B rows with one second between the engine's
   # wake-up and each sync (COLO_BENCH_SETTLE_S), each cycle's engine account
   COLO_BENCH_SETTLE_S=1 timeout "$2" python3 -m colo.cli bench --device cuda --model qwen2-7b \
@@ -132,10 +142,7 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 case "${1:-tests}" in
   call70e)  # issue 44, 2026-12-01 (twentieth session), one GPU: hf's and fsdp's rows at Qwen2-1.5B, three reps, each
     # pause by tag and part (where 0.936-0.951 of the link goes at 1.5B; limit: arg 2)
-    timeout "${2:-170}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
-      --transports packed --trainers hf,fsdp --reps 3 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
-      | tee "$OUT/trainers.log" | grep -E "^\| qwen2-1.5b \| |retain"
-    pause_rows "$OUT/colo-bench-trainers-1.5b.json"
+    trainer_bench qwen2-1.5b hf,fsdp 3 "${2:-170}" 1.5b
     ;;
   call70d)  # issue 44, 2026-12-01 (twentieth session), one GPU: the GPU test of a real trainer's pause (each pause now
     # timed by tag and part) with pytest's exit and time (limit: arg 2); fsdp's rows at Qwen2-7B with the nineteenth
@@ -145,21 +152,11 @@ case "${1:-tests}" in
       tests/gpu/test_real_trainers.py::test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place \
       2>&1 | tee "$OUT/gpu-tests.log" | tail -8
     echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
-    timeout "${3:-400}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
-      --trainers fsdp --reps 3 --out "$OUT/colo-bench-trainers-7b-fsdp.json" 2>&1 \
-      | tee "$OUT/trainers-7b-fsdp.log" | grep -E "^\| qwen2-7b \| |retain"
-    engine_rows "$OUT/colo-bench-trainers-7b-fsdp.json" | grep -E "sync-first" | cut -c1-300
-    offload_rows "$OUT/colo-bench-trainers-7b-fsdp.json"
-    pause_rows "$OUT/colo-bench-trainers-7b-fsdp.json"
+    trainer_bench qwen2-7b fsdp 3 "${3:-400}" 7b-fsdp
     ;;
   call70b)  # issue 44, 2026-12-01 (twentieth session), one GPU: Megatron's rows at Qwen2-7B with the nineteenth
     # session's code, three reps, each pause and onload by tag and part (TrainerMemory.last_pause_s; limit: arg 2)
-    timeout "${2:-450}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
-      --trainers megatron --reps 3 --out "$OUT/colo-bench-trainers-7b-megatron.json" 2>&1 \
-      | tee "$OUT/trainers-7b-megatron.log" | grep -E "^\| qwen2-7b \| |retain"
-    engine_rows "$OUT/colo-bench-trainers-7b-megatron.json" | grep -E "sync-first" | cut -c1-300
-    offload_rows "$OUT/colo-bench-trainers-7b-megatron.json"
-    pause_rows "$OUT/colo-bench-trainers-7b-megatron.json"
+    trainer_bench qwen2-7b megatron 3 "${2:-450}" 7b-megatron
     ;;
   call70c)  # issue 44, 2026-12-01 (twentieth session), one GPU: the GPU tests of a real trainer's pause and of the flat
     # weights' (each pause now timed by tag and part) with pytest's exit and time (limit: arg 2); every real trainer's
@@ -169,21 +166,12 @@ case "${1:-tests}" in
       tests/gpu/test_real_trainers.py::test_a_trainer_pauses_and_resumes_exactly_its_tags_with_the_parameters_in_place \
       tests/device/test_one_copy.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -14
     echo "GPU tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tests.log"
-    timeout "${3:-330}" python3 -m colo.cli bench --device cuda --model qwen2-1.5b \
-      --transports packed --trainers hf,fsdp,megatron --reps 5 --out "$OUT/colo-bench-trainers-1.5b.json" 2>&1 \
-      | tee "$OUT/trainers.log" | grep -E "^\| qwen2-1.5b \| |retain"
-    engine_rows "$OUT/colo-bench-trainers-1.5b.json" | grep -E "sync-first" | cut -c1-300
-    offload_rows "$OUT/colo-bench-trainers-1.5b.json"
-    pause_rows "$OUT/colo-bench-trainers-1.5b.json"
+    trainer_bench qwen2-1.5b hf,fsdp,megatron 5 "${3:-330}" 1.5b
     ;;
   call70a)  # issue 44, 2026-12-01 (twentieth session), one GPU: hf's and fsdp's rows at Qwen2-7B with the code of
     # the nineteenth session (a sync-first sync's engine digest beside the trainer's offload, the offload's checks on
     # a stream of their own), not measured at 7B yet; one bench process for both, three reps (limit: arg 2)
-    timeout "${2:-560}" python3 -m colo.cli bench --device cuda --model qwen2-7b --transports packed \
-      --trainers hf,fsdp --reps 3 --out "$OUT/colo-bench-trainers-7b-hf-fsdp.json" 2>&1 \
-      | tee "$OUT/trainers-7b-hf-fsdp.log" | grep -E "^\| qwen2-7b \| |retain"
-    engine_rows "$OUT/colo-bench-trainers-7b-hf-fsdp.json" | grep -E "sync-first" | cut -c1-300
-    offload_rows "$OUT/colo-bench-trainers-7b-hf-fsdp.json"
+    trainer_bench qwen2-7b hf,fsdp 3 "${2:-560}" 7b-hf-fsdp
     ;;
   call69b)  # issue 44, 2026-12-01 (nineteenth session), one GPU: a sync-first sync's engine digest taken beside the
     # trainer's offload (EngineClient.live_digest) and the offload's checks beside the optimizer state's pause: the
