@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call70e [S]|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call71a [S] [S] [S]|call71b [S] [S] [S]|call70e [S]|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -140,6 +140,33 @@ collcost_runs() {  # collcost_runs LIMIT: what one all-gather costs the host (be
 }
 
 case "${1:-tests}" in
+  call71a)  # issue 46, 2026-12-01 (twenty-first session), two GPUs: every gpu2 test with each Megatron rank sending its
+    # engine rank its own slices (no gather; limit: arg 2), then Qwen2-7B at TP=2, colo-packed beside slime-style at
+    # 1024 and 2048 MiB (limit: arg 3 each), then colo's real megatron-core trainer at 2048 MiB (limit: arg 4)
+    gpu2_suite "${2:-240}"
+    for size in 1024 2048; do
+      echo "== bucket $size MiB" | tee -a "$OUT/multi-sync-2x-qwen2-7b-own-slices.log"
+      timeout "${3:-150}" python3 -m bench.multi_gpu --device cuda --gpus 2 --model qwen2-7b --bucket-mib "$size" \
+        --rows colo-packed,slime-style --out "$OUT/multi-sync-2x-qwen2-7b-own-slices-bucket$size.json" 2>&1 \
+        | tee -a "$OUT/multi-sync-2x-qwen2-7b-own-slices.log" | grep -E "^\| (sync|offload)-first|^limits|^floors|^target"
+    done
+    tp2_megatron_rows "${4:-170}" --bucket-mib 2048
+    ;;
+  call71b)  # issue 46, 2026-12-01 (twenty-first session), four GPUs: every gpu4 test (limit: arg 2), then the whole
+    # Qwen3-30B-A3B shape (48 layers, 128 experts, 61 GB bf16; trainer TP=4 + EP=4, engine TP-MoE over 4; attention,
+    # embedding and lm_head as each rank's own slice, experts by all_to_all) at 1024 MiB buckets, one rep (limit: arg 3),
+    # then Qwen2-7B at TP=4 (limit: arg 4)
+    t0=$(date +%s)
+    timeout "${2:-200}" python3 -m pytest -v -p no:cacheprovider -m gpu4 --timeout=180 --durations=10 \
+      tests/bench/test_multi_gpu.py 2>&1 | tee "$OUT/gpu4-tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|s call"
+    echo "pytest -m gpu4: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu4-tests.log"
+    timeout "${3:-300}" python3 -m bench.multi_gpu --device cuda --gpus 4 --model qwen3-30b-a3b --reps 1 \
+      --bucket-mib 1024 --out "$OUT/multi-sync-4x-qwen3-30b-a3b-own-slices.json" 2>&1 \
+      | tee "$OUT/multi-sync-4x-qwen3-30b-a3b-own-slices.log" | grep -v '^{' | tail -16
+    timeout "${4:-150}" python3 -m bench.multi_gpu --device cuda --gpus 4 --model qwen2-7b --bucket-mib 1024 \
+      --rows colo-packed,slime-style --out "$OUT/multi-sync-4x-qwen2-7b-own-slices.json" 2>&1 \
+      | tee "$OUT/multi-sync-4x-qwen2-7b-own-slices.log" | grep -v '^{' | tail -14
+    ;;
   call70e)  # issue 44, 2026-12-01 (twentieth session), one GPU: hf's and fsdp's rows at Qwen2-1.5B, three reps, each
     # pause by tag and part (where 0.936-0.951 of the link goes at 1.5B; limit: arg 2)
     trainer_bench qwen2-1.5b hf,fsdp 3 "${2:-170}" 1.5b

@@ -110,7 +110,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """``gpu2`` tests need two CUDA GPUs: skipped where there are fewer. ``soak`` tests run
+    """``gpu2`` and ``gpu4`` tests need two and four CUDA GPUs: skipped where there are fewer. ``soak`` tests run
     for many minutes: skipped unless COLO_SOAK=1 (CI's 15 minutes do not hold them).
     ``matrix`` cases complete a matrix of cases (faults, architectures) whose other cases run
     every time and cover what these would (each says which): skipped unless COLO_MATRIX=1, to keep the README's test
@@ -136,12 +136,13 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("matrix") is not None:
                 item.add_marker(skip_matrix)
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have >= 2:
-        return
-    skip = pytest.mark.skip(reason=f"needs 2 CUDA GPUs, this machine has {have}")
-    for item in items:
-        if "gpu2" in item.keywords:
-            item.add_marker(skip)
+    for marker, need in (("gpu2", 2), ("gpu4", 4)):
+        if have >= need:
+            continue
+        skip = pytest.mark.skip(reason=f"needs {need} CUDA GPUs, this machine has {have}")
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_runtest_logreport(report):

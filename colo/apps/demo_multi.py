@@ -245,6 +245,8 @@ class MultiDemoRun:
                         "gpu_uuids": self.uuids, "mem_fraction_static": cfg.mem_fraction_static,
                         # which process is which rank's: a signal from outside names one
                         "pids": [{"worker": h["pid"], "engine": h["engine_pid"]} for h in self.hellos],
+                        # each rank's trainer sends its engine rank its own slices, no gather (issue 46)
+                        "own_slices": [bool(h.get("own_slices")) for h in self.hellos],
                         "model": {"params": self.trainers[0].num_params(), "engine_dtype": cfg.engine_dtype}})
 
     # -- verification ------------------------------------------------------------

@@ -134,6 +134,12 @@ class EngineEntry:
     #: it reports where its sync time goes (``call_s``, ``await worker_timings()``): the
     #: benchmark adds them to each row
     timings: bool = False
+    #: in the ``tp`` layout engine rank r takes its own slice of a tensor it splits (a
+    #: :class:`~colo.transports.wire.RankSlice`, checked to be its block), so a trainer whose
+    #: TP ranks split it the same way sends that slice with no gather (issue 46; a Megatron
+    #: trainer's ``send_own_slices``, :data:`colo.trainers.OWN_SLICES`); False: every
+    #: tensor arrives whole and the rank cuts its shard itself (vLLM's loaders do)
+    rank_slices: bool = False
     #: the engine's own words on a limit, by what it limits (``dtypes``, ``transports``,
     #: ``layouts``, ``kill``): said with the refusal
     notes: Mapping[str, str] = field(default_factory=dict)
@@ -318,7 +324,7 @@ ENGINES: dict[str, EngineEntry] = {
         rank_start={"process": "colo.engine.reference.start:start_rank",
                     "ray": "colo.ranks.ray_launcher:start_engine_actor"},
         shard_digest="colo.engine.reference.tp:expected_shard_digest",
-        fits="colo.engine.reference.start:check_fits", own_process=True, adapters=True),
+        fits="colo.engine.reference.start:check_fits", own_process=True, adapters=True, rank_slices=True),
     "vllm": EngineEntry(
         name="vllm", title="vLLM",
         summary="vllm (a real vLLM, colo-rl[vllm]; float32 on a CPU)",

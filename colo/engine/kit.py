@@ -32,7 +32,7 @@ from colo.core.errors import EngineStateError, WeightMismatch
 from colo.core.interfaces import TensorSpec
 from colo.proc.collector import collector_paused
 from colo.proc.lifecycle import log
-from colo.transports.wire import Piece, PreflightNotCached, RankSlice, layout_key
+from colo.transports.wire import Piece, PreflightNotCached, RankSlice, layout_key, piece_in
 
 
 class LoadSession:
@@ -61,6 +61,8 @@ class LoadSession:
         self.order: list[str] = []
         #: elements written so far of each tensor arriving in pieces (bounded staging)
         self.partial: dict[str, int] = {}
+        #: and how many elements they have in all (a rank's slice: fewer than the tensor)
+        self._piece_total: dict[str, int] = {}
         self.duplicate: list[str] = []
         self.unexpected: list[str] = []
         self.wrong_shape: list[str] = []
@@ -71,7 +73,8 @@ class LoadSession:
         seen: set[str] = set()
         duplicate, unexpected, wrong_shape = [], [], []
         for name, tensor in items:
-            piece = isinstance(tensor, Piece)
+            part = piece_in(tensor)  # a piece of the tensor, or of a rank's slice of it
+            piece = part is not None
             if name in seen or name in self.loaded or (not piece and name in self.partial):
                 duplicate.append(name)
                 continue
@@ -84,10 +87,11 @@ class LoadSession:
             elif isinstance(tensor, RankSlice) and not self.rank_slices:
                 wrong_shape.append(f"{name}: arrived as the {tensor.describe()} (cut for one engine rank), "
                                    f"expected the whole tensor: this engine loads whole tensors")
-            elif piece and (tensor.offset != self.partial.get(name, 0) or tensor.end > numel(shape)
-                            or tensor.data.dim() != 1):
-                wrong_shape.append(f"{name}: a piece of elements [{tensor.offset}, {tensor.end}) where the "
-                                   f"next piece of its {numel(shape)} elements starts at "
+            elif piece and (part.offset != self.partial.get(name, 0) or part.end > numel(part.shape)
+                            or part.data.dim() != 1):
+                # (a rank's slice: its own elements, counted as a whole tensor's are)
+                wrong_shape.append(f"{name}: a piece of elements [{part.offset}, {part.end}) where the "
+                                   f"next piece of its {numel(part.shape)} elements starts at "
                                    f"{self.partial.get(name, 0)}")
         if duplicate or unexpected or wrong_shape:
             self.duplicate += duplicate
@@ -98,8 +102,10 @@ class LoadSession:
 
     def advance(self, name: str, tensor: Any) -> bool:
         """Count ``tensor`` (checked) as written; True when its name is now complete."""
-        if isinstance(tensor, Piece) and tensor.end < numel(tensor.shape):
-            self.partial[name] = tensor.end
+        part = piece_in(tensor)
+        if part is not None and part.end < numel(part.shape):
+            self.partial[name] = part.end
+            self._piece_total[name] = numel(part.shape)  # a rank's slice: its own elements
             return False
         self.partial.pop(name, None)
         self.loaded.add(name)
@@ -122,7 +128,7 @@ class LoadSession:
         """The number of names loaded; one ``WeightMismatch`` unless every expected name came
         exactly once and nothing was refused on the way."""
         missing = [n if n not in self.partial else
-                   f"{n} (only its first {self.partial[n]} of {numel(self.expected[n])} elements)"
+                   f"{n} (only its first {self.partial[n]} of {self._piece_total[n]} elements)"
                    for n in self.expected if n not in self.loaded]
         err = WeightMismatch("weight sync incomplete", missing=missing, unexpected=self.unexpected,
                              duplicate=self.duplicate, wrong_shape=self.wrong_shape)

@@ -38,6 +38,14 @@ rank r. Each rank receives 1/N of the expert bytes a broadcast brought it, in a 
 collectives a bucket rather than one broadcast per expert tensor, every rank sending
 at once; the slices are yielded under their HF names with ``TensorSpec.rank_slice``
 saying which block each is, and the transport marks them on the wire.
+
+Each rank's own slice, no gather (``tp_slices``, issue 46): when the engine's tensor-parallel
+ranks are the trainer's (engine rank r = rank r of ``tp_group``) and split a tensor where
+Megatron does, the engine rank needs exactly the shard its trainer rank holds, cut as the
+name rules cut it: q, k and v of its query groups, gate and up of its ``linear_fc1``, its
+columns of ``linear_proj`` and ``linear_fc2``, its vocabulary rows. Those go as that slice,
+copied from the rank's own shard with no collective at all; an all-gather would bring every
+rank the whole tensor for its engine rank to keep 1/N of it.
 """
 
 from __future__ import annotations
@@ -218,6 +226,8 @@ class _Source:
     #: per target the dimension the engine's ranks split it on
     owner: int = -1
     scatter: dict[str, int] = field(default_factory=dict)
+    #: sent as this rank's own slice (``tp_slices``): the targets that go so
+    sliced: set[str] = field(default_factory=set)
 
 
 _AXES = ("tp", "pp", "ep", "etp")
@@ -281,6 +291,18 @@ class MegatronExtractor:
     tensor, so a caller that needs whole tensors (a digest of the model) builds one
     without it. Every rank must pass the same mapping.
 
+    ``tp_slices``: HF name -> the dimension the engine's tensor-parallel ranks split it on
+    (``colo.engine.reference.tp.split_dims``), where the engine spans the ranks of
+    ``tp_group`` in its order (engine rank r = rank r of ``tp_group``). A tensor whose shard
+    here is exactly engine rank r's block of it (tensor-parallel on that dimension over
+    ``tp_group``, held on this rank, no vocabulary padding to cut: ``rows * N ==
+    vocab_size``) is then sent as that slice, copied from the shard with no collective
+    (module docstring); its spec is the slice (``TensorSpec.rank_slice``). Any other tensor
+    goes whole as before (the embedding of a padded vocabulary; a norm), and ``sliced``
+    names the ones that do not. A name no parameter becomes, an expert (those go by
+    ``expert_scatter``) or a mapping without a tensor-parallel group of 2 or more is
+    refused. Every rank must pass the same mapping.
+
     ``specs()`` lists every HF tensor of the whole model (every rank gets the
     same list), in rank-major order of first appearance (the scattered experts
     round-robin over their owners, in the places they held: see
@@ -296,9 +318,12 @@ class MegatronExtractor:
                  tp_group: Any = None, pp_group: Any = None, ep_group: Any = None, expert_tp_group: Any = None,
                  group: Any = None, attention: tuple[int, int] | None = None, vocab_size: int | None = None,
                  rules: Sequence[NameRule] = LLAMA_RULES, upload_to: torch.device | str | None = None,
-                 expert_scatter: Mapping[str, int] | None = None):
+                 expert_scatter: Mapping[str, int] | None = None, tp_slices: Mapping[str, int] | None = None):
         self.dtype = resolve_dtype(dtype)
         self._expert_scatter = dict(expert_scatter or {})
+        self._tp_slices = dict(tp_slices or {})
+        #: the names sent as this rank's own slice (``tp_slices``), found at construction
+        self.sliced: frozenset[str] = frozenset()
         #: HF name -> its source, for the scattered ones (a dict: each name looked up once a call)
         self._scattered: dict[str, _Source] = {}
         #: bytes and collectives of the scatter so far (``received``: slices that arrived here,
@@ -418,10 +443,12 @@ class MegatronExtractor:
             raise ValueError(f"{who}: " + "; ".join(problems))
 
     def _scatter_key(self) -> str:
-        """``expert_scatter`` as a short string every rank can compare (Qwen3-30B-A3B's has 18,432 names)."""
+        """``expert_scatter`` and ``tp_slices`` as a short string every rank can compare
+        (Qwen3-30B-A3B's scatter has 18,432 names)."""
         import hashlib
 
-        return hashlib.sha256(repr(sorted(self._expert_scatter.items())).encode()).hexdigest()
+        both = (sorted(self._expert_scatter.items()), sorted(self._tp_slices.items()))
+        return hashlib.sha256(repr(both).encode()).hexdigest()
 
     def _plan_scatter(self, everyone: list[dict]) -> list[str]:
         """Mark the experts of ``expert_scatter`` as scattered and make their specs the slices
@@ -429,15 +456,16 @@ class MegatronExtractor:
         differ = sorted(r["rank"] for r in everyone if r["scatter"] != self._scatter_key())
         if differ:
             # each rank's collectives follow its own mapping: different ones would hang or mix bytes
-            return [f"expert_scatter differs between rank {self.rank} and rank(s) {differ}; every rank must "
-                    f"pass the same mapping"]
+            return [f"expert_scatter or tp_slices differs between rank {self.rank} and rank(s) {differ}; every "
+                    f"rank must pass the same mapping"]
+        problems = self._plan_slices(everyone)
         if not self._expert_scatter:
-            return []
+            return problems
         group = self._groups["ep"]
         size = len(everyone[[r["rank"] for r in everyone].index(self.rank)]["axes"]["ep"])
         if group is None or size < 2:
-            return [f"expert_scatter needs an expert-parallel group of 2 or more ranks (the engine's ranks); "
-                    f"got {'none' if group is None else 'one of 1'}"]
+            return problems + [f"expert_scatter needs an expert-parallel group of 2 or more ranks (the engine's "
+                               f"ranks); got {'none' if group is None else 'one of 1'}"]
         members = list(dist.get_process_group_ranks(group))
         me = members.index(self.rank)
         bad: list[str] = []
@@ -465,9 +493,57 @@ class MegatronExtractor:
             src.scatter[name] = dim
             self._scattered[name] = src
         if bad:
-            return [f"cannot scatter expert tensor(s) {bad}"]
+            return problems + [f"cannot scatter expert tensor(s) {bad}"]
         self._scatter_group, self._scatter_size, self._scatter_me = group, size, me
         self._interleave_owners(size)
+        return problems
+
+    def _plan_slices(self, everyone: list[dict]) -> list[str]:
+        """Mark the tensors of ``tp_slices`` whose shard here is the engine rank's block and make
+        their specs that slice; what the mapping names wrongly, named (one error with the others).
+
+        A target is sliced where its source is tensor-parallel over ``tp_group`` (not an
+        expert's, held here, not broadcast from a pipeline stage), the engine splits it where
+        Megatron does (a fused QKV or GLU and its parts on rows; another tensor on its
+        ``partition_dim``) into equal blocks, and no vocabulary padding is cut off (the
+        engine's block r would then start elsewhere than the shard's rows). Which they are
+        follows from metadata every rank shares: every rank slices the same ones."""
+        if not self._tp_slices:
+            return []
+        size = len(everyone[[r["rank"] for r in everyone].index(self.rank)]["axes"]["tp"])
+        if self._groups["tp"] is None or size < 2:
+            return [f"tp_slices needs a tensor-parallel group of 2 or more ranks (the engine's ranks); got "
+                    f"{'none' if self._groups['tp'] is None else 'one of 1'}"]
+        bad: list[str] = []
+        sliced: list[str] = []
+        for name, dim in self._tp_slices.items():
+            source = self._by_target.get(name)
+            if source is None:
+                bad.append(f"{name} (no parameter becomes it)")
+                continue
+            src = self._sources[source]
+            if src.rule.expert:
+                bad.append(f"{name} (an expert's: experts go by expert_scatter)")
+                continue
+            whole = self._specs[name].shape
+            if isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim < len(whole):
+                bad.append(f"{name} (dimension {dim!r} is not one of {whole})")
+                continue
+            split_at = 0 if src.rule.split in ("glu", "qkv") else src.meta.partition_dim
+            own = (src.gather is not None and src.gather is self._groups["tp"] and src.local and not src.broadcasts
+                   and dim == split_at and whole[dim] % size == 0
+                   and not (src.rule.vocab and self.vocab_size is not None
+                            and src.meta.shape[0] * size != self.vocab_size))
+            if not own:
+                continue  # goes whole, as before; the engine cuts it
+            length = whole[dim] // size
+            self._specs[name] = rank_slice_spec(name, whole, self._specs[name].dtype, dim,
+                                                src.gather_rank * length, length)
+            src.sliced.add(name)
+            sliced.append(name)
+        if bad:
+            return [f"cannot send as each rank's own slice: {bad}"]
+        self.sliced = frozenset(sliced)
         return []
 
     def _interleave_owners(self, size: int) -> None:
@@ -652,7 +728,12 @@ class MegatronExtractor:
         in staging, bucket by bucket, never the whole tensor beside both staging buffers
         (the 1.09 GB embedding of Qwen2-7B; its 130 MiB ``down_proj`` in 64 MiB buckets).
         The same answer on every rank: it depends on the metadata every rank shares."""
-        return self._in_place(self._sources[self._by_target[name]])
+        src = self._sources[self._by_target[name]]
+        if name in self.sliced:
+            # this rank's own slice, cut on the bytes asked for: where its part lies contiguous
+            # (a vocabulary block, a GLU half, a row-parallel shard, one query group's q, k, v)
+            return self._parts(src)[src.targets.index(name)].is_contiguous()
+        return self._in_place(src)
 
     def extract_range(self, name: str, offset: int, nbytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Bytes ``[offset, offset + nbytes)`` of full tensor ``name`` (a :meth:`ranged` one)
@@ -662,9 +743,9 @@ class MegatronExtractor:
         src = self._sources[self._by_target[name]]
         size = self._specs[name].nbytes
         item = self._engine_dtype(src.meta).itemsize
-        if not self._in_place(src):
-            raise ValueError(f"megatron extractor: {name!r} is not gathered from the ranks' own shards; "
-                             f"extract it whole")
+        if not self.ranged(name):
+            raise ValueError(f"megatron extractor: {name!r} is not gathered from the ranks' own shards nor a "
+                             f"contiguous slice of this rank's; extract it whole")
         if not (0 <= offset and 0 < nbytes and offset + nbytes <= size and offset % item == 0 and nbytes % item == 0):
             raise ValueError(f"megatron extractor: bytes [{offset}, {offset + nbytes}) are not a run of whole "
                              f"elements of {name!r} ({size} bytes of {item}-byte elements)")
@@ -675,7 +756,16 @@ class MegatronExtractor:
             raise ValueError(f"megatron extractor: out for {name!r} must be {nbytes} contiguous uint8 bytes, got "
                              f"{tuple(out.shape)} {out.dtype}")
         self._call_streams.clear()
-        if src.meta.partition_dim == 0:
+        if name in self.sliced:
+            # this rank's own slice: the elements asked for, no collective
+            part = self._parts(src)[src.targets.index(name)].reshape(-1)
+            dst = out.view(self._engine_dtype(src.meta))
+            piece = part[offset // item:(offset + nbytes) // item]
+            if _uploadable(dst, piece):
+                self._upload([(dst, piece)], fresh=fresh)
+            else:
+                dst.copy_(piece)
+        elif src.meta.partition_dim == 0:
             self._gather_rows(src, src.targets.index(name), out, offset, fresh=fresh)
         else:
             self._gather_columns(src, out, offset)
@@ -899,6 +989,18 @@ class MegatronExtractor:
         parts: dict[str, tuple[torch.Tensor, ...]] = {}
         for name in names:
             src = self._sources[self._by_target[name]]
+            if name in src.sliced:
+                # this rank's own part is the engine rank's slice: into its output, in the
+                # call's one upload or batched copy below, and no collective
+                cut = parts.get(src.name)
+                if cut is None:
+                    cut = parts[src.name] = self._parts(src)
+                part = cut[src.targets.index(name)]
+                out = self._out(name, into)
+                fresh = fresh or out is not into.get(name)
+                copies.append((out.view(part.shape), part))
+                ready.setdefault(src.name, {})[name] = out
+                continue
             if not self._in_place(src) or src.meta.partition_dim != 0:
                 self._copy_whole(src, name, into, copies, ready)
                 continue

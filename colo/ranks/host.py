@@ -199,6 +199,8 @@ class RankHost:
         #: engine rank r's process begun before the trainer rank is built (the engine entry's
         #: ``begin``), until the rank start hands it its build
         self.begun: Any = None
+        #: the trainer sends each tensor-parallel tensor as this rank's own slice (:meth:`_send_own_slices`)
+        self.own_slices = False
 
     # -- start ---------------------------------------------------------------------
     async def start(self) -> dict:
@@ -219,7 +221,28 @@ class RankHost:
                        "device": s.device, "checkpoint": ckpt}
         self.engine = self._adapters(await self._spawn_engine(s.engine_init, ckpt))
         self.transport = make_transport(s.transport)
+        self.own_slices = self._send_own_slices()
         return self.hello()
+
+    def _send_own_slices(self) -> bool:
+        """Where engine rank r holds exactly trainer rank r's shard of what both split (the
+        engine's entry takes a rank's slice, one engine of TP=N over the N ranks, a trainer
+        that can send it, a transport that marks it, no LoRA adapter), the trainer sends each
+        such tensor as this rank's own slice from now on: no all-gather of the whole model
+        for each rank to keep 1/N of it (issue 46). A collective: every rank decides the
+        same from the same spec."""
+        from colo.engine import engine_entry
+        from colo.trainers import OWN_SLICES
+
+        s = self.spec
+        if not (s.world_size > 1 and s.layout == "tp" and engine_entry(s.engine).rank_slices
+                and s.trainer in OWN_SLICES and not s.trainer_builder and s.lora is None
+                and self.transport.carries_rank_slices):
+            return False
+        from colo.engine.reference.tp import split_dims
+
+        self.trainer.send_own_slices(split_dims(self.model_config, s.world_size))
+        return True
 
     def _adapters(self, engine: Any) -> Any:
         """A LoRA run's engine rank: its syncs stage adapter versions (activated when the driver
@@ -317,7 +340,8 @@ class RankHost:
                 "trainer_tag_bytes": dict(t.tag_bytes()), "engine_tag_bytes": e.tag_bytes(),
                 "engine_capabilities": e.capabilities.to_json(),
                 "param_specs": [[p.name, list(p.shape), p.dtype, p.nbytes] for p in t.param_specs()],
-                "num_params": int(t.num_params()), "gpu_uuid": self._gpu_uuid()}
+                "num_params": int(t.num_params()), "gpu_uuid": self._gpu_uuid(),
+                "own_slices": self.own_slices}
 
     def _gpu_uuid(self) -> str | None:
         if self.spec.device != "cuda":

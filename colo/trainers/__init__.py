@@ -32,6 +32,10 @@ BUILDERS = {
 LORA_BUILDERS = {
     "hf": "colo.trainers.lora:build",
 }
+#: the trainers whose tensor-parallel ranks can send engine rank r its own slice of every
+#: tensor both split the same way, with no gather (``send_own_slices(split)``, issue 46), to an
+#: engine whose entry takes them (``colo.engine.EngineEntry.rank_slices``)
+OWN_SLICES = ("megatron",)
 
 
 def build(kind: str, *, model_config: Any = None, seed: int = 0, engine_dtype: str, device: str,

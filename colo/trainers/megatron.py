@@ -424,13 +424,42 @@ class MegatronTrainer(PolicyTrainer):
                                 "group": runtime.meta_group, "tp_group": runtime.tp_group}
         # Pairs, not a mapping: a Parameter is followed through optimizer steps.
         live = list(self.model.named_parameters())
-        self._extractor = MegatronExtractor(live, dtype=getattr(torch, engine_dtype), **self._extractor_args)
+        #: the sync's extractor of whole tensors, and the one it uses (:meth:`send_own_slices`)
+        self._whole_extractor = MegatronExtractor(live, dtype=getattr(torch, engine_dtype), **self._extractor_args)
+        self._extractor = self._whole_extractor
+        #: what the sync's extractors are built with beside ``_extractor_args`` (``tp_slices``)
+        self._slice_args: dict[str, Any] = {}
         self._hf_extractor = MegatronExtractor(live, dtype=None, **self._extractor_args)
         self._cpu_twin: torch.nn.Module | None = None
         self.steps = 0
 
+    def send_own_slices(self, tp_slices: Mapping[str, int] | None) -> None:
+        """From now on, sync each tensor-parallel tensor the engine's ranks split where this
+        trainer's TP ranks do as this rank's own slice, with no gather
+        (:class:`~colo.extractors.megatron.MegatronExtractor`'s ``tp_slices``: HF name ->
+        the engine's split dimension, ``colo.engine.reference.tp.split_dims``); ``None``:
+        whole tensors again. For an engine whose TP ranks are this trainer's TP group in
+        its order and that takes a rank's slice (colo's TP engine), through a transport
+        that marks them (``packed``). A collective: every rank calls it, with the same mapping."""
+        from colo.extractors.megatron import MegatronExtractor
+
+        if self.runtime.tp_group is None:
+            raise ValueError("megatron trainer: send_own_slices needs tensor parallelism over 2 or more ranks; "
+                             "this trainer has one")
+        self._slice_args = {"tp_slices": dict(tp_slices)} if tp_slices else {}
+        self._extractor = self._whole_extractor if not tp_slices else MegatronExtractor(
+            list(self.model.named_parameters()), dtype=getattr(torch, self.engine_dtype),
+            **self._extractor_args, **self._slice_args)
+
     # -- TrainerSide -----------------------------------------------------------
-    def extractor(self) -> Any:
+    def param_specs(self) -> Any:
+        """Every HF tensor whole (what an engine preflights), whatever the sync sends."""
+        return self._whole_extractor.specs()
+
+    def extractor(self, whole: bool = False) -> Any:
+        """The sync's extractor: of this rank's own slices where :meth:`send_own_slices` said so,
+        unless ``whole`` (every tensor whole: a transport that cannot mark a slice)."""
+        slices = {} if whole else self._slice_args
         if self._paused():
             # offload-first on a GPU: the weights are paused, their pinned host
             # backup is the source; shards are uploaded, then converted and split
@@ -441,14 +470,15 @@ class MegatronTrainer(PolicyTrainer):
             dtype = getattr(torch, self.engine_dtype)
             if self.runtime.tp_group is not None or not _one_process():
                 # several ranks build it together (it exchanges metadata): anew each sync, on every rank
-                return MegatronExtractor(self._host_params(), dtype=dtype, device=device, **self._extractor_args)
+                return MegatronExtractor(self._host_params(), dtype=dtype, device=device, **self._extractor_args,
+                                         **slices)
             # One rank: what needs no work is a view of the backup, which the transport uploads
             # straight into its buffer (an upload, a cat of linear_fc1's halves and a pack copy
             # per tensor before: 1.64 x the link's floor at Qwen2-1.5B on an H100), and the
             # extractor is built once while the saver keeps its backups in place.
             return self._kept_host_extractor(lambda: MegatronExtractor(
                 self._host_params(), dtype=dtype, upload_to=device, **self._extractor_args))
-        return self._extractor
+        return self._whole_extractor if whole else self._extractor
 
     def num_params(self) -> int:
         # the full model's, vocabulary padding left out (this rank holds a shard)

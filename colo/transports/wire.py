@@ -149,7 +149,9 @@ class RankSlice:
     is ``shape`` (as a :class:`Piece`'s, the whole tensor's: an engine's accounting of names
     and shapes stays the one it has). Only an engine that holds that block as it is (colo's
     TP engine, ``colo.engine.reference.tp``) takes it, after checking that the block is the
-    one this rank holds; any other loader refuses it by name."""
+    one this rank holds; any other loader refuses it by name. ``data`` may be a
+    :class:`Piece` of the block (its ``shape`` the block's, its offsets in the block's
+    row-major elements): the block arrives in pieces, in order (:func:`piece_in`)."""
 
     data: Any
     dim: int
@@ -162,10 +164,13 @@ class RankSlice:
 
     @property
     def length(self) -> int:
-        return int(self.data.shape[self.dim])
+        return int(self.data.shape[self.dim])  # a Piece's shape is the slice's: the same
 
     def describe(self) -> str:
-        return f"block [{self.start}, {self.start + self.length}) of dimension {self.dim} of {tuple(self.shape)}"
+        what = f"block [{self.start}, {self.start + self.length}) of dimension {self.dim} of {tuple(self.shape)}"
+        if isinstance(self.data, Piece):
+            return f"{what}, elements [{self.data.offset}, {self.data.end}) of it"
+        return what
 
 
 @dataclass(frozen=True)
@@ -204,9 +209,11 @@ class TensorMeta:
     "start": s, "length": L}``, the block ``[s, s + shape[d])`` of dimension d
     of a tensor whose dimension d is L long. Here ``shape`` is the block's (the
     bytes are that contiguous tensor, so every size check is the same); the
-    receiver hands it on as a :class:`RankSlice` of the whole shape. Never with
-    ``piece_offset`` (a slice is never cut into pieces), and refused by SGLang
-    for the same reason as a piece.
+    receiver hands it on as a :class:`RankSlice` of the whole shape. With
+    ``piece_offset`` it is a piece of that slice (a slice larger than the bucket: a
+    vocabulary block of Qwen2-7B at TP=2 is 545 MB), handed on as a :class:`RankSlice`
+    whose ``data`` is the :class:`Piece` of the slice. Refused by SGLang for the same
+    reason as a piece.
     """
 
     name: str
@@ -339,13 +346,11 @@ def _parse_view(d: dict, what: str, shape: tuple[int, ...], dtype: str, start: i
 
 def _rank_slice(d: dict, what: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
     """An entry's ``rank_slice`` field (:class:`TensorMeta`), checked: a block inside the whole
-    tensor, of a whole entry (not a piece)."""
+    tensor. The entry may be a piece of the slice (``piece_offset``: a run of the slice's own
+    row-major elements, as a piece of a whole tensor is of the tensor's)."""
     if "rank_slice" not in d:
         return None
     raw = d["rank_slice"]
-    if "piece_offset" in d:
-        raise RequestError(f"{what}: a rank's slice cannot also be a piece (piece_offset); a slice "
-                           f"travels whole")
     dim, start, length = (get_field(raw, k, int, f"{what} rank_slice") for k in ("dim", "start", "length"))
     if not 0 <= dim < len(shape) or start < 0 or start + shape[dim] > length:
         raise RequestError(f"{what}: rank_slice {{'dim': {dim}, 'start': {start}, 'length': {length}}} is not "
@@ -512,9 +517,19 @@ def _sliced(m: TensorMeta, data: Any) -> Any:
     return RankSlice(data, m.rank_slice[0], m.rank_slice[1], m.whole_shape)
 
 
-def piece_of(m: TensorMeta, data: Any) -> Piece:
-    """``data`` (the piece's elements, 1-D) as the piece ``m`` describes."""
-    return Piece(data.reshape(-1), m.offset // itemsize(m.dtype), m.shape)
+def piece_of(m: TensorMeta, data: Any) -> Any:
+    """``data`` (the piece's elements, 1-D) as the piece ``m`` describes: a :class:`Piece`,
+    or where ``m`` is a piece of a rank's slice, a :class:`RankSlice` of that piece (its
+    offsets and shape the slice's own)."""
+    piece = Piece(data.reshape(-1), m.offset // itemsize(m.dtype), m.shape)
+    return piece if m.rank_slice is None else RankSlice(piece, m.rank_slice[0], m.rank_slice[1], m.whole_shape)
+
+
+def piece_in(tensor: Any) -> Piece | None:
+    """The :class:`Piece` a loader is handed (a piece of a tensor, or of a rank's slice), or None."""
+    if isinstance(tensor, RankSlice):
+        tensor = tensor.data
+    return tensor if isinstance(tensor, Piece) else None
 
 
 # -- bucket layouts cached across syncs -------------------------------------------------

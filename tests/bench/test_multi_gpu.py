@@ -11,21 +11,36 @@ ROWS = {(p, t) for p in ("sync-first", "offload-first")
         for t in ("colo-packed", "colo-packed-serial", "slime-style", "ipc-per-tensor")}
 
 
-def _check(result: dict, rows: set = ROWS, colo_bytes: int | None = None) -> None:
-    """``colo_bytes``: what colo's rows move per rank where it is not the whole model (a MoE's
-    experts, each rank's slice only)."""
+def _split_bytes(result: dict) -> int:
+    """The bf16 bytes of every dense tensor colo's TP engine splits over the run's ranks, whole."""
+    import math
+
+    from bench.multi_gpu import is_expert, model_config
+    from colo.engine.reference.tp import ShardPlan, TPLayout
+
+    cfg = model_config(result["model"]["name"], result["model"]["layers"])
+    plan = ShardPlan.build(TPLayout.from_config(cfg, tp_rank=0, tp_size=result["gpu_count"]))
+    return sum(2 * math.prod(s.full_shape) for n, s in plan.slices.items() if s.dim is not None and not is_expert(n))
+
+
+def _check(result: dict, rows: set = ROWS) -> None:
+    """colo's packed rows move each engine rank exactly its shard (issue 46: its own slice of
+    every tensor-parallel tensor, no gather; a MoE's experts, its slice from their owner);
+    the baselines every tensor whole."""
     assert {(r["plan"], r["transport"]) for r in result["rows"]} == rows
     for key in ("device", "gpu_count", "torch", "date", "limits", "floors", "rows", "ratios", "targets",
                 "model", "bucket_mib", "digest_verified"):
         assert key in result, key
-    assert result["gpu_count"] == 2 and len(result["limits"]) == 2
+    n = result["gpu_count"]
+    assert n >= 2 and len(result["limits"]) == n
     model_bytes = result["model"]["bytes"]
     for r in result["rows"]:
         # every row moved the whole model (colo's, of a MoE: each rank's slice of the experts) and
         # every engine rank holds its shard of the trainer's weights
-        assert r["digest_ok"] and r["digest_ok_by_rank"] == [True, True], r
-        colo = r["transport"].startswith("colo-packed") and colo_bytes is not None
-        assert r["bytes"] == (colo_bytes if colo else model_bytes), r
+        assert r["digest_ok"] and r["digest_ok_by_rank"] == [True] * n, r
+        colo = r["transport"].startswith("colo-packed")
+        (shard,) = {lim["engine_shard_bytes"] for lim in result["limits"]}  # the same on every rank
+        assert r["bytes"] == (shard if colo else model_bytes), r
         assert r["tensors"] == result["model"]["tensors"]
         assert len(r["sync_s_all"]) == result["reps"] and all(s > 0 for s in r["sync_s_all"])
         if r["transport"].startswith("colo-packed"):
@@ -35,6 +50,9 @@ def _check(result: dict, rows: set = ROWS, colo_bytes: int | None = None) -> Non
     for lim in result["limits"]:
         assert lim["model_bytes"] == model_bytes
         assert lim["trainer_shard_bytes"] > 0 and lim["engine_shard_bytes"] > 0
+        # colo's rows gather nothing: every tensor the engine splits goes as each rank's own slice
+        assert lim["colo_gathered_bytes"] == 0 and lim["colo_all_gather_calls"] == 0, lim
+        assert lim["own_slice_bytes"] == _split_bytes(result) > 0, lim
     assert result["digest_verified"] is True
     assert set(result["floors"]) >= {"sync-first", "offload-first"}
 
@@ -51,9 +69,13 @@ def test_bench_gpus_2_cpu(tmp_path, no_leftover_segments):
     assert result["device"] == "cpu" and result["model"]["name"] == "tiny"
     by = {(r["plan"], r["transport"]): r for r in result["rows"]}
     for plan in ("sync-first", "offload-first"):
-        # the slime-style baseline moved the same bytes in the same buckets as colo
-        assert by[(plan, "slime-style")]["bytes"] == by[(plan, "colo-packed")]["bytes"]
-        assert by[(plan, "slime-style")]["buckets"] == by[(plan, "colo-packed")]["buckets"] > 1
+        # the slime-style baseline moved every tensor whole, in more buckets than colo's shards
+        assert by[(plan, "slime-style")]["bytes"] == result["model"]["bytes"] > by[(plan, "colo-packed")]["bytes"]
+        assert by[(plan, "slime-style")]["buckets"] > by[(plan, "colo-packed")]["buckets"] > 1
+        # the floors: colo's own (one copy of the shard; its upload) below issue 46's with the gather
+        f = result["floors"]
+        assert f["colo_all_gather_s"] == 0.0 < f["model_all_gather_s"]
+        assert f["sync-first"] == f["engine_shard_copy_s"] < f["sync-first-gathered"]
     assert "| sync-first | slime-style |" in proc.stdout
 
 
@@ -76,7 +98,7 @@ def test_bench_host_profile_puts_each_ranks_extraction_under_cprofile_for_one_mo
             host = prof["host_profile"]
             assert host["text"] == str(folder / f"host-{row['plan']}-rank{rank}.txt")
             assert host["total_own_s"] > 0 and len(host["top_own"]) == 15
-            assert "_materialize" in (folder / f"host-{row['plan']}-rank{rank}.txt").read_text()
+            assert "_gather_together" in (folder / f"host-{row['plan']}-rank{rank}.txt").read_text()
 
 
 def test_bench_gpus_2_real_megatron_trainer_cpu(tmp_path, no_leftover_segments):
@@ -136,7 +158,7 @@ def test_bench_gpus_2_moe_cpu(tmp_path, no_leftover_segments):
     result = json.loads(out.read_text())
     experts = result["model"]["expert_bytes"]
     # colo's rows: each engine rank gets its half of every expert (issue 46), slime's every expert whole
-    _check(result, MOE_ROWS, colo_bytes=result["model"]["bytes"] - experts // 2)
+    _check(result, MOE_ROWS)
     assert result["model"]["trainer_ep"] == 2 and result["anchor"]["ipc_loop_s"] == 3.0
     # the experts are most of the bytes; the floor counts the half each rank receives by all_to_all
     assert 0 < experts < result["model"]["bytes"] and experts % 2 == 0
@@ -199,8 +221,32 @@ def test_bench_gpus_2_moe_cuda(tmp_path):
 
     result, _ = run_bench_multi("cuda", 2, "qwen3-30b-a3b", 64, 1, str(tmp_path / "moe.json"), layers=2)
     # colo's rows: each engine rank gets its half of every expert (as on the CPU); slime's every expert whole
-    _check(result, MOE_ROWS, colo_bytes=result["model"]["bytes"] - result["model"]["expert_bytes"] // 2)
+    _check(result, MOE_ROWS)
     assert all(r["device_peak_extra_max"] is not None for r in result["rows"])
+
+
+@pytest.mark.gpu4
+def test_bench_gpus_4_cuda(tmp_path):
+    """Qwen2-7B's shape cut to 2 layers at TP=4 (its 4 KV heads, one a rank) on four GPUs: every
+    rank's own slices, every row's digests on every rank, staging within its bound."""
+    from bench.multi_gpu import SLACK_BYTES, run_bench_multi
+
+    result, _ = run_bench_multi("cuda", 4, "qwen2-7b", 64, 1, str(tmp_path / "multi4.json"), layers=2,
+                                rows=("colo-packed", "slime-style"))
+    _check(result, MOE_ROWS)
+    peaks = [r["device_peak_extra_max"] for r in result["rows"] if r["transport"] == "colo-packed"]
+    assert all(peak <= 2 * (64 << 20) + SLACK_BYTES for peak in peaks), peaks
+
+
+@pytest.mark.gpu4
+def test_bench_gpus_4_moe_cuda(tmp_path):
+    """The Qwen3-30B-A3B shape cut to 2 layers on four GPUs: trainer TP=4 (its 4 query groups)
+    and EP=4, engine TP-MoE over 4; each rank its own slices and a quarter of every expert."""
+    from bench.multi_gpu import run_bench_multi
+
+    result, _ = run_bench_multi("cuda", 4, "qwen3-30b-a3b", 64, 1, str(tmp_path / "moe4.json"), layers=2)
+    _check(result, MOE_ROWS)
+    assert result["model"]["trainer_tp"] == 4 and result["model"]["trainer_ep"] == 4
 
 
 @pytest.mark.parametrize("kind", ["chardev", "fifo", "symlink-to-chardev"])

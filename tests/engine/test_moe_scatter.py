@@ -19,7 +19,7 @@ import torch
 
 from colo.core.buckets import plan_buckets, rank_slice_spec
 from colo.core.errors import RequestError, WeightMismatch
-from colo.transports.wire import RankSlice, TensorMeta, views
+from colo.transports.wire import Piece, RankSlice, TensorMeta, views
 from tests.dist_helpers import run_workers
 
 MODEL = "qwen3-moe-tiny"
@@ -37,7 +37,7 @@ def scatter_worker(rank: int, world: int, tmp_path, bucket_bytes: int) -> dict:
     from colo.core.interfaces import SyncContext
     from colo.core.memory import StagingBudget
     from colo.engine.reference.moe import MoETPEngineCore
-    from colo.engine.reference.tp import expected_shard_digest, shard_state_from_hf
+    from colo.engine.reference.tp import expected_shard_digest, shard_state_from_hf, split_dims
     from colo.testing.engines import ReceiverOnCore
     from colo.transports.packed import PackedReceiver, PackedTransport
 
@@ -127,7 +127,10 @@ def scatter_worker(rank: int, world: int, tmp_path, bucket_bytes: int) -> dict:
                                                                                rank, world),
             "expert_bytes": sum(s.nbytes for n, s in whole_specs.items() if _is_expert(n)),
             "experts": sorted(n for n in whole_specs if _is_expert(n)),
-            "wire_expert": wire_expert, "wire_marked": sorted(wire_marked),
+            "wire_expert": wire_expert, "wire_marked": sorted(set(wire_marked)),  # (a slice's pieces: once)
+            # the dense tensors the engine splits go as each rank's own slice where the trainer's
+            # TP ranks are the engine's (tests/engine/test_tp_slices.py), not at TP2 x DP2
+            "own_slices": sorted(n for n in split_dims(cfg, world) if not _is_expert(n)) if trainer.tp_slices else [],
             "stats": dict(scatter.scatter_stats), "errors": errors,
             "spec_slices": {s.name: list(s.rank_slice) for s in scatter.specs() if s.rank_slice is not None},
             "expert_order": [s.name for s in scatter.specs() if _is_expert(s.name)]}
@@ -140,8 +143,10 @@ def _check(results: list[dict], world: int) -> None:
         assert r["digest"] == r["expected_digest"], f"rank {rank}"
         total = r["expert_bytes"]
         assert total > 0 and total % (world * world) == 0
-        # every expert tensor went as this rank's slice, and nothing else did
-        assert r["wire_marked"] == r["experts"]
+        # every expert tensor went as this rank's slice, and nothing else did but the dense
+        # tensors sent as each rank's own slice (at two ranks, TP=2: all those the engine splits)
+        assert r["wire_marked"] == sorted(r["experts"] + r["own_slices"])
+        assert bool(r["own_slices"]) == (world == 2)
         # bytes: 1/N of the experts' on the wire and through the collective, (N-1)/N^2 of them from others
         assert r["wire_expert"] == total // world
         assert r["stats"]["received"] == total // world
@@ -169,7 +174,8 @@ def _check(results: list[dict], world: int) -> None:
         assert "missing" in r["missing"] and "model.layers.1.mlp.experts.6.up_proj.weight" in r["missing"]
         assert r["missing"].count("mlp.experts.") == 1  # every other slice, loaded directly, was taken
         dense, unknown, dim, differ = r["refused"]
-        assert "expert_scatter differs between rank" in differ and "every rank must pass the same mapping" in differ
+        assert "expert_scatter or tp_slices differs between rank" in differ
+        assert "every rank must pass the same mapping" in differ
         assert "model.layers.0.self_attn.o_proj.weight (not an expert's)" in dense
         assert "model.layers.0.mlp.experts.99.up_proj.weight (no parameter becomes it)" in unknown
         assert "model.layers.0.mlp.experts.0.up_proj.weight (dimension 2 of (8, 32) does not split" in dim
@@ -204,10 +210,22 @@ def test_a_rank_slice_travels_marked_and_comes_out_as_a_rank_slice_of_the_whole_
     assert tuple(got.data.shape) == (32, 4)
 
 
-def test_a_rank_slice_is_never_cut_into_pieces_even_past_the_bucket():
-    s = rank_slice_spec("e", (64, 8), "float32", 0, 0, 32)
-    buckets = plan_buckets([s, rank_slice_spec("f", (64, 8), "float32", 0, 0, 32)], 100)
-    assert [[(e.spec.name, e.whole) for e in b.entries] for b in buckets] == [[("e", True)], [("f", True)]]
+def test_a_rank_slice_larger_than_the_bucket_is_cut_into_pieces_of_its_own_elements():
+    s = rank_slice_spec("e", (64, 8), "float32", 0, 32, 32)  # 1024 bytes
+    buckets = plan_buckets([s], 256)
+    assert [[(e.spec.name, e.offset, e.nbytes) for e in b.entries] for b in buckets] == \
+        [[("e", k * 256, 256)] for k in range(4)]
+    # on the wire each piece says both, and comes out as a RankSlice of the Piece of the slice
+    flat = torch.arange(256, dtype=torch.uint8)
+    for k, bucket in enumerate(buckets):
+        (meta,) = TensorMeta.of_bucket(bucket)
+        wire = json.loads(json.dumps(meta.to_json()))
+        assert wire["piece_offset"] == k * 256 and wire["rank_slice"] == {"dim": 0, "start": 32, "length": 64}
+        back = TensorMeta.from_json(wire, buffer_nbytes=256)
+        ((name, got),) = list(views(flat, [back]))
+        assert isinstance(got, RankSlice) and got.shape == (64, 8) and got.start == 32 and got.length == 32
+        assert isinstance(got.data, Piece) and got.data.shape == (32, 8)
+        assert (got.data.offset, got.data.end) == (k * 64, (k + 1) * 64)
 
 
 @pytest.mark.parametrize("field, message", [
@@ -225,11 +243,38 @@ def test_a_bad_rank_slice_field_is_refused_naming_the_tensor(field, message):
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in str(e.value)
 
 
-def test_a_rank_slice_that_is_also_a_piece_is_refused():
-    entry = {"name": "x", "shape": [32, 4], "dtype": "bfloat16", "start_idx": 0, "end_idx": 128,
-             "piece_offset": 0, "rank_slice": {"dim": 1, "start": 0, "length": 8}}
-    with pytest.raises(RequestError, match="cannot also be a piece"):
-        TensorMeta.from_json(entry, buffer_nbytes=256)
+def test_pieces_of_a_rank_slice_load_in_order_and_one_out_of_order_is_refused_by_name():
+    """colo's TP engine writes each piece of its slice in place; the load's end counts the
+    slice complete only after its last element, and names how far a half-sent one got."""
+    from bench.multi_gpu import model_config
+    from colo.engine.reference.moe import MoETPEngineCore
+
+    cfg = model_config(MODEL)
+    core = MoETPEngineCore(cfg, tp_rank=0, tp_size=1, dtype=torch.float32, total_bytes=64 << 20,
+                           mem_fraction_static=0.5)
+    name, half = (f"model.layers.0.mlp.experts.{e}.gate_proj.weight" for e in (2, 3))  # (8, 32) each
+    block = torch.randn(8, 32)
+    flat = block.reshape(-1)
+
+    def piece(a: int, b: int) -> RankSlice:  # elements [a, b) of the one rank's slice: all 8 rows
+        return RankSlice(Piece(flat[a:b], a, (8, 32)), 0, 0, (8, 32))
+
+    core.begin_load()
+    core.load_weights([(name, piece(0, 96))])
+    with pytest.raises(WeightMismatch, match=r"a piece of elements \[200, 256\) where the next piece of its "
+                                             r"256 elements starts at 96"):
+        core.load_weights([(name, piece(200, 256))])
+    core.load_weights([(name, piece(96, 256)), (half, piece(0, 96))])
+    s_ = core.model.plan.slices[name]
+    held = core.model._params[s_.param][s_.row_offset:s_.row_offset + 8]
+    assert torch.equal(held, block)
+    with pytest.raises(WeightMismatch) as e:
+        core.end_load()
+    (line,) = [x for x in str(e.value).splitlines() if x.strip().startswith("missing")]
+    missing = [x.split(" (")[0] for x in line.split(": ", 1)[1].split(", ")]
+    assert f"{half} (only its first 96 of 256 elements)" in line
+    assert half in missing and name not in missing  # the one complete, the other not
+    assert len(missing) == len(core.model.sync_map.shards) - 1
 
 
 def test_an_engine_of_whole_tensors_refuses_a_rank_slice_by_name_and_writes_nothing_of_the_batch():

@@ -617,7 +617,7 @@ def test_ranged_pieces_and_gathers_into_the_callers_views_are_bit_exact(tmp_path
         assert all(wide["into"].values())
         assert res["errors"] == [
             "megatron extractor: 'model.layers.0.input_layernorm.weight' is not gathered from the ranks' own "
-            "shards; extract it whole",
+            "shards nor a contiguous slice of this rank's; extract it whole",
             "megatron extractor: bytes [1, 3) are not a run of whole elements of 'model.embed_tokens.weight' "
             f"({T.VOCAB * T.HIDDEN * 2} bytes of 2-byte elements)",
             "megatron extractor: bytes [0, 3) are not a run of whole elements of 'model.embed_tokens.weight' "

@@ -64,7 +64,37 @@ def _swap_gate_and_up(tensors: dict[str, torch.Tensor], layer: int) -> dict[str,
     return out
 
 
-def worker(rank: int, world: int, tmp_path) -> dict:
+def _own_slices(model, dims, rank: int) -> dict:
+    """The same model through ``tp_slices`` (issue 46): each rank's own slice of every tensor
+    colo's TP=2 engine splits where megatron-core does, no gather. An engine rank loaded from
+    them must hold what the engine loaded from the whole tensors holds, bit for bit."""
+    from megatron.core import parallel_state as ps
+
+    from colo.engine.reference.tp import TPEngineCore, split_dims
+    from colo.extractors import MegatronExtractor
+    from colo.transports.wire import RankSlice
+
+    args = {"tp_group": ps.get_tensor_model_parallel_group(), "attention": (mc.HEADS, mc.GROUPS),
+            "vocab_size": mc.VOCAB}
+    whole = MegatronExtractor(mc.global_params(model), **args)
+    ex = MegatronExtractor(mc.global_params(model), tp_slices=split_dims(dims, 2), **args)
+    specs = list(ex.specs())
+    got = dict(ex.extract([s.name for s in specs]))
+    build = {"dtype": torch.float32, "device": "cpu", "total_bytes": 16 << 20, "mem_fraction_static": 0.9}
+    digests = []
+    for items in ([(s.name, RankSlice(got[s.name], s.rank_slice[0], s.rank_slice[1], s.whole_shape))
+                   if s.rank_slice is not None else (s.name, got[s.name]) for s in specs],
+                  list(whole.extract([s.name for s in whole.specs()]))):
+        engine = TPEngineCore(dims, tp_rank=rank, tp_size=2, **build)
+        engine.begin_load()
+        engine.load_weights(items)
+        engine.end_load()
+        digests.append(engine.digest())
+    return {"sliced": sorted(ex.sliced), "split": sorted(split_dims(dims, 2)), "digests": digests,
+            "starts": {s.name: s.rank_slice[1] for s in specs if s.rank_slice is not None}}
+
+
+def worker(rank: int, world: int, tmp_path, dims) -> dict:
     mc.cpu_workarounds()
     from megatron.core import dist_checkpointing
 
@@ -81,6 +111,8 @@ def worker(rank: int, world: int, tmp_path) -> dict:
                           int(getattr(p, "partition_stride", 1))) for n, p in mc.global_params(model)},
             "megatron_names": [n for n, _ in model.named_parameters()],
             "tensors": _extract(model), "megatron": mc.megatron_logits(model, case)}
+        if case.name == RESHARDED:
+            out[case.name]["own_slices"] = _own_slices(model, dims, rank)
         if case.name == "tp1":
             ckpt.mkdir(exist_ok=True)
             dist_checkpointing.save(model.sharded_state_dict(), str(ckpt))
@@ -100,8 +132,11 @@ def worker(rank: int, world: int, tmp_path) -> dict:
 def results(tmp_path_factory):
     """What each rank extracted and megatron-core computed; the HF side runs here, in the test
     process, which has transformers imported already (the workers only import megatron-core)."""
+    from colo.engine.reference.dims import dims_from_config
+
     tmp = tmp_path_factory.mktemp("megatron-core")
-    ranks = mc.run_workers(worker, tmp)
+    # the TP engine's dimensions, made here: the workers do not import transformers
+    ranks = mc.run_workers(worker, tmp, dims_from_config(mc.hf_config(next(c for c in CASES if c.name == RESHARDED))))
     for case in CASES:
         ranks[0][case.name].update(mc.hf_logits(ranks[0][case.name]["tensors"], case, tmp / f"hf-{case.name}"))
     resharded = next(c for c in CASES if c.name == RESHARDED)
@@ -150,6 +185,22 @@ def test_tp1_to_tp2_resharding_by_megatron_core_dist_checkpointing_extracts_bit_
     # and the TP=2 model really was sharded: each rank held half of the gated fc1, [gate_i; up_i]
     assert results[0][RESHARDED]["local"]["decoder.layers.0.mlp.linear_fc1.weight"] == \
         ((mc.FFN, mc.HIDDEN), True, 2)
+
+
+def test_each_ranks_own_slices_of_megatron_cores_tp2_model_load_the_engine_rank_bit_exactly(results):
+    """``tp_slices`` on megatron-core's own TP=2 model: every tensor colo's TP engine splits
+    went as the rank's block but the embedding and lm_head (megatron pads 37 tokens to 40
+    rows, the engine to 38: rank 1's blocks differ), and the engine rank loaded from them
+    holds the shard it holds from the gathered whole tensors."""
+    for rank, r in enumerate(results):
+        own = r[RESHARDED]["own_slices"]
+        assert own["sliced"] == sorted(set(own["split"]) - {"model.embed_tokens.weight", "lm_head.weight"})
+        assert len(own["sliced"]) == 4 * 10  # q, k, v and their biases, o, gate, up, down in 4 layers
+        assert own["starts"]["model.layers.2.self_attn.k_proj.weight"] == rank * mc.GROUPS * mc.HEAD_DIM // 2
+        assert own["starts"]["model.layers.2.mlp.down_proj.weight"] == rank * mc.FFN // 2
+        sliced, whole = own["digests"]
+        assert sliced == whole, rank
+    assert results[0][RESHARDED]["own_slices"]["digests"] != results[1][RESHARDED]["own_slices"]["digests"]
 
 
 def test_megatron_core_marks_every_gated_fc1_with_partition_stride_2_and_nothing_else(results):

@@ -40,7 +40,7 @@ from colo.engine.reference.dims import Dims, dims_from_config
 from colo.engine.kit import LoadSession
 from colo.engine.reference.kvpool import KVPoolPlan, SlotAllocator
 from colo.engine.reference.weights import WeightMap, _check_specs, _named_items, _spec_triples
-from colo.transports.wire import Piece, RankSlice, Strided
+from colo.transports.wire import Piece, RankSlice, Strided, piece_in
 
 
 def _source(t: Any) -> torch.Tensor:
@@ -570,7 +570,7 @@ class EngineModel:
                 # distinct destinations: the order of the copies does not matter
                 torch._foreach_copy_(small_dst, small_src)
             self._sum_written(params, [items[i][0] for i in small])
-        if type(named_tensors) is list and done == len(items) and not any(isinstance(t, Piece) for _, t in items):
+        if type(named_tensors) is list and done == len(items) and not any(piece_in(t) for _, t in items):
             self._batch_memo = _BatchMemo(items, self._dests, small, small_dst, other)
         return done
 

@@ -268,6 +268,10 @@ def write_slice(params: Mapping[str, torch.Tensor], s: ShardSlice, full: Any) ->
         problem = slice_mismatch(s, full)
         if problem is not None:
             raise ValueError(problem)
+        if isinstance(full.data, Piece):
+            # a run of the slice's row-major elements: the block's, one for one (contiguous)
+            dest.view(-1)[full.data.offset:full.data.end].copy_(full.data.data)
+            return
         dest.copy_(full.data)
         return
     if isinstance(full, Piece):
@@ -432,8 +436,8 @@ class TPEngineModel(EngineModel):
         they are, so a bucket of expert slices is copied in one batched call (one launch on
         a GPU) rather than one ``copy_`` each (Qwen3-30B-A3B: 18,432 a sync); a whole
         tensor is cut by ``_write``."""
-        if not isinstance(tensor, RankSlice):
-            return None
+        if not isinstance(tensor, RankSlice) or isinstance(tensor.data, Piece):
+            return None  # a piece of the slice: written in place by _write
         dest = self._dests.get(name)  # made once per allocation of the weights, dropped with them
         if dest is None:
             s = self.plan.slices[name]
