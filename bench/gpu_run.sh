@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU session's commands, in one place (the device runs this from the repo root).
-# usage: bash bench/gpu_run.sh tests|call71a [S] [S] [S]|call71b [S] [S] [S]|call70e [S]|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
+# usage: bash bench/gpu_run.sh tests|call71a [S] [S] [S]|call71b [S] [S] [S]|call71c [S]|call70e [S]|call70d [S] [S]|call70c [S] [S]|call70b [S]|call70a [S]|call69c [S] [S]|call69b [S] [S]|call69a [S] [S]|call68f [S] [S]|call68e [S]|call68d [S]|call68c [S] [S] [S]|call68b [S] [S] [S]|call68a [S]|call67e [S]|call67d [S]|call67c [S]|call67a [S] [S]|call67b [TRAINER] [S]|call65a [S] [S]|call65b [S] [S]|gpu1 [S]|gpu1rest [S]|call63c [S] [S]|call63a [S]|call53a TRAINER [S]|call52a [S]|call51c [S] [S] [S]|call51a TRAINER [S]|call51b [S] [S]|call50e [S]|call50d [S] [S] [S]|call50c [S]|call50b [S] [S]|call50a [S] [S]|call49a [S] [S]|call49b [S] [S]|call49c [S] [S]|call49d [S]|savercopy [MODEL] [S]|baseline44 [S]|call44a [S]|call44b [S]|call44c [S] [S]|call44d [S]|call45a [S] [S]|call45b [S]|call45c [S] [S]|call46a [S] [S]|call46b [S] [S]|call46c [S] [S] [S]|call46d [S] [S]|call44e [S] [S]|collcost [S]|call48d [S]|call48c [S] [S] [S]|call48b [S] [S]|call48a [S]|call47a [S] [S] [S]|call47b [S] [S] [TRAINERS]|trainer7b TRAINER [S]|profile44 [MODEL] [S] [TRAINERS]|session5 [S] [S]|session6 [S] [S] [S]|issue31 [SECONDS]|megatron31 [SECONDS]|trainers|trainer-syncs|colo-bench-trainers [MODEL]|verify|colo-bench|small|demos|bench|peer|multi|race34|issue34|bench34|bench2|moe2 [LAYERS]|bench8|tune|tune-test|lora43 [S] [S]|lora43b [S] [S]|lora43c [S] [S]|all   (OUT must name a writable folder)
 # The wheels the GPU image lacks travel in .whl/ (structlog, pytest-asyncio,
 # torch-memory-saver 0.0.10, megatron-core 0.16.1, and for the benchmark's peer
 # checkpoint-engine 0.4.2 with what it imports: loguru, pyzmq, pydantic, fastapi 0.120,
@@ -151,6 +151,15 @@ case "${1:-tests}" in
         | tee -a "$OUT/multi-sync-2x-qwen2-7b-own-slices.log" | grep -E "^\| (sync|offload)-first|^limits|^floors|^target"
     done
     tp2_megatron_rows "${4:-170}" --bucket-mib 2048
+    ;;
+  call71c)  # issue 46, 2026-12-01 (twenty-first session), one GPU: each rank's own slices extracted on the device and
+    # uploaded from pinned host memory (two ranks sharing the GPU: nothing of it is a collective), against the CPU's,
+    # and the extractor's upload-stream test (limit: arg 2)
+    t0=$(date +%s)
+    timeout "${2:-200}" python3 -m pytest -v -p no:cacheprovider -m gpu --durations=10 tests/gpu/test_tp_slices_cuda.py \
+      "tests/extractors/test_megatron.py::test_an_upload_from_pinned_host_runs_on_its_stream_and_the_callers_stream_waits_for_it" \
+      2>&1 | tee "$OUT/gpu-tp-slices.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|s call|^E " | head -30
+    echo "pytest: exit ${PIPESTATUS[0]} after $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu-tp-slices.log"
     ;;
   call71b)  # issue 46, 2026-12-01 (twenty-first session), four GPUs: every gpu4 test (limit: arg 2), then the whole
     # Qwen3-30B-A3B shape (48 layers, 128 experts, 61 GB bf16; trainer TP=4 + EP=4, engine TP-MoE over 4; attention,
