@@ -1236,6 +1236,8 @@ async def bench_multi(*, device: str, gpus: int, model: str, bucket_mib: float, 
                               + (", experts EP=N (expert TP 1): colo's rows send each engine rank its slice "
                                  "from the owner by all_to_all, slime-style broadcasts them whole"
                                  if is_moe(config) else "")),
+                  # colo's rows: each rank sends its engine rank its own slices, no gather (issue 46)
+                  "own_slices": bool(limits[0].get("own_slice_bytes")),
                   "trainer_tp": trainer_tp(config, gpus), "trainer_dp": gpus // trainer_tp(config, gpus),
                   "trainer_ep": gpus if is_moe(config) else 1, "engine_tp": gpus,
                   "engine_moe": "TP-MoE: every expert's intermediate split over the engine's TP ranks"

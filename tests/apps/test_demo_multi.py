@@ -107,6 +107,25 @@ def test_an_engine_rank_killed_mid_sync_is_failed_safe_recovered_and_ends_at_the
     assert replay([str(p) for p in paths]).valid
 
 
+def test_an_engine_rank_killed_mid_sync_of_its_own_slices_is_recovered_at_the_same_weights(runs, tmp_path):
+    """The same fault where each Megatron rank sends its engine rank its own slices (issue 46):
+    rank 1's engine dies after its first bucket of a sync in which no rank gathers anything,
+    every rank fails the phase, the TP group is restarted, and the run ends at the weights and
+    rewards of the fault-free megatron run."""
+    clean, _ = runs["megatron"]
+    out, paths = two_rank_run(tmp_path, "megatron-killed", trainer="megatron", steps=2, bucket_mib=0.25,
+                              fault="kill-engine@sync", fault_step=1)
+    assert out.error is None, out.error
+    assert _events(paths[0])[0]["config"]["own_slices"] == [True, True]
+    assert out.trainer_digest == clean.trainer_digest is not None and out.rewards == clean.rewards
+    failed = [e for e in _events(paths[1]) if e["event"] == "phase.failed"]
+    assert [e["phase"] for e in failed] == ["sync"] and "EngineDied" in failed[0]["error"]
+    assert failed[0]["failed_rank"] == 1
+    # rank 0's engine loaded its part and still was marked stale: rank 0 failed too
+    assert [e["phase"] for e in _events(paths[0]) if e["event"] == "phase.failed"] == ["sync"]
+    assert replay([str(p) for p in paths]).valid
+
+
 #: a SIGKILLed engine rank is found dead by the next call into it, as the injected kill of
 #: test_an_engine_rank_killed_mid_sync_... finds it (the same fail-safe and restart of the TP
 #: group); a stopped one answers nothing and is found only by the stop watch, which nothing else

@@ -53,6 +53,7 @@ def _check(result: dict, rows: set = ROWS) -> None:
         # colo's rows gather nothing: every tensor the engine splits goes as each rank's own slice
         assert lim["colo_gathered_bytes"] == 0 and lim["colo_all_gather_calls"] == 0, lim
         assert lim["own_slice_bytes"] == _split_bytes(result) > 0, lim
+    assert result["model"]["own_slices"] is True
     assert result["digest_verified"] is True
     assert set(result["floors"]) >= {"sync-first", "offload-first"}
 
