@@ -45,14 +45,14 @@ def _events(path) -> list[dict]:
 
 #: the demo matrix cut to what each case proves (issue 46 item 3: every trainer under every
 #: plan, nine runs, did not finish within 435 s; these five and the rest of ``-m gpu2`` are
-#: meant to, three at a time). Each sharded trainer's gather under each source: from its
+#: meant to, three at a time). Each sharded trainer's extraction under each source: from its
 #: weights on the GPU (``sync-first``) and from the pinned host copy its offload made
 #: (``offload-first``; ``single-stage`` reads the same copy, later in the cycle). The
 #: data-parallel hf trainer, whose every rank holds the whole model and gathers nothing,
 #: carries ``single-stage``'s order.
 CASES = [
-    ("megatron", "sync-first"),     # TP all-gathers into staging, on the device's streams
-    ("megatron", "offload-first"),  # the same gathers fed by uploads of the host copy
+    ("megatron", "sync-first"),     # each rank's own slices copied into staging on the device, no gather
+    ("megatron", "offload-first"),  # the same slices uploaded from the host copy
     ("fsdp", "sync-first"),         # FSDP2's unsharding on the device (e244220's stream rule)
     ("fsdp", "offload-first"),      # FSDP2's shards from the host copy
     ("hf", "single-stage"),         # each rank the whole model; the sync after the KV cache returns
@@ -68,6 +68,8 @@ def test_two_gpu_demo_verifies_every_sync_on_every_engine_rank(tmp_path, trainer
     starts = [_events(p)[0] for p in paths]
     uuids = starts[0]["config"]["gpu_uuids"]
     assert len(set(uuids)) == 2  # two GPUs, one rank on each
+    # Megatron's TP ranks are colo's engine's: each sends its own slices (issue 46); the others gather
+    assert starts[0]["config"]["own_slices"] == [trainer == "megatron"] * 2
     syncs = [[e for e in _events(p) if e["event"] == "sync.finished"] for p in paths]
     assert [len(s) for s in syncs] == [3, 3]
     assert all(a["digest"] != b["digest"] and a["bytes"] == b["bytes"] for a, b in zip(*syncs))
