@@ -411,6 +411,19 @@ class _Pair:
         return method.options(tensor_transport=self.info.tensor_transport).remote(key)
 
 
+class _Handoff:
+    """One staged bucket's handoff: pending from its pack until it ends, then whether it failed.
+
+    Ray aborts a pair group when a transfer on it fails (its engine actor died, say); the next
+    bucket's pack, beside that handoff, can find the pair aborted before the handoff's own
+    error arrives. The handoff's error is the cause and the sync's error, so a pack that finds
+    the pair aborted waits for the handoff before it blames the pair."""
+
+    def __init__(self) -> None:
+        self.ended = anyio.Event()
+        self.failed = False
+
+
 class RdtTransport(BucketSender):
     """``backend``: ``gloo`` (the CPU), ``cuda_ipc`` or ``nccl`` (a GPU); None: ``gloo`` on
     the CPU and ``cuda_ipc`` on a GPU. Runs inside a rank actor of ``--launcher ray``
@@ -437,10 +450,13 @@ class RdtTransport(BucketSender):
         self._keys = itertools.count()
         #: bucket layouts the engine's receiver holds; it lives as long as the pair
         self._memo = LayoutMemo()
+        #: per slot, the handoff of the bucket packed into it (:class:`_Handoff`)
+        self._handoffs: list[_Handoff | None] = [None, None]
 
     async def _begin(self, engine: Any, ctx: SyncContext, buckets: list[Bucket]) -> None:
         self._cap = max(b.nbytes for b in buckets)
         self._pair_checked = False  # the first bucket's pack forms the pair, or checks it
+        self._handoffs = [None, None]  # nothing of an earlier sync's handoffs
 
     def _slot(self, i: int, ctx: SyncContext, device: torch.device) -> Any:
         if self._slots[i] is None:
@@ -467,12 +483,23 @@ class RdtTransport(BucketSender):
         # store is a round trip of its own (a few ms on two cores), and here it runs while
         # the previous bucket is handed off and loaded. Nothing moves before the handoff
         # passes the ref to the engine actor.
-        pair = await self._sync_pair(device)
+        pair = await self._sync_pair(device, slot)
         key = next(self._keys)
         self._refs[slot] = (key, await anyio.to_thread.run_sync(pair.produce, key, flat))
+        self._handoffs[slot] = _Handoff()
         ctx.record(bucket.index, "pack", bucket.payload_bytes, len(tensors), time.perf_counter() - t0)
 
     async def _handoff(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
+        handoff = self._handoffs[slot]
+        try:
+            await self._handoff_bucket(engine, bucket, slot, ctx)
+        except BaseException:
+            handoff.failed = True
+            raise
+        finally:
+            handoff.ended.set()
+
+    async def _handoff_bucket(self, engine: Any, bucket: Bucket, slot: int, ctx: SyncContext) -> None:
         on_sent, on_ack = timed_ack(ctx, bucket, len(bucket.entries))
         pair = self._pair
         key, ref = self._refs[slot]
@@ -506,14 +533,21 @@ class RdtTransport(BucketSender):
         self._loaded(reply)
         on_ack(reply)
 
-    async def _sync_pair(self, device: torch.device) -> _Pair:
+    async def _sync_pair(self, device: torch.device, slot: int) -> _Pair:
         """This sync's pair: formed (or checked) at its first bucket, then the same one; a pair
-        Ray aborted mid-sync (a transfer failed) fails the sync, and the next one forms anew."""
+        Ray aborted mid-sync (a transfer failed) fails the sync, and the next one forms anew.
+        ``slot``: the one being packed (the other's bucket may be in its handoff)."""
         if not self._pair_checked:
             self._pair_checked = True
             return await self._ensure_pair(self._engine, device)
         pair = self._pair
         if pair is None or not pair.alive():
+            handoff = self._handoffs[1 - slot]
+            if handoff is not None:
+                await handoff.ended.wait()
+                if handoff.failed:
+                    # its error (say EngineDied) is the cause: the pipeline raises it and cancels this
+                    await anyio.sleep_forever()
             raise RuntimeError("rdt: the pair group was aborted during this sync (a transfer failed)")
         return pair
 

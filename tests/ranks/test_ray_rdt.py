@@ -136,11 +136,13 @@ def test_a_killed_engine_actor_is_recovered_to_the_fault_free_weights_over_a_new
     assert out.error is None, out.error
     # failed safe: rank 1's engine actor died mid-sync; rank 0's was marked stale too
     failed = [[e for e in _events(p) if e["event"] == "phase.failed"] for p in paths]
-    assert [f["phase"] for f in failed[1]] == ["sync"] and "EngineDied" in failed[1][0]["error"]
-    assert failed[1][0]["failed_rank"] == 1 and [f["phase"] for f in failed[0]] == ["sync"]
+    assert [f["phase"] for f in failed[1]] == ["sync"], failed
+    assert "EngineDied" in failed[1][0]["error"] and failed[1][0]["failed_rank"] == 1, failed
+    assert [f["phase"] for f in failed[0]] == ["sync"], failed
     # the recovery sync filled every new engine actor and the run ended at the clean run's weights
-    assert out.rewards == clean.rewards[:FAULT_STEPS]
-    assert out.trainer_digest is not None and seen["digest"] == [out.trainer_digest] * 2
+    assert out.rewards == clean.rewards[:FAULT_STEPS], (out.rewards, clean.rewards)
+    assert out.trainer_digest is not None and seen["digest"] == [out.trainer_digest] * 2, (seen["digest"],
+                                                                                           out.trainer_digest)
     assert replay([str(p) for p in paths]).valid
     syncs = [[e for e in _events(p) if e["event"] == "sync.finished"] for p in paths]
     assert [len(s) for s in syncs] == [FAULT_STEPS, FAULT_STEPS]  # the failed sync finished on neither rank

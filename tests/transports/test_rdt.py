@@ -14,10 +14,11 @@ import torch
 pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
 from colo.core.buckets import plan_buckets  # noqa: E402
-from colo.core.errors import RequestError, UsageError  # noqa: E402
+from colo.core.errors import EngineDied, RequestError, UsageError  # noqa: E402
 from colo.core.interfaces import TensorSpec  # noqa: E402
 from colo.transports import launcher_refusal, make_transport  # noqa: E402
 from colo.transports import rdt  # noqa: E402
+from colo.transports.base import pipeline  # noqa: E402
 from colo.transports.broadcast import DistributedInitInfo  # noqa: E402
 from colo.transports.pack import pack_into  # noqa: E402
 from colo.transports.wire import TensorMeta  # noqa: E402
@@ -130,6 +131,50 @@ def test_the_receiver_views_the_tensor_ray_delivered_and_refuses_a_request_witho
     finally:
         receiver.close()
     assert info.group_name not in rdt.process_state()["groups"]
+
+
+class _AbortedPair:
+    """The sender's pair after Ray aborted its group (a transfer on it failed)."""
+
+    def alive(self) -> bool:
+        return False
+
+
+def _sync_with_the_pair_aborted(handoff_error: BaseException | None) -> None:
+    """A pipelined rdt sync of two buckets whose pair Ray aborted during bucket 0's handoff:
+    bucket 1's pack finds it aborted first, then bucket 0's handoff ends (``handoff_error``
+    raised, or not). The packs and the engine request are doubles; the handoff's wrapper and
+    the pair check are the transport's own."""
+    t = rdt.RdtTransport()
+    t._pair, t._pair_checked = _AbortedPair(), True
+    packing = anyio.Event()
+
+    async def handoff_bucket(engine, bucket, slot, ctx):
+        await packing.wait()  # bucket 1's pack reached the pair check before this handoff ended
+        if handoff_error is not None:
+            raise handoff_error
+
+    async def prepare(bucket, slot):
+        if bucket == 0:
+            t._handoffs[slot] = rdt._Handoff()  # what bucket 0's pack leaves: its handoff pending
+        else:
+            packing.set()
+            await t._sync_pair(torch.device("cpu"), slot)
+
+    t._handoff_bucket = handoff_bucket
+    anyio.run(pipeline, [0, 1], prepare, lambda bucket, slot: t._handoff(None, bucket, slot, None))
+
+
+def test_a_pair_aborted_by_a_failed_handoff_fails_the_sync_with_the_handoffs_error():
+    # the engine actor died mid-transfer: Ray aborts the pair, and the next bucket's pack can find
+    # it aborted before the handoff's own error arrives; the sync's error is the cause, not the pair
+    died = EngineDied("engine actor colo-engine-1 (pid 4242) died during transport_load: ActorDiedError")
+    with pytest.raises(EngineDied) as caught:
+        _sync_with_the_pair_aborted(died)
+    assert caught.value is died
+    # a pair aborted while its handoff succeeded: nothing else to blame, the pair is named
+    with pytest.raises(RuntimeError, match="pair group was aborted during this sync"):
+        _sync_with_the_pair_aborted(None)
 
 
 @pytest.mark.parametrize("argv", [["demo", "--transport", "rdt"],
